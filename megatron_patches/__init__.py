@@ -1,0 +1,1 @@
+"""Megatron-Core modules and specs: NVFP4 linears and experts, CPU support (installed as minite.megatron_patches)."""

@@ -1,0 +1,1 @@
+"""Learner/rollout alignment: strict mode, diagnostics, mismatch metrics."""

@@ -1,0 +1,1 @@
+"""The RL loop: tasks with verifiable rewards, GRPO, checkpoints, metrics."""

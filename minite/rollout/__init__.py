@@ -1,0 +1,1 @@
+"""Rollout engines behind one interface: the embedded Megatron-Core engine and SGLang."""

@@ -1,0 +1,38 @@
+"""miniTE: reinforcement learning of LLMs in native NVFP4 (W4A4).
+
+The top-level folders kernels/ and megatron_patches/ install as minite.kernels
+and minite.megatron_patches: a global module named `kernels` would collide with
+an existing PyPI package that transformers can import.
+"""
+from setuptools import setup
+
+PACKAGES = {
+    "minite": "minite",
+    "minite.nvfp4": "minite/nvfp4",
+    "minite.learner": "minite/learner",
+    "minite.rollout": "minite/rollout",
+    "minite.rl": "minite/rl",
+    "minite.alignment": "minite/alignment",
+    "minite.kernels": "kernels",
+    "minite.megatron_patches": "megatron_patches",
+}
+
+setup(
+    name="minite",
+    version="0.1.0",
+    description="Reinforcement learning of LLMs in native NVFP4: Megatron-Core learner, SGLang rollout, one set of kernels",
+    python_requires=">=3.11,<3.13",
+    packages=list(PACKAGES),
+    package_dir=PACKAGES,
+    install_requires=["torch>=2.11", "numpy", "pyyaml", "tqdm", "safetensors"],
+    extras_require={
+        # Upstreams we patch are pinned exactly: our patches name their classes.
+        "megatron": ["megatron-core==0.16.1"],
+        "triton": ["triton>=3.6"],
+        "tensorboard": ["tensorboard"],
+        "transformers": ["transformers"],
+        # sglang==0.5.23 is installed with --no-deps (its CUDA-only pins); see README.
+        "dev": ["pytest", "hypothesis"],
+    },
+    entry_points={"console_scripts": ["minite=minite.cli:main"]},
+)
