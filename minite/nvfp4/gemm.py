@@ -1,0 +1,92 @@
+"""NVFP4 x NVFP4 GEMMs, the reference: exact block products, then the FP32 global scales.
+
+out = a @ b^T for a [M, K] and b [N, K], both quantised along K:
+    acc[m, n] = sum_k block_values(a)[m, k] * block_values(b)[n, k]
+    out[m, n] = fp32(acc[m, n]) * (gs_a[m] * gs_b[n])           (fp32; a per-tensor scale broadcasts)
+The reference accumulates in float64: every product of two block values is exact there (<= 12 significant bits), and
+the sum of K of them is exact whenever they span fewer than 53 bits, which always holds for K <= 1024 (products are
+multiples of 2^-20 below 2^23) and beyond that unless one row mixes products ~2^(53 - log2 K) apart. The fp32 result
+is then one rounding of the exact sum, independent of summation order and batch size; a kernel with fp32 accumulation
+differs from it by fp32 summation error only (see tests/tolerances.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from .backend import resolve
+from .tensor import NVFP4Tensor
+
+
+def _alpha(a: NVFP4Tensor, b: NVFP4Tensor) -> torch.Tensor:
+    """gs_a[m] * gs_b[n] in fp32, shaped to broadcast over [M, N]."""
+    ga = a.global_scale[:, None] if a.per_row else a.global_scale
+    gb = b.global_scale[None, :] if b.per_row else b.global_scale
+    return ga * gb
+
+
+def _check_pair(a: NVFP4Tensor, b: NVFP4Tensor) -> None:
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"gemm: K mismatch, a is {a.shape} and b is {b.shape} (computes a @ b^T)")
+
+
+def gemm_reference(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    _check_pair(a, b)
+    acc = (a.block_values(torch.float64) @ b.block_values(torch.float64).t()).to(torch.float32)
+    return (acc * _alpha(a, b)).to(out_dtype)
+
+
+def gemm(a: NVFP4Tensor, b: NVFP4Tensor, *, out_dtype: torch.dtype = torch.float32,
+         backend: str = "auto") -> torch.Tensor:
+    """a @ b^T with NVFP4 operands, [M, K] x [N, K] -> [M, N] in out_dtype."""
+    _check_pair(a, b)
+    name, _ = resolve(backend, a.data, op="gemm")
+    if name == "triton":
+        from minite.kernels.nvfp4_gemm import gemm_triton
+        return gemm_triton(a, b, out_dtype)
+    return gemm_reference(a, b, out_dtype)
+
+
+def row_slice(t: NVFP4Tensor, start: int, end: int) -> NVFP4Tensor:
+    """Rows [start, end) of a (1, 16)-block tensor (the global scale is sliced too when per row)."""
+    if t.block != (1, 16):
+        raise ValueError(f"row_slice needs (1, 16) blocks, got {t.block}")
+    gs = t.global_scale[start:end] if t.per_row else t.global_scale
+    return NVFP4Tensor(t.data[start:end], t.scale[start:end], gs, (end - start, t.shape[1]), t.block)
+
+
+def _split_points(tokens_per_expert, rows: int, experts: int) -> list[int]:
+    counts = [int(c) for c in (tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert)
+                               else tokens_per_expert)]
+    if len(counts) != experts:
+        raise ValueError(f"grouped_gemm: {len(counts)} token counts for {experts} experts")
+    if any(c < 0 for c in counts) or sum(counts) != rows:
+        raise ValueError(f"grouped_gemm: token counts {counts} must be >= 0 and sum to the {rows} input rows")
+    points = [0]
+    for c in counts:
+        points.append(points[-1] + c)
+    return points
+
+
+def grouped_gemm_reference(a: NVFP4Tensor, weights: list[NVFP4Tensor], tokens_per_expert,
+                           out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    points = _split_points(tokens_per_expert, a.shape[0], len(weights))
+    n = weights[0].shape[0]
+    out = torch.zeros(a.shape[0], n, dtype=out_dtype, device=a.device)
+    for e, w in enumerate(weights):
+        if w.shape[0] != n:
+            raise ValueError(f"grouped_gemm: expert {e} has {w.shape[0]} output rows, expert 0 has {n}")
+        if points[e + 1] > points[e]:
+            out[points[e]:points[e + 1]] = gemm_reference(row_slice(a, points[e], points[e + 1]), w, out_dtype)
+    return out
+
+
+def grouped_gemm(a: NVFP4Tensor, weights: list[NVFP4Tensor], tokens_per_expert, *,
+                 out_dtype: torch.dtype = torch.float32, backend: str = "auto") -> torch.Tensor:
+    """Per-expert a_e @ w_e^T over rows of `a` grouped contiguously by expert (Megatron's permuted layout)."""
+    if not weights:
+        raise ValueError("grouped_gemm: no expert weights")
+    name, _ = resolve(backend, a.data, op="gemm")
+    if name == "triton":
+        from minite.kernels.nvfp4_gemm import grouped_gemm_triton
+        return grouped_gemm_triton(a, weights, tokens_per_expert, out_dtype)
+    return grouped_gemm_reference(a, weights, tokens_per_expert, out_dtype)

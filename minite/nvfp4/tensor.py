@@ -1,0 +1,125 @@
+"""NVFP4Tensor: packed E2M1 codes, E4M3 block scales and an FP32 global decode scale.
+
+Bit layout (the same one Transformer Engine and ModelOpt checkpoints use):
+- `data` uint8 [R, C/2]: two 4-bit codes per byte, the even-indexed element in the low nibble.
+  A code is sign bit (8) | magnitude index 0..7 for 0, 0.5, 1, 1.5, 2, 3, 4, 6. Code 8 is "-0".
+- `scale` float8_e4m3fn [R/br, C/16]: one block scale per (br x 16) block, row-major block order.
+- `global_scale` float32: the decode scale S_dec = 1/S_enc, a 0-d tensor (one per tensor) or [R] (one per row).
+
+Value of element (i, j) = e2m1(code) x float(scale[i // br, j // 16]) x global_scale[(i)].
+The product e2m1 x e4m3 has at most 6 significant bits (magnitudes 2^-10 .. 2688), so the block-dequantised
+value without the global scale is exact in bf16, fp16 and fp32: `block_values()` is lossless, and an MMA on those
+values with fp32 accumulation computes the NVFP4 product exactly up to summation order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+SIGN_BIT = 8
+BLOCK_1D = (1, 16)
+BLOCK_2D = (16, 16)
+
+
+def e2m1_table(device=None) -> torch.Tensor:
+    """fp32 value of each of the 16 codes (index = code)."""
+    mags = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=device)
+    return torch.cat([mags, -mags])
+
+
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """[R, C] uint8 codes (0..15) -> [R, C/2] uint8, even element in the low nibble."""
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+
+
+def unpack_codes(data: torch.Tensor) -> torch.Tensor:
+    """[R, C/2] uint8 -> [R, C] uint8 codes."""
+    low, high = data & 0x0F, data >> 4
+    return torch.stack([low, high], dim=-1).reshape(data.shape[0], data.shape[1] * 2)
+
+
+@dataclass
+class NVFP4Tensor:
+    """A 2-D tensor quantised along its last dimension (the GEMM's K) in NVFP4."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    global_scale: torch.Tensor
+    shape: tuple[int, int]
+    block: tuple[int, int]
+
+    def __post_init__(self):
+        rows, cols = self.shape
+        br, bc = self.block
+        expect = {
+            "data": (self.data, torch.uint8, (rows, cols // 2)),
+            "scale": (self.scale, torch.float8_e4m3fn, (rows // br, cols // bc)),
+        }
+        for name, (t, dtype, shape) in expect.items():
+            if t.dtype != dtype or tuple(t.shape) != shape:
+                raise ValueError(f"NVFP4Tensor.{name}: expected {dtype} {shape}, got {t.dtype} {tuple(t.shape)}")
+        gs = self.global_scale
+        if gs.dtype != torch.float32 or tuple(gs.shape) not in ((), (rows,)):
+            raise ValueError(f"NVFP4Tensor.global_scale: expected float32 of shape () or ({rows},), "
+                             f"got {gs.dtype} {tuple(gs.shape)}")
+        if gs.dim() == 1 and br != 1:
+            raise ValueError("per-row global scales need (1, 16) blocks")
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def per_row(self) -> bool:
+        return self.global_scale.dim() == 1
+
+    def codes(self) -> torch.Tensor:
+        """Unpacked codes, uint8 [R, C]."""
+        return unpack_codes(self.data)
+
+    def expanded_scale(self) -> torch.Tensor:
+        """fp32 block scale broadcast to every element, [R, C]."""
+        br, bc = self.block
+        s = self.scale.float()
+        return s.repeat_interleave(br, dim=0).repeat_interleave(bc, dim=1)
+
+    def block_values(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """code x block scale (no global scale): exact in fp32, bf16 and fp16."""
+        vals = e2m1_table(self.device)[self.codes().long()] * self.expanded_scale()
+        return vals.to(dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """(code x block scale) x global scale in fp32, rounded once to `dtype`."""
+        gs = self.global_scale[:, None] if self.per_row else self.global_scale
+        return (self.block_values(torch.float32) * gs).to(dtype)
+
+    def t(self) -> "NVFP4Tensor":
+        """Transpose of a (16, 16)-block tensor with one global scale: exact, no requantisation.
+
+        A 16x16 block has one scale whichever way it is read, so the codes and the scale grid transpose
+        as they are; this is why weights use 2-D blocks (fprop and dgrad share one quantised weight).
+        """
+        if self.block != BLOCK_2D or self.per_row:
+            raise ValueError("t() needs (16, 16) blocks and a per-tensor global scale; "
+                             f"got block={self.block}, per_row={self.per_row}")
+        rows, cols = self.shape
+        return NVFP4Tensor(
+            data=pack_codes(self.codes().t().contiguous()),
+            scale=self.scale.t().contiguous(),
+            global_scale=self.global_scale,
+            shape=(cols, rows),
+            block=self.block,
+        )
+
+    def to(self, device) -> "NVFP4Tensor":
+        return NVFP4Tensor(self.data.to(device), self.scale.to(device), self.global_scale.to(device),
+                           self.shape, self.block)
+
+    def equal(self, other: "NVFP4Tensor") -> bool:
+        """Bitwise equality of every field (scales compared as bits, so -0 and NaN patterns count)."""
+        return (self.shape == other.shape and self.block == other.block
+                and torch.equal(self.data, other.data)
+                and torch.equal(self.scale.view(torch.uint8), other.scale.view(torch.uint8))
+                and torch.equal(self.global_scale.view(torch.int32), other.global_scale.view(torch.int32)))
