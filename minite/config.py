@@ -1,0 +1,285 @@
+"""Configuration: nested kw_only dataclasses that map one to one onto YAML files.
+
+A YAML file is a mapping of section -> mapping of field -> value, mirroring `Config`. Loading is strict: an unknown key
+or a value of the wrong type is a `ConfigError` naming the key and the file; each dataclass checks its own values in
+__post_init__. Command-line overrides (`--set rl.steps=5`) are parsed as YAML scalars and go through the same checks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+from minite.nvfp4.recipe import NVFP4Recipe
+
+
+class ConfigError(ValueError):
+    """A configuration file or override is invalid; the message names the key and the file."""
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """A Qwen3-MoE-shaped model: from a Hugging Face config.json or from the fields below."""
+
+    hf_config: str | None = None
+    """Path to a Hugging Face Qwen3-MoE config.json (relative to the YAML file); overrides the shape fields."""
+    vocab_size: int = 64
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_attention_heads: int = 4
+    num_query_groups: int = 2
+    """Key/value heads (GQA)."""
+    head_dim: int = 16
+    moe_ffn_hidden_size: int = 32
+    """Each routed expert's intermediate size (HF moe_intermediate_size)."""
+    num_experts: int = 4
+    moe_router_topk: int = 2
+    shared_expert_intermediate_size: int = 0
+    """0: no shared expert."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k router probabilities to sum to one (Qwen3-MoE does)."""
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 256
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
+                     "head_dim", "moe_ffn_hidden_size", "num_experts", "moe_router_topk", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError("num_attention_heads must be a multiple of num_query_groups")
+        if self.moe_router_topk > self.num_experts:
+            raise ValueError("moe_router_topk must be <= num_experts")
+
+
+@dataclass(kw_only=True)
+class PrecisionConfig:
+    """Number formats of the learner's (and rollout's) GEMMs."""
+
+    mode: Literal["bf16", "nvfp4"] = "nvfp4"
+    """bf16: every GEMM in BF16; nvfp4: W4A4 per `recipe` (modules listed in recipe.bf16_modules stay BF16)."""
+    params_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Master weights and optimizer state."""
+    compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    """Activations between layers and the BF16 GEMMs."""
+    recipe: NVFP4Recipe = field(default_factory=NVFP4Recipe)
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    tp: int = 1
+    """Tensor-parallel size."""
+    ep: int = 1
+    """Expert-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size."""
+
+    def __post_init__(self):
+        for name in ("tp", "ep", "pp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+
+    def __post_init__(self):
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    backend: Literal["embedded", "sglang"] = "embedded"
+    """embedded: Megatron-Core's inference engine in-process; sglang: an SGLang engine with the minite plugin."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 8
+    group_size: int = 8
+    """Samples per prompt (the GRPO group)."""
+
+    def __post_init__(self):
+        if self.temperature <= 0 or not 0 < self.top_p <= 1:
+            raise ValueError("temperature must be > 0 and top_p in (0, 1]")
+        if self.max_new_tokens < 1 or self.group_size < 1:
+            raise ValueError("max_new_tokens and group_size must be >= 1")
+
+
+@dataclass(kw_only=True)
+class RLConfig:
+    steps: int = 50
+    prompts_per_step: int = 8
+    task: str = "reverse"
+    """A task with a verifiable reward (minite.rl.tasks)."""
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    """Weight of the K3 KL to the reference (initial) policy; 0 disables it."""
+    is_correction: Literal["none", "tis", "mis"] = "none"
+    """Train/rollout mismatch correction: truncated or masked importance sampling."""
+    is_threshold: float = 2.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.steps < 0 or self.prompts_per_step < 1:
+            raise ValueError("steps must be >= 0 and prompts_per_step >= 1")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    dir: str | None = None
+    """Where checkpoints go (None: no checkpoints)."""
+    every: int = 0
+    """Save every N steps (0: only at the end)."""
+    resume: bool = True
+    """Resume from the latest checkpoint in `dir` if there is one."""
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    dir: str = "runs/tiny"
+    """TensorBoard event files and the metrics JSONL go here."""
+    tensorboard: bool = True
+    progress_bar: bool = True
+
+
+@dataclass(kw_only=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    source: str | None = None
+    """The YAML file this was loaded from (set by load_config)."""
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _convert(tp, value: Any, where: str):
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, where)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _convert(arg, value, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{where}: expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{where}: expected one of {list(args)}, got {value!r}")
+        return value
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
+            if len(value) != len(args):
+                raise ConfigError(f"{where}: expected {len(args)} items, got {len(value)}")
+            return tuple(_convert(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+        item = args[0] if args else Any
+        out = [_convert(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return tuple(out) if origin is tuple else out
+    if tp is Any:
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (bool, int, float, str):
+        if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+            raise ConfigError(f"{where}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+        return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return dict(value)
+    raise ConfigError(f"{where}: unsupported field type {tp}")
+
+
+def from_dict(cls, data: Any, where: str):
+    """Build dataclass `cls` from a mapping, strictly: unknown keys and wrong types raise ConfigError."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__} {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    for key in data:
+        if key not in names:
+            raise ConfigError(f"{where}: unknown key {key!r} (known: {', '.join(names)})")
+    kwargs = {k: _convert(hints[k], v, f"{where}.{k}") for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"{where}: {e}") from e
+
+
+def apply_overrides(raw: dict, overrides: list[str], where: str) -> dict:
+    """Apply `a.b.c=value` overrides (values parsed as YAML) to a raw nested mapping."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value")
+        key, text = item.split("=", 1)
+        node = raw
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part!r} in {where} is not a section")
+        node[parts[-1]] = yaml.safe_load(text)
+    return raw
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load a YAML file (None: defaults) and apply overrides; errors name the key and the file."""
+    where = str(path) if path is not None else "<defaults>"
+    raw: dict = {}
+    if path is not None:
+        try:
+            raw = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    raw = apply_overrides(raw, overrides or [], where)
+    raw.pop("source", None)
+    cfg = from_dict(Config, raw, where)
+    cfg.source = str(path) if path is not None else None
+    if cfg.model.hf_config and path is not None and not Path(cfg.model.hf_config).is_absolute():
+        cfg.model.hf_config = str((Path(path).parent / cfg.model.hf_config).resolve())
+    return cfg
+
+
+def to_dict(cfg) -> dict:
+    """A plain mapping (tuples as lists) that load_config reads back to an equal Config."""
+    def plain(v):
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+    return plain(dataclasses.asdict(cfg))

@@ -1,0 +1,23 @@
+"""`minite train CONFIG [--set key=value ...]`: load the config and run the RL loop."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="YAML config, e.g. examples/tiny/nvfp4.yaml")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config field, e.g. --set rl.steps=5 (repeatable)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from minite.config import ConfigError, load_config
+    from minite.rl.loop import train
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"minite train: {e}")
+        return 2
+    train(cfg)
+    return 0
