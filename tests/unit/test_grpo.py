@@ -1,0 +1,107 @@
+"""GRPO math against hand-computed values: advantages, clipping, K3, TIS/MIS, masking."""
+import math
+
+import pytest
+import torch
+
+from minite.rl.grpo import GRPOParams, group_advantages, grpo_loss, is_weights, k3
+from minite.rl.metrics import mismatch_metrics
+
+
+def test_group_advantages_normalise_within_groups():
+    r = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, 2.0])
+    a = group_advantages(r, 2)
+    assert torch.allclose(a[:2], torch.tensor([1.0, -1.0]), atol=1e-5)
+    assert torch.equal(a[2:], torch.zeros(4))  # equal rewards: no signal
+    g = group_advantages(torch.tensor([0.0, 1.0, 2.0, 3.0]), 4)
+    assert abs(g.mean().item()) < 1e-6 and abs(g.std(unbiased=False).item() - 1) < 1e-5
+
+
+def test_group_advantages_rejects_ragged():
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        group_advantages(torch.zeros(5), 2)
+
+
+def test_k3_is_nonnegative_and_matches_kl():
+    assert k3(torch.tensor(0.0)).item() == 0.0
+    x = torch.linspace(-5, 5, 101)
+    assert (k3(x) >= 0).all()
+    # Monte Carlo check: p = N(0,1) samples, q = N(0.3,1); E_p[k3(log q/p)] = KL(p||q) = 0.045
+    z = torch.randn(400_000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    log_ratio = -0.5 * (z - 0.3) ** 2 + 0.5 * z ** 2
+    assert abs(k3(log_ratio).mean().item() - 0.045) < 2e-3
+
+
+def _loss(logp, old, adv, **kw):
+    mask = torch.ones_like(logp)
+    params = GRPOParams(**{k: v for k, v in kw.items() if k in GRPOParams.__dataclass_fields__})
+    return grpo_loss(logp, old, adv, mask, params, rollout_logp=kw.get("rollout_logp"), ref_logp=kw.get("ref_logp"))
+
+
+def test_on_policy_gradient_is_advantage_weighted_logp():
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, -0.1]], requires_grad=True)
+    adv = torch.tensor([2.0, -1.0])
+    loss, m = _loss(logp, logp.detach(), adv)
+    loss.backward()
+    # ratio = 1: d loss / d logp = -A / n_tokens
+    assert torch.allclose(logp.grad, torch.tensor([[-0.5, -0.5], [0.25, 0.25]]))
+    assert m["train/clip_frac"] == 0.0 and m["kl/ref"] == 0.0
+    assert math.isclose(m["loss/policy"], -(2 * 2 - 1 * 2) / 4)
+
+
+def test_clipping_stops_the_gradient_beyond_the_trust_region():
+    old = torch.zeros(1, 3)
+    logp = torch.log(torch.tensor([[1.5, 0.5, 1.1]])).requires_grad_(True)
+    loss, m = _loss(logp, old, torch.tensor([1.0]), clip_eps_low=0.2, clip_eps_high=0.2)
+    loss.backward()
+    # A > 0: ratio 1.5 is clipped (no grad); ratio 0.5 below 1 - eps is not (min picks the unclipped term)
+    assert logp.grad[0, 0] == 0 and logp.grad[0, 1] != 0 and logp.grad[0, 2] != 0
+    assert math.isclose(m["train/clip_frac"], 1 / 3, rel_tol=1e-6)
+
+
+def test_tis_truncates_and_mis_masks():
+    old = torch.log(torch.tensor([[1.0, 3.0, 0.2]]))
+    rollout = torch.zeros(1, 3)
+    tis = is_weights(old, rollout, GRPOParams(is_correction="tis", is_cap=2.0))
+    assert torch.allclose(tis, torch.tensor([[1.0, 2.0, 0.2]]))
+    mis = is_weights(old, rollout, GRPOParams(is_correction="mis", is_cap=2.0))
+    assert torch.equal(mis, torch.tensor([[1.0, 0.0, 0.0]]))
+    assert torch.equal(is_weights(old, rollout, GRPOParams()), torch.ones(1, 3))
+    logp = old.clone().requires_grad_(True)
+    loss, m = _loss(logp, old, torch.tensor([1.0]), is_correction="mis", is_cap=2.0, rollout_logp=rollout)
+    loss.backward()
+    assert logp.grad[0, 1] == 0 and logp.grad[0, 2] == 0 and logp.grad[0, 0] != 0
+    assert math.isclose(m["train/is_masked_frac"], 2 / 3, rel_tol=1e-6)
+
+
+def test_kl_penalty_pulls_towards_the_reference():
+    logp = torch.tensor([[-0.5]], requires_grad=True)
+    ref = torch.tensor([[-1.0]])
+    loss, m = _loss(logp, logp.detach(), torch.tensor([0.0]), kl_coef=0.5, ref_logp=ref)
+    loss.backward()
+    assert math.isclose(m["kl/ref"], math.exp(-0.5) + 0.5 - 1, rel_tol=1e-6)
+    assert logp.grad.item() > 0  # lowering logp towards ref lowers the loss
+
+
+def test_mask_excludes_prompt_and_padding():
+    logp = torch.tensor([[-1.0, -2.0, -3.0]], requires_grad=True)
+    mask = torch.tensor([[0.0, 1.0, 0.0]])
+    loss, _ = grpo_loss(logp, logp.detach(), torch.tensor([1.0]), mask, GRPOParams())
+    loss.backward()
+    assert torch.equal(logp.grad, torch.tensor([[0.0, -1.0, 0.0]]))
+
+
+def test_mismatch_metrics():
+    train = torch.tensor([[-1.0, -2.0, 0.0]], dtype=torch.float64)
+    roll = torch.tensor([[-1.1, -2.0, 5.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0]])
+    m = mismatch_metrics(train, roll, mask)
+    assert math.isclose(m["mismatch/logp_abs_mean"], 0.05, rel_tol=1e-9)
+    assert math.isclose(m["mismatch/logp_abs_max"], 0.1, rel_tol=1e-9)
+    assert math.isclose(m["mismatch/k3_kl"], (math.exp(0.1) - 0.1 - 1) / 2, rel_tol=1e-9)
+
+
+@pytest.mark.parametrize("kw", [{"clip_eps_low": 1.0}, {"kl_coef": -1.0}, {"is_correction": "ppo"}, {"is_cap": 1.0}])
+def test_bad_params(kw):
+    with pytest.raises(ValueError):
+        GRPOParams(**kw)
