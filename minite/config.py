@@ -13,9 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union
 
+import re
+
 import yaml
 
 from minite.nvfp4.recipe import NVFP4Recipe
+
+
+_FLOAT_LITERAL = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
 class ConfigError(ValueError):
@@ -131,10 +136,28 @@ class RLConfig:
     """Train/rollout mismatch correction: truncated or masked importance sampling."""
     is_threshold: float = 2.0
     seed: int = 0
+    task_length: int = 3
+    """Digits per problem of the task."""
+    task_digits: int = 10
+    """Digits are drawn from 0..task_digits-1 (2..10)."""
+    warmup_steps: int = 0
+    """Supervised steps on correct answers before RL starts (0: none; not part of rl.steps)."""
+    minibatches: int = 1
+    """Optimizer steps per RL step: the rollout batch is split into this many minibatches (>1 makes PPO clipping act)."""
+    old_logp_source: Literal["learner", "rollout"] = "learner"
+    """Denominator of the PPO ratio: the learner's log-probs before the update, or the rollout engine's."""
 
     def __post_init__(self):
         if self.steps < 0 or self.prompts_per_step < 1:
             raise ValueError("steps must be >= 0 and prompts_per_step >= 1")
+        if self.task not in ("copy", "reverse", "sort"):
+            raise ValueError(f"task must be one of copy, reverse, sort; got {self.task!r}")
+        if self.task_length < 1 or not 2 <= self.task_digits <= 10:
+            raise ValueError("task_length must be >= 1 and task_digits in 2..10")
+        if self.warmup_steps < 0 or self.minibatches < 1:
+            raise ValueError("warmup_steps must be >= 0 and minibatches >= 1")
+        if not 0 < self.clip_eps < 1 or self.kl_coef < 0 or self.is_threshold <= 1:
+            raise ValueError("clip_eps must be in (0, 1), kl_coef >= 0 and is_threshold > 1")
 
 
 @dataclass(kw_only=True)
@@ -145,6 +168,14 @@ class CheckpointConfig:
     """Save every N steps (0: only at the end)."""
     resume: bool = True
     """Resume from the latest checkpoint in `dir` if there is one."""
+    resume_from: str | None = None
+    """A checkpoint directory (step_NNNNNN) or state.pt to resume from; an error if it is missing or corrupt."""
+    keep: int = 2
+    """How many of the newest checkpoints to keep in `dir` (0: all)."""
+
+    def __post_init__(self):
+        if self.every < 0 or self.keep < 0:
+            raise ValueError("every and keep must be >= 0")
 
 
 @dataclass(kw_only=True)
@@ -205,6 +236,8 @@ def _convert(tp, value: Any, where: str):
         return value
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str) and _FLOAT_LITERAL.fullmatch(value.strip()):
+        return float(value)  # YAML 1.1 reads 3e-4 (no dot) as a string
     if tp in (bool, int, float, str):
         if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
             raise ConfigError(f"{where}: expected {tp.__name__}, got {type(value).__name__} {value!r}")

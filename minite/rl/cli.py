@@ -12,12 +12,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from minite.config import ConfigError, load_config
-    from minite.rl.loop import train
 
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         print(f"minite train: {e}")
         return 2
+    from minite.rl.loop import train
     train(cfg)
     return 0
