@@ -1,0 +1,148 @@
+"""NVFP4 W4A4 Megatron-Core layers: column/row-parallel linears and grouped MoE experts (no transformer-engine).
+
+The linears subclass Megatron's own ColumnParallelLinear / RowParallelLinear and replace only the local GEMM
+(`_forward_impl`, upstream's linear_with_grad_accumulation_and_async_allreduce) with `minite.learner.ops.nvfp4_linear`.
+Everything around the GEMM stays upstream's: parameter names, shapes, init, TP attributes, the identity/all-reduce
+regions (copy_to / reduce_from / gather_from_tensor_model_parallel_region), bias handling, checkpoint sharding. A BF16
+model and an NVFP4 model therefore have identical state dicts, and one loads into the other.
+Unsupported with NVFP4 (ValueError at construction): sequence parallelism and gradient-accumulation fusion (both
+change the GEMM's contract). The dgrad all-reduce of a column-parallel layer runs in copy_to_..._region's backward.
+
+`GroupedExperts` fits MoELayer's experts interface, experts(permuted_hidden, tokens_per_expert, permuted_probs) ->
+(out, None), in BF16 or NVFP4 (one class, so both models share names and layouts):
+    fc1_weight [E_local, 2F, H]  rows [gate; up] (SwiGLU: silu(gate) * up), each expert's W stored [N, K]
+    fc2_weight [E_local, H, F]
+[N, K] per expert is the layout a grouped GEMM and NVFP4's K-blocked quantisation want (no transposes) and the one
+Hugging Face uses (gate_proj/up_proj/down_proj.weight). Experts are sharded by expert parallelism only
+(expert_tensor_parallel_size must be 1). The router probability multiplies the activation in fp32 before fc2, as
+Megatron's GroupedMLP does.
+
+Stochastic-rounding seeds: every NVFP4 module gets `nvfp4_layer_id` (its order in the model, set by the builder),
+and its backward seed is derive_seed(run seed, ctx.step, layer id); the learner advances ctx.step per train step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from minite.learner.ops import derive_seed, nvfp4_grouped_linear, nvfp4_linear
+from minite.nvfp4 import NVFP4Recipe
+
+
+@dataclass
+class NVFP4Context:
+    """State shared by every NVFP4 module of one model (not a parameter; the learner checkpoints `step`)."""
+
+    recipe: NVFP4Recipe = field(default_factory=NVFP4Recipe)
+    seed: int = 0
+    """Run seed; the base of all stochastic-rounding seeds."""
+    step: int = 0
+    """Train-step counter, advanced by the learner so each step's rounding differs and is reproducible."""
+    backend: str = "auto"
+    """minite.nvfp4 backend: 'auto' (Triton on CUDA tensors), 'reference' or 'triton'."""
+
+    def layer_seed(self, layer_id: int) -> int:
+        return derive_seed(self.seed, self.step, layer_id)
+
+
+def _check_linear(layer, name: str) -> None:
+    if layer.sequence_parallel:
+        raise ValueError(f"{name}: sequence parallelism is not supported by the NVFP4 linears")
+    if layer.gradient_accumulation_fusion:
+        raise ValueError(f"{name}: gradient_accumulation_fusion is not supported by the NVFP4 linears")
+
+
+class NVFP4ColumnParallelLinear(ColumnParallelLinear):
+    """ColumnParallelLinear whose local GEMM is NVFP4 W4A4 (weight shard [N/tp, K]; amax synced over TP)."""
+
+    def __init__(self, *args, nvfp4: NVFP4Context, **kwargs):
+        super().__init__(*args, **kwargs)
+        _check_linear(self, type(self).__name__)
+        self.nvfp4 = nvfp4
+        self.nvfp4_layer_id = 0
+        # Upstream all-reduces dgrad inside its GEMM function; ours leaves that to copy_to_..._region's backward.
+        self.allreduce_dgrad = False
+        self._forward_impl = self._nvfp4_gemm
+
+    def _nvfp4_gemm(self, input, weight, bias, **_unused):
+        y = nvfp4_linear(input, weight, self.nvfp4.recipe, seed=self.nvfp4.layer_seed(self.nvfp4_layer_id),
+                         backend=self.nvfp4.backend, sharded="out", tp_group=self.tp_group)
+        return y + bias if bias is not None else y
+
+
+class NVFP4RowParallelLinear(RowParallelLinear):
+    """RowParallelLinear whose local GEMM is NVFP4 W4A4 (weight shard [N, K/tp]; row/tensor amax synced over TP)."""
+
+    def __init__(self, *args, nvfp4: NVFP4Context, **kwargs):
+        super().__init__(*args, **kwargs)
+        _check_linear(self, type(self).__name__)
+        self.nvfp4 = nvfp4
+        self.nvfp4_layer_id = 0
+        self._forward_impl = self._nvfp4_gemm
+
+    def _nvfp4_gemm(self, input, weight, bias, **_unused):
+        y = nvfp4_linear(input, weight, self.nvfp4.recipe, seed=self.nvfp4.layer_seed(self.nvfp4_layer_id),
+                         backend=self.nvfp4.backend, sharded="in", tp_group=self.tp_group)
+        return y + bias if bias is not None else y
+
+
+def _bf16_grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Per-expert x_e @ W_e^T in the input dtype (fp32 accumulation inside matmul), experts in order."""
+    outs, start = [], 0
+    for e, c in enumerate(counts):
+        outs.append(x[start:start + c] @ weight[e].t())
+        start += c
+    return torch.cat(outs, dim=0) if outs else x.new_zeros(0, weight.shape[1])
+
+
+class GroupedExperts(MegatronModule):
+    """MoE experts for MoELayer: BF16 (`nvfp4=None`) or NVFP4 W4A4 grouped GEMMs; layout in the module docstring."""
+
+    def __init__(self, num_local_experts: int, config: TransformerConfig, pg_collection=None,
+                 nvfp4: Optional[NVFP4Context] = None):
+        super().__init__(config=config)
+        if config.add_bias_linear:
+            raise ValueError("GroupedExperts: expert biases are not supported (set add_bias_linear=False)")
+        if pg_collection is not None and pg_collection.expt_tp.size() != 1:
+            raise ValueError("GroupedExperts: expert_tensor_parallel_size must be 1 (shard experts with EP)")
+        if config.activation_func is not F.silu or not config.gated_linear_unit:
+            raise ValueError("GroupedExperts implements SwiGLU experts: activation_func=F.silu, gated_linear_unit")
+        self.num_local_experts = num_local_experts
+        self.nvfp4 = nvfp4
+        self.nvfp4_layer_id = 0
+        ffn, hidden = config.moe_ffn_hidden_size, config.hidden_size
+        dtype = config.params_dtype
+        self.fc1_weight = torch.nn.Parameter(torch.empty(num_local_experts, 2 * ffn, hidden, dtype=dtype))
+        self.fc2_weight = torch.nn.Parameter(torch.empty(num_local_experts, hidden, ffn, dtype=dtype))
+        if config.perform_initialization:
+            with torch.no_grad():
+                for e in range(num_local_experts):
+                    config.init_method(self.fc1_weight[e])
+                    config.output_layer_init_method(self.fc2_weight[e])
+        expert_parallel = config.expert_model_parallel_size > 1
+        for p in (self.fc1_weight, self.fc2_weight):
+            p.allreduce = not expert_parallel  # Megatron's marker: False = expert-parallel parameter
+
+    def _linear(self, x, weight, counts, salt: int):
+        if self.nvfp4 is None:
+            return _bf16_grouped_linear(x, weight, counts)
+        seed = derive_seed(self.nvfp4.layer_seed(self.nvfp4_layer_id), salt)
+        return nvfp4_grouped_linear(x, weight, counts, self.nvfp4.recipe, seed=seed, backend=self.nvfp4.backend)
+
+    def forward(self, permuted_hidden: torch.Tensor, tokens_per_expert, permuted_probs: torch.Tensor):
+        counts = [int(c) for c in (tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert)
+                                   else tokens_per_expert)]
+        h = self._linear(permuted_hidden, self.fc1_weight, counts, 1)
+        gate, up = torch.chunk(h, 2, dim=-1)
+        act = (F.silu(gate.float()) * up.float() * permuted_probs.unsqueeze(-1).float()).to(h.dtype)
+        out = self._linear(act, self.fc2_weight, counts, 2)
+        if permuted_hidden.shape[0] == 0:
+            # keep every expert parameter in the graph (DDP expects a gradient, zero here)
+            out = out + 0.0 * (self.fc1_weight.sum() + self.fc2_weight.sum()).to(out.dtype)
+        return out, None

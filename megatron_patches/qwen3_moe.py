@@ -1,0 +1,212 @@
+"""Qwen3-MoE as a Megatron-Core GPTModel, in BF16 or NVFP4 W4A4, from a Hugging Face config.json (no TE).
+
+Architecture (Hugging Face Qwen3MoeForCausalLM) -> Megatron-Core 0.16.1 local-spec modules:
+    RMSNorm (pre-attention, pre-MLP, final)   WrappedTorchNorm, normalization="RMSNorm"
+    q/k RMSNorm per head                      q_layernorm / k_layernorm (qk_layernorm=True)
+    GQA, RoPE (theta = rope_theta)            SelfAttention(linear_qkv, DotProductAttention, linear_proj)
+    top-k softmax router                      TopKRouter: topk on logits then softmax over the k
+                                              (= HF softmax, topk, renormalise: norm_topk_prob=True);
+                                              norm_topk_prob=False -> moe_router_pre_softmax=True
+    SwiGLU routed experts                     GroupedExperts (megatron_patches.nvfp4_layers)
+    optional shared expert                    SharedExpertMLP (moe_shared_expert_intermediate_size)
+    untied embeddings / lm_head               GPTModel(share_embeddings_and_output_weights=tie_word_embeddings)
+Precision: "bf16" builds upstream linears; "nvfp4" swaps in NVFP4 linears/experts for every module role the
+recipe does not keep in BF16 (recipe.bf16_modules, bf16_first_layers, bf16_last_layers). Router, embeddings,
+lm_head and the attention math (softmax(QK^T)V) always stay BF16: this builder has no NVFP4 version of them.
+No dropout (RL on-policy forward passes must be deterministic); router aux loss 0 unless asked.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+
+from .nvfp4_layers import GroupedExperts, NVFP4ColumnParallelLinear, NVFP4Context, NVFP4RowParallelLinear
+
+
+@dataclass(kw_only=True)
+class Qwen3MoeShape:
+    """The architecture numbers a Qwen3-MoE model needs (Hugging Face names in comments)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int                       # num_hidden_layers
+    num_attention_heads: int
+    num_query_groups: int                 # num_key_value_heads
+    head_dim: int
+    moe_ffn_hidden_size: int              # moe_intermediate_size
+    num_experts: int
+    moe_router_topk: int                  # num_experts_per_tok
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_any(cls, src) -> "Qwen3MoeShape":
+        """From a config.json path, a HF dict / PretrainedConfig, or an object with our field names."""
+        if isinstance(src, (str, Path)):
+            src = json.loads(Path(src).read_text())
+        if not isinstance(src, dict) and hasattr(src, "to_dict") and hasattr(src, "num_hidden_layers"):
+            src = src.to_dict()
+        if isinstance(src, dict) and "num_hidden_layers" in src:
+            return cls._from_hf(src)
+        names = [f.name for f in fields(cls)]
+        get = src.get if isinstance(src, dict) else (lambda k, d=None: getattr(src, k, d))
+        missing = [n for n in names[:9] if get(n) is None]
+        if missing:
+            raise ValueError(f"Qwen3-MoE shape: missing fields {missing}")
+        return cls(**{n: get(n) for n in names if get(n) is not None})
+
+    @classmethod
+    def _from_hf(cls, hf: dict) -> "Qwen3MoeShape":
+        if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+            raise ValueError("Qwen3-MoE config: dense (mlp_only) layers are not supported; every layer must be MoE")
+        heads = hf["num_attention_heads"]
+        return cls(
+            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
+            num_attention_heads=heads, num_query_groups=hf.get("num_key_value_heads", heads),
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            moe_ffn_hidden_size=hf["moe_intermediate_size"], num_experts=hf["num_experts"],
+            moe_router_topk=hf["num_experts_per_tok"],
+            shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0) or 0,
+            norm_topk_prob=hf.get("norm_topk_prob", True), rope_theta=float(hf.get("rope_theta", 1e6)),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+        )
+
+
+def transformer_config(shape: Qwen3MoeShape, *, compute_dtype: torch.dtype = torch.bfloat16, tp: int = 1,
+                       ep: int = 1, init_std: float = 0.02, router_aux_loss_coeff: float = 0.0) -> TransformerConfig:
+    """Megatron TransformerConfig for the shape (CPU-friendly: no fusions, CPU init, no dropout)."""
+    if compute_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"compute_dtype must be bfloat16 or float32, got {compute_dtype}")
+    if tp > 1 and ep > 1:
+        raise ValueError("tp > 1 together with ep > 1 needs sequence parallelism, which the NVFP4 layers lack")
+    if shape.num_experts % ep:
+        raise ValueError(f"num_experts={shape.num_experts} is not divisible by ep={ep}")
+    return TransformerConfig(
+        num_layers=shape.num_layers, hidden_size=shape.hidden_size, num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_query_groups, kv_channels=shape.head_dim,
+        ffn_hidden_size=shape.moe_ffn_hidden_size, normalization="RMSNorm", layernorm_epsilon=shape.rms_norm_eps,
+        qk_layernorm=True, add_bias_linear=False, add_qkv_bias=False, gated_linear_unit=True,
+        activation_func=F.silu, hidden_dropout=0.0, attention_dropout=0.0,
+        num_moe_experts=shape.num_experts, moe_router_topk=shape.moe_router_topk,
+        moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=shape.shared_expert_intermediate_size or None,
+        moe_router_pre_softmax=not shape.norm_topk_prob, moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss" if router_aux_loss_coeff else "none",
+        moe_aux_loss_coeff=router_aux_loss_coeff, moe_token_dispatcher_type="alltoall",
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
+        sequence_parallel=False, bf16=compute_dtype == torch.bfloat16, params_dtype=compute_dtype,
+        pipeline_dtype=compute_dtype, use_cpu_initialization=True, perform_initialization=True,
+        init_method_std=init_std, gradient_accumulation_fusion=False, bias_activation_fusion=False,
+        bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
+        persist_layer_norm=False, moe_permute_fusion=False,
+    )
+
+
+def _linear(cls_bf16, cls_nvfp4, ctx: Optional[NVFP4Context]):
+    return cls_bf16 if ctx is None else ModuleSpec(module=cls_nvfp4, params={"nvfp4": ctx})
+
+
+def layer_spec(*, attention: Optional[NVFP4Context], mlp: Optional[NVFP4Context],
+               experts: Optional[NVFP4Context]) -> ModuleSpec:
+    """One Qwen3-MoE decoder layer; each role is NVFP4 when given a context, BF16 when None."""
+    col = _linear(ColumnParallelLinear, NVFP4ColumnParallelLinear, mlp)
+    row = _linear(RowParallelLinear, NVFP4RowParallelLinear, mlp)
+    moe = ModuleSpec(
+        module=MoELayer,
+        submodules=MoESubmodules(
+            experts=ModuleSpec(module=GroupedExperts, params={"nvfp4": experts}),
+            shared_experts=ModuleSpec(module=SharedExpertMLP,
+                                      submodules=MLPSubmodules(linear_fc1=col, linear_fc2=row)),
+        ),
+    )
+    attn = ModuleSpec(
+        module=SelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=_linear(ColumnParallelLinear, NVFP4ColumnParallelLinear, attention),
+            core_attention=DotProductAttention,
+            linear_proj=_linear(RowParallelLinear, NVFP4RowParallelLinear, attention),
+            q_layernorm=WrappedTorchNorm, k_layernorm=WrappedTorchNorm,
+        ),
+    )
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=WrappedTorchNorm, self_attention=attn, self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=WrappedTorchNorm, mlp=moe, mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def block_spec(num_layers: int, ctx: Optional[NVFP4Context]) -> TransformerBlockSubmodules:
+    """Per-layer specs: BF16 everywhere when ctx is None, else NVFP4 per ctx.recipe's BF16 exceptions."""
+    specs = []
+    for i in range(num_layers):
+        keep = ctx is None or i < ctx.recipe.bf16_first_layers or i >= num_layers - ctx.recipe.bf16_last_layers
+        bf16 = set(ctx.recipe.bf16_modules) if ctx is not None else set()
+        role = lambda name: None if keep or name in bf16 else ctx  # noqa: E731
+        specs.append(layer_spec(attention=role("attention_linears"), mlp=role("mlp"), experts=role("experts")))
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=WrappedTorchNorm)
+
+
+def number_nvfp4_layers(model: torch.nn.Module) -> int:
+    """Give every NVFP4 module its `nvfp4_layer_id` (module order; identical on every rank); returns the count."""
+    n = 0
+    for module in model.modules():
+        if hasattr(module, "nvfp4_layer_id"):
+            module.nvfp4_layer_id = n
+            n += 1
+    return n
+
+
+def build_gpt_model(shape_src: Union[Qwen3MoeShape, dict, str, Path, object], *, precision: str = "bf16",
+                    ctx: Optional[NVFP4Context] = None, compute_dtype: torch.dtype = torch.bfloat16,
+                    tp: int = 1, ep: int = 1, init_std: float = 0.02, router_aux_loss_coeff: float = 0.0,
+                    pg_collection=None) -> GPTModel:
+    """A Qwen3-MoE GPTModel (needs Megatron parallel state initialised). precision: "bf16" or "nvfp4"."""
+    if precision not in ("bf16", "nvfp4"):
+        raise ValueError(f"precision must be 'bf16' or 'nvfp4', got {precision!r}")
+    if precision == "nvfp4":
+        ctx = ctx or NVFP4Context()
+        always = {"embedding", "router", "output_layer"}
+        if not always <= set(ctx.recipe.bf16_modules):
+            raise ValueError(f"recipe.bf16_modules must include {sorted(always)}: "
+                             "NVFP4 embeddings, router and lm_head are not implemented")
+    shape = shape_src if isinstance(shape_src, Qwen3MoeShape) else Qwen3MoeShape.from_any(shape_src)
+    config = transformer_config(shape, compute_dtype=compute_dtype, tp=tp, ep=ep, init_std=init_std,
+                                router_aux_loss_coeff=router_aux_loss_coeff)
+    model = GPTModel(
+        config=config, transformer_layer_spec=block_spec(shape.num_layers, ctx if precision == "nvfp4" else None),
+        vocab_size=shape.vocab_size, max_sequence_length=shape.max_position_embeddings,
+        parallel_output=True, share_embeddings_and_output_weights=shape.tie_word_embeddings,
+        position_embedding_type="rope", rotary_base=int(shape.rope_theta), pg_collection=pg_collection,
+    )
+    number_nvfp4_layers(model)
+    model.nvfp4_context = ctx if precision == "nvfp4" else None
+    return model
