@@ -1,0 +1,290 @@
+"""W4A4 NVFP4 GEMMs in Triton: dense, MoE grouped over tokens (fprop/dgrad), grouped over K (wgrad), small-M decode.
+
+Math (docs/CONTRACTS.md, minite.nvfp4.gemm): out = a @ b^T for a [M, K], b [N, K], both quantised along K:
+    acc[m, n] = sum_k bv_a[m, k] * bv_b[n, k]          bv = E2M1 code x E4M3 block scale ("block value")
+    out[m, n] = acc[m, n] * (gs_a[m] * gs_b[n])        fp32, then cast to out_dtype
+A block value has at most 6 significant bits (magnitudes 2^-10..2688), so it is exact in fp16, and a product of two
+is exact in fp32: an fp16 tensor-core MMA with fp32 accumulation computes every product exactly and only the fp32
+summation differs from the reference's once-rounded float64 sum (tests/tolerances.py). fp16 rather than bf16 operands:
+both are exact here, the H200 gave bitwise-equal fp32 results for the two (NOTES section 7), and the Triton
+interpreter computes fp16 dots correctly but bf16 dots not at all, so one dtype serves the CPU tests and the GPU.
+
+Operands are read either packed (uint8 nibbles + E4M3 scale bytes, decoded in registers with bit arithmetic:
+fp16 bits (c & 7) << 9 times 2^14 is the E2M1 magnitude, fp16 bits (s << 7) times 2^8 is the E4M3 scale) or as
+precomputed fp16 block values (the quantisation kernel writes them in the same pass; weights are dequantised once per
+weight update). Packed reads move 0.5625 B/element, the decode path for small M where bytes are the cost; block values
+skip the decode ALU work, the large-M path where the MMA is the cost.
+
+Batch invariance rules (what makes a row's output independent of M, of the tile shape and of the path):
+- one program owns a full [BLOCK_M, BLOCK_N] output tile and walks K from 0 to K in BLOCK_K steps, in order,
+  accumulating with tl.dot into one fp32 accumulator: no split-K, no stream-K, no atomics, no reduction whose shape
+  depends on M;
+- the epilogue is the same fp32 expression everywhere: acc * (gs_a[m] * gs_b[n]), then one cast;
+- grouped GEMMs find their expert from a tile table on the device, so expert e's rows see exactly the dense kernel's
+  arithmetic; the decode configuration (BLOCK_M=16) differs from the training one (BLOCK_M=128) only in tile shape.
+Tile shapes may differ per M bucket only because tests/gpu proves bitwise equality of rows across them on the H200
+(NOTES section 2 measured this for bf16 Triton matmuls with sequential K for BLOCK_M 16..128, BLOCK_K 32/64).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from minite.nvfp4.tensor import NVFP4Tensor
+
+from ._interpreter import ensure_interpreter_compat, interpreting
+
+VALUES_DTYPE = torch.float16
+
+
+@triton.jit
+def _operand_tile(data_ptr, scale_ptr, vals_ptr, rows, rmask, k0, kmax, stride_d, stride_s, stride_v,
+                  SBR: tl.constexpr, PACKED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp16 block values [BLOCK_R, BLOCK_K] of rows `rows`, columns k0..k0+BLOCK_K (zero at and beyond kmax)."""
+    if PACKED:
+        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        d = tl.load(data_ptr + rows[:, None].to(tl.int64) * stride_d + kb[None, :],
+                    mask=rmask[:, None] & (kb < kmax // 2)[None, :], other=0)
+        ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+        s = tl.load(scale_ptr + (rows // SBR)[:, None].to(tl.int64) * stride_s + ks[None, :],
+                    mask=rmask[:, None] & (ks < kmax // 16)[None, :], other=0)
+        c = tl.reshape(tl.join(d & 15, d >> 4), [BLOCK_R, BLOCK_K]).to(tl.uint16)
+        mag = (((c & 7) << 9) | ((c & 8) << 12)).to(tl.float16, bitcast=True)
+        e2m1 = mag * tl.full([], 16384.0, tl.float16)  # exact: fp16 bits (c & 7) << 9 encode e2m1 * 2^-14
+        sc = ((s.to(tl.uint16) & 0x7F) << 7).to(tl.float16, bitcast=True) * tl.full([], 256.0, tl.float16)
+        v = tl.reshape(e2m1, [BLOCK_R, BLOCK_K // 16, 16]) * sc[:, :, None]  # exact: <= 6 significant bits
+        return tl.reshape(v, [BLOCK_R, BLOCK_K])
+    else:
+        kk = k0 + tl.arange(0, BLOCK_K)
+        return tl.load(vals_ptr + rows[:, None].to(tl.int64) * stride_v + kk[None, :],
+                       mask=rmask[:, None] & (kk < kmax)[None, :], other=0.0)
+
+
+@triton.jit
+def _grouped_gemm_kernel(a_data, a_scale, a_vals, a_gs, a_gs_stride,
+                         b_data, b_scale, b_vals, b_gs, b_gs_stride_e, b_gs_stride_n,
+                         c_ptr, tile_end_ptr, tiles_ptr, row_start_ptr, count_ptr,
+                         E, N, K,
+                         A_SBR: tl.constexpr, B_SBR: tl.constexpr, A_PACKED: tl.constexpr, B_PACKED: tl.constexpr,
+                         SEARCH_STEPS: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """c[rows of expert e] = a[rows] @ b[e]^T, for rows grouped contiguously by expert (row_start, count)."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    t = pid // num_n
+    pn = pid % num_n
+    # expert = number of experts whose tile range ends at or before tile t (lower bound in tile_end)
+    lo = 0
+    hi = E
+    for _ in tl.static_range(SEARCH_STEPS):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        v = tl.load(tile_end_ptr + mid, mask=active, other=0)
+        go_right = active & (v <= t)
+        lo = tl.where(go_right, mid + 1, lo)
+        hi = tl.where(active & (v > t), mid, hi)
+    e = lo
+    if e >= E:
+        return
+    local = t - (tl.load(tile_end_ptr + e) - tl.load(tiles_ptr + e))
+    start = tl.load(row_start_ptr + e)
+    end = start + tl.load(count_ptr + e)
+    rows = start + local * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < end
+    cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    e64 = e.to(tl.int64)
+    bd = b_data + e64 * N * (K // 2)
+    bs = b_scale + e64 * (N // B_SBR) * (K // 16)
+    bv = b_vals + e64 * N * K
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # fixed, sequential K order: the batch-invariance rule
+        a = _operand_tile(a_data, a_scale, a_vals, rows, rmask, k0, K, K // 2, K // 16, K,
+                          A_SBR, A_PACKED, BLOCK_M, BLOCK_K)
+        b = _operand_tile(bd, bs, bv, cols, cmask, k0, K, K // 2, K // 16, K, B_SBR, B_PACKED, BLOCK_N, BLOCK_K)
+        acc = tl.dot(a, tl.trans(b), acc)
+    gsa = tl.load(a_gs + rows * a_gs_stride, mask=rmask, other=0.0)
+    gsb = tl.load(b_gs + e64 * b_gs_stride_e + cols * b_gs_stride_n, mask=cmask, other=0.0)
+    out = acc * (gsa[:, None] * gsb[None, :])
+    c_ptrs = c_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
+    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _kgrouped_gemm_kernel(a_data, a_scale, a_vals, a_gs, a_gs_stride, b_data, b_scale, b_vals, b_gs, b_gs_stride,
+                          c_ptr, k_start_ptr, k_count_ptr, M, N, KT,
+                          A_PACKED: tl.constexpr, B_PACKED: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """c[e] = a[:, K range of e] @ b[:, K range of e]^T (the MoE wgrad: K = tokens, grouped by expert)."""
+    e = tl.program_id(1)
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pm = pid // num_n
+    pn = pid % num_n
+    rows = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < M
+    cmask = cols < N
+    ks = tl.load(k_start_ptr + e)
+    ke = ks + tl.load(k_count_ptr + e)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(ks, ke, BLOCK_K):  # fixed, sequential K order
+        a = _operand_tile(a_data, a_scale, a_vals, rows, rmask, k0, ke, KT // 2, KT // 16, KT, 1, A_PACKED,
+                          BLOCK_M, BLOCK_K)
+        b = _operand_tile(b_data, b_scale, b_vals, cols, cmask, k0, ke, KT // 2, KT // 16, KT, 1, B_PACKED,
+                          BLOCK_N, BLOCK_K)
+        acc = tl.dot(a, tl.trans(b), acc)
+    gsa = tl.load(a_gs + rows * a_gs_stride, mask=rmask, other=0.0)
+    gsb = tl.load(b_gs + cols * b_gs_stride, mask=cmask, other=0.0)
+    out = acc * (gsa[:, None] * gsb[None, :])
+    c_ptrs = c_ptr + e.to(tl.int64) * M * N + rows[:, None].to(tl.int64) * N + cols[None, :]
+    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+
+
+@dataclass
+class GemmConfig:
+    """Tile shape of one launch. Any shape computes the same bits (fixed K order); shapes differ only in speed."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def default_config(rows_per_group: int, interpreter: bool) -> GemmConfig:
+    """Training-sized tiles for many rows per group, decode tiles (BLOCK_M=16, narrow N, long K) for few."""
+    if interpreter:
+        return GemmConfig(16, 32, 64, 4, 1)
+    if rows_per_group <= 16:
+        return GemmConfig(16, 64, 256, 4, 4)
+    if rows_per_group <= 64:
+        return GemmConfig(64, 64, 128, 4, 4)
+    return GemmConfig(128, 128, 64, 8, 4)
+
+
+@dataclass
+class ExpertWeights:
+    """Expert weights stacked for the grouped kernels: done once per weight update, not per call.
+
+    data uint8 [E, N, K/2], scale uint8 [E, N/br, K/16], global_scale fp32 [E, N] (or [E, 1] broadcast),
+    values fp16 [E, N, K] block values or None (then the kernel decodes the packed nibbles).
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    global_scale: torch.Tensor
+    values: torch.Tensor | None
+    block_rows: int
+    shape: tuple[int, int]
+
+    @property
+    def num_experts(self) -> int:
+        return self.data.shape[0]
+
+
+def stack_expert_weights(weights: list[NVFP4Tensor], values: bool = False) -> ExpertWeights:
+    """Stack per-expert NVFP4 weights [N, K]; with values=True also keep fp16 block values for large-M GEMMs."""
+    n, k = weights[0].shape
+    br = weights[0].block[0]
+    for e, w in enumerate(weights):
+        if w.shape != (n, k) or w.block[0] != br or w.per_row != weights[0].per_row:
+            raise ValueError(f"expert {e}: shape {w.shape} block {w.block}, expert 0: {(n, k)} {weights[0].block}")
+    data = torch.stack([w.data for w in weights])
+    scale = torch.stack([w.scale.view(torch.uint8) for w in weights])
+    gs = torch.stack([w.global_scale.reshape(-1) for w in weights]).to(torch.float32)
+    vals = torch.stack([w.block_values(VALUES_DTYPE) for w in weights]) if values else None
+    return ExpertWeights(data, scale, gs, vals, br, (n, k))
+
+
+def _as_group_tensors(tokens_per_expert, experts: int, device) -> torch.Tensor:
+    counts = torch.as_tensor(tokens_per_expert, dtype=torch.int32).to(device)
+    if counts.numel() != experts:
+        raise ValueError(f"{counts.numel()} token counts for {experts} experts")
+    return counts
+
+
+def grouped_gemm_triton(a: NVFP4Tensor, weights, tokens_per_expert, out_dtype=torch.float32, *,
+                        a_values: torch.Tensor | None = None, config: GemmConfig | None = None,
+                        rows_hint: int | None = None) -> torch.Tensor:
+    """Per-expert a_e @ w_e^T over rows of `a` grouped contiguously by expert; returns [T, N] in out_dtype.
+
+    weights: a list of NVFP4Tensor [N, K] or an ExpertWeights (stacked once; with values it reads fp16 block values).
+    a_values: optional fp16 block values of `a` (from quantize_with_values_triton); else the packed codes are read.
+    No host synchronisation: the expert of each tile comes from a device-side table, so the call can be captured in a
+    CUDA graph. rows_hint (rows per expert, for the tile choice) defaults to T / E.
+    """
+    ensure_interpreter_compat()
+    w = weights if isinstance(weights, ExpertWeights) else stack_expert_weights(list(weights))
+    t_rows, k = a.shape
+    n, kw = w.shape
+    if k != kw:
+        raise ValueError(f"K mismatch: a is {a.shape}, weights are {w.shape}")
+    experts = w.num_experts
+    dev = a.data.device
+    counts = _as_group_tensors(tokens_per_expert, experts, dev)
+    cfg = config or default_config(rows_hint or max(1, t_rows // experts), interpreting())
+    tiles = (counts + cfg.block_m - 1) // cfg.block_m
+    tile_end = torch.cumsum(tiles, 0, dtype=torch.int32)
+    row_start = (torch.cumsum(counts, 0, dtype=torch.int32) - counts).to(torch.int32)
+    out = torch.empty(t_rows, n, dtype=out_dtype, device=dev)
+    max_tiles = triton.cdiv(t_rows, cfg.block_m) + experts
+    grid = (max_tiles * triton.cdiv(n, cfg.block_n),)
+    a_packed = a_values is None
+    b_packed = w.values is None
+    _grouped_gemm_kernel[grid](
+        a.data, a.scale.view(torch.uint8), a.data if a_packed else a_values, a.global_scale,
+        1 if a.per_row else 0,
+        w.data, w.scale, w.data if b_packed else w.values, w.global_scale, w.global_scale.stride(0),
+        1 if w.global_scale.shape[1] > 1 else 0,
+        out, tile_end, tiles, row_start, counts, experts, n, k,
+        A_SBR=a.block[0], B_SBR=w.block_rows, A_PACKED=a_packed, B_PACKED=b_packed,
+        SEARCH_STEPS=max(1, int(experts).bit_length() + 1),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype=torch.float32, *, a_values=None, b_values=None,
+                config: GemmConfig | None = None) -> torch.Tensor:
+    """a @ b^T for NVFP4 a [M, K], b [N, K]: the grouped kernel with one group (same arithmetic per row)."""
+    w = ExpertWeights(b.data[None], b.scale.view(torch.uint8)[None], b.global_scale.reshape(1, -1).float(),
+                      None if b_values is None else b_values[None], b.block[0], b.shape)
+    m = a.shape[0]
+    return grouped_gemm_triton(a, w, [m], out_dtype, a_values=a_values, config=config, rows_hint=m)
+
+
+def kgrouped_gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, tokens_per_expert, out_dtype=torch.float32, *,
+                         a_values=None, b_values=None, config: GemmConfig | None = None) -> torch.Tensor:
+    """MoE wgrad: out[e] = a[:, T_e] @ b[:, T_e]^T for a [M, T], b [N, T] quantised along T (tokens grouped by expert).
+
+    Each expert's token count must be a multiple of 16 (pad the permuted tokens per expert): a 16-element block must
+    not straddle two experts. Returns [E, M, N] in out_dtype.
+    """
+    ensure_interpreter_compat()
+    m, kt = a.shape
+    n, kt_b = b.shape
+    if kt != kt_b:
+        raise ValueError(f"token dim mismatch: a {a.shape}, b {b.shape}")
+    if a.block[0] != 1 or b.block[0] != 1:
+        raise ValueError("wgrad operands use (1, 16) blocks along the token dim")
+    dev = a.data.device
+    counts = torch.as_tensor(tokens_per_expert, dtype=torch.int32).to(dev)
+    starts = (torch.cumsum(counts, 0, dtype=torch.int32) - counts).to(torch.int32)
+    experts = counts.numel()
+    cfg = config or (GemmConfig(16, 32, 64, 4, 1) if interpreting() else GemmConfig(128, 128, 64, 8, 4))
+    out = torch.empty(experts, m, n, dtype=out_dtype, device=dev)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), experts)
+    _kgrouped_gemm_kernel[grid](
+        a.data, a.scale.view(torch.uint8), a.data if a_values is None else a_values, a.global_scale,
+        1 if a.per_row else 0,
+        b.data, b.scale.view(torch.uint8), b.data if b_values is None else b_values, b.global_scale,
+        1 if b.per_row else 0,
+        out, starts, counts, m, n, kt,
+        A_PACKED=a_values is None, B_PACKED=b_values is None,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out

@@ -1,0 +1,304 @@
+"""Fused NVFP4 quantisation in Triton, bitwise equal to minite.nvfp4.quantize_reference.
+
+One program owns BLOCK_R rows x BLOCK_C columns (a whole row when the global scale is per row) and does, in fp32 and
+in Transformer Engine's order (shared/NOTES.md section 1; the reference module docstring has the formula):
+    [RHT]  y_j = (((x_0 m_0j) + x_1 m_1j) + ...) + x_15 m_15j  per 16-group, left to right (m_ij = +-1/4 exact)
+    amax   per row (scale_scope="row", inside the same program) or per tensor (a first reduction pass)
+    S_enc = min(2688 / amax, FLT_MAX) (1 when amax is 0), S_dec = 1 / S_enc          (IEEE division: tl.div_rn)
+    block scale = e4m3_rne(min(block_amax * (S_enc * (1/6)), 448))                     (integer bit arithmetic)
+    multiplier  = min(1 / (float(scale) * S_dec), FLT_MAX)
+    code        = e2m1(clamp(x * multiplier, -6, 6))  nearest-even, or stochastic from the uint32 counter hash
+and writes packed codes (even element in the low nibble), E4M3 scale bytes, the per-row decode scales and, on
+request, the block values (code x block scale, exact in fp16/bf16) that feed an MMA directly.
+
+Why bit arithmetic for the casts: Hopper has no E2M1 convert, and Triton's interpreter gets fp32 -> float8e4nv wrong
+(carry, ties, saturation, subnormals; NOTES section 7). The E4M3 rounding here adds 0x7FFFF + lsb to the fp32 bits and
+truncates 20 mantissa bits (round to nearest even), and rounds subnormals (< 2^-6) with the 1.5 * 2^23 magic-number
+add; both are exact on the GPU and in the interpreter. Every fp32 multiply/divide mirrors one in the reference; the
+possible fma contraction (x*m + acc in the RHT, v*512 + C in the subnormal rounding) changes nothing because each
+product is exact.
+
+Memory passes: scale_scope="row" with rows of at most 8192 elements is one pass (read x once, write 0.5625 B/elem,
+plus 2 B/elem if block values are requested). scale_scope="tensor" needs the amax of the whole tensor first: one
+extra read pass (`_amax_kernel`), then the quantisation pass.
+
+Batch invariance: with scale_scope="row", a row's codes, scales and decode scale depend on that row alone (the
+amax is a max, exact in any order), so a token quantises identically at M=1 and inside any batch.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from minite.nvfp4.hadamard import RHT_SIGNS
+from minite.nvfp4.quantize import global_encode_scale
+from minite.nvfp4.tensor import NVFP4Tensor
+
+from ._interpreter import ensure_interpreter_compat
+
+FP32_MAX = float(np.finfo(np.float32).max)
+SIXTH = float(np.float32(1.0) / np.float32(6.0))  # the reference's fp32 1/6, exactly representable as a Python float
+# bit i set when sign i of the RHT sign vector is -1
+RHT_SIGN_MASK = sum(1 << i for i, s in enumerate(RHT_SIGNS) if s < 0)
+MAX_SINGLE_PASS_COLS = 8192
+
+
+@triton.jit
+def _lowbias32(x):
+    """Bijective uint32 mixer; identical to minite.nvfp4.quantize._lowbias32 (uint32 multiply wraps mod 2^32)."""
+    x = x ^ (x >> 16)
+    x = x * tl.full([], 0x7FEB352D, tl.uint32)
+    x = x ^ (x >> 15)
+    x = x * tl.full([], 0x846CA68B, tl.uint32)
+    x = x ^ (x >> 16)
+    return x
+
+
+@triton.jit
+def _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C,
+               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, RHT: tl.constexpr, SIGN_MASK: tl.constexpr):
+    """fp32 tile [BLOCK_R, BLOCK_C] of x (rows, columns c0..), Hadamard-transformed per 16-group when RHT."""
+    rmask = rows < R
+    if RHT:
+        G: tl.constexpr = BLOCK_C // 16
+        g = tl.arange(0, G)
+        j = tl.arange(0, 16)
+        gcol = c0 + g * 16
+        base = rows[:, None, None].to(tl.int64) * stride_r + gcol[None, :, None].to(tl.int64) * stride_c
+        mask = rmask[:, None, None] & (gcol < C)[None, :, None]
+        # y_j = x_0 m_0j + x_1 m_1j + ... in this order; m_ij = sign_i * (-1)^popcount(i & j) / 4
+        x0 = tl.load(x_ptr + base, mask=mask, other=0.0).to(tl.float32)
+        p0 = 0 & j
+        par0 = (p0 ^ (p0 >> 1) ^ (p0 >> 2) ^ (p0 >> 3)) & 1
+        m0 = tl.where(par0 == 1, -0.25, 0.25) * (1.0 - 2.0 * ((SIGN_MASK >> 0) & 1))
+        acc = x0 * m0[None, None, :]
+        for i in tl.static_range(1, 16):
+            xi = tl.load(x_ptr + base + i * stride_c, mask=mask, other=0.0).to(tl.float32)
+            p = i & j
+            par = (p ^ (p >> 1) ^ (p >> 2) ^ (p >> 3)) & 1
+            mi = tl.where(par == 1, -0.25, 0.25) * (1.0 - 2.0 * ((SIGN_MASK >> i) & 1))
+            acc = acc + xi * mi[None, None, :]
+        return tl.reshape(acc, [BLOCK_R, BLOCK_C])
+    else:
+        cols = c0 + tl.arange(0, BLOCK_C)
+        ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :].to(tl.int64) * stride_c
+        mask = rmask[:, None] & (cols < C)[None, :]
+        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _global_scales(amax):
+    """(S_enc, S_dec) from amax, as global_encode_scale and 1 / S_enc in the reference (fp32, IEEE division)."""
+    s = tl.minimum(tl.div_rn(tl.full(amax.shape, 2688.0, tl.float32), amax), 3.4028234663852886e38)
+    s = tl.where((amax == 0.0) | (s == 0.0), 1.0, s)
+    return s, tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+
+
+@triton.jit
+def _e4m3_rne(v):
+    """E4M3 code (int32) and its fp32 value for 0 <= v <= 448, rounding to nearest even."""
+    bits = v.to(tl.int32, bitcast=True)
+    r = bits + 0x7FFFF + ((bits >> 20) & 1)
+    code_n = (((r >> 23) - 120) << 3) | ((r >> 20) & 7)
+    # below 2^-6 the step is 2^-9: round v * 2^9 to an integer with the 1.5 * 2^23 magic number (nearest even)
+    q = (v * 512.0 + 12582912.0) - 12582912.0
+    code = tl.where(v < 0.015625, q.to(tl.int32), code_n)
+    e = code >> 3
+    m = code & 7
+    val_n = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    val = tl.where(e == 0, m.to(tl.float32) * 0.001953125, val_n)
+    return code, val
+
+
+@triton.jit
+def _e2m1_value(idx):
+    """fp32 magnitude of E2M1 index 0..7: 0, 0.5, 1, 1.5, 2, 3, 4, 6."""
+    f = idx.to(tl.float32)
+    return tl.where(idx <= 4, f * 0.5, tl.where(idx == 7, 6.0, f - 2.0))
+
+
+@triton.jit
+def _quantize_tile(x, rows, c0, R, C, s_enc, s_dec, sixth, seed_mix,
+                   data_ptr, scale_ptr, vals_ptr, scale_row0,
+                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BR: tl.constexpr,
+                   STOCHASTIC: tl.constexpr, WRITE_VALS: tl.constexpr):
+    G: tl.constexpr = BLOCK_C // 16
+    rmask = rows < R
+    x3 = tl.reshape(x, [BLOCK_R, G, 16])
+    bamax = tl.max(tl.abs(x3), axis=2)  # [BLOCK_R, G]
+    if BR == 16:
+        bamax = tl.max(bamax, axis=0)[None, :]  # one amax per 16x16 tile
+    sv = tl.minimum(bamax * (s_enc * sixth), 448.0)
+    scode, sf = _e4m3_rne(sv)
+    mult = tl.minimum(tl.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf * s_dec), 3.4028234663852886e38)
+    v = x3 * mult[:, :, None]
+    v = tl.minimum(tl.maximum(v, -6.0), 6.0)
+    mag = tl.abs(v)
+    if STOCHASTIC:
+        lo = ((mag >= 0.5).to(tl.int32) + (mag >= 1.0).to(tl.int32) + (mag >= 1.5).to(tl.int32)
+              + (mag >= 2.0).to(tl.int32) + (mag >= 3.0).to(tl.int32) + (mag >= 4.0).to(tl.int32)
+              + (mag >= 6.0).to(tl.int32))
+        inv_step = tl.where(lo < 4, 2.0, tl.where(lo < 6, 1.0, tl.where(lo == 6, 0.5, 0.0)))
+        frac = (mag - _e2m1_value(lo)) * inv_step
+        g = tl.arange(0, G)
+        j = tl.arange(0, 16)
+        flat = (rows[:, None, None].to(tl.int64) * C + (c0 + g * 16)[None, :, None] + j[None, None, :])
+        h = _lowbias32(((flat + seed_mix) & 0xFFFFFFFF).to(tl.uint32))
+        u = (h >> 8).to(tl.float32) * 5.9604644775390625e-08  # * 2^-24
+        idx = lo + (u < frac).to(tl.int32)
+    else:
+        idx = ((mag > 0.25).to(tl.int32) + (mag >= 0.75).to(tl.int32) + (mag > 1.25).to(tl.int32)
+               + (mag >= 1.75).to(tl.int32) + (mag > 2.5).to(tl.int32) + (mag >= 3.5).to(tl.int32)
+               + (mag > 5.0).to(tl.int32))
+    neg = v.to(tl.int32, bitcast=True) < 0  # the sign bit, so -0 keeps code 8 as in torch.signbit
+    code = idx | (neg.to(tl.int32) << 3)
+    # pack: even element low nibble
+    c2 = tl.reshape(code, [BLOCK_R, BLOCK_C // 2, 2])
+    even, odd = tl.split(c2)
+    byte = (even | (odd << 4)).to(tl.uint8)
+    bcols = c0 // 2 + tl.arange(0, BLOCK_C // 2)
+    dptr = data_ptr + rows[:, None].to(tl.int64) * (C // 2) + bcols[None, :]
+    tl.store(dptr, byte, mask=rmask[:, None] & (bcols < C // 2)[None, :])
+    scols = c0 // 16 + tl.arange(0, G)
+    smask = scols < C // 16
+    if BR == 16:
+        sptr = scale_ptr + scale_row0.to(tl.int64) * (C // 16) + scols
+        tl.store(sptr, tl.reshape(scode, [G]).to(tl.uint8), mask=smask)
+    else:
+        sptr = scale_ptr + rows[:, None].to(tl.int64) * (C // 16) + scols[None, :]
+        tl.store(sptr, scode.to(tl.uint8), mask=rmask[:, None] & smask[None, :])
+    if WRITE_VALS:
+        val = tl.where(neg, -_e2m1_value(idx), _e2m1_value(idx)) * sf[:, :, None]
+        cols = c0 + tl.arange(0, BLOCK_C)
+        vptr = vals_ptr + rows[:, None].to(tl.int64) * C + cols[None, :]
+        tl.store(vptr, tl.reshape(val, [BLOCK_R, BLOCK_C]).to(vals_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & (cols < C)[None, :])
+
+
+@triton.jit
+def _quant_kernel(x_ptr, stride_r, stride_c, R, C, data_ptr, scale_ptr, gs_ptr, senc_ptr, vals_ptr,
+                  seed_mix, sixth,
+                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BR: tl.constexpr, ROW_SCOPE: tl.constexpr,
+                  SINGLE: tl.constexpr, STOCHASTIC: tl.constexpr, RHT: tl.constexpr, WRITE_VALS: tl.constexpr,
+                  SIGN_MASK: tl.constexpr):
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    scale_row0 = pid_r  # 16x16 blocks: BLOCK_R == 16, one scale row per program
+    if ROW_SCOPE:
+        if SINGLE:
+            x = _load_tile(x_ptr, stride_r, stride_c, rows, 0, R, C, BLOCK_R, BLOCK_C, RHT, SIGN_MASK)
+            s_enc, s_dec = _global_scales(tl.max(tl.abs(x), axis=1))
+            tl.store(gs_ptr + rows, s_dec, mask=rows < R)
+            _quantize_tile(x, rows, 0, R, C, s_enc[:, None], s_dec[:, None], sixth, seed_mix,
+                           data_ptr, scale_ptr, vals_ptr, scale_row0, BLOCK_R, BLOCK_C, BR, STOCHASTIC, WRITE_VALS)
+        else:
+            amax = tl.zeros([BLOCK_R], tl.float32)
+            for c0 in range(0, C, BLOCK_C):
+                x = _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C, BLOCK_R, BLOCK_C, RHT, SIGN_MASK)
+                amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+            s_enc, s_dec = _global_scales(amax)
+            tl.store(gs_ptr + rows, s_dec, mask=rows < R)
+            for c0 in range(0, C, BLOCK_C):
+                x = _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C, BLOCK_R, BLOCK_C, RHT, SIGN_MASK)
+                _quantize_tile(x, rows, c0, R, C, s_enc[:, None], s_dec[:, None], sixth, seed_mix,
+                               data_ptr, scale_ptr, vals_ptr, scale_row0, BLOCK_R, BLOCK_C, BR, STOCHASTIC,
+                               WRITE_VALS)
+    else:
+        s_enc = tl.load(senc_ptr)
+        s_dec = tl.load(senc_ptr + 1)
+        c0 = pid_c * BLOCK_C
+        x = _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C, BLOCK_R, BLOCK_C, RHT, SIGN_MASK)
+        _quantize_tile(x, rows, c0, R, C, s_enc, s_dec, sixth, seed_mix,
+                       data_ptr, scale_ptr, vals_ptr, scale_row0, BLOCK_R, BLOCK_C, BR, STOCHASTIC, WRITE_VALS)
+
+
+@triton.jit
+def _amax_kernel(x_ptr, stride_r, stride_c, R, C, partial_ptr,
+                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, RHT: tl.constexpr, SIGN_MASK: tl.constexpr):
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    x = _load_tile(x_ptr, stride_r, stride_c, rows, pid_c * BLOCK_C, R, C, BLOCK_R, BLOCK_C, RHT, SIGN_MASK)
+    tl.store(partial_ptr + pid_r * tl.num_programs(1) + pid_c, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+
+
+def seed_mix(seed: int) -> int:
+    """lowbias32(seed ^ 0x9E3779B9), the per-seed offset of minite.nvfp4.quantize.uniform_u24 (host side)."""
+    x = (int(seed) ^ 0x9E3779B9) & 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def _tile_shape(rows: int, cols: int, br: int, row_scope: bool, rht: bool) -> tuple[int, int, bool]:
+    """(BLOCK_R, BLOCK_C, single pass) for one program. ~8K fp32 per program (4K with the RHT's 16 loads)."""
+    budget = 4096 if rht else 8192
+    full = triton.next_power_of_2(cols)
+    if row_scope:
+        single = full <= MAX_SINGLE_PASS_COLS
+        block_c = full if single else 2048
+        block_r = max(1, min(64, budget // block_c))
+        return block_r, block_c, single
+    if br == 16:
+        return 16, max(16, min(full, budget // 16)), False
+    block_c = min(full, 1024)
+    return max(1, min(64, budget // block_c)), block_c, False
+
+
+def _num_warps(block_r: int, block_c: int) -> int:
+    return 8 if block_r * block_c >= 8192 else 4
+
+
+def quantize_triton(x: torch.Tensor, block=(1, 16), scale_scope: str = "tensor", rounding: str = "nearest",
+                    seed: int | None = None, rht: bool = False) -> NVFP4Tensor:
+    """Triton twin of minite.nvfp4.quantize_reference (inputs validated by minite.nvfp4.quantize)."""
+    q, _ = quantize_with_values_triton(x, block, scale_scope, rounding, seed, rht, values_dtype=None)
+    return q
+
+
+def quantize_with_values_triton(x: torch.Tensor, block=(1, 16), scale_scope: str = "tensor",
+                                rounding: str = "nearest", seed: int | None = None, rht: bool = False,
+                                values_dtype: torch.dtype | None = torch.float16):
+    """(NVFP4Tensor, block values or None): the quantisation plus, in the same pass, code x block scale in
+    `values_dtype` (exact in fp16 and bf16), the operand a block-value GEMM reads without decoding nibbles.
+    x may be a strided view (e.g. the transpose of a contiguous tensor, for column-wise wgrad operands)."""
+    ensure_interpreter_compat()
+    block = tuple(block)
+    rows, cols = x.shape
+    br = block[0]
+    row_scope = scale_scope == "row"
+    stochastic = rounding == "stochastic"
+    if stochastic and seed is None:
+        raise ValueError("stochastic rounding needs a seed")
+    dev = x.device
+    data = torch.empty(rows, cols // 2, dtype=torch.uint8, device=dev)
+    scale = torch.empty(rows // br, cols // 16, dtype=torch.uint8, device=dev)
+    vals = torch.empty(rows, cols, dtype=values_dtype, device=dev) if values_dtype is not None else data
+    block_r, block_c, single = _tile_shape(rows, cols, br, row_scope, rht)
+    warps = _num_warps(block_r, block_c)
+    if row_scope:
+        gs = torch.empty(rows, dtype=torch.float32, device=dev)
+        senc = gs  # unused
+        grid = (triton.cdiv(rows, block_r), 1)
+    else:
+        grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))
+        partial = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=dev)
+        _amax_kernel[grid](x, x.stride(0), x.stride(1), rows, cols, partial, BLOCK_R=block_r, BLOCK_C=block_c,
+                           RHT=rht, SIGN_MASK=RHT_SIGN_MASK, num_warps=warps)
+        s_enc = global_encode_scale(partial.amax())
+        s_dec = torch.tensor(1.0, dtype=torch.float32) / s_enc
+        senc = torch.stack([s_enc, s_dec])
+        gs = s_dec
+    _quant_kernel[grid](x, x.stride(0), x.stride(1), rows, cols, data, scale, gs, senc, vals,
+                        seed_mix(seed) if stochastic else 0, SIXTH,
+                        BLOCK_R=block_r, BLOCK_C=block_c, BR=br, ROW_SCOPE=row_scope, SINGLE=single,
+                        STOCHASTIC=stochastic, RHT=rht, WRITE_VALS=values_dtype is not None,
+                        SIGN_MASK=RHT_SIGN_MASK, num_warps=warps)
+    q = NVFP4Tensor(data=data, scale=scale.view(torch.float8_e4m3fn), global_scale=gs, shape=(rows, cols),
+                    block=block)
+    return q, (vals if values_dtype is not None else None)
