@@ -121,13 +121,25 @@ class GroupedExperts(MegatronModule):
         self.fc1_weight = torch.nn.Parameter(torch.empty(num_local_experts, 2 * ffn, hidden, dtype=dtype))
         self.fc2_weight = torch.nn.Parameter(torch.empty(num_local_experts, hidden, ffn, dtype=dtype))
         if config.perform_initialization:
-            with torch.no_grad():
-                for e in range(num_local_experts):
-                    config.init_method(self.fc1_weight[e])
-                    config.output_layer_init_method(self.fc2_weight[e])
+            ep_rank = pg_collection.ep.rank() if pg_collection is not None else 0
+            self._init_weights(ep_rank)
         expert_parallel = config.expert_model_parallel_size > 1
         for p in (self.fc1_weight, self.fc2_weight):
             p.allreduce = not expert_parallel  # Megatron's marker: False = expert-parallel parameter
+
+    def _init_weights(self, ep_rank: int) -> None:
+        """Initialise all global experts in order and keep this rank's slice: the same model for every EP size
+        (Megatron's CPU init of the linears is TP-invariant in the same way)."""
+        n_local = self.num_local_experts
+        n_global = n_local * self.config.expert_model_parallel_size
+        with torch.no_grad():
+            full1 = torch.empty((n_global,) + tuple(self.fc1_weight.shape[1:]), dtype=self.fc1_weight.dtype)
+            full2 = torch.empty((n_global,) + tuple(self.fc2_weight.shape[1:]), dtype=self.fc2_weight.dtype)
+            for e in range(n_global):
+                self.config.init_method(full1[e])
+                self.config.output_layer_init_method(full2[e])
+            self.fc1_weight.copy_(full1[ep_rank * n_local:(ep_rank + 1) * n_local])
+            self.fc2_weight.copy_(full2[ep_rank * n_local:(ep_rank + 1) * n_local])
 
     def _linear(self, x, weight, counts, salt: int):
         if self.nvfp4 is None:

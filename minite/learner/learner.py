@@ -1,0 +1,167 @@
+"""The Learner: a Megatron-Core Qwen3-MoE (BF16 or NVFP4 W4A4) with Adam, grad clipping and token log-probs.
+
+One train step is Megatron's own machinery without its pipeline schedule (pipeline parallelism is 1):
+    zero grad buffers -> logp = log_softmax(fp32 logits)[targets] -> loss_fn(logp) -> backward
+    -> DDP.finish_grad_sync (all-reduce over data/expert-data parallel ranks) -> MegatronOptimizer.step
+       (fp32 master weights when compute is BF16; global grad-norm clip that counts every TP/EP shard once)
+Log-probs: logp[b, t] = log p(tokens[b, t+1] | tokens[b, :t+1]) from fp32 logits; with TP the vocabulary is
+sharded and Megatron's vocab_parallel_cross_entropy computes the same quantity without gathering the logits.
+
+Data parallelism: every rank receives the whole batch and computes on all of it (ranks that differ only in data
+parallelism compute identical gradients, and DDP's average leaves them unchanged). This keeps the loss_fn
+contract (full [B, T-1] log-probs, per-row advantages) independent of the layout; splitting the batch over data
+ranks is a later optimisation. Under EP every rank holds different experts and the token all-to-all makes it exact.
+
+Resume: `state_dict()` snapshots model weights, optimizer state (fp32 masters, Adam moments and step), the step
+counter that seeds NVFP4 stochastic rounding, and torch's CPU RNG; `load_state_dict` restores all of them, so a
+resumed run repeats an uninterrupted run bit for bit.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Callable, Dict, Iterator, Tuple
+
+import torch
+
+from minite.config import Config
+from minite.learner.model import build_model, compute_dtype, nvfp4_context
+from minite.megatron_patches.cpu import cuda_as_cpu
+
+logger = logging.getLogger(__name__)
+
+LossFn = Callable[[torch.Tensor], Tuple[torch.Tensor, Dict[str, float]]]
+
+
+def _snapshot(obj):
+    """A deep copy with every tensor cloned (Megatron's state dicts hold live references)."""
+    if torch.is_tensor(obj):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_snapshot(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """logits [B, T, V/tp] (vocab-parallel), tokens [B, T] -> logp [B, T-1] in fp32 (autograd-aware)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    logits = logits[:, :-1].float()
+    target = tokens[:, 1:]
+    if ps.get_tensor_model_parallel_world_size() == 1:
+        return torch.log_softmax(logits, dim=-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    return -vocab_parallel_cross_entropy(logits, target)
+
+
+class Learner:
+    """Owns the model, its DDP wrapper and optimizer; see the module docstring for the step."""
+
+    def __init__(self, cfg: Config):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        self.cfg = cfg
+        self.model = build_model(cfg)
+        self.nvfp4 = nvfp4_context(self.model)
+        self.step = 0
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=False, bucket_size=None)
+        with cuda_as_cpu():
+            self.ddp = DistributedDataParallel(self.model.config, ddp_config, self.model)
+            self.optimizer = self._build_optimizer()
+
+    def _build_optimizer(self):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        o = self.cfg.optim
+        if o.clip_grad < 0:
+            raise ValueError(f"optim.clip_grad must be >= 0, got {o.clip_grad}")
+        bf16 = compute_dtype(self.cfg) == torch.bfloat16
+        config = OptimizerConfig(
+            optimizer="adam", lr=o.lr, min_lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+            adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=bf16,
+            params_dtype=torch.bfloat16 if bf16 else torch.float32, use_distributed_optimizer=False,
+        )
+        return get_megatron_optimizer(config, [self.ddp])
+
+    # ------------------------------------------------------------------ forward
+    def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.dim() != 2 or tokens.dtype != torch.long:
+            raise ValueError(f"tokens must be a LongTensor [B, T], got {tokens.dtype} {tuple(tokens.shape)}")
+        if tokens.shape[1] < 2:
+            raise ValueError(f"tokens need at least 2 positions to score, got T={tokens.shape[1]}")
+        positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+        return self.ddp(tokens, positions, None)
+
+    @torch.no_grad()
+    def logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
+        """log p(tokens[:, t+1] | tokens[:, :t+1]) as fp32 [B, T-1] (no grad; eval mode)."""
+        self.model.eval()
+        try:
+            return token_logprobs(self._logits(tokens), tokens)
+        finally:
+            self.model.train()
+
+    # ------------------------------------------------------------------ train
+    def train_step(self, tokens: torch.Tensor, loss_fn: LossFn) -> Dict[str, float]:
+        """Forward, loss_fn(logp [B, T-1] with grad) -> (loss, metrics), backward, clip, Adam step, zero grad."""
+        self.model.train()
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        logp = token_logprobs(self._logits(tokens), tokens)
+        loss, metrics = loss_fn(logp)
+        if not torch.is_tensor(loss) or loss.dim() != 0:
+            raise ValueError("loss_fn must return (a scalar loss tensor, a metrics dict)")
+        loss.backward()
+        with cuda_as_cpu():
+            self.ddp.finish_grad_sync()
+            ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            logger.warning("optimizer step skipped (non-finite gradients) at step %d", self.step)
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self.step += 1
+        if self.nvfp4 is not None:
+            self.nvfp4.step = self.step
+        out = {k: float(v) for k, v in (metrics or {}).items()}
+        out.update(loss=float(loss.detach()), grad_norm=float(grad_norm if grad_norm is not None else 0.0),
+                   step_ok=float(bool(ok)))
+        return out
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """A snapshot (cloned tensors) of model, optimizer, step counter and CPU RNG, for atomic checkpoints."""
+        return {
+            "model": _snapshot(self.model.state_dict()),
+            "optimizer": _snapshot(self.optimizer.state_dict()),
+            "step": self.step,
+            "rng_cpu": torch.get_rng_state(),
+            "precision": self.cfg.precision.mode,
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore a `state_dict()`; a clear ValueError when it does not fit this learner."""
+        missing = {"model", "optimizer", "step"} - set(sd) if isinstance(sd, dict) else {"<not a dict>"}
+        if missing:
+            raise ValueError(f"learner state dict is missing {sorted(missing)}")
+        if sd.get("precision", self.cfg.precision.mode) != self.cfg.precision.mode:
+            raise ValueError(f"checkpoint precision {sd['precision']!r} != config precision "
+                             f"{self.cfg.precision.mode!r}")
+        try:
+            self.model.load_state_dict(sd["model"], strict=True)
+        except RuntimeError as e:
+            raise ValueError(f"checkpoint does not match the model: {e}") from e
+        with cuda_as_cpu():
+            self.optimizer.load_state_dict(_snapshot(sd["optimizer"]))
+        self.step = int(sd["step"])
+        if self.nvfp4 is not None:
+            self.nvfp4.step = self.step
+        if "rng_cpu" in sd:
+            torch.set_rng_state(sd["rng_cpu"])
+
+    def named_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """(Megatron parameter name, tensor) for rollout weight sync: this rank's shard, compute dtype, no grad."""
+        for name, p in self.model.named_parameters():
+            yield name, p.detach()
