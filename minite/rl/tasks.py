@@ -16,7 +16,7 @@ Vocabulary (13 ids, the model may have more; ids it cannot decode score as wrong
     0 <pad>   1 <bos>   2 <eos>   3 =   4..13 the digits 0..9
 
 The prompt stream is a pure function of (seed, position): batch i is drawn from a generator
-seeded with hash(seed, i), so resuming from a checkpoint needs only the position
+seeded with mix_seed(seed, i), so resuming from a checkpoint needs only the position
 (`PromptStream.state_dict`) and continues exactly as an uninterrupted run would.
 """
 from __future__ import annotations
@@ -124,7 +124,7 @@ class PromptStream:
         self.position = 0
 
     def next_batch(self) -> list[Problem]:
-        g = torch.Generator().manual_seed(_mix(self.seed, self.position))
+        g = torch.Generator().manual_seed(mix_seed(self.seed, self.position))
         self.position += 1
         return self.task.sample(self.batch_size, g)
 
@@ -140,7 +140,7 @@ class PromptStream:
         self.position = int(sd["position"])
 
 
-def _mix(seed: int, position: int) -> int:
+def mix_seed(seed: int, position: int) -> int:
     """A 63-bit splitmix-style hash so that nearby (seed, position) pairs give unrelated streams."""
     x = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 1) & (2**64 - 1)
     x ^= x >> 31

@@ -1,0 +1,184 @@
+"""The `embedded` rollout backend: Megatron-Core's own static-batch inference engine, in-process.
+
+What runs: `megatron.core.inference`'s TextGenerationController (the sampling loop of the legacy
+StaticInferenceEngine) over a GPTInferenceWrapper with a StaticInferenceContext (KV cache), on a
+GPTModel built by `minite.learner.model.build_model(cfg)`, so rollout and learner run the same
+Megatron layers (BF16 or NVFP4). Prefill covers the shortest prompt, then one token per step with
+the KV cache; log-probs are Megatron's log_softmax of the raw logits gathered at the sampled token,
+i.e. temperature 1 (base.py says why).
+
+Why the controller and not StaticInferenceEngine.generate: the engine's legacy path calls
+torch.random.manual_seed(1234) on every generate (it would reset the RL loop's global RNG and
+break exact resume), adds a scheduler and a tqdm bar per call, and does nothing else for a static
+batch. We call `generate_all_output_tokens_static_batch` directly and seed the controller's own
+sampling generator per call, so the global RNG is never touched.
+
+Stopping: we pass no_early_termination and cut each response after its first stop token
+ourselves, so the stop token itself (and its log-prob) is part of the response the learner trains
+on; Megatron's own EOD handling drops the EOD token from the generated tokens.
+
+CPU: besides the Megatron CPU patches the learner applies (minite.megatron_patches), the static
+generate path calls torch.cuda.current_device(), torch.cuda.Event (timing) and Tensor.cuda() once;
+`_cpu_generate_shims` maps those to the CPU for the duration of a generate call only, and only when
+no GPU is present (shared/NOTES.md section 4 saw the same: "after a few more cuda no-ops").
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import OrderedDict
+from typing import Iterable
+
+import torch
+
+from minite.rollout.base import (
+    RolloutEngine,
+    RolloutResult,
+    SamplingParams,
+    checked_weight_copy,
+    strip_wrapper_prefix,
+    truncate_at_stop,
+)
+
+
+class _WallClockEvent:
+    """Stand-in for torch.cuda.Event on CPU: Megatron only uses it to time tokens."""
+
+    def __init__(self, *args, **kwargs):
+        self.t = time.perf_counter()
+
+    def record(self, *args, **kwargs):
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, other: "_WallClockEvent") -> float:
+        return (other.t - self.t) * 1e3
+
+
+@contextlib.contextmanager
+def _cpu_generate_shims():
+    if torch.cuda.is_available():
+        yield
+        return
+    saved = (torch.cuda.current_device, torch.cuda.Event, torch.Tensor.cuda)
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.Event = _WallClockEvent
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    try:
+        yield
+    finally:
+        torch.cuda.current_device, torch.cuda.Event, torch.Tensor.cuda = saved
+
+
+class _EngineTokenizer:
+    """The two members Megatron's controller uses. eod only pads: we never let it terminate."""
+
+    def __init__(self, pad_id: int):
+        self.eod = pad_id
+
+    def detokenize(self, ids, **kwargs) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
+class EmbeddedEngine(RolloutEngine):
+    """Megatron-Core static inference over an in-process GPTModel (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, *, pad_id: int = 0):
+        from megatron.core.utils import get_model_config, unwrap_model
+
+        self.model = model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.config = get_model_config(model)
+        self.vocab_size = unwrap_model(model).vocab_size
+        self.pad_id = pad_id
+        self._params = {strip_wrapper_prefix(n): p for n, p in model.named_parameters()}
+        self.weight_version = 0
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[RolloutResult]:
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("generate needs at least one prompt and no empty prompts")
+        flat = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
+        with _cpu_generate_shims():
+            controller = self._controller(len(flat), max(len(p) for _, p in flat) + params.max_new_tokens)
+            controller.sampling_rng.manual_seed(params.seed)
+            done = controller.generate_all_output_tokens_static_batch(self._requests(flat, params))
+        results = []
+        for (i, prompt), req in zip(flat, done.values()):
+            toks, lps, finished = truncate_at_stop(
+                req.generated_tokens.tolist(), list(req.generated_log_probs), params.stop_token_id
+            )
+            results.append(RolloutResult(prompt_index=i, prompt=prompt, tokens=toks, logprobs=lps, finished=finished))
+        return results
+
+    def _controller(self, batch: int, max_len: int):
+        from megatron.core.inference.contexts import StaticInferenceContext
+        from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
+        from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import (
+            InferenceWrapperConfig,
+        )
+        from megatron.core.inference.text_generation_controllers.text_generation_controller import (
+            TextGenerationController,
+        )
+
+        iwc = InferenceWrapperConfig(
+            hidden_size=self.config.hidden_size,
+            params_dtype=self.config.params_dtype,
+            inference_batch_times_seqlen_threshold=-1,
+            padded_vocab_size=self.vocab_size,
+            inference_max_requests=batch,
+            inference_max_seq_length=max_len,
+        )
+        wrapper = GPTInferenceWrapper(self.model, iwc, StaticInferenceContext.from_config(iwc))
+        return TextGenerationController(wrapper, _EngineTokenizer(self.pad_id))
+
+    @staticmethod
+    def _requests(flat: list[tuple[int, list[int]]], params: SamplingParams) -> OrderedDict:
+        from megatron.core.inference.inference_request import InferenceRequest, Status
+        from megatron.core.inference.sampling_params import SamplingParams as MegatronSampling
+
+        sp = MegatronSampling(
+            temperature=float(params.temperature),
+            top_k=0,
+            top_p=0.0 if params.top_p >= 1 else float(params.top_p),  # Megatron: 0 disables top-p
+            return_log_probs=True,
+            num_tokens_to_generate=params.max_new_tokens,
+        )
+        sp.add_attributes({"no_early_termination": True})
+        reqs = OrderedDict()
+        for k, (_, prompt) in enumerate(flat):
+            reqs[str(k)] = InferenceRequest(
+                request_id=str(k),
+                prompt="",
+                sampling_params=sp,
+                prompt_tokens=list(prompt),
+                status=Status.ACTIVE_BUT_NOT_GENERATING_TOKENS,
+            )
+        return reqs
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        checked_weight_copy(self._params, named_tensors)
+        self.weight_version += 1
+
+    @torch.no_grad()
+    def logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Full-sequence forward (no KV cache): [B, T] -> fp32 log p(tokens[:, t+1] | prefix), [B, T-1].
+
+        Used for the frozen reference policy of the KL penalty.
+        """
+        pos = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        logits = self.model(tokens, pos, None).float()
+        lp = torch.log_softmax(logits[:, :-1], dim=-1)
+        return lp.gather(-1, tokens[:, 1:, None]).squeeze(-1)
+
+    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        return list(self._params.items())
+
+
+def build_embedded(cfg, *, pad_id: int = 0) -> EmbeddedEngine:
+    """An embedded engine over a fresh `build_model(cfg)` (the learner's layers, its own weights)."""
+    from minite.learner.model import build_model
+
+    return EmbeddedEngine(build_model(cfg), pad_id=pad_id)
