@@ -64,6 +64,18 @@ def _operand_tile(data_ptr, scale_ptr, vals_ptr, rows, rmask, k0, kmax, stride_d
 
 
 @triton.jit
+def _cast_out(x, out_ty: tl.constexpr):
+    """fp32 -> out dtype. bf16 rounds to nearest even in integer arithmetic first (Triton's interpreter truncates
+    fp32 -> bf16; on the GPU the cast is already RNE, so this is the same value), then the cast is exact."""
+    if out_ty == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+    else:
+        return x.to(out_ty)
+
+
+@triton.jit
 def _grouped_gemm_kernel(a_data, a_scale, a_vals, a_gs, a_gs_stride,
                          b_data, b_scale, b_vals, b_gs, b_gs_stride_e, b_gs_stride_n,
                          c_ptr, tile_end_ptr, tiles_ptr, row_start_ptr, count_ptr,
@@ -110,7 +122,7 @@ def _grouped_gemm_kernel(a_data, a_scale, a_vals, a_gs, a_gs_stride,
     gsb = tl.load(b_gs + e64 * b_gs_stride_e + cols * b_gs_stride_n, mask=cmask, other=0.0)
     out = acc * (gsa[:, None] * gsb[None, :])
     c_ptrs = c_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
-    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+    tl.store(c_ptrs, _cast_out(out, c_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
 @triton.jit
@@ -141,7 +153,7 @@ def _kgrouped_gemm_kernel(a_data, a_scale, a_vals, a_gs, a_gs_stride, b_data, b_
     gsb = tl.load(b_gs + cols * b_gs_stride, mask=cmask, other=0.0)
     out = acc * (gsa[:, None] * gsb[None, :])
     c_ptrs = c_ptr + e.to(tl.int64) * M * N + rows[:, None].to(tl.int64) * N + cols[None, :]
-    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+    tl.store(c_ptrs, _cast_out(out, c_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
 @dataclass
