@@ -1,0 +1,343 @@
+"""H200 benchmarks of the NVFP4 kernels (issue 4), one run, one device, ratios measured in the same process.
+
+    python tools/bench/bench_nvfp4.py --out docs/benchmarks/kernels-h200.json [--sections copy,quant,block,decode]
+
+Sections:
+- copy:   device-to-device copy of 131072 x 2048 bf16 (bytes read + written) -> copy_TBps, the ceiling for quant.
+- quant:  quantisation of the same activations (1x16, per-row scale, RNE): (bytes read + written) / time as a
+          fraction of the copy rate; also per-tensor scale (two passes), block-value output, wgrad RHT+SR variants.
+- block:  Qwen3-30B-A3B expert block (128 experts, top-8, hidden 2048, ffn 768, 16384 tokens -> 131072 permuted rows):
+          bf16 permuted input -> FC1 -> SwiGLU -> FC2 -> bf16, W4A4 kernels vs torch._grouped_mm BF16 (fwd, fwd+bwd),
+          and vs an NVFP4 emulation in plain torch ops (minite.nvfp4's reference quantiser + bf16 _grouped_mm).
+- decode: 8 active experts' FC1 (2048 -> 1536) for M in {1, 4, 16, 32} tokens each, W4A4 (per-row activation
+          quantisation + packed-weight grouped GEMM, decode tiles) vs torch.bmm on bf16 weights. Both timed as CUDA
+          graph replays over 8 rotating weight sets (the bf16 weights of one set fit in the 60 MB L2; rotating keeps
+          the measurement on HBM for both).
+Timing: triton.testing.do_bench medians (events), after warm-up; every number in the JSON comes from this run.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+from minite.kernels.nvfp4_gemm import GemmConfig, grouped_gemm_triton, kgrouped_gemm_triton, stack_expert_weights
+from minite.kernels.nvfp4_quant import quantize_triton, quantize_with_values_triton
+
+HIDDEN, FFN, EXPERTS, TOPK, TOKENS = 2048, 768, 128, 8, 16384
+LOG = []
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+    LOG.append(msg)
+
+
+def bench(fn, rep=200) -> float:
+    """Median milliseconds."""
+    return do_bench(fn, warmup=50, rep=rep, return_mode="median")
+
+
+def bench_graph(fn, iters: int) -> float:
+    """Median ms per call of `fn` (which does `iters` calls), replayed from a CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return bench(g.replay) / iters
+
+
+# ---------------------------------------------------------------- copy + quant
+def section_copy_quant(res: dict) -> None:
+    rows, cols = TOKENS * TOPK, HIDDEN
+    x = torch.randn(rows, cols, device="cuda").bfloat16()
+    y = torch.empty_like(x)
+    t = bench(lambda: y.copy_(x))
+    n = rows * cols
+    copy_bps = 2 * n * 2 / (t * 1e-3)
+    res["copy_TBps"] = copy_bps / 1e12
+    log(f"copy 131072x2048 bf16: {t * 1e3:.1f} us, {copy_bps / 1e12:.3f} TB/s")
+    out_bytes = n // 2 + n // 16
+    variants = {
+        "row_rne": (lambda: quantize_triton(x, (1, 16), "row", "nearest", None, False), 2 * n + out_bytes + 4 * rows),
+        "row_rne_values_fp16": (lambda: quantize_with_values_triton(x, (1, 16), "row", "nearest", None, False),
+                                2 * n + out_bytes + 4 * rows + 2 * n),
+        "tensor_rne": (lambda: quantize_triton(x, (1, 16), "tensor", "nearest", None, False), 2 * n + out_bytes),
+        "tensor_sr": (lambda: quantize_triton(x, (1, 16), "tensor", "stochastic", 7, False), 2 * n + out_bytes),
+        "2d_weightlike": (lambda: quantize_triton(x, (16, 16), "tensor", "nearest", None, False),
+                          2 * n + n // 2 + n // 256),
+        "colwise_rht_sr": (lambda: quantize_triton(x.t(), (1, 16), "tensor", "stochastic", 7, True),
+                           2 * n + out_bytes),
+    }
+    res["quant_variants"] = {}
+    for name, (fn, nbytes) in variants.items():
+        t = bench(fn)
+        frac = nbytes / (t * 1e-3) / copy_bps
+        res["quant_variants"][name] = {"us": t * 1e3, "fraction_of_copy": frac}
+        log(f"quant {name:22s}: {t * 1e3:8.1f} us  {nbytes / (t * 1e-3) / 1e12:.3f} TB/s  {frac:.3f} of copy")
+    res["quant_fraction_of_copy"] = res["quant_variants"]["row_rne"]["fraction_of_copy"]
+    res["quant_fraction_of_copy_note"] = ("activation recipe: 1x16 blocks, per-row global scale, RNE, one pass; "
+                                          "bytes = bf16 read + codes + scales + row scales written")
+
+
+# ---------------------------------------------------------------- expert block
+def _routing_counts(rows: int, experts: int, gen) -> torch.Tensor:
+    """Token counts per expert, multiples of 16 (the wgrad operands' blocks must not straddle experts)."""
+    units = rows // 16
+    probs = torch.rand(experts, generator=gen) + 0.5
+    c = torch.multinomial(probs, units, replacement=True, generator=gen)
+    return (torch.bincount(c, minlength=experts) * 16).to(torch.int32)
+
+
+def _quant_weights(w_bf16: torch.Tensor, transpose_too: bool):
+    """Per expert: 16x16-block weights (as in the recipe); stacked packed + fp16 values, and the transposes."""
+    qs = [quantize_triton(w, (16, 16), "tensor", "nearest", None, False) for w in w_bf16]
+    fwd = stack_expert_weights(qs, values=True)
+    bwd = stack_expert_weights([q.t() for q in qs], values=True) if transpose_too else None
+    return qs, fwd, bwd
+
+
+def section_block(res: dict, train_cfg: GemmConfig | None) -> None:
+    gen = torch.Generator().manual_seed(0)
+    rows = TOKENS * TOPK
+    counts = _routing_counts(rows, EXPERTS, gen).cuda()
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    x = (torch.randn(rows, HIDDEN, device="cuda") * 0.5).bfloat16()
+    w1 = (torch.randn(EXPERTS, 2 * FFN, HIDDEN, device="cuda") * HIDDEN ** -0.5).bfloat16()  # [E, N, K]
+    w2 = (torch.randn(EXPERTS, HIDDEN, FFN, device="cuda") * FFN ** -0.5).bfloat16()
+    dy = torch.randn(rows, HIDDEN, device="cuda").bfloat16()
+    flops_fwd = 2 * rows * HIDDEN * 2 * FFN + 2 * rows * FFN * HIDDEN
+
+    # BF16: torch._grouped_mm (weights [E, N, K], so b = w.transpose(1, 2))
+    def bf16_fwd(xx, a1, a2):
+        h = torch._grouped_mm(xx, a1.transpose(1, 2), offs=offs)
+        a = F.silu(h[:, :FFN]) * h[:, FFN:]
+        return torch._grouped_mm(a, a2.transpose(1, 2), offs=offs)
+
+    t_bf16_fwd = bench(lambda: bf16_fwd(x, w1, w2))
+    xg, w1g, w2g = x.clone().requires_grad_(), w1.clone().requires_grad_(), w2.clone().requires_grad_()
+
+    def bf16_fwdbwd():
+        y = bf16_fwd(xg, w1g, w2g)
+        torch.autograd.backward(y, dy)
+        xg.grad = w1g.grad = w2g.grad = None
+
+    t_bf16_fb = bench(bf16_fwdbwd, rep=300)
+    log(f"block BF16 fwd {t_bf16_fwd:.3f} ms ({flops_fwd / t_bf16_fwd / 1e9:.0f} TFLOP/s), fwd+bwd {t_bf16_fb:.3f} ms")
+
+    q1, w1s, w1t = _quant_weights(w1, True)
+    q2, w2s, w2t = _quant_weights(w2, True)
+    cfg = train_cfg
+
+    def w4_fwd(keep=False):
+        qx, xv = quantize_with_values_triton(x, (1, 16), "row", "nearest", None, False)
+        h = grouped_gemm_triton(qx, w1s, counts, torch.bfloat16, a_values=xv, config=cfg)
+        a = F.silu(h[:, :FFN]) * h[:, FFN:]
+        qa, av = quantize_with_values_triton(a, (1, 16), "row", "nearest", None, False)
+        y = grouped_gemm_triton(qa, w2s, counts, torch.bfloat16, a_values=av, config=cfg)
+        return (y, h, a) if keep else y
+
+    def w4_fwdbwd():
+        y, h, a = w4_fwd(keep=True)
+        # dgrad FC2 and SwiGLU backward
+        qd, dv = quantize_with_values_triton(dy, (1, 16), "tensor", "stochastic", 1, False)
+        da = grouped_gemm_triton(qd, w2t, counts, torch.bfloat16, a_values=dv, config=cfg)
+        g, u = h[:, :FFN].float(), h[:, FFN:].float()
+        sg = torch.sigmoid(g)
+        dh = torch.cat([(da.float() * u * sg * (1 + g * (1 - sg))), da.float() * g * sg], 1).bfloat16()
+        qh, hv = quantize_with_values_triton(dh, (1, 16), "tensor", "stochastic", 2, False)
+        grouped_gemm_triton(qh, w1t, counts, torch.bfloat16, a_values=hv, config=cfg)  # dx
+        # wgrad: operands along tokens, RHT (+ SR for gradients), grouped over K by expert
+        qdyt, dytv = quantize_with_values_triton(dy.t(), (1, 16), "tensor", "stochastic", 3, True)
+        qat, atv = quantize_with_values_triton(a.t(), (1, 16), "tensor", "nearest", None, True)
+        kgrouped_gemm_triton(qdyt, qat, counts, torch.bfloat16, a_values=dytv, b_values=atv, config=cfg)
+        qdht, dhtv = quantize_with_values_triton(dh.t(), (1, 16), "tensor", "stochastic", 4, True)
+        qxt, xtv = quantize_with_values_triton(x.t(), (1, 16), "tensor", "nearest", None, True)
+        kgrouped_gemm_triton(qdht, qxt, counts, torch.bfloat16, a_values=dhtv, b_values=xtv, config=cfg)
+
+    t_w4_fwd = bench(w4_fwd)
+    t_w4_fb = bench(w4_fwdbwd, rep=300)
+    log(f"block W4A4 fwd {t_w4_fwd:.3f} ms, fwd+bwd {t_w4_fb:.3f} ms")
+
+    # where the forward time goes (each stage alone)
+    w1_packed = stack_expert_weights(q1)
+    qx, xv = quantize_with_values_triton(x, (1, 16), "row", "nearest", None, False)
+    h = grouped_gemm_triton(qx, w1s, counts, torch.bfloat16, a_values=xv, config=cfg)
+    a = F.silu(h[:, :FFN]) * h[:, FFN:]
+    qa, av = quantize_with_values_triton(a, (1, 16), "row", "nearest", None, False)
+    stages = {
+        "quant_x": bench(lambda: quantize_with_values_triton(x, (1, 16), "row", "nearest", None, False)),
+        "fc1_w4a4": bench(lambda: grouped_gemm_triton(qx, w1s, counts, torch.bfloat16, a_values=xv, config=cfg)),
+        "fc1_bf16_grouped_mm": bench(lambda: torch._grouped_mm(x, w1.transpose(1, 2), offs=offs)),
+        "swiglu": bench(lambda: F.silu(h[:, :FFN]) * h[:, FFN:]),
+        "quant_a": bench(lambda: quantize_with_values_triton(a, (1, 16), "row", "nearest", None, False)),
+        "fc2_w4a4": bench(lambda: grouped_gemm_triton(qa, w2s, counts, torch.bfloat16, a_values=av, config=cfg)),
+        "fc2_bf16_grouped_mm": bench(lambda: torch._grouped_mm(a, w2.transpose(1, 2), offs=offs)),
+        "fc1_w4a4_packed_operands": bench(lambda: grouped_gemm_triton(qx, w1_packed, counts, torch.bfloat16,
+                                                                      config=cfg)),
+    }
+    for k, v in stages.items():
+        log(f"  stage {k:26s} {v * 1e3:8.1f} us")
+
+    # NVFP4 emulation in plain torch ops: the reference quantiser + bf16 block values + _grouped_mm + scales
+    from minite.nvfp4 import quantize_reference
+    w1v = torch.stack([q.block_values(torch.bfloat16) for q in q1])
+    w2v = torch.stack([q.block_values(torch.bfloat16) for q in q2])
+    g1 = torch.stack([q.global_scale for q in q1])
+    g2 = torch.stack([q.global_scale for q in q2])
+    expert_of_row = torch.repeat_interleave(torch.arange(EXPERTS, device="cuda"), counts.long())
+
+    def emu_fwd():
+        qx_ = quantize_reference(x, block=(1, 16), scale_scope="row", rounding="nearest", seed=None, rht=False)
+        h_ = torch._grouped_mm(qx_.block_values(torch.bfloat16), w1v.transpose(1, 2), offs=offs)
+        h_ = (h_.float() * (qx_.global_scale[:, None] * g1[expert_of_row][:, None])).bfloat16()
+        a_ = F.silu(h_[:, :FFN]) * h_[:, FFN:]
+        qa_ = quantize_reference(a_, block=(1, 16), scale_scope="row", rounding="nearest", seed=None, rht=False)
+        y_ = torch._grouped_mm(qa_.block_values(torch.bfloat16), w2v.transpose(1, 2), offs=offs)
+        return (y_.float() * (qa_.global_scale[:, None] * g2[expert_of_row][:, None])).bfloat16()
+
+    t_emu = bench(emu_fwd, rep=100)
+    log(f"block torch-ops NVFP4 emulation fwd {t_emu:.3f} ms")
+    res.update({
+        "expert_block_fwd_ratio_vs_bf16": t_w4_fwd / t_bf16_fwd,
+        "expert_block_fwdbwd_ratio_vs_bf16": t_w4_fb / t_bf16_fb,
+        "expert_block_speedup_vs_torch_emulation": t_emu / t_w4_fwd,
+        "expert_block_ms": {"bf16_fwd": t_bf16_fwd, "bf16_fwdbwd": t_bf16_fb, "w4a4_fwd": t_w4_fwd,
+                            "w4a4_fwdbwd": t_w4_fb, "torch_emulation_fwd": t_emu},
+        "expert_block_fwd_stages_us": {k: v * 1e3 for k, v in stages.items()},
+        "expert_block_torchao_peer": None,
+        "expert_block_torchao_peer_reason": "torchao is not installed on the device image and no wheel was carried",
+        "expert_block_gemm_config": vars(cfg) if cfg else "default_config",
+    })
+
+
+# ---------------------------------------------------------------- decode
+def section_decode(res: dict, decode_cfg: GemmConfig | None) -> None:
+    sets, e, n, k = 8, 8, 2 * FFN, HIDDEN
+    wb = [(torch.randn(e, k, n, device="cuda") * k ** -0.5).bfloat16() for _ in range(sets)]  # bmm layout [E, K, N]
+    wq = []
+    for s in range(sets):
+        qs = [quantize_triton(wb[s][i].t().contiguous(), (16, 16), "tensor", "nearest", None, False) for i in range(e)]
+        wq.append(stack_expert_weights(qs))
+    res["decode_speedup_vs_bf16"] = {}
+    res["decode_us"] = {}
+    for m in (1, 4, 16, 32):
+        xs = [torch.randn(e, m, k, device="cuda").bfloat16() for _ in range(sets)]
+        counts = torch.full((e,), m, dtype=torch.int32, device="cuda")
+
+        def bf16_all():
+            for s in range(sets):
+                torch.bmm(xs[s], wb[s])
+
+        def w4_all():
+            for s in range(sets):
+                qa = quantize_triton(xs[s].view(e * m, k), (1, 16), "row", "nearest", None, False)
+                grouped_gemm_triton(qa, wq[s], counts, torch.bfloat16, config=decode_cfg, rows_hint=m)
+
+        qpre = [quantize_triton(xs[s].view(e * m, k), (1, 16), "row", "nearest", None, False) for s in range(sets)]
+
+        def w4_gemm_only():
+            for s in range(sets):
+                grouped_gemm_triton(qpre[s], wq[s], counts, torch.bfloat16, config=decode_cfg, rows_hint=m)
+
+        t_b = bench_graph(bf16_all, sets)
+        t_w = bench_graph(w4_all, sets)
+        t_g = bench_graph(w4_gemm_only, sets)
+        res["decode_speedup_vs_bf16"][str(m)] = t_b / t_w
+        res["decode_us"][str(m)] = {"bf16_bmm": t_b * 1e3, "w4a4_quant_plus_gemm": t_w * 1e3,
+                                    "w4a4_gemm_only": t_g * 1e3}
+        log(f"decode M={m:2d}: bmm {t_b * 1e3:6.1f} us  w4a4 {t_w * 1e3:6.1f} us (gemm only {t_g * 1e3:6.1f})"
+            f"  speedup {t_b / t_w:.2f}x")
+
+
+# ---------------------------------------------------------------- tile sweep
+def sweep_train_config() -> GemmConfig:
+    """Pick the fastest training tile for the FC1 grouped GEMM (all candidates compute the same bits)."""
+    gen = torch.Generator().manual_seed(1)
+    rows = TOKENS * TOPK
+    counts = _routing_counts(rows, EXPERTS, gen).cuda()
+    x = torch.randn(rows, HIDDEN, device="cuda").bfloat16()
+    w = (torch.randn(EXPERTS, 2 * FFN, HIDDEN, device="cuda") * 0.02).bfloat16()
+    _, ws, _ = _quant_weights(w, False)
+    qx, xv = quantize_with_values_triton(x, (1, 16), "row", "nearest", None, False)
+    flops = 2 * rows * HIDDEN * 2 * FFN
+    best, best_t, ref = None, 1e9, None
+    for c in [GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 256, 64, 8, 3), GemmConfig(128, 128, 64, 4, 4),
+              GemmConfig(256, 128, 64, 8, 3), GemmConfig(128, 128, 128, 8, 3), GemmConfig(128, 256, 64, 8, 4)]:
+        try:
+            out = grouped_gemm_triton(qx, ws, counts, torch.bfloat16, a_values=xv, config=c)
+            t = bench(lambda: grouped_gemm_triton(qx, ws, counts, torch.bfloat16, a_values=xv, config=c), rep=100)
+        except Exception as exc:  # e.g. out of shared memory for this tile
+            log(f"  tile {vars(c)}: failed {type(exc).__name__}")
+            continue
+        same = "" if ref is None else ("  bitwise=" + str(torch.equal(out, ref)))
+        ref = out if ref is None else ref
+        log(f"  tile {vars(c)}: {t * 1e3:.1f} us, {flops / t / 1e9:.0f} TFLOP/s{same}")
+        if t < best_t:
+            best, best_t = c, t
+    return best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="docs/benchmarks/kernels-h200.json")
+    p.add_argument("--sections", default="copy,quant,sweep,block,decode")
+    p.add_argument("--decode-config", default="", help="bm,bn,bk,warps,stages")
+    args = p.parse_args()
+    sections = args.sections.split(",")
+    res: dict = {"errors": {}}
+
+    def guarded(name, fn, *a):
+        try:
+            return fn(*a)
+        except Exception:  # keep the other sections' numbers; the JSON records what failed
+            import traceback
+            res["errors"][name] = traceback.format_exc()
+            log(f"section {name} FAILED:\n{res['errors'][name]}")
+            return None
+
+    if "copy" in sections or "quant" in sections:
+        guarded("copy_quant", section_copy_quant, res)
+    cfg = guarded("sweep", sweep_train_config) if "sweep" in sections else None
+    if cfg:
+        log(f"training tile: {vars(cfg)}")
+    if "block" in sections:
+        guarded("block", section_block, res, cfg)
+    if "decode" in sections:
+        dcfg = GemmConfig(*map(int, args.decode_config.split(","))) if args.decode_config else None
+        guarded("decode", section_decode, res, dcfg)
+    res["learner_slice_nvfp4_over_bf16_tokens_per_s"] = None
+    res["learner_slice_reason"] = ("not measured: the learner's Megatron NVFP4 layers (issue 3) were not run on the "
+                                   "GPU in this session; the kernel-level expert-block ratios above are the measured "
+                                   "part")
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    res.update({
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": os.environ.get("MINITE_COMMIT") or commit or "unknown",
+        "command": "python " + " ".join(sys.argv), "log": LOG,
+    })
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    log(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
