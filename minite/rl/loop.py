@@ -193,6 +193,7 @@ def setup(cfg, *, learner_factory=None, engine_factory=None) -> Run:
     """Build the run. `learner_factory(cfg)` / `engine_factory(cfg)` may be injected (tests); defaults are the real ones."""
     task = make_task(cfg.rl.task, length=cfg.rl.task_length, num_digits=cfg.rl.task_digits)
     check_shapes(cfg, task)
+    state = find_resume_state(cfg)  # before building anything: a bad checkpoint fails fast
     torch.manual_seed(cfg.rl.seed)  # model init and everything after it is a function of the config
     if learner_factory is None:
         from minite.learner.learner import Learner as learner_factory
@@ -207,7 +208,6 @@ def setup(cfg, *, learner_factory=None, engine_factory=None) -> Run:
                               is_correction=cfg.rl.is_correction, is_cap=cfg.rl.is_threshold))
     if cfg.rl.kl_coef > 0:
         run.ref = engine_factory(cfg)
-    state = find_resume_state(cfg)
     if state is not None:
         resume(run, state)
     else:

@@ -5,7 +5,9 @@ StaticInferenceEngine) over a GPTInferenceWrapper with a StaticInferenceContext 
 GPTModel built by `minite.learner.model.build_model(cfg)`, so rollout and learner run the same
 Megatron layers (BF16 or NVFP4). Prefill covers the shortest prompt, then one token per step with
 the KV cache; log-probs are Megatron's log_softmax of the raw logits gathered at the sampled token,
-i.e. temperature 1 (base.py says why).
+i.e. temperature 1 (base.py says why). A BF16 model is wrapped in Megatron's Float16Module so the
+logits reach log_softmax in fp32 (exact upcast of the bf16 logits), as in the learner; without it
+Megatron would take log_softmax in bf16 and the mismatch metric would mostly measure that rounding.
 
 Why the controller and not StaticInferenceEngine.generate: the engine's legacy path calls
 torch.random.manual_seed(1234) on every generate (it would reset the RL loop's global RNG and
@@ -86,8 +88,11 @@ class EmbeddedEngine(RolloutEngine):
     """Megatron-Core static inference over an in-process GPTModel (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, *, pad_id: int = 0):
+        from megatron.core.transformer.module import Float16Module
         from megatron.core.utils import get_model_config, unwrap_model
 
+        if get_model_config(model).bf16 and not isinstance(model, Float16Module):
+            model = Float16Module(get_model_config(model), model)  # fp32 logits, as the learner scores them
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
