@@ -13,6 +13,7 @@ PACKAGES = {
     "minite.rollout": "minite/rollout",
     "minite.rl": "minite/rl",
     "minite.alignment": "minite/alignment",
+    "minite.convert": "minite/convert",
     "minite.kernels": "kernels",
     "minite.megatron_patches": "megatron_patches",
 }
