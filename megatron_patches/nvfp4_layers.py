@@ -5,8 +5,10 @@ The linears subclass Megatron's own ColumnParallelLinear / RowParallelLinear and
 Everything around the GEMM stays upstream's: parameter names, shapes, init, TP attributes, the identity/all-reduce
 regions (copy_to / reduce_from / gather_from_tensor_model_parallel_region), bias handling, checkpoint sharding. A BF16
 model and an NVFP4 model therefore have identical state dicts, and one loads into the other.
-Unsupported with NVFP4 (ValueError at construction): sequence parallelism and gradient-accumulation fusion (both
-change the GEMM's contract). The dgrad all-reduce of a column-parallel layer runs in copy_to_..._region's backward.
+Sequence parallelism (needed by Megatron for MoE + TP training) works as upstream: the column-parallel GEMM
+all-gathers the sequence (reduce-scatter in backward) and the row-parallel output is reduce-scattered by upstream.
+Without it, the dgrad all-reduce of a column-parallel layer runs in copy_to_..._region's backward. Gradient-
+accumulation fusion (writing wgrad into main_grad inside the GEMM) is refused with a ValueError.
 
 `GroupedExperts` fits MoELayer's experts interface, experts(permuted_hidden, tokens_per_expert, permuted_probs) ->
 (out, None), in BF16 or NVFP4 (one class, so both models share names and layouts):
@@ -28,6 +30,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -52,8 +55,6 @@ class NVFP4Context:
 
 
 def _check_linear(layer, name: str) -> None:
-    if layer.sequence_parallel:
-        raise ValueError(f"{name}: sequence parallelism is not supported by the NVFP4 linears")
     if layer.gradient_accumulation_fusion:
         raise ValueError(f"{name}: gradient_accumulation_fusion is not supported by the NVFP4 linears")
 
@@ -70,7 +71,10 @@ class NVFP4ColumnParallelLinear(ColumnParallelLinear):
         self.allreduce_dgrad = False
         self._forward_impl = self._nvfp4_gemm
 
-    def _nvfp4_gemm(self, input, weight, bias, **_unused):
+    def _nvfp4_gemm(self, input, weight, bias, sequence_parallel=False, **_unused):
+        if sequence_parallel:  # upstream gathers the sequence inside its GEMM function; so do we
+            input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True,
+                                                         group=self.tp_group)
         y = nvfp4_linear(input, weight, self.nvfp4.recipe, seed=self.nvfp4.layer_seed(self.nvfp4_layer_id),
                          backend=self.nvfp4.backend, sharded="out", tp_group=self.tp_group)
         return y + bias if bias is not None else y
@@ -123,9 +127,11 @@ class GroupedExperts(MegatronModule):
         if config.perform_initialization:
             ep_rank = pg_collection.ep.rank() if pg_collection is not None else 0
             self._init_weights(ep_rank)
-        expert_parallel = config.expert_model_parallel_size > 1
         for p in (self.fc1_weight, self.fc2_weight):
-            p.allreduce = not expert_parallel  # Megatron's marker: False = expert-parallel parameter
+            # Megatron's marker for expert parameters: their grads are reduced over the expert-data-parallel group.
+            # Always False (GroupedMLP uses `not EP>1`): with TP>1 and expert TP 1 the TP ranks hold replicas that
+            # each saw a different slice of the sequence, and only the expert-DP reduction sums them.
+            p.allreduce = False
 
     def _init_weights(self, ep_rank: int) -> None:
         """Initialise all global experts in order and keep this rank's slice: the same model for every EP size

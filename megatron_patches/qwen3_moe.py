@@ -1,7 +1,7 @@
 """Qwen3-MoE as a Megatron-Core GPTModel, in BF16 or NVFP4 W4A4, from a Hugging Face config.json (no TE).
 
 Architecture (Hugging Face Qwen3MoeForCausalLM) -> Megatron-Core 0.16.1 local-spec modules:
-    RMSNorm (pre-attention, pre-MLP, final)   WrappedTorchNorm, normalization="RMSNorm"
+    RMSNorm (pre-attention, pre-MLP, final)   RMSNorm below (torch.nn.RMSNorm; sequence-parallel aware)
     q/k RMSNorm per head                      q_layernorm / k_layernorm (qk_layernorm=True)
     GQA, RoPE (theta = rope_theta)            SelfAttention(linear_qkv, DotProductAttention, linear_proj)
     top-k softmax router                      TopKRouter: topk on logits then softmax over the k
@@ -13,7 +13,9 @@ Architecture (Hugging Face Qwen3MoeForCausalLM) -> Megatron-Core 0.16.1 local-sp
 Precision: "bf16" builds upstream linears; "nvfp4" swaps in NVFP4 linears/experts for every module role the
 recipe does not keep in BF16 (recipe.bf16_modules, bf16_first_layers, bf16_last_layers). Router, embeddings,
 lm_head and the attention math (softmax(QK^T)V) always stay BF16: this builder has no NVFP4 version of them.
-No dropout (RL on-policy forward passes must be deterministic); router aux loss 0 unless asked.
+No dropout (RL on-policy forward passes must be deterministic); router aux loss 0 unless asked. With TP > 1 the
+config turns on sequence parallelism (Megatron refuses MoE + TP training without it), so the sequence length must
+be a multiple of TP (the learner pads).
 """
 from __future__ import annotations
 
@@ -34,7 +36,6 @@ from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
@@ -104,7 +105,7 @@ def transformer_config(shape: Qwen3MoeShape, *, compute_dtype: torch.dtype = tor
     if compute_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"compute_dtype must be bfloat16 or float32, got {compute_dtype}")
     if tp > 1 and ep > 1:
-        raise ValueError("tp > 1 together with ep > 1 needs sequence parallelism, which the NVFP4 layers lack")
+        raise ValueError("tp > 1 together with ep > 1 is not supported yet (untested); use one of them")
     if shape.num_experts % ep:
         raise ValueError(f"num_experts={shape.num_experts} is not divisible by ep={ep}")
     return TransformerConfig(
@@ -120,12 +121,25 @@ def transformer_config(shape: Qwen3MoeShape, *, compute_dtype: torch.dtype = tor
         moe_router_load_balancing_type="aux_loss" if router_aux_loss_coeff else "none",
         moe_aux_loss_coeff=router_aux_loss_coeff, moe_token_dispatcher_type="alltoall",
         tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
-        sequence_parallel=False, bf16=compute_dtype == torch.bfloat16, params_dtype=compute_dtype,
+        sequence_parallel=tp > 1, bf16=compute_dtype == torch.bfloat16, params_dtype=compute_dtype,
         pipeline_dtype=compute_dtype, use_cpu_initialization=True, perform_initialization=True,
         init_method_std=init_std, gradient_accumulation_fusion=False, bias_activation_fusion=False,
         bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
         persist_layer_norm=False, moe_permute_fusion=False,
     )
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """torch RMSNorm with Megatron's norm constructor, usable with sequence parallelism.
+
+    Upstream's WrappedTorchNorm refuses sequence parallelism only because something must all-reduce the weight
+    gradient over TP ranks (each rank normalises a different slice of the sequence); marking the weight
+    `sequence_parallel` makes Megatron's finalize_model_grads do exactly that, as it does for TE's norms.
+    """
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, **_unused):
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        self.weight.sequence_parallel = config.sequence_parallel
 
 
 def _linear(cls_bf16, cls_nvfp4, ctx: Optional[NVFP4Context]):
@@ -152,14 +166,14 @@ def layer_spec(*, attention: Optional[NVFP4Context], mlp: Optional[NVFP4Context]
             linear_qkv=_linear(ColumnParallelLinear, NVFP4ColumnParallelLinear, attention),
             core_attention=DotProductAttention,
             linear_proj=_linear(RowParallelLinear, NVFP4RowParallelLinear, attention),
-            q_layernorm=WrappedTorchNorm, k_layernorm=WrappedTorchNorm,
+            q_layernorm=RMSNorm, k_layernorm=RMSNorm,
         ),
     )
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=WrappedTorchNorm, self_attention=attn, self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=WrappedTorchNorm, mlp=moe, mlp_bda=get_bias_dropout_add,
+            input_layernorm=RMSNorm, self_attention=attn, self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=RMSNorm, mlp=moe, mlp_bda=get_bias_dropout_add,
         ),
     )
 
@@ -172,7 +186,7 @@ def block_spec(num_layers: int, ctx: Optional[NVFP4Context]) -> TransformerBlock
         bf16 = set(ctx.recipe.bf16_modules) if ctx is not None else set()
         role = lambda name: None if keep or name in bf16 else ctx  # noqa: E731
         specs.append(layer_spec(attention=role("attention_linears"), mlp=role("mlp"), experts=role("experts")))
-    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=WrappedTorchNorm)
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=RMSNorm)
 
 
 def number_nvfp4_layers(model: torch.nn.Module) -> int:

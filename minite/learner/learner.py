@@ -2,7 +2,8 @@
 
 One train step is Megatron's own machinery without its pipeline schedule (pipeline parallelism is 1):
     zero grad buffers -> logp = log_softmax(fp32 logits)[targets] -> loss_fn(logp) -> backward
-    -> DDP.finish_grad_sync (all-reduce over data/expert-data parallel ranks) -> MegatronOptimizer.step
+    -> finalize_model_grads (DDP all-reduce over data/expert-data ranks; q/k-norm and sequence-parallel norm
+       grads over TP ranks) -> MegatronOptimizer.step
        (fp32 master weights when compute is BF16; global grad-norm clip that counts every TP/EP shard once)
 Log-probs: logp[b, t] = log p(tokens[b, t+1] | tokens[b, :t+1]) from fp32 logits; with TP the vocabulary is
 sharded and Megatron's vocab_parallel_cross_entropy computes the same quantity without gathering the logits.
@@ -49,7 +50,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    logits = logits[:, :-1].float()
+    logits = logits[:, :-1].to(torch.float32, copy=True)  # contiguous, and ours: the TP path works in place
     target = tokens[:, 1:]
     if ps.get_tensor_model_parallel_world_size() == 1:
         return torch.log_softmax(logits, dim=-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
@@ -92,8 +93,12 @@ class Learner:
             raise ValueError(f"tokens must be a LongTensor [B, T], got {tokens.dtype} {tuple(tokens.shape)}")
         if tokens.shape[1] < 2:
             raise ValueError(f"tokens need at least 2 positions to score, got T={tokens.shape[1]}")
+        t = tokens.shape[1]
+        pad = (-t) % self.cfg.parallel.tp  # sequence parallelism splits T over TP ranks; causal: pads are inert
+        if pad:
+            tokens = torch.cat([tokens, tokens.new_zeros(tokens.shape[0], pad)], dim=1)
         positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-        return self.ddp(tokens, positions, None)
+        return self.ddp(tokens, positions, None)[:, :t]
 
     @torch.no_grad()
     def logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -107,6 +112,7 @@ class Learner:
     # ------------------------------------------------------------------ train
     def train_step(self, tokens: torch.Tensor, loss_fn: LossFn) -> Dict[str, float]:
         """Forward, loss_fn(logp [B, T-1] with grad) -> (loss, metrics), backward, clip, Adam step, zero grad."""
+        from megatron.core.distributed import finalize_model_grads
         self.model.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -116,7 +122,7 @@ class Learner:
             raise ValueError("loss_fn must return (a scalar loss tensor, a metrics dict)")
         loss.backward()
         with cuda_as_cpu():
-            self.ddp.finish_grad_sync()
+            finalize_model_grads([self.ddp])
             ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             logger.warning("optimizer step skipped (non-finite gradients) at step %d", self.step)
