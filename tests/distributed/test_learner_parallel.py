@@ -1,0 +1,72 @@
+"""TP=2 and EP=2 learners equal the unsharded learner on the same inputs (torchrun, 2 ranks, gloo, CPU).
+
+One torchrun launch runs four configurations (BF16 and NVFP4, each with TP=2 and with EP=2; see
+learner_parallel_worker.py); this wrapper launches it with a timeout and checks its JSON report:
+- weights: the initial model gathered from its shards equals the unsharded one exactly (layout-invariant init);
+- BF16 (fp32 compute): log-probs, per-parameter gradients and log-probs after one Adam step agree to fp32 rounding;
+- NVFP4: log-probs agree to fp32 rounding (the TP amax sync makes shards quantise like the unsharded tensor);
+  gradients differ by stochastic-rounding noise no larger than two seeds of one layout differ (tolerances.py).
+"""
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.tolerances import TOLERANCES
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("learner_parallel_worker.py")
+TIMEOUT_S = 300
+pytestmark = pytest.mark.distributed
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    if shutil.which("torchrun") is None:
+        pytest.skip("needs torchrun on PATH (torch's launcher)")
+    out = tmp_path_factory.mktemp("learner_parallel") / "report.json"
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    cmd = ["torchrun", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+           str(WORKER), str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    if proc.returncode != 0 or not out.exists():
+        pytest.fail(f"torchrun failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    rep = json.loads(out.read_text())
+    errors = {k: v["error"] for k, v in rep.items() if "error" in v}
+    assert not errors, "\n".join(f"{k}:\n{v}" for k, v in errors.items())
+    return rep
+
+
+CONFIGS = ["bf16_tp2_ep1", "nvfp4_tp2_ep1", "bf16_tp1_ep2", "nvfp4_tp1_ep2"]
+
+
+@pytest.mark.parametrize("key", CONFIGS)
+def test_sharded_equals_unsharded(report, key):
+    r = report[key]
+    assert r["weights_equal"], "initial weights differ between the sharded and the unsharded model"
+    atol, rtol = TOLERANCES["learner_parallel_fp32"]
+    assert r["logp0_max_abs"] <= atol, r
+    assert abs(r["loss"] - r["loss_ref"]) <= atol, r
+    if key.startswith("bf16"):
+        assert r["grad_rel_max"] <= rtol, r
+        assert r["grad_norm_rel"] <= rtol, r
+        assert r["logp1_max_abs"] <= atol, r
+    else:
+        _, factor = TOLERANCES["learner_parallel_nvfp4_vs_seed_noise"]
+        assert r["grad_rel_max"] <= factor * r["grad_rel_max_seed_to_seed"], r
+        assert r["logp1_max_abs"] <= TOLERANCES["learner_parallel_nvfp4_logp_after_step"][0], r
+
+
+def test_all_configs_ran(report):
+    assert sorted(report) == sorted(CONFIGS)
