@@ -78,32 +78,28 @@ def _cast_out(x, out_ty: tl.constexpr):
 @triton.jit
 def _grouped_gemm_kernel(a_data, a_scale, a_vals, a_gs, a_gs_stride,
                          b_data, b_scale, b_vals, b_gs, b_gs_stride_e, b_gs_stride_n,
-                         c_ptr, tile_end_ptr, tiles_ptr, row_start_ptr, count_ptr,
-                         E, N, K,
+                         c_ptr, count_ptr, E, N, K,
                          A_SBR: tl.constexpr, B_SBR: tl.constexpr, A_PACKED: tl.constexpr, B_PACKED: tl.constexpr,
-                         SEARCH_STEPS: tl.constexpr,
+                         BLOCK_E: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """c[rows of expert e] = a[rows] @ b[e]^T, for rows grouped contiguously by expert (row_start, count)."""
+    """c[rows of expert e] = a[rows] @ b[e]^T, for rows grouped contiguously by expert (counts per expert)."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     t = pid // num_n
     pn = pid % num_n
-    # expert = number of experts whose tile range ends at or before tile t (lower bound in tile_end)
-    lo = 0
-    hi = E
-    for _ in tl.static_range(SEARCH_STEPS):
-        active = lo < hi
-        mid = (lo + hi) // 2
-        v = tl.load(tile_end_ptr + mid, mask=active, other=0)
-        go_right = active & (v <= t)
-        lo = tl.where(go_right, mid + 1, lo)
-        hi = tl.where(active & (v > t), mid, hi)
-    e = lo
+    # The tile table, computed by every program from the counts (E ints, cached): no extra launch, no host sync.
+    ei = tl.arange(0, BLOCK_E)
+    cnt = tl.load(count_ptr + ei, mask=ei < E, other=0)
+    tiles = (cnt + BLOCK_M - 1) // BLOCK_M
+    tile_end = tl.cumsum(tiles, 0)
+    row_end = tl.cumsum(cnt, 0)
+    e = tl.sum((tile_end <= t).to(tl.int32), 0)  # experts whose tiles all come before tile t
     if e >= E:
         return
-    local = t - (tl.load(tile_end_ptr + e) - tl.load(tiles_ptr + e))
-    start = tl.load(row_start_ptr + e)
-    end = start + tl.load(count_ptr + e)
+    sel = ei == e
+    local = t - tl.sum(tl.where(sel, tile_end - tiles, 0), 0)
+    end = tl.sum(tl.where(sel, row_end, 0), 0)
+    start = end - tl.sum(tl.where(sel, cnt, 0), 0)
     rows = start + local * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < end
     cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -213,7 +209,11 @@ def stack_expert_weights(weights: list[NVFP4Tensor], values: bool = False) -> Ex
 
 
 def _as_group_tensors(tokens_per_expert, experts: int, device) -> torch.Tensor:
-    counts = torch.as_tensor(tokens_per_expert, dtype=torch.int32).to(device)
+    if torch.is_tensor(tokens_per_expert) and tokens_per_expert.device == device \
+            and tokens_per_expert.dtype == torch.int32:
+        counts = tokens_per_expert
+    else:
+        counts = torch.as_tensor(tokens_per_expert, dtype=torch.int32).to(device)
     if counts.numel() != experts:
         raise ValueError(f"{counts.numel()} token counts for {experts} experts")
     return counts
@@ -239,9 +239,6 @@ def grouped_gemm_triton(a: NVFP4Tensor, weights, tokens_per_expert, out_dtype=to
     dev = a.data.device
     counts = _as_group_tensors(tokens_per_expert, experts, dev)
     cfg = config or default_config(rows_hint or max(1, t_rows // experts), interpreting())
-    tiles = (counts + cfg.block_m - 1) // cfg.block_m
-    tile_end = torch.cumsum(tiles, 0, dtype=torch.int32)
-    row_start = (torch.cumsum(counts, 0, dtype=torch.int32) - counts).to(torch.int32)
     out = torch.empty(t_rows, n, dtype=out_dtype, device=dev)
     max_tiles = triton.cdiv(t_rows, cfg.block_m) + experts
     grid = (max_tiles * triton.cdiv(n, cfg.block_n),)
@@ -252,9 +249,9 @@ def grouped_gemm_triton(a: NVFP4Tensor, weights, tokens_per_expert, out_dtype=to
         1 if a.per_row else 0,
         w.data, w.scale, w.data if b_packed else w.values, w.global_scale, w.global_scale.stride(0),
         1 if w.global_scale.shape[1] > 1 else 0,
-        out, tile_end, tiles, row_start, counts, experts, n, k,
+        out, counts, experts, n, k,
         A_SBR=a.block[0], B_SBR=w.block_rows, A_PACKED=a_packed, B_PACKED=b_packed,
-        SEARCH_STEPS=max(1, int(experts).bit_length() + 1),
+        BLOCK_E=max(16, triton.next_power_of_2(experts)),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out

@@ -120,6 +120,18 @@ def _e2m1_value(idx):
 
 
 @triton.jit
+def _e2m1_rne_index(mag):
+    """E2M1 magnitude index of 0 <= mag <= 6, nearest-even: the grid step is 0.5 below 2, 1 below 4, 2 up to 6, and
+    (mag + M) - M with M = 2^22, 2^23, 2^24 rounds to that step with IEEE ties-to-even (an exact add, no product).
+    The index is then read off the fp32 bits of the rounded value: (bits >> 22) - 252 = 2 * (exp - 126) + mantissa
+    bit for values >= 1, and 2 * r for r in {0, 0.5}."""
+    magic = tl.where(mag < 2.0, 4194304.0, tl.where(mag < 4.0, 8388608.0, 16777216.0))
+    r = (mag + magic) - magic
+    hi = (r.to(tl.int32, bitcast=True) >> 22) - 252
+    return tl.where(r >= 1.0, hi, (r * 2.0).to(tl.int32))
+
+
+@triton.jit
 def _quantize_tile(x, rows, c0, R, C, s_enc, s_dec, sixth, seed_mix,
                    data_ptr, scale_ptr, vals_ptr, scale_row0,
                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BR: tl.constexpr,
@@ -144,14 +156,14 @@ def _quantize_tile(x, rows, c0, R, C, s_enc, s_dec, sixth, seed_mix,
         frac = (mag - _e2m1_value(lo)) * inv_step
         g = tl.arange(0, G)
         j = tl.arange(0, 16)
-        flat = (rows[:, None, None].to(tl.int64) * C + (c0 + g * 16)[None, :, None] + j[None, None, :])
-        h = _lowbias32(((flat + seed_mix) & 0xFFFFFFFF).to(tl.uint32))
+        # (flat index + mix) mod 2^32 computed directly in wrapping uint32 arithmetic (cheaper than int64)
+        flat = (rows[:, None, None].to(tl.uint32) * C.to(tl.uint32) + (c0 + g * 16)[None, :, None].to(tl.uint32)
+                + j[None, None, :].to(tl.uint32))
+        h = _lowbias32(flat + seed_mix.to(tl.uint32, bitcast=True))  # seed_mix arrives as its int32 bit pattern
         u = (h >> 8).to(tl.float32) * 5.9604644775390625e-08  # * 2^-24
         idx = lo + (u < frac).to(tl.int32)
     else:
-        idx = ((mag > 0.25).to(tl.int32) + (mag >= 0.75).to(tl.int32) + (mag > 1.25).to(tl.int32)
-               + (mag >= 1.75).to(tl.int32) + (mag > 2.5).to(tl.int32) + (mag >= 3.5).to(tl.int32)
-               + (mag > 5.0).to(tl.int32))
+        idx = _e2m1_rne_index(mag)
     neg = v.to(tl.int32, bitcast=True) < 0  # the sign bit, so -0 keeps code 8 as in torch.signbit
     code = idx | (neg.to(tl.int32) << 3)
     # pack: even element low nibble
@@ -177,7 +189,7 @@ def _quantize_tile(x, rows, c0, R, C, s_enc, s_dec, sixth, seed_mix,
                  mask=rmask[:, None] & (cols < C)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed_mix"])
 def _quant_kernel(x_ptr, stride_r, stride_c, R, C, data_ptr, scale_ptr, gs_ptr, senc_ptr, vals_ptr,
                   seed_mix, sixth,
                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BR: tl.constexpr, ROW_SCOPE: tl.constexpr,
@@ -235,9 +247,20 @@ def seed_mix(seed: int) -> int:
     return x ^ (x >> 16)
 
 
+# Tile tuning knobs: every tile shape computes the same bits (elementwise math and an exact max), so these only
+# change speed. TILE_ELEMS is the fp32 elements one program holds; tools/bench/bench_nvfp4.py sweeps it.
+TILE_ELEMS = {"plain": 8192, "rht": 4096}
+NUM_WARPS_OVERRIDE: int | None = None
+
+
+def _as_int32_bits(u: int) -> int:
+    """A uint32 as the int32 with the same bits (one argument type for every seed)."""
+    return u - (1 << 32) if u >= (1 << 31) else u
+
+
 def _tile_shape(rows: int, cols: int, br: int, row_scope: bool, rht: bool) -> tuple[int, int, bool]:
-    """(BLOCK_R, BLOCK_C, single pass) for one program. ~8K fp32 per program (4K with the RHT's 16 loads)."""
-    budget = 4096 if rht else 8192
+    """(BLOCK_R, BLOCK_C, single pass) for one program."""
+    budget = TILE_ELEMS["rht" if rht else "plain"]
     full = triton.next_power_of_2(cols)
     if row_scope:
         single = full <= MAX_SINGLE_PASS_COLS
@@ -246,11 +269,13 @@ def _tile_shape(rows: int, cols: int, br: int, row_scope: bool, rht: bool) -> tu
         return block_r, block_c, single
     if br == 16:
         return 16, max(16, min(full, budget // 16)), False
-    block_c = min(full, 1024)
+    block_c = min(full, 1024, budget)
     return max(1, min(64, budget // block_c)), block_c, False
 
 
 def _num_warps(block_r: int, block_c: int) -> int:
+    if NUM_WARPS_OVERRIDE:
+        return NUM_WARPS_OVERRIDE
     return 8 if block_r * block_c >= 8192 else 4
 
 
@@ -295,7 +320,7 @@ def quantize_with_values_triton(x: torch.Tensor, block=(1, 16), scale_scope: str
         senc = torch.stack([s_enc, s_dec])
         gs = s_dec
     _quant_kernel[grid](x, x.stride(0), x.stride(1), rows, cols, data, scale, gs, senc, vals,
-                        seed_mix(seed) if stochastic else 0, SIXTH,
+                        _as_int32_bits(seed_mix(seed)) if stochastic else 0, SIXTH,
                         BLOCK_R=block_r, BLOCK_C=block_c, BR=br, ROW_SCOPE=row_scope, SINGLE=single,
                         STOCHASTIC=stochastic, RHT=rht, WRITE_VALS=values_dtype is not None,
                         SIGN_MASK=RHT_SIGN_MASK, num_warps=warps)

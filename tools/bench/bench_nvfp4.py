@@ -30,6 +30,7 @@ import triton
 from triton.testing import do_bench
 
 from minite.kernels.nvfp4_gemm import GemmConfig, grouped_gemm_triton, kgrouped_gemm_triton, stack_expert_weights
+from minite.kernels import nvfp4_quant as nq
 from minite.kernels.nvfp4_quant import quantize_triton, quantize_with_values_triton
 
 HIDDEN, FFN, EXPERTS, TOPK, TOKENS = 2048, 768, 128, 8, 16384
@@ -71,6 +72,26 @@ def section_copy_quant(res: dict) -> None:
     res["copy_TBps"] = copy_bps / 1e12
     log(f"copy 131072x2048 bf16: {t * 1e3:.1f} us, {copy_bps / 1e12:.3f} TB/s")
     out_bytes = n // 2 + n // 16
+    # tile sweep (all tiles give the same bits): per-row activations at 2048 and 768 columns
+    a768 = torch.randn(rows, 768, device="cuda").bfloat16()
+    best = {}
+    for shape_name, xx in (("2048", x), ("768", a768)):
+        nn = xx.numel()
+        for elems in (2048, 4096, 8192):
+            for warps in (2, 4, 8):
+                nq.TILE_ELEMS["plain"], nq.NUM_WARPS_OVERRIDE = elems, warps
+                t = bench(lambda: quantize_with_values_triton(xx, (1, 16), "row", "nearest", None, False), rep=60)
+                frac = (2 * nn + nn // 2 + nn // 16 + 2 * nn) / (t * 1e-3) / copy_bps
+                log(f"  quant sweep cols={shape_name} elems={elems} warps={warps}: {t * 1e3:.1f} us ({frac:.3f})")
+                if t < best.get(shape_name, (1e9,))[0]:
+                    best[shape_name] = (t, elems, warps)
+    nq.TILE_ELEMS["plain"], nq.NUM_WARPS_OVERRIDE = best["2048"][1], best["2048"][2]
+    res["quant_tile"] = {"tile_elems": best["2048"][1], "num_warps": best["2048"][2]}
+    log(f"quant tile chosen: {res['quant_tile']}")
+    for elems in (1024, 2048, 4096):
+        nq.TILE_ELEMS["rht"] = elems
+        t = bench(lambda: quantize_triton(x.t(), (1, 16), "tensor", "stochastic", 7, True), rep=60)
+        log(f"  quant sweep colwise rht elems={elems}: {t * 1e3:.1f} us")
     variants = {
         "row_rne": (lambda: quantize_triton(x, (1, 16), "row", "nearest", None, False), 2 * n + out_bytes + 4 * rows),
         "row_rne_values_fp16": (lambda: quantize_with_values_triton(x, (1, 16), "row", "nearest", None, False),
@@ -192,6 +213,37 @@ def section_block(res: dict, train_cfg: GemmConfig | None) -> None:
     for k, v in stages.items():
         log(f"  stage {k:26s} {v * 1e3:8.1f} us")
 
+    # where the backward time goes
+    _, h_, a_ = w4_fwd(keep=True)
+    qd, dv = quantize_with_values_triton(dy, (1, 16), "tensor", "stochastic", 1, False)
+    da = grouped_gemm_triton(qd, w2t, counts, torch.bfloat16, a_values=dv, config=cfg)
+    dh = torch.cat([da, da], 1)
+    qdyt, dytv = quantize_with_values_triton(dy.t(), (1, 16), "tensor", "stochastic", 3, True)
+    qat, atv = quantize_with_values_triton(a_.t(), (1, 16), "tensor", "nearest", None, True)
+
+    def swiglu_bwd():
+        g, u = h_[:, :FFN].float(), h_[:, FFN:].float()
+        sg = torch.sigmoid(g)
+        return torch.cat([(da.float() * u * sg * (1 + g * (1 - sg))), da.float() * g * sg], 1).bfloat16()
+
+    bwd_stages = {
+        "quant_dy_sr": bench(lambda: quantize_with_values_triton(dy, (1, 16), "tensor", "stochastic", 1, False)),
+        "dgrad_fc2": bench(lambda: grouped_gemm_triton(qd, w2t, counts, torch.bfloat16, a_values=dv, config=cfg)),
+        "swiglu_bwd_torch": bench(swiglu_bwd),
+        "quant_dyT_rht_sr": bench(lambda: quantize_with_values_triton(dy.t(), (1, 16), "tensor", "stochastic", 3,
+                                                                      True)),
+        "quant_aT_rht": bench(lambda: quantize_with_values_triton(a_.t(), (1, 16), "tensor", "nearest", None, True)),
+        "wgrad_fc2": bench(lambda: kgrouped_gemm_triton(qdyt, qat, counts, torch.bfloat16, a_values=dytv,
+                                                        b_values=atv, config=cfg)),
+        "wgrad_fc2_default_tile": bench(lambda: kgrouped_gemm_triton(qdyt, qat, counts, torch.bfloat16,
+                                                                     a_values=dytv, b_values=atv)),
+        "bf16_fc2_wgrad_equiv_grouped_mm": bench(lambda: torch._grouped_mm(dy.t(), a_, offs=offs)),
+    }
+    for k_, v in bwd_stages.items():
+        log(f"  bwd stage {k_:26s} {v * 1e3:8.1f} us")
+    res["expert_block_bwd_stages_us"] = {k_: v * 1e3 for k_, v in bwd_stages.items()}
+    del dh
+
     # NVFP4 emulation in plain torch ops: the reference quantiser + bf16 block values + _grouped_mm + scales
     from minite.nvfp4 import quantize_reference
     w1v = torch.stack([q.block_values(torch.bfloat16) for q in q1])
@@ -225,6 +277,9 @@ def section_block(res: dict, train_cfg: GemmConfig | None) -> None:
 
 
 # ---------------------------------------------------------------- decode
+DECODE_CANDIDATES = [GemmConfig(16, 64, 256, 4, 4), GemmConfig(16, 32, 256, 4, 4), GemmConfig(16, 16, 256, 4, 4),
+                     GemmConfig(16, 32, 128, 4, 6), GemmConfig(16, 32, 512, 4, 3), GemmConfig(16, 64, 128, 4, 4),
+                     GemmConfig(16, 32, 256, 2, 4), GemmConfig(32, 32, 256, 4, 4), GemmConfig(16, 16, 512, 2, 3)]
 def section_decode(res: dict, decode_cfg: GemmConfig | None) -> None:
     sets, e, n, k = 8, 8, 2 * FFN, HIDDEN
     wb = [(torch.randn(e, k, n, device="cuda") * k ** -0.5).bfloat16() for _ in range(sets)]  # bmm layout [E, K, N]
@@ -242,20 +297,39 @@ def section_decode(res: dict, decode_cfg: GemmConfig | None) -> None:
             for s in range(sets):
                 torch.bmm(xs[s], wb[s])
 
+        qpre = [quantize_triton(xs[s].view(e * m, k), (1, 16), "row", "nearest", None, False) for s in range(sets)]
+
+        t_b = bench_graph(bf16_all, sets)
+        best_cfg, best_t = decode_cfg, None
+        if decode_cfg is None:
+            ref = grouped_gemm_triton(qpre[0], wq[0], counts, torch.bfloat16, config=GemmConfig(128, 128, 64, 8, 4))
+            for c in DECODE_CANDIDATES:
+                if c.block_m < m and m > 16:
+                    continue
+                try:
+                    same = torch.equal(grouped_gemm_triton(qpre[0], wq[0], counts, torch.bfloat16, config=c), ref)
+                    tc = bench_graph(lambda: [grouped_gemm_triton(qpre[s], wq[s], counts, torch.bfloat16, config=c)
+                                              for s in range(sets)], sets)
+                except Exception as exc:
+                    log(f"  decode M={m} {vars(c)} failed: {type(exc).__name__}")
+                    continue
+                log(f"  decode M={m} {vars(c)}: {tc * 1e3:.1f} us bitwise_vs_train_tile={same}")
+                if same and (best_t is None or tc < best_t):
+                    best_cfg, best_t = c, tc
+        cfg_m = best_cfg
+
         def w4_all():
             for s in range(sets):
                 qa = quantize_triton(xs[s].view(e * m, k), (1, 16), "row", "nearest", None, False)
-                grouped_gemm_triton(qa, wq[s], counts, torch.bfloat16, config=decode_cfg, rows_hint=m)
-
-        qpre = [quantize_triton(xs[s].view(e * m, k), (1, 16), "row", "nearest", None, False) for s in range(sets)]
+                grouped_gemm_triton(qa, wq[s], counts, torch.bfloat16, config=cfg_m, rows_hint=m)
 
         def w4_gemm_only():
             for s in range(sets):
-                grouped_gemm_triton(qpre[s], wq[s], counts, torch.bfloat16, config=decode_cfg, rows_hint=m)
+                grouped_gemm_triton(qpre[s], wq[s], counts, torch.bfloat16, config=cfg_m, rows_hint=m)
 
-        t_b = bench_graph(bf16_all, sets)
         t_w = bench_graph(w4_all, sets)
         t_g = bench_graph(w4_gemm_only, sets)
+        res.setdefault("decode_config", {})[str(m)] = vars(cfg_m) if cfg_m else "default"
         res["decode_speedup_vs_bf16"][str(m)] = t_b / t_w
         res["decode_us"][str(m)] = {"bf16_bmm": t_b * 1e3, "w4a4_quant_plus_gemm": t_w * 1e3,
                                     "w4a4_gemm_only": t_g * 1e3}

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# One device call: map kernels/ to minite.kernels without installing, run the GPU tests, the kernel tests compiled,
-# and the benchmarks; logs and the JSON go to $OUT. Usage: bash tools/bench/device_run.sh COMMIT [bench args...]
+# One device call: map kernels/ to minite.kernels (a link inside the device's copy of the tree), run the GPU tests
+# and the kernel tests compiled, then the benchmarks; logs and the JSON go to $OUT.
+# Usage: bash tools/bench/device_run.sh COMMIT [bench args...]
 set -uo pipefail
 COMMIT=${1:-unknown}; shift || true
-PP=/tmp/pp; rm -rf $PP; mkdir -p $PP; cp -r minite $PP/; cp -r kernels $PP/minite/kernels
-export PYTHONPATH=$PP:$PWD PYTHONUNBUFFERED=1 MINITE_COMMIT=$COMMIT
+[ -e minite/kernels ] || ln -s ../kernels minite/kernels
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MINITE_COMMIT=$COMMIT
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv | tee $OUT/device.txt
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" | tee -a $OUT/device.txt
 if [ "${SKIP_TESTS:-0}" != "1" ]; then
-  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/kernels -x -rs 2>&1 | tee $OUT/tests.log | tail -25
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/gpu tests/kernels} -rs 2>&1 | tee $OUT/tests.log | grep -E "passed|failed|FAILED|Error" | tail -25
 fi
 if [ "${SKIP_BENCH:-0}" != "1" ]; then
-  timeout ${BENCH_TIMEOUT:-330} python3 tools/bench/bench_nvfp4.py --out $OUT/kernels-h200.json "$@" 2>&1 | tee $OUT/bench.log | grep -v "^  File\|^    " | tail -60
+  timeout ${BENCH_TIMEOUT:-330} python3 tools/bench/bench_nvfp4.py --out $OUT/kernels-h200.json "$@" 2>&1 | tee $OUT/bench.log | grep -v "^  File\|^    " | tail -70
 fi
