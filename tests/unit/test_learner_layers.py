@@ -1,0 +1,144 @@
+"""Megatron-Core layers and model: NVFP4 vs BF16 (same weights, outputs and gradients close), the NVFP4 layers are
+the op functions inside Megatron's modules, the Qwen3-MoE spec from a config.json, the CPU patches, and one train
+step that lowers the loss. World size 1, gloo, CPU."""
+import json
+
+import pytest
+import torch
+
+from minite.config import load_config
+from tests.tolerances import TOLERANCES
+
+TINY = ["model.num_layers=2", "model.hidden_size=64", "model.vocab_size=64", "model.num_experts=4",
+        "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32", "rl.seed=3"]
+
+
+def cfg(*overrides):
+    return load_config(None, TINY + list(overrides))
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(0))
+
+
+def _fwd_bwd(model, tokens):
+    from minite.learner.learner import token_logprobs
+    pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    logits = model(tokens, pos, None)
+    (-token_logprobs(logits, tokens).mean()).backward()
+    return logits.detach().float(), {k: p.grad.float() for k, p in model.named_parameters()}
+
+
+def test_cpu_patches_idempotent_on_real_classes():
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.moe import moe_utils
+
+    from minite.megatron_patches import cpu
+    if cpu.gpu_present():
+        pytest.skip("the CPU patches apply only without a GPU")
+    first = cpu.apply()
+    assert cpu.apply() == first and any("current_device" in p for p in first)
+    assert moe_utils.te_general_gemm is None and torch.cuda.current_device() == "cpu"
+    assert mrandom.CudaRNGStatesTracker.add.__module__ == cpu.__name__
+    with cpu.cuda_as_cpu():
+        t = torch.zeros(2, device="cuda")
+        assert t.device.type == "cpu" and t.type() == "torch.cuda.FloatTensor" and t.cuda() is t
+
+
+@pytest.mark.parametrize("compute", ["float32", "bfloat16"])
+def test_nvfp4_model_close_to_bf16_model(tokens, compute):
+    from minite.learner.model import build_model
+    mb = build_model(cfg("precision.mode=bf16", f"precision.compute_dtype={compute}"))
+    mn = build_model(cfg("precision.mode=nvfp4", f"precision.compute_dtype={compute}"))
+    sb, sn = mb.state_dict(), mn.state_dict()
+    assert sb.keys() == sn.keys() and all(torch.equal(sb[k], sn[k]) for k in sb if torch.is_tensor(sb[k]))
+    lb, gb = _fwd_bwd(mb, tokens)
+    ln, gn = _fwd_bwd(mn, tokens)
+    assert float((ln - lb).norm() / lb.norm()) < TOLERANCES["nvfp4_model_vs_bf16_logits"][1]
+    flat_b = torch.cat([gb[k].flatten() for k in gb])
+    flat_n = torch.cat([gn[k].flatten() for k in gb])
+    assert float((flat_n - flat_b).norm() / flat_b.norm()) < TOLERANCES["nvfp4_model_vs_bf16_grads"][1]
+    assert all(gn[k].abs().sum() > 0 for k in gn), "every parameter gets a gradient"
+
+
+def test_nvfp4_layers_run_the_op_functions():
+    """Inside Megatron's modules the GEMM is exactly ops.nvfp4_linear / nvfp4_grouped_linear (atol=0)."""
+    import torch.nn.functional as F
+
+    from minite.learner.model import build_model
+    from minite.learner.ops import derive_seed, nvfp4_grouped_linear, nvfp4_linear
+    model = build_model(cfg("precision.mode=nvfp4", "precision.compute_dtype=float32"))
+    ctx, layer = model.nvfp4_context, model.decoder.layers[1]
+    ctx.step = 5
+    x = torch.randn(8, 2, 64)
+    for lin in (layer.self_attention.linear_qkv, layer.self_attention.linear_proj):
+        inp = x[..., :lin.weight.shape[1]]
+        want = nvfp4_linear(inp, lin.weight, ctx.recipe, seed=ctx.layer_seed(lin.nvfp4_layer_id))
+        got, bias = lin(inp)
+        assert bias is None and torch.equal(got, want)
+    experts = layer.mlp.experts
+    hidden, probs, counts = torch.randn(10, 64), torch.rand(10), [3, 0, 4, 3]
+    base = ctx.layer_seed(experts.nvfp4_layer_id)
+    h = nvfp4_grouped_linear(hidden, experts.fc1_weight, counts, ctx.recipe, seed=derive_seed(base, 1))
+    gate, up = h.chunk(2, dim=-1)
+    want = nvfp4_grouped_linear(F.silu(gate) * up * probs[:, None], experts.fc2_weight, counts, ctx.recipe,
+                                seed=derive_seed(base, 2))
+    got, bias = experts(hidden, torch.tensor(counts), probs)
+    assert bias is None and torch.equal(got, want)
+
+
+def test_spec_from_hf_config_json(tmp_path):
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    from minite.learner.model import build_model
+    from minite.megatron_patches.nvfp4_layers import GroupedExperts, NVFP4ColumnParallelLinear
+    hf = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 96, "hidden_size": 32, "num_hidden_layers": 3,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "moe_intermediate_size": 16,
+          "num_experts": 4, "num_experts_per_tok": 2, "shared_expert_intermediate_size": 32,
+          "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 64, "norm_topk_prob": True}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(hf))
+    c = cfg("precision.mode=nvfp4", f"model.hf_config={path}", "precision.recipe.bf16_first_layers=1")
+    model = build_model(c)
+    shapes = {k: tuple(v.shape) for k, v in model.named_parameters()}
+    assert shapes["embedding.word_embeddings.weight"] == (96, 32) and shapes["output_layer.weight"] == (96, 32)
+    assert shapes["decoder.layers.2.self_attention.linear_qkv.weight"] == ((4 + 2 * 2) * 16, 32)
+    assert shapes["decoder.layers.0.mlp.experts.fc1_weight"] == (4, 32, 32)
+    assert shapes["decoder.layers.0.self_attention.q_layernorm.weight"] == (16,)
+    layers = model.decoder.layers
+    assert type(layers[0].self_attention.linear_qkv) is ColumnParallelLinear  # bf16_first_layers=1
+    assert isinstance(layers[1].self_attention.linear_qkv, NVFP4ColumnParallelLinear)
+    assert isinstance(layers[1].mlp.shared_experts, SharedExpertMLP)
+    assert isinstance(layers[1].mlp.shared_experts.linear_fc1, NVFP4ColumnParallelLinear)
+    assert layers[0].mlp.experts.nvfp4 is None and isinstance(layers[2].mlp.experts, GroupedExperts)
+    assert layers[2].mlp.experts.nvfp4 is not None
+    ids = [m.nvfp4_layer_id for m in model.modules() if getattr(m, "nvfp4", None) is not None]
+    assert len(set(ids)) == len(ids), "each NVFP4 module has its own rounding-seed id"
+
+
+def test_bad_model_configs_raise():
+    from minite.megatron_patches.qwen3_moe import Qwen3MoeShape, build_gpt_model
+    with pytest.raises(ValueError, match="precision"):
+        build_gpt_model({}, precision="fp8")
+    with pytest.raises(ValueError, match="missing fields"):
+        Qwen3MoeShape.from_any({"vocab_size": 8})
+    with pytest.raises(ValueError, match="mlp_only"):
+        Qwen3MoeShape.from_any({"num_hidden_layers": 2, "mlp_only_layers": [0]})
+
+
+@pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
+def test_train_step_reduces_loss(tokens, precision):
+    from minite.learner.learner import Learner
+    learner = Learner(cfg(f"precision.mode={precision}", "optim.lr=3e-3"))
+
+    def loss_fn(logp):
+        loss = -logp.mean()
+        return loss, {"nll": float(loss.detach())}
+
+    losses = [learner.train_step(tokens, loss_fn) for _ in range(3)]
+    assert all(m["grad_norm"] > 0 and m["step_ok"] == 1.0 for m in losses)
+    assert losses[0]["loss"] > losses[1]["loss"] > losses[2]["loss"]
+    after = float(-learner.logprobs(tokens).mean())
+    assert after < losses[2]["loss"]
