@@ -1,0 +1,40 @@
+"""`minite diagnose --config CONFIG --a learner --b embedded|sglang [--json OUT] [--fail-above GAP]`."""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="YAML config (model, precision, ...)")
+    parser.add_argument("--a", default="learner", choices=["learner"], help="reference engine")
+    parser.add_argument("--b", default="embedded", choices=["embedded", "sglang"], help="engine under test")
+    parser.add_argument("--json", dest="json_out", default=None, help="write the full report here")
+    parser.add_argument("--fail-above", type=float, default=None, metavar="GAP",
+                        help="exit with status 1 when max |logp gap| exceeds GAP")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config field (repeatable)")
+    parser.add_argument("--prompts", type=int, default=8, help="number of prompts (varied lengths)")
+    parser.add_argument("--max-new-tokens", type=int, default=6)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    from minite.config import ConfigError, load_config
+    from minite.alignment.diagnose import DiagnoseParams, format_report, run_diagnose
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"minite diagnose: {e}")
+        return 2
+    params = DiagnoseParams(num_prompts=args.prompts, max_new_tokens=args.max_new_tokens, seed=args.seed)
+    report = run_diagnose(cfg, b=args.b, params=params)
+    print(format_report(report))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(report, f, indent=1)
+    if args.fail_above is not None and report["max_abs_logp_gap"] > args.fail_above:
+        print(f"minite diagnose: max |logp gap| {report['max_abs_logp_gap']:.3e} > {args.fail_above:.3e}")
+        return 1
+    return 0
