@@ -72,8 +72,6 @@ class CudaAsCpuMode(TorchFunctionMode):
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = func(*args)
             return name.replace("torch.", "torch.cuda.", 1) if ".cuda." not in name else name
-        if func is torch.Tensor.is_cuda.__get__:
-            return True
         if func is torch.Tensor.to:
             args = tuple(_cpu_device(a) if isinstance(a, (str, torch.device)) else a for a in args)
         return func(*args, **kwargs)

@@ -40,6 +40,22 @@ def test_logprobs_are_next_token_log_softmax(tokens):
 
 
 @pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
+def test_train_forward_equals_logprobs(tokens, precision):
+    """On-policy: the log-probs train_step hands to loss_fn equal learner.logprobs bitwise (PPO ratio exactly 1)."""
+    from minite.learner.learner import Learner
+    learner = Learner(cfg(f"precision.mode={precision}"))
+    before = learner.logprobs(tokens)
+    seen = {}
+
+    def capture(logp):
+        seen["logp"] = logp.detach().clone()
+        return loss_fn(logp)
+
+    learner.train_step(tokens, capture)
+    assert torch.equal(seen["logp"], before)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
 def test_resume_is_exact(tokens, precision):
     """2 steps, snapshot, 2 more == a fresh learner loading the snapshot, then 2 steps (bitwise)."""
     from minite.learner.learner import Learner
