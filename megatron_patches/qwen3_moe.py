@@ -106,6 +106,9 @@ def transformer_config(shape: Qwen3MoeShape, *, compute_dtype: torch.dtype = tor
         raise ValueError(f"compute_dtype must be bfloat16 or float32, got {compute_dtype}")
     if tp > 1 and ep > 1:
         raise ValueError("tp > 1 together with ep > 1 is not supported yet (untested); use one of them")
+    if shape.moe_router_topk == 1 and shape.norm_topk_prob:
+        raise ValueError("moe_router_topk=1 with norm_topk_prob=True gives every token weight 1 and the router no "
+                         "gradient (Megatron refuses it); set norm_topk_prob=False")
     if shape.num_experts % ep:
         raise ValueError(f"num_experts={shape.num_experts} is not divisible by ep={ep}")
     return TransformerConfig(

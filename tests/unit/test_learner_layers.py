@@ -46,6 +46,29 @@ def test_cpu_patches_idempotent_on_real_classes():
         assert t.device.type == "cpu" and t.type() == "torch.cuda.FloatTensor" and t.cuda() is t
 
 
+def test_cpu_grouped_gemm_fallback_runs_upstream_grouped_mlp():
+    """The legacy GroupedMLP (upstream class) runs on the patched gmm and equals a per-expert matmul loop."""
+    import torch.nn.functional as F
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.experts import GroupedMLP
+
+    from minite.learner.model import init_parallel
+    from minite.megatron_patches.qwen3_moe import Qwen3MoeShape, transformer_config
+    init_parallel(cfg())
+    shape = Qwen3MoeShape(vocab_size=16, hidden_size=32, num_layers=1, num_attention_heads=2, num_query_groups=1,
+                          head_dim=16, moe_ffn_hidden_size=16, num_experts=2, moe_router_topk=2)
+    mlp = GroupedMLP(2, transformer_config(shape, compute_dtype=torch.bfloat16),
+                     pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    x, probs, counts = torch.randn(7, 32, dtype=torch.bfloat16), torch.rand(7), torch.tensor([3, 4])
+    out, _ = mlp(x, counts, probs)
+    w1, w2 = mlp.weight1.view(2, 32, -1), mlp.weight2.view(2, -1, 32)
+    want = []
+    for e, (a, b) in enumerate(((0, 3), (3, 7))):
+        gate, up = (x[a:b] @ w1[e]).chunk(2, dim=-1)
+        want.append(((F.silu(gate) * up) * probs[a:b, None]).to(torch.bfloat16) @ w2[e])
+    torch.testing.assert_close(out, torch.cat(want), atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("compute", ["float32", "bfloat16"])
 def test_nvfp4_model_close_to_bf16_model(tokens, compute):
     from minite.learner.model import build_model
@@ -124,6 +147,9 @@ def test_bad_model_configs_raise():
         build_gpt_model({}, precision="fp8")
     with pytest.raises(ValueError, match="missing fields"):
         Qwen3MoeShape.from_any({"vocab_size": 8})
+    with pytest.raises(ValueError, match="no gradient"):
+        build_gpt_model(dict(vocab_size=8, hidden_size=16, num_layers=1, num_attention_heads=1, num_query_groups=1,
+                             head_dim=16, moe_ffn_hidden_size=16, num_experts=2, moe_router_topk=1))
     with pytest.raises(ValueError, match="mlp_only"):
         Qwen3MoeShape.from_any({"num_hidden_layers": 2, "mlp_only_layers": [0]})
 
