@@ -6,7 +6,8 @@ Public interface (consumed by minite.rl and minite.rollout):
     build_model(cfg)                  the same GPTModel (BF16 or NVFP4) for another engine
     init_parallel(cfg)                torch.distributed (gloo) + Megatron TP/EP groups, once per process
     token_logprobs(logits, tokens)    fp32 log-probs of the next tokens (vocab-parallel aware)
-Ops (minite.learner.ops): nvfp4_linear, nvfp4_grouped_linear, nvfp4_linear_forward, quantize_weight, derive_seed.
+Ops (minite.learner.ops): nvfp4_linear, nvfp4_grouped_linear (autograd); nvfp4_linear_forward,
+nvfp4_grouped_linear_forward (forward only, for rollout engines); quantize_weight, derive_seed.
 Imported lazily: importing minite.learner does not import Megatron-Core.
 """
 from __future__ import annotations

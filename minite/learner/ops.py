@@ -189,16 +189,23 @@ def _counts(tokens_per_expert, experts: int, rows: int) -> list[int]:
     return counts
 
 
+def nvfp4_grouped_linear_forward(x: torch.Tensor, w_q: Sequence[NVFP4Tensor], tokens_per_expert,
+                                 recipe: NVFP4Recipe, *, backend: str = "auto",
+                                 out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Forward only (no autograd): per-expert Q_act(x_e) @ w_q[e]^T; the same math as `nvfp4_grouped_linear`."""
+    counts = _counts(tokens_per_expert, len(w_q), x.shape[0])
+    if x.shape[0] == 0:
+        return x.new_zeros(0, w_q[0].shape[0], dtype=out_dtype or x.dtype)
+    xq = recipe.activation.quantize(x, backend=backend)
+    return grouped_gemm(xq, list(w_q), counts, out_dtype=torch.float32, backend=backend).to(out_dtype or x.dtype)
+
+
 class _NVFP4GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, counts, recipe, seed, w_q, backend):
         if w_q is None:
             w_q = [quantize_weight(weight[e], recipe, backend=backend) for e in range(weight.shape[0])]
-        if x.shape[0] == 0:
-            y = x.new_zeros(0, weight.shape[1])
-        else:
-            xq = recipe.activation.quantize(x, backend=backend)
-            y = grouped_gemm(xq, w_q, counts, out_dtype=torch.float32, backend=backend).to(x.dtype)
+        y = nvfp4_grouped_linear_forward(x, w_q, counts, recipe, backend=backend)
         ctx.save_for_backward(x)
         ctx.w_q, ctx.counts, ctx.recipe, ctx.seed, ctx.backend = w_q, counts, recipe, seed, backend
         ctx.w_shape, ctx.w_dtype = weight.shape, weight.dtype

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from minite.learner import ops
-from minite.learner.ops import derive_seed, nvfp4_grouped_linear, nvfp4_linear, nvfp4_linear_forward, quantize_weight
+from minite.learner.ops import (derive_seed, nvfp4_grouped_linear, nvfp4_grouped_linear_forward, nvfp4_linear,
+                                nvfp4_linear_forward, quantize_weight)
 from minite.nvfp4 import NVFP4Recipe, gemm
 from tests.tolerances import TOLERANCES
 
@@ -44,7 +45,10 @@ def test_forward_only_matches_autograd_path():
     x, w, _ = _data(m=5)
     with torch.no_grad():
         y = nvfp4_linear_forward(x.reshape(1, 5, -1), quantize_weight(w, R), R)
+        stack = torch.stack([w, 2 * w])
+        yg = nvfp4_grouped_linear_forward(x, [quantize_weight(m, R) for m in stack], [2, 3], R)
     assert torch.equal(y.reshape(5, -1), nvfp4_linear(x, w, R))
+    assert torch.equal(yg, nvfp4_grouped_linear(x, stack, [2, 3], R))
 
 
 def test_rounding_seeds_are_reproducible():
