@@ -45,17 +45,21 @@ def _operand_tile(data_ptr, scale_ptr, vals_ptr, rows, rmask, k0, kmax, stride_d
                   SBR: tl.constexpr, PACKED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """fp16 block values [BLOCK_R, BLOCK_K] of rows `rows`, columns k0..k0+BLOCK_K (zero at and beyond kmax)."""
     if PACKED:
-        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        d = tl.load(data_ptr + rows[:, None].to(tl.int64) * stride_d + kb[None, :],
-                    mask=rmask[:, None] & (kb < kmax // 2)[None, :], other=0)
-        ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-        s = tl.load(scale_ptr + (rows // SBR)[:, None].to(tl.int64) * stride_s + ks[None, :],
-                    mask=rmask[:, None] & (ks < kmax // 16)[None, :], other=0)
-        c = tl.reshape(tl.join(d & 15, d >> 4), [BLOCK_R, BLOCK_K]).to(tl.uint16)
+        # 4-D [rows, 16-group, byte, nibble]: the scale broadcast and the nibble interleave need no data movement
+        G: tl.constexpr = BLOCK_K // 16
+        g = tl.arange(0, G)
+        jj = tl.arange(0, 8)
+        kb = k0 // 2 + g * 8
+        gmask = (kb < kmax // 2)[None, :]
+        d = tl.load(data_ptr + rows[:, None, None].to(tl.int64) * stride_d + (kb[None, :, None] + jj[None, None, :]),
+                    mask=(rmask[:, None] & gmask)[:, :, None], other=0)
+        s = tl.load(scale_ptr + (rows // SBR)[:, None].to(tl.int64) * stride_s + (k0 // 16 + g)[None, :],
+                    mask=rmask[:, None] & gmask, other=0)
+        c = tl.join(d & 15, d >> 4).to(tl.uint16)  # [BLOCK_R, G, 8, 2]
         mag = (((c & 7) << 9) | ((c & 8) << 12)).to(tl.float16, bitcast=True)
         e2m1 = mag * tl.full([], 16384.0, tl.float16)  # exact: fp16 bits (c & 7) << 9 encode e2m1 * 2^-14
         sc = ((s.to(tl.uint16) & 0x7F) << 7).to(tl.float16, bitcast=True) * tl.full([], 256.0, tl.float16)
-        v = tl.reshape(e2m1, [BLOCK_R, BLOCK_K // 16, 16]) * sc[:, :, None]  # exact: <= 6 significant bits
+        v = e2m1 * sc[:, :, None, None]  # exact: <= 6 significant bits
         return tl.reshape(v, [BLOCK_R, BLOCK_K])
     else:
         kk = k0 + tl.arange(0, BLOCK_K)
@@ -136,8 +140,8 @@ def _kgrouped_gemm_kernel(a_data, a_scale, a_vals, a_gs, a_gs_stride, b_data, b_
     cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < M
     cmask = cols < N
-    ks = tl.load(k_start_ptr + e)
-    ke = ks + tl.load(k_count_ptr + e)
+    ks = tl.multiple_of(tl.load(k_start_ptr + e), 16)  # token counts are multiples of 16 (checked by the launcher)
+    ke = tl.multiple_of(ks + tl.load(k_count_ptr + e), 16)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(ks, ke, BLOCK_K):  # fixed, sequential K order
         a = _operand_tile(a_data, a_scale, a_vals, rows, rmask, k0, ke, KT // 2, KT // 16, KT, 1, A_PACKED,
@@ -167,11 +171,13 @@ def default_config(rows_per_group: int, interpreter: bool) -> GemmConfig:
     """Training-sized tiles for many rows per group, decode tiles (BLOCK_M=16, narrow N, long K) for few."""
     if interpreter:
         return GemmConfig(16, 32, 64, 4, 1)
+    # measured on the H200 (docs/benchmarks.md): FC1 of the expert block, 131072 rows, 128x256x64: 525 TFLOP/s
+    # (128x128x64: 453); decode of 8 experts' FC1 with one token each, 16x64x128 was the fastest of 9 tiles tried
     if rows_per_group <= 16:
-        return GemmConfig(16, 64, 256, 4, 4)
+        return GemmConfig(16, 64, 128, 4, 4)
     if rows_per_group <= 64:
         return GemmConfig(64, 64, 128, 4, 4)
-    return GemmConfig(128, 128, 64, 8, 4)
+    return GemmConfig(128, 256, 64, 8, 3)
 
 
 @dataclass
@@ -281,6 +287,9 @@ def kgrouped_gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, tokens_per_expert, out_
     if a.block[0] != 1 or b.block[0] != 1:
         raise ValueError("wgrad operands use (1, 16) blocks along the token dim")
     dev = a.data.device
+    if not torch.is_tensor(tokens_per_expert) or not tokens_per_expert.is_cuda:  # checkable without a sync
+        if any(int(c) % 16 for c in tokens_per_expert):
+            raise ValueError(f"wgrad token counts must be multiples of 16 (pad per expert), got {tokens_per_expert}")
     counts = torch.as_tensor(tokens_per_expert, dtype=torch.int32).to(dev)
     starts = (torch.cumsum(counts, 0, dtype=torch.int32) - counts).to(torch.int32)
     experts = counts.numel()

@@ -58,34 +58,42 @@ def _lowbias32(x):
 
 @triton.jit
 def _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C,
-               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, RHT: tl.constexpr, SIGN_MASK: tl.constexpr):
-    """fp32 tile [BLOCK_R, BLOCK_C] of x (rows, columns c0..), Hadamard-transformed per 16-group when RHT."""
+               BLOCK_R: tl.constexpr, G: tl.constexpr, RHT: tl.constexpr, SIGN_MASK: tl.constexpr):
+    """fp32 tile [BLOCK_R, G, 8, 2] of x: rows `rows`, 16-groups g at columns c0 + 16 g + 2 j + p; Hadamard-
+    transformed per 16-group when RHT. The 4-D shape (group, pair, even/odd) is the layout every later step needs
+    (block reductions over the last two axes, nibble packing over the last one), so no reshape moves data."""
     rmask = rows < R
+    g = tl.arange(0, G)
+    jj = tl.arange(0, 8)
+    pp = tl.arange(0, 2)
+    gcol = c0 + g * 16
+    r4 = rows[:, None, None, None].to(tl.int64) * stride_r
+    g4 = gcol[None, :, None, None].to(tl.int64) * stride_c
+    m4 = rmask[:, None, None, None] & (gcol < C)[None, :, None, None]
     if RHT:
-        G: tl.constexpr = BLOCK_C // 16
-        g = tl.arange(0, G)
-        j = tl.arange(0, 16)
-        gcol = c0 + g * 16
-        base = rows[:, None, None].to(tl.int64) * stride_r + gcol[None, :, None].to(tl.int64) * stride_c
-        mask = rmask[:, None, None] & (gcol < C)[None, :, None]
+        j16 = jj[:, None] * 2 + pp[None, :]  # [8, 2]: position within the 16-group
         # y_j = x_0 m_0j + x_1 m_1j + ... in this order; m_ij = sign_i * (-1)^popcount(i & j) / 4
-        x0 = tl.load(x_ptr + base, mask=mask, other=0.0).to(tl.float32)
-        p0 = 0 & j
+        x0 = tl.load(x_ptr + r4 + g4, mask=m4, other=0.0).to(tl.float32)
+        p0 = 0 & j16
         par0 = (p0 ^ (p0 >> 1) ^ (p0 >> 2) ^ (p0 >> 3)) & 1
-        m0 = tl.where(par0 == 1, -0.25, 0.25) * (1.0 - 2.0 * ((SIGN_MASK >> 0) & 1))
-        acc = x0 * m0[None, None, :]
+        mv0 = tl.where(par0 == 1, -0.25, 0.25) * (1.0 - 2.0 * ((SIGN_MASK >> 0) & 1))
+        acc = x0 * mv0[None, None, :, :]
         for i in tl.static_range(1, 16):
-            xi = tl.load(x_ptr + base + i * stride_c, mask=mask, other=0.0).to(tl.float32)
-            p = i & j
-            par = (p ^ (p >> 1) ^ (p >> 2) ^ (p >> 3)) & 1
-            mi = tl.where(par == 1, -0.25, 0.25) * (1.0 - 2.0 * ((SIGN_MASK >> i) & 1))
-            acc = acc + xi * mi[None, None, :]
-        return tl.reshape(acc, [BLOCK_R, BLOCK_C])
+            xi = tl.load(x_ptr + r4 + g4 + i * stride_c, mask=m4, other=0.0).to(tl.float32)
+            pi = i & j16
+            par = (pi ^ (pi >> 1) ^ (pi >> 2) ^ (pi >> 3)) & 1
+            mvi = tl.where(par == 1, -0.25, 0.25) * (1.0 - 2.0 * ((SIGN_MASK >> i) & 1))
+            acc = acc + xi * mvi[None, None, :, :]
+        return acc
     else:
-        cols = c0 + tl.arange(0, BLOCK_C)
-        ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :].to(tl.int64) * stride_c
-        mask = rmask[:, None] & (cols < C)[None, :]
-        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        c4 = (jj[None, None, :, None] * 2 + pp[None, None, None, :]).to(tl.int64) * stride_c
+        return tl.load(x_ptr + r4 + g4 + c4, mask=m4, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _row_amax(x):
+    """max |x| over the last three axes of a [BLOCK_R, G, 8, 2] tile (exact in any order)."""
+    return tl.max(tl.max(tl.max(tl.abs(x), axis=3), axis=2), axis=1)
 
 
 @triton.jit
@@ -134,18 +142,20 @@ def _e2m1_rne_index(mag):
 @triton.jit
 def _quantize_tile(x, rows, c0, R, C, s_enc, s_dec, sixth, seed_mix,
                    data_ptr, scale_ptr, vals_ptr, scale_row0,
-                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BR: tl.constexpr,
+                   BLOCK_R: tl.constexpr, G: tl.constexpr, BR: tl.constexpr,
                    STOCHASTIC: tl.constexpr, WRITE_VALS: tl.constexpr):
-    G: tl.constexpr = BLOCK_C // 16
+    """Quantise a [BLOCK_R, G, 8, 2] fp32 tile; s_enc/s_dec are scalars or [BLOCK_R, 1] (per row)."""
     rmask = rows < R
-    x3 = tl.reshape(x, [BLOCK_R, G, 16])
-    bamax = tl.max(tl.abs(x3), axis=2)  # [BLOCK_R, G]
+    g = tl.arange(0, G)
+    jj = tl.arange(0, 8)
+    gmask = (c0 + g * 16) < C
+    bamax = tl.max(tl.max(tl.abs(x), axis=3), axis=2)  # [BLOCK_R, G]
     if BR == 16:
         bamax = tl.max(bamax, axis=0)[None, :]  # one amax per 16x16 tile
     sv = tl.minimum(bamax * (s_enc * sixth), 448.0)
     scode, sf = _e4m3_rne(sv)
     mult = tl.minimum(tl.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf * s_dec), 3.4028234663852886e38)
-    v = x3 * mult[:, :, None]
+    v = x * mult[:, :, None, None]
     v = tl.minimum(tl.maximum(v, -6.0), 6.0)
     mag = tl.abs(v)
     if STOCHASTIC:
@@ -154,11 +164,10 @@ def _quantize_tile(x, rows, c0, R, C, s_enc, s_dec, sixth, seed_mix,
               + (mag >= 6.0).to(tl.int32))
         inv_step = tl.where(lo < 4, 2.0, tl.where(lo < 6, 1.0, tl.where(lo == 6, 0.5, 0.0)))
         frac = (mag - _e2m1_value(lo)) * inv_step
-        g = tl.arange(0, G)
-        j = tl.arange(0, 16)
+        pp = tl.arange(0, 2)
+        col = (c0 + g * 16)[None, :, None, None] + jj[None, None, :, None] * 2 + pp[None, None, None, :]
         # (flat index + mix) mod 2^32 computed directly in wrapping uint32 arithmetic (cheaper than int64)
-        flat = (rows[:, None, None].to(tl.uint32) * C.to(tl.uint32) + (c0 + g * 16)[None, :, None].to(tl.uint32)
-                + j[None, None, :].to(tl.uint32))
+        flat = rows[:, None, None, None].to(tl.uint32) * C.to(tl.uint32) + col.to(tl.uint32)
         h = _lowbias32(flat + seed_mix.to(tl.uint32, bitcast=True))  # seed_mix arrives as its int32 bit pattern
         u = (h >> 8).to(tl.float32) * 5.9604644775390625e-08  # * 2^-24
         idx = lo + (u < frac).to(tl.int32)
@@ -166,27 +175,25 @@ def _quantize_tile(x, rows, c0, R, C, s_enc, s_dec, sixth, seed_mix,
         idx = _e2m1_rne_index(mag)
     neg = v.to(tl.int32, bitcast=True) < 0  # the sign bit, so -0 keeps code 8 as in torch.signbit
     code = idx | (neg.to(tl.int32) << 3)
-    # pack: even element low nibble
-    c2 = tl.reshape(code, [BLOCK_R, BLOCK_C // 2, 2])
-    even, odd = tl.split(c2)
+    even, odd = tl.split(code)  # [BLOCK_R, G, 8] each: even element in the low nibble
     byte = (even | (odd << 4)).to(tl.uint8)
-    bcols = c0 // 2 + tl.arange(0, BLOCK_C // 2)
-    dptr = data_ptr + rows[:, None].to(tl.int64) * (C // 2) + bcols[None, :]
-    tl.store(dptr, byte, mask=rmask[:, None] & (bcols < C // 2)[None, :])
-    scols = c0 // 16 + tl.arange(0, G)
-    smask = scols < C // 16
+    bcol = (c0 // 2 + g * 8)[None, :, None] + jj[None, None, :]
+    dptr = data_ptr + rows[:, None, None].to(tl.int64) * (C // 2) + bcol
+    tl.store(dptr, byte, mask=rmask[:, None, None] & gmask[None, :, None])
+    scols = c0 // 16 + g
     if BR == 16:
         sptr = scale_ptr + scale_row0.to(tl.int64) * (C // 16) + scols
-        tl.store(sptr, tl.reshape(scode, [G]).to(tl.uint8), mask=smask)
+        tl.store(sptr, tl.reshape(scode, [G]).to(tl.uint8), mask=gmask)
     else:
         sptr = scale_ptr + rows[:, None].to(tl.int64) * (C // 16) + scols[None, :]
-        tl.store(sptr, scode.to(tl.uint8), mask=rmask[:, None] & smask[None, :])
+        tl.store(sptr, scode.to(tl.uint8), mask=rmask[:, None] & gmask[None, :])
     if WRITE_VALS:
-        val = tl.where(neg, -_e2m1_value(idx), _e2m1_value(idx)) * sf[:, :, None]
-        cols = c0 + tl.arange(0, BLOCK_C)
-        vptr = vals_ptr + rows[:, None].to(tl.int64) * C + cols[None, :]
-        tl.store(vptr, tl.reshape(val, [BLOCK_R, BLOCK_C]).to(vals_ptr.dtype.element_ty),
-                 mask=rmask[:, None] & (cols < C)[None, :])
+        val = tl.where(neg, -_e2m1_value(idx), _e2m1_value(idx)) * sf[:, :, None, None]
+        pp2 = tl.arange(0, 2)
+        col = (c0 + g * 16)[None, :, None, None] + jj[None, None, :, None] * 2 + pp2[None, None, None, :]
+        vptr = vals_ptr + rows[:, None, None, None].to(tl.int64) * C + col
+        tl.store(vptr, val.to(vals_ptr.dtype.element_ty),
+                 mask=rmask[:, None, None, None] & gmask[None, :, None, None])
 
 
 @triton.jit(do_not_specialize=["seed_mix"])
@@ -195,36 +202,37 @@ def _quant_kernel(x_ptr, stride_r, stride_c, R, C, data_ptr, scale_ptr, gs_ptr, 
                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BR: tl.constexpr, ROW_SCOPE: tl.constexpr,
                   SINGLE: tl.constexpr, STOCHASTIC: tl.constexpr, RHT: tl.constexpr, WRITE_VALS: tl.constexpr,
                   SIGN_MASK: tl.constexpr):
+    G: tl.constexpr = BLOCK_C // 16
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     scale_row0 = pid_r  # 16x16 blocks: BLOCK_R == 16, one scale row per program
     if ROW_SCOPE:
         if SINGLE:
-            x = _load_tile(x_ptr, stride_r, stride_c, rows, 0, R, C, BLOCK_R, BLOCK_C, RHT, SIGN_MASK)
-            s_enc, s_dec = _global_scales(tl.max(tl.abs(x), axis=1))
+            x = _load_tile(x_ptr, stride_r, stride_c, rows, 0, R, C, BLOCK_R, G, RHT, SIGN_MASK)
+            s_enc, s_dec = _global_scales(_row_amax(x))
             tl.store(gs_ptr + rows, s_dec, mask=rows < R)
             _quantize_tile(x, rows, 0, R, C, s_enc[:, None], s_dec[:, None], sixth, seed_mix,
-                           data_ptr, scale_ptr, vals_ptr, scale_row0, BLOCK_R, BLOCK_C, BR, STOCHASTIC, WRITE_VALS)
+                           data_ptr, scale_ptr, vals_ptr, scale_row0, BLOCK_R, G, BR, STOCHASTIC, WRITE_VALS)
         else:
             amax = tl.zeros([BLOCK_R], tl.float32)
             for c0 in range(0, C, BLOCK_C):
-                x = _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C, BLOCK_R, BLOCK_C, RHT, SIGN_MASK)
-                amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+                x = _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C, BLOCK_R, G, RHT, SIGN_MASK)
+                amax = tl.maximum(amax, _row_amax(x))
             s_enc, s_dec = _global_scales(amax)
             tl.store(gs_ptr + rows, s_dec, mask=rows < R)
             for c0 in range(0, C, BLOCK_C):
-                x = _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C, BLOCK_R, BLOCK_C, RHT, SIGN_MASK)
+                x = _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C, BLOCK_R, G, RHT, SIGN_MASK)
                 _quantize_tile(x, rows, c0, R, C, s_enc[:, None], s_dec[:, None], sixth, seed_mix,
-                               data_ptr, scale_ptr, vals_ptr, scale_row0, BLOCK_R, BLOCK_C, BR, STOCHASTIC,
+                               data_ptr, scale_ptr, vals_ptr, scale_row0, BLOCK_R, G, BR, STOCHASTIC,
                                WRITE_VALS)
     else:
         s_enc = tl.load(senc_ptr)
         s_dec = tl.load(senc_ptr + 1)
         c0 = pid_c * BLOCK_C
-        x = _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C, BLOCK_R, BLOCK_C, RHT, SIGN_MASK)
+        x = _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C, BLOCK_R, G, RHT, SIGN_MASK)
         _quantize_tile(x, rows, c0, R, C, s_enc, s_dec, sixth, seed_mix,
-                       data_ptr, scale_ptr, vals_ptr, scale_row0, BLOCK_R, BLOCK_C, BR, STOCHASTIC, WRITE_VALS)
+                       data_ptr, scale_ptr, vals_ptr, scale_row0, BLOCK_R, G, BR, STOCHASTIC, WRITE_VALS)
 
 
 @triton.jit
@@ -233,8 +241,8 @@ def _amax_kernel(x_ptr, stride_r, stride_c, R, C, partial_ptr,
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    x = _load_tile(x_ptr, stride_r, stride_c, rows, pid_c * BLOCK_C, R, C, BLOCK_R, BLOCK_C, RHT, SIGN_MASK)
-    tl.store(partial_ptr + pid_r * tl.num_programs(1) + pid_c, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+    x = _load_tile(x_ptr, stride_r, stride_c, rows, pid_c * BLOCK_C, R, C, BLOCK_R, BLOCK_C // 16, RHT, SIGN_MASK)
+    tl.store(partial_ptr + pid_r * tl.num_programs(1) + pid_c, tl.max(_row_amax(x), axis=0))
 
 
 def seed_mix(seed: int) -> int:

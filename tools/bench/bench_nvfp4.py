@@ -29,6 +29,7 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
+from minite.kernels.nvfp4_swiglu import SwiGLUFunction, swiglu_bwd_triton, swiglu_quant_triton
 from minite.kernels.nvfp4_gemm import GemmConfig, grouped_gemm_triton, kgrouped_gemm_triton, stack_expert_weights
 from minite.kernels import nvfp4_quant as nq
 from minite.kernels.nvfp4_quant import quantize_triton, quantize_with_values_triton
@@ -73,12 +74,11 @@ def section_copy_quant(res: dict) -> None:
     log(f"copy 131072x2048 bf16: {t * 1e3:.1f} us, {copy_bps / 1e12:.3f} TB/s")
     out_bytes = n // 2 + n // 16
     # tile sweep (all tiles give the same bits): per-row activations at 2048 and 768 columns
-    a768 = torch.randn(rows, 768, device="cuda").bfloat16()
     best = {}
-    for shape_name, xx in (("2048", x), ("768", a768)):
+    for shape_name, xx in (("2048", x),):
         nn = xx.numel()
-        for elems in (2048, 4096, 8192):
-            for warps in (2, 4, 8):
+        for elems in (1024, 2048, 4096):
+            for warps in (1, 2, 4):
                 nq.TILE_ELEMS["plain"], nq.NUM_WARPS_OVERRIDE = elems, warps
                 t = bench(lambda: quantize_with_values_triton(xx, (1, 16), "row", "nearest", None, False), rep=60)
                 frac = (2 * nn + nn // 2 + nn // 16 + 2 * nn) / (t * 1e-3) / copy_bps
@@ -88,7 +88,7 @@ def section_copy_quant(res: dict) -> None:
     nq.TILE_ELEMS["plain"], nq.NUM_WARPS_OVERRIDE = best["2048"][1], best["2048"][2]
     res["quant_tile"] = {"tile_elems": best["2048"][1], "num_warps": best["2048"][2]}
     log(f"quant tile chosen: {res['quant_tile']}")
-    for elems in (1024, 2048, 4096):
+    for elems in (512, 1024, 2048):
         nq.TILE_ELEMS["rht"] = elems
         t = bench(lambda: quantize_triton(x.t(), (1, 16), "tensor", "stochastic", 7, True), rep=60)
         log(f"  quant sweep colwise rht elems={elems}: {t * 1e3:.1f} us")
@@ -142,22 +142,26 @@ def section_block(res: dict, train_cfg: GemmConfig | None) -> None:
     dy = torch.randn(rows, HIDDEN, device="cuda").bfloat16()
     flops_fwd = 2 * rows * HIDDEN * 2 * FFN + 2 * rows * FFN * HIDDEN
 
-    # BF16: torch._grouped_mm (weights [E, N, K], so b = w.transpose(1, 2))
-    def bf16_fwd(xx, a1, a2):
+    # BF16: torch._grouped_mm (weights [E, N, K], so b = w.transpose(1, 2)); SwiGLU either eager torch ops or the
+    # same Triton elementwise kernels the W4A4 path uses (the headline baseline: only the precision differs)
+    def bf16_fwd(xx, a1, a2, eager_swiglu=False):
         h = torch._grouped_mm(xx, a1.transpose(1, 2), offs=offs)
-        a = F.silu(h[:, :FFN]) * h[:, FFN:]
+        a = F.silu(h[:, :FFN]) * h[:, FFN:] if eager_swiglu else SwiGLUFunction.apply(h)
         return torch._grouped_mm(a, a2.transpose(1, 2), offs=offs)
 
-    t_bf16_fwd = bench(lambda: bf16_fwd(x, w1, w2))
     xg, w1g, w2g = x.clone().requires_grad_(), w1.clone().requires_grad_(), w2.clone().requires_grad_()
 
-    def bf16_fwdbwd():
-        y = bf16_fwd(xg, w1g, w2g)
+    def bf16_fwdbwd(eager_swiglu=False):
+        y = bf16_fwd(xg, w1g, w2g, eager_swiglu)
         torch.autograd.backward(y, dy)
         xg.grad = w1g.grad = w2g.grad = None
 
+    t_bf16_fwd = bench(lambda: bf16_fwd(x, w1, w2))
     t_bf16_fb = bench(bf16_fwdbwd, rep=300)
-    log(f"block BF16 fwd {t_bf16_fwd:.3f} ms ({flops_fwd / t_bf16_fwd / 1e9:.0f} TFLOP/s), fwd+bwd {t_bf16_fb:.3f} ms")
+    t_bf16_fwd_eager = bench(lambda: bf16_fwd(x, w1, w2, True))
+    t_bf16_fb_eager = bench(lambda: bf16_fwdbwd(True), rep=300)
+    log(f"block BF16 fwd {t_bf16_fwd:.3f} ms ({flops_fwd / t_bf16_fwd / 1e9:.0f} TFLOP/s), fwd+bwd {t_bf16_fb:.3f} ms"
+        f" (eager torch SwiGLU: fwd {t_bf16_fwd_eager:.3f}, fwd+bwd {t_bf16_fb_eager:.3f})")
 
     q1, w1s, w1t = _quant_weights(w1, True)
     q2, w2s, w2t = _quant_weights(w2, True)
@@ -166,8 +170,7 @@ def section_block(res: dict, train_cfg: GemmConfig | None) -> None:
     def w4_fwd(keep=False):
         qx, xv = quantize_with_values_triton(x, (1, 16), "row", "nearest", None, False)
         h = grouped_gemm_triton(qx, w1s, counts, torch.bfloat16, a_values=xv, config=cfg)
-        a = F.silu(h[:, :FFN]) * h[:, FFN:]
-        qa, av = quantize_with_values_triton(a, (1, 16), "row", "nearest", None, False)
+        a, qa, av = swiglu_quant_triton(h)  # SwiGLU + per-row quantisation of its output, one pass
         y = grouped_gemm_triton(qa, w2s, counts, torch.bfloat16, a_values=av, config=cfg)
         return (y, h, a) if keep else y
 
@@ -176,18 +179,16 @@ def section_block(res: dict, train_cfg: GemmConfig | None) -> None:
         # dgrad FC2 and SwiGLU backward
         qd, dv = quantize_with_values_triton(dy, (1, 16), "tensor", "stochastic", 1, False)
         da = grouped_gemm_triton(qd, w2t, counts, torch.bfloat16, a_values=dv, config=cfg)
-        g, u = h[:, :FFN].float(), h[:, FFN:].float()
-        sg = torch.sigmoid(g)
-        dh = torch.cat([(da.float() * u * sg * (1 + g * (1 - sg))), da.float() * g * sg], 1).bfloat16()
+        dh = swiglu_bwd_triton(h, da)
         qh, hv = quantize_with_values_triton(dh, (1, 16), "tensor", "stochastic", 2, False)
         grouped_gemm_triton(qh, w1t, counts, torch.bfloat16, a_values=hv, config=cfg)  # dx
         # wgrad: operands along tokens, RHT (+ SR for gradients), grouped over K by expert
         qdyt, dytv = quantize_with_values_triton(dy.t(), (1, 16), "tensor", "stochastic", 3, True)
         qat, atv = quantize_with_values_triton(a.t(), (1, 16), "tensor", "nearest", None, True)
-        kgrouped_gemm_triton(qdyt, qat, counts, torch.bfloat16, a_values=dytv, b_values=atv, config=cfg)
+        kgrouped_gemm_triton(qdyt, qat, counts, torch.bfloat16, a_values=dytv, b_values=atv)
         qdht, dhtv = quantize_with_values_triton(dh.t(), (1, 16), "tensor", "stochastic", 4, True)
         qxt, xtv = quantize_with_values_triton(x.t(), (1, 16), "tensor", "nearest", None, True)
-        kgrouped_gemm_triton(qdht, qxt, counts, torch.bfloat16, a_values=dhtv, b_values=xtv, config=cfg)
+        kgrouped_gemm_triton(qdht, qxt, counts, torch.bfloat16, a_values=dhtv, b_values=xtv)
 
     t_w4_fwd = bench(w4_fwd)
     t_w4_fb = bench(w4_fwdbwd, rep=300)
@@ -197,14 +198,15 @@ def section_block(res: dict, train_cfg: GemmConfig | None) -> None:
     w1_packed = stack_expert_weights(q1)
     qx, xv = quantize_with_values_triton(x, (1, 16), "row", "nearest", None, False)
     h = grouped_gemm_triton(qx, w1s, counts, torch.bfloat16, a_values=xv, config=cfg)
-    a = F.silu(h[:, :FFN]) * h[:, FFN:]
-    qa, av = quantize_with_values_triton(a, (1, 16), "row", "nearest", None, False)
+    a, qa, av = swiglu_quant_triton(h)
     stages = {
         "quant_x": bench(lambda: quantize_with_values_triton(x, (1, 16), "row", "nearest", None, False)),
         "fc1_w4a4": bench(lambda: grouped_gemm_triton(qx, w1s, counts, torch.bfloat16, a_values=xv, config=cfg)),
         "fc1_bf16_grouped_mm": bench(lambda: torch._grouped_mm(x, w1.transpose(1, 2), offs=offs)),
-        "swiglu": bench(lambda: F.silu(h[:, :FFN]) * h[:, FFN:]),
-        "quant_a": bench(lambda: quantize_with_values_triton(a, (1, 16), "row", "nearest", None, False)),
+        "swiglu_eager_torch": bench(lambda: F.silu(h[:, :FFN]) * h[:, FFN:]),
+        "swiglu_triton": bench(lambda: swiglu_quant_triton(h, quantize=False)),
+        "swiglu_fused_quant_a": bench(lambda: swiglu_quant_triton(h)),
+        "quant_a_separate": bench(lambda: quantize_with_values_triton(a, (1, 16), "row", "nearest", None, False)),
         "fc2_w4a4": bench(lambda: grouped_gemm_triton(qa, w2s, counts, torch.bfloat16, a_values=av, config=cfg)),
         "fc2_bf16_grouped_mm": bench(lambda: torch._grouped_mm(a, w2.transpose(1, 2), offs=offs)),
         "fc1_w4a4_packed_operands": bench(lambda: grouped_gemm_triton(qx, w1_packed, counts, torch.bfloat16,
@@ -222,21 +224,19 @@ def section_block(res: dict, train_cfg: GemmConfig | None) -> None:
     qat, atv = quantize_with_values_triton(a_.t(), (1, 16), "tensor", "nearest", None, True)
 
     def swiglu_bwd():
-        g, u = h_[:, :FFN].float(), h_[:, FFN:].float()
-        sg = torch.sigmoid(g)
-        return torch.cat([(da.float() * u * sg * (1 + g * (1 - sg))), da.float() * g * sg], 1).bfloat16()
+        return swiglu_bwd_triton(h_, da)
 
     bwd_stages = {
         "quant_dy_sr": bench(lambda: quantize_with_values_triton(dy, (1, 16), "tensor", "stochastic", 1, False)),
         "dgrad_fc2": bench(lambda: grouped_gemm_triton(qd, w2t, counts, torch.bfloat16, a_values=dv, config=cfg)),
-        "swiglu_bwd_torch": bench(swiglu_bwd),
+        "swiglu_bwd_triton": bench(swiglu_bwd),
         "quant_dyT_rht_sr": bench(lambda: quantize_with_values_triton(dy.t(), (1, 16), "tensor", "stochastic", 3,
                                                                       True)),
         "quant_aT_rht": bench(lambda: quantize_with_values_triton(a_.t(), (1, 16), "tensor", "nearest", None, True)),
         "wgrad_fc2": bench(lambda: kgrouped_gemm_triton(qdyt, qat, counts, torch.bfloat16, a_values=dytv,
-                                                        b_values=atv, config=cfg)),
-        "wgrad_fc2_default_tile": bench(lambda: kgrouped_gemm_triton(qdyt, qat, counts, torch.bfloat16,
-                                                                     a_values=dytv, b_values=atv)),
+                                                        b_values=atv)),
+        "wgrad_fc2_128x256": bench(lambda: kgrouped_gemm_triton(qdyt, qat, counts, torch.bfloat16, a_values=dytv,
+                                                                b_values=atv, config=GemmConfig(128, 256, 64, 8, 3))),
         "bf16_fc2_wgrad_equiv_grouped_mm": bench(lambda: torch._grouped_mm(dy.t(), a_, offs=offs)),
     }
     for k_, v in bwd_stages.items():
@@ -267,7 +267,8 @@ def section_block(res: dict, train_cfg: GemmConfig | None) -> None:
         "expert_block_fwd_ratio_vs_bf16": t_w4_fwd / t_bf16_fwd,
         "expert_block_fwdbwd_ratio_vs_bf16": t_w4_fb / t_bf16_fb,
         "expert_block_speedup_vs_torch_emulation": t_emu / t_w4_fwd,
-        "expert_block_ms": {"bf16_fwd": t_bf16_fwd, "bf16_fwdbwd": t_bf16_fb, "w4a4_fwd": t_w4_fwd,
+        "expert_block_ms": {"bf16_fwd": t_bf16_fwd, "bf16_fwdbwd": t_bf16_fb, "bf16_fwd_eager_swiglu": t_bf16_fwd_eager,
+                            "bf16_fwdbwd_eager_swiglu": t_bf16_fb_eager, "w4a4_fwd": t_w4_fwd,
                             "w4a4_fwdbwd": t_w4_fb, "torch_emulation_fwd": t_emu},
         "expert_block_fwd_stages_us": {k: v * 1e3 for k, v in stages.items()},
         "expert_block_torchao_peer": None,
@@ -277,9 +278,8 @@ def section_block(res: dict, train_cfg: GemmConfig | None) -> None:
 
 
 # ---------------------------------------------------------------- decode
-DECODE_CANDIDATES = [GemmConfig(16, 64, 256, 4, 4), GemmConfig(16, 32, 256, 4, 4), GemmConfig(16, 16, 256, 4, 4),
-                     GemmConfig(16, 32, 128, 4, 6), GemmConfig(16, 32, 512, 4, 3), GemmConfig(16, 64, 128, 4, 4),
-                     GemmConfig(16, 32, 256, 2, 4), GemmConfig(32, 32, 256, 4, 4), GemmConfig(16, 16, 512, 2, 3)]
+DECODE_CANDIDATES = [GemmConfig(16, 64, 256, 4, 4), GemmConfig(16, 64, 128, 4, 4), GemmConfig(16, 128, 128, 4, 4),
+                     GemmConfig(16, 64, 128, 8, 4), GemmConfig(16, 32, 128, 2, 4), GemmConfig(32, 64, 128, 4, 4)]
 def section_decode(res: dict, decode_cfg: GemmConfig | None) -> None:
     sets, e, n, k = 8, 8, 2 * FFN, HIDDEN
     wb = [(torch.randn(e, k, n, device="cuda") * k ** -0.5).bfloat16() for _ in range(sets)]  # bmm layout [E, K, N]

@@ -1,0 +1,134 @@
+"""SwiGLU for the MoE experts, with NVFP4 quantisation of its output fused in (the FC2 input), plus its backward.
+
+Forward: h = [gate | up] (FC1 output, bf16 [T, 2F]); a = bf16(bf16(silu(gate)) * up), silu(g) = g / (1 + e^-g) in
+fp32: the two bf16 roundings mirror `F.silu(g) * u` on bf16 tensors (values agree with torch to rounding of the exp;
+the learner and the rollout both call this kernel, so they agree bitwise with each other). The fused variant writes
+a (bf16, kept for FC2's wgrad) and quantises it in the same pass: 1x16 blocks, one global scale per row (the
+activation recipe), nearest-even, with minite.kernels.nvfp4_quant's tile arithmetic, so its codes are bitwise equal
+to quantize_reference(a). One read of h replaces SwiGLU's read + write and the quantiser's second read of a.
+
+Backward: dgate = da * up * s * (1 + g (1 - s)), dup = da * silu(g), s = sigmoid(g), fp32, one bf16 rounding each.
+All kernels are elementwise or per-row: batch invariant by construction.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minite.nvfp4.tensor import NVFP4Tensor
+
+from ._interpreter import ensure_interpreter_compat
+from .nvfp4_quant import SIXTH, _global_scales, _quantize_tile, _row_amax
+
+
+@triton.jit
+def _round_bf16(x):
+    """fp32 -> the nearest-even bf16 value, still in fp32 (integer arithmetic: the interpreter's cast truncates)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _swiglu_tile(h_ptr, a_ptr, rows, R, F, BLOCK_R: tl.constexpr, G: tl.constexpr):
+    """a = bf16(bf16(silu(g)) * u) as fp32 [BLOCK_R, G, 8, 2] for columns 0..16G of the F outputs; stores a."""
+    g = tl.arange(0, G)
+    jj = tl.arange(0, 8)
+    pp = tl.arange(0, 2)
+    col = g[None, :, None, None] * 16 + jj[None, None, :, None] * 2 + pp[None, None, None, :]
+    mask = (rows < R)[:, None, None, None] & (col < F)
+    base = rows[:, None, None, None].to(tl.int64) * (2 * F) + col
+    gate = tl.load(h_ptr + base, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(h_ptr + base + F, mask=mask, other=0.0).to(tl.float32)
+    silu = _round_bf16(gate / (1.0 + tl.exp(-gate)))
+    a = _round_bf16(silu * up)
+    tl.store(a_ptr + rows[:, None, None, None].to(tl.int64) * F + col, a.to(tl.bfloat16), mask=mask)
+    return a
+
+
+@triton.jit
+def _swiglu_quant_kernel(h_ptr, a_ptr, data_ptr, scale_ptr, gs_ptr, vals_ptr, R, F, sixth,
+                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, QUANT: tl.constexpr,
+                         WRITE_VALS: tl.constexpr):
+    G: tl.constexpr = BLOCK_C // 16
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    x = _swiglu_tile(h_ptr, a_ptr, rows, R, F, BLOCK_R, G)
+    if QUANT:
+        s_enc, s_dec = _global_scales(_row_amax(x))
+        tl.store(gs_ptr + rows, s_dec, mask=rows < R)
+        _quantize_tile(x, rows, 0, R, F, s_enc[:, None], s_dec[:, None], sixth, 0,
+                       data_ptr, scale_ptr, vals_ptr, 0, BLOCK_R, G, 1, False, WRITE_VALS)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(h_ptr, da_ptr, dh_ptr, R, F, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows < R)[:, None] & (cols < F)[None, :]
+    base = rows[:, None].to(tl.int64) * (2 * F) + cols[None, :]
+    gate = tl.load(h_ptr + base, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(h_ptr + base + F, mask=mask, other=0.0).to(tl.float32)
+    da = tl.load(da_ptr + rows[:, None].to(tl.int64) * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    sg = 1.0 / (1.0 + tl.exp(-gate))
+    dgate = da * up * sg * (1.0 + gate * (1.0 - sg))
+    dup = da * gate * sg
+    if dh_ptr.dtype.element_ty == tl.bfloat16:
+        dgate = _round_bf16(dgate)
+        dup = _round_bf16(dup)
+    tl.store(dh_ptr + base, dgate.to(dh_ptr.dtype.element_ty), mask=mask)
+    tl.store(dh_ptr + base + F, dup.to(dh_ptr.dtype.element_ty), mask=mask)
+
+
+def _tile(f: int) -> tuple[int, int]:
+    block_c = triton.next_power_of_2(f)
+    return max(1, 2048 // block_c), block_c
+
+
+def swiglu_quant_triton(h: torch.Tensor, quantize: bool = True, values_dtype: torch.dtype | None = torch.float16):
+    """(a bf16 [T, F], NVFP4Tensor of a or None, block values or None) from h = [gate | up] bf16 [T, 2F]."""
+    ensure_interpreter_compat()
+    rows, two_f = h.shape
+    f = two_f // 2
+    if f % 16 or not h.is_contiguous():
+        raise ValueError(f"swiglu_quant needs a contiguous [T, 2F] input with F % 16 == 0, got {tuple(h.shape)}")
+    dev = h.device
+    a = torch.empty(rows, f, dtype=torch.bfloat16, device=dev)
+    data = torch.empty(rows, f // 2, dtype=torch.uint8, device=dev)
+    scale = torch.empty(rows, f // 16, dtype=torch.uint8, device=dev)
+    gs = torch.empty(rows, dtype=torch.float32, device=dev)
+    vals = torch.empty(rows, f, dtype=values_dtype, device=dev) if (quantize and values_dtype) else data
+    block_r, block_c = _tile(f)
+    _swiglu_quant_kernel[(triton.cdiv(rows, block_r),)](
+        h, a, data, scale, gs, vals, rows, f, SIXTH, BLOCK_R=block_r, BLOCK_C=block_c, QUANT=quantize,
+        WRITE_VALS=bool(quantize and values_dtype), num_warps=2)
+    if not quantize:
+        return a, None, None
+    q = NVFP4Tensor(data=data, scale=scale.view(torch.float8_e4m3fn), global_scale=gs, shape=(rows, f),
+                    block=(1, 16))
+    return a, q, (vals if values_dtype else None)
+
+
+def swiglu_bwd_triton(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
+    """d[gate | up] (bf16 [T, 2F]) from h = [gate | up] and da = dL/da."""
+    ensure_interpreter_compat()
+    rows, two_f = h.shape
+    f = two_f // 2
+    dh = torch.empty_like(h)
+    block_r, block_c = 4, min(1024, triton.next_power_of_2(f))
+    _swiglu_bwd_kernel[(triton.cdiv(rows, block_r), triton.cdiv(f, block_c))](
+        h, da.contiguous(), dh, rows, f, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+    return dh
+
+
+class SwiGLUFunction(torch.autograd.Function):
+    """BF16 SwiGLU with the Triton forward and backward (used by the BF16 baseline in tools/bench)."""
+
+    @staticmethod
+    def forward(ctx, h):
+        ctx.save_for_backward(h)
+        return swiglu_quant_triton(h, quantize=False)[0]
+
+    @staticmethod
+    def backward(ctx, da):
+        (h,) = ctx.saved_tensors
+        return swiglu_bwd_triton(h, da)
