@@ -51,7 +51,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     logits = logits[:, :-1].to(torch.float32, copy=True)  # contiguous, and ours: the TP path works in place
-    target = tokens[:, 1:]
+    target = tokens[:, 1:].to(logits.device)
     if ps.get_tensor_model_parallel_world_size() == 1:
         return torch.log_softmax(logits, dim=-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
     return -vocab_parallel_cross_entropy(logits, target)
@@ -93,6 +93,7 @@ class Learner:
             raise ValueError(f"tokens must be a LongTensor [B, T], got {tokens.dtype} {tuple(tokens.shape)}")
         if tokens.shape[1] < 2:
             raise ValueError(f"tokens need at least 2 positions to score, got T={tokens.shape[1]}")
+        tokens = tokens.to(self.model.embedding.word_embeddings.weight.device)
         t = tokens.shape[1]
         pad = (-t) % self.cfg.parallel.tp  # sequence parallelism splits T over TP ranks; causal: pads are inert
         if pad:

@@ -5,8 +5,8 @@ parameter names and NVFP4 layers. The model is a function of (cfg.model, cfg.pre
 CPU initialisation builds each full weight from torch's global generator and keeps the local shard, and
 GroupedExperts does the same per expert, so the initial model is the same for every TP/EP layout.
 
-Parallel state: `init_parallel(cfg)` starts torch.distributed if nobody has (gloo; world size 1 on a free local
-port, or the torchrun environment when RANK/WORLD_SIZE are set; reading the environment here is the launcher's
+Parallel state: `init_parallel(cfg)` starts torch.distributed if nobody has (gloo, or NCCL with a GPU; world size 1
+on a free local port, or the torchrun environment when RANK/WORLD_SIZE are set; reading the environment here is the launcher's
 job done once, at start) and Megatron's model-parallel groups with TP/EP from cfg.parallel (pipeline parallelism:
 1 only). On a machine without a GPU it applies `megatron_patches.cpu` first.
 """
@@ -46,10 +46,13 @@ def init_parallel(cfg: Config) -> None:
     if par.pp != 1:
         raise ValueError(f"parallel.pp={par.pp}: pipeline parallelism is not supported by the learner (use 1)")
     if not dist.is_initialized():
+        backend = "nccl" if cpu_patches.gpu_present() else "gloo"
+        if cpu_patches.gpu_present():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group("gloo")
+            dist.init_process_group(backend)
         else:
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     world = dist.get_world_size()
     if world % (par.tp * par.pp) or world % par.ep:
         raise ValueError(f"world size {world} is not divisible by parallel.tp={par.tp} and parallel.ep={par.ep}")
@@ -94,7 +97,8 @@ def build_model(cfg: Config, *, init_parallel_state: bool = True):
         torch.set_rng_state(cpu_state)
     # What Megatron's Float16Module does to its module: every float parameter (norms included) in the
     # compute dtype; fp32 master copies live in the optimizer.
-    return model.to(compute_dtype(cfg))
+    model = model.to(compute_dtype(cfg))
+    return model.cuda() if cpu_patches.gpu_present() else model  # (GPU path: not exercised by the CPU tests)
 
 
 def nvfp4_context(model) -> Optional[NVFP4Context]:
