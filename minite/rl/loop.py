@@ -164,8 +164,8 @@ def log_step(run: Run, metrics: dict) -> None:
     scalars = {k: v for k, v in metrics.items() if k != "step"}
     if run.logger is not None:
         run.logger.log(run.step, scalars)
-    if run.cfg.logging.dir:
-        path = Path(run.cfg.logging.dir) / "metrics.jsonl"
+    path = _metrics_path(run.cfg)
+    if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
@@ -211,6 +211,7 @@ def setup(cfg, *, learner_factory=None, engine_factory=None) -> Run:
     if state is not None:
         resume(run, state)
     else:
+        _fresh_metrics_file(cfg)
         warmup(run)
         if run.ref is not None:
             run.ref.update_weights(learner.named_weights())
@@ -220,6 +221,17 @@ def setup(cfg, *, learner_factory=None, engine_factory=None) -> Run:
     run.logger = MetricsLogger(cfg.logging.dir if cfg.logging.tensorboard else None, total_steps=cfg.rl.steps,
                                start_step=run.step, progress=cfg.logging.progress_bar)
     return run
+
+
+def _metrics_path(cfg) -> Path | None:
+    return Path(cfg.logging.dir) / "metrics.jsonl" if cfg.logging.dir else None
+
+
+def _fresh_metrics_file(cfg) -> None:
+    """A fresh run starts a fresh metrics.jsonl; a resumed one appends to its own."""
+    path = _metrics_path(cfg)
+    if path is not None and path.exists():
+        path.unlink()
 
 
 def check_shapes(cfg, task: DigitTask) -> None:
