@@ -59,7 +59,7 @@ from minite.convert.safetensors_stream import (
 FORMAT = "minite-megatron-sharded-safetensors/1"
 META_FILE = "minite_checkpoint.json"
 INDEX_FILE = "model.safetensors.index.json"
-CHUNK_BYTES = 32 * 1024 * 1024
+CHUNK_BYTES = 16 * 1024 * 1024  # rows of one target assembled at a time; peak ~ 2-3x this
 HF_SHARD_BYTES = 4 * 1024 ** 3  # default HF shard size when the checkpoint carries no HF layout
 
 
@@ -348,11 +348,12 @@ def _write_target(w: StreamWriter, tg: Target, dtype: str, sources: Dict[str, Te
                   bar) -> None:
     rows, cols = view2d(tg.shape)
     itemsize = torch.empty(0, dtype=DTYPES[dtype]).element_size()
-    step = max(1, CHUNK_BYTES // max(1, cols * itemsize))
+    widest = max([cols] + [sources[pc.src].row_elems for pc in tg.pieces])  # a column slice reads whole rows
+    step = max(1, CHUNK_BYTES // (widest * itemsize))
     for a in range(0, rows, step):
         b = min(rows, a + step)
         buf = torch.empty(b - a, cols, dtype=DTYPES[dtype])
-        filled = 0
+        filled, got = 0, None
         for pc in tg.pieces:
             lo, hi = max(a, pc.dst_row), min(b, pc.dst_row + pc.r1 - pc.r0)
             if lo >= hi:
@@ -364,6 +365,7 @@ def _write_target(w: StreamWriter, tg: Target, dtype: str, sources: Dict[str, Te
             raise ConversionError(f"internal error: the pieces of {tg.name!r} do not tile rows {a}..{b}")
         w.write(tg.name, buf)
         bar.update(buf.numel() * itemsize)
+        del buf, got  # free before the next chunk's allocation (else two chunks live at once)
 
 
 def write_plan(out_dir: Path, plan: Dict[str, List[Target]], sources: Dict[str, TensorEntry],
