@@ -187,6 +187,32 @@ class LoggingConfig:
 
 
 @dataclass(kw_only=True)
+class AlignmentConfig:
+    """Learner/rollout alignment (docs/alignment.md): strict mode, routing replay, the log-prob gap monitor."""
+
+    strict: bool = False
+    """Strict mode: every forward op of learner and rollout computed batch-invariantly (minite.alignment.strict);
+    the learner's full-sequence log-probs then equal the rollout's decode log-probs. Slower; needs tp = ep = 1."""
+    routing_replay: bool = False
+    """Default-mode mitigation: the learner replays the experts the rollout routed each token to
+    (minite.alignment.routing_replay), so MoE routing flips stop feeding the mismatch."""
+    warn_above: float | None = None
+    """Log a warning in the RL loop when a step's max |logp_learner - logp_rollout| exceeds this (None: never)."""
+    stop_above: float | None = None
+    """Stop the RL run (AlignmentError) when a step's max |logp gap| exceeds this (None: never)."""
+
+    def __post_init__(self):
+        for name in ("warn_above", "stop_above"):
+            v = getattr(self, name)
+            if v is not None and not v >= 0:
+                raise ValueError(f"{name} must be >= 0 or null, got {v}")
+        if self.warn_above is not None and self.stop_above is not None and self.stop_above < self.warn_above:
+            raise ValueError(f"stop_above ({self.stop_above}) must be >= warn_above ({self.warn_above})")
+        if self.strict and self.routing_replay:
+            raise ValueError("strict and routing_replay are exclusive: strict mode already routes identically")
+
+
+@dataclass(kw_only=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
@@ -196,6 +222,7 @@ class Config:
     rl: RLConfig = field(default_factory=RLConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    alignment: AlignmentConfig = field(default_factory=AlignmentConfig)
     source: str | None = None
     """The YAML file this was loaded from (set by load_config)."""
 
