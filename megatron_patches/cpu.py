@@ -5,7 +5,9 @@ What, why, which versions
 Supported upstream: megatron-core 0.16.1 exactly (the version setup.py pins; the newest for Python 3.11).
 Megatron-Core assumes a GPU in a handful of places. Each patch below replaces one such place with
 its CPU meaning and nothing more; numerics are untouched. Apply with `apply()`: it is idempotent,
-does nothing when a GPU is present (unless `force=True`), and logs each patch it makes.
+does nothing when a GPU is present (unless `force=True`), and logs each patch it makes. Each patch is
+exercised against the real upstream classes by tests/unit/test_learner_*.py and tests/distributed/
+(the dispatcher patch by EP=2 under torchrun).
 
 | upstream place (0.16.1)                                     | on CPU it ...                       | patch                                         |
 |-------------------------------------------------------------|-------------------------------------|-----------------------------------------------|
@@ -15,11 +17,11 @@ does nothing when a GPU is present (unless `force=True`), and logs each patch it
 | `grouped_gemm_util.ops.gmm` (legacy GroupedMLP)               | needs the grouped_gemm CUDA package  | a per-expert torch.matmul fallback             |
 | `MoEAlltoAllTokenDispatcher` streams and device->host copies  | creates torch.cuda.Stream; gloo gets tensors as split sizes | no streams; split sizes become numpy arrays |
 | `transformer.utils.get_default_causal_mask` / sliding window  | hard-codes device="cuda"             | same masks on the CPU                          |
-| DDP, grad buffers, optimizers, clip_grads (literal "cuda", `param.type() == 'torch.cuda.FloatTensor'` checks) | raise | `cuda_as_cpu()` context: a TorchFunctionMode mapping cuda->cpu |
+| DDP, grad buffers, optimizers, clip_grads, finalize_model_grads (literal "cuda", `param.type() == 'torch.cuda.FloatTensor'` checks) | raise | `cuda_as_cpu()` context: a TorchFunctionMode mapping cuda->cpu |
 
 The last row is a context manager, not a global patch: a TorchFunctionMode costs a Python call per
-torch op, so the learner enters it only around DDP/optimizer construction and the optimizer step
-(a few hundred ops), never around the forward/backward. Inside it: `device="cuda"`/`"cuda:N"`/int
+torch op, so the learner enters it only around DDP/optimizer construction, grad finalisation and the
+optimizer step (a few hundred ops), never around the forward/backward. Inside it: `device="cuda"`/`"cuda:N"`/int
 device arguments become "cpu", `Tensor.cuda()` is the identity, and `Tensor.type()` (no argument)
 reports "torch.cuda.<T>" so Megatron's dtype dispatch (Float16OptimizerWithFloat16Params,
 clip_grads) takes its CUDA branch with CPU tensors.
