@@ -21,6 +21,11 @@ Megatron's GroupedMLP does.
 
 Stochastic-rounding seeds: every NVFP4 module gets `nvfp4_layer_id` (its order in the model, set by the builder),
 and its backward seed is derive_seed(run seed, ctx.step, layer id); the learner advances ctx.step per train step.
+
+Quantised weights are cached per module, keyed by (ctx.generation, storage, version counter): a weight is quantised
+once per update, not once per forward (in a 2-layer model's forward 20 of the 28 quantisations are weights).
+`param.copy_` / load_state_dict bump the version counter; writes through `.data` (Megatron's optimizers) do not,
+so whoever writes that way calls `ctx.weights_updated()` (the Learner does after every step and load).
 """
 from __future__ import annotations
 
@@ -34,7 +39,7 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from minite.learner.ops import derive_seed, nvfp4_grouped_linear, nvfp4_linear
+from minite.learner.ops import _group_size, derive_seed, nvfp4_grouped_linear, nvfp4_linear, quantize_weight
 from minite.nvfp4 import NVFP4Recipe
 
 
@@ -50,13 +55,45 @@ class NVFP4Context:
     backend: str = "auto"
     """minite.nvfp4 backend: 'auto' (Triton on CUDA tensors), 'reference' or 'triton'."""
 
+    generation: int = 0
+    """Bumped by `weights_updated()`; part of every cached quantised weight's key."""
+
     def layer_seed(self, layer_id: int) -> int:
         return derive_seed(self.seed, self.step, layer_id)
+
+    def weights_updated(self) -> None:
+        """Invalidate cached quantised weights. Needed after writes that bypass the parameter's version counter
+        (`param.data.copy_`, as Megatron's optimizers do); `param.copy_` and load_state_dict are seen anyway."""
+        self.generation += 1
+
+
+def cached_weight_q(module, weight: torch.Tensor, make, slot: str = "weight"):
+    """Q(weight) from `make()`, cached on the module while (generation, storage, version) are unchanged.
+
+    A weight is quantised once per update instead of once per forward: in a decode loop that is most of the
+    quantisation work (a 2-layer model quantises 20 weights and 8 activations per forward)."""
+    key = (module.nvfp4.generation, weight.data_ptr(), weight._version, tuple(weight.shape))
+    name = f"_nvfp4_wq_cache_{slot}"
+    cache = module.__dict__.get(name)
+    if cache is None or cache[0] != key:
+        with torch.no_grad():
+            cache = (key, make())
+        module.__dict__[name] = cache
+    return cache[1]
 
 
 def _check_linear(layer, name: str) -> None:
     if layer.gradient_accumulation_fusion:
         raise ValueError(f"{name}: gradient_accumulation_fusion is not supported by the NVFP4 linears")
+
+
+def _linear(layer, x: torch.Tensor, weight: torch.Tensor, sharded: str) -> torch.Tensor:
+    ctx = layer.nvfp4
+    group = layer.tp_group if _group_size(layer.tp_group) > 1 else None
+    w_q = cached_weight_q(layer, weight, lambda: quantize_weight(weight, ctx.recipe, backend=ctx.backend,
+                                                                  amax_group=group))
+    return nvfp4_linear(x, weight, ctx.recipe, seed=ctx.layer_seed(layer.nvfp4_layer_id), weight_q=w_q,
+                        backend=ctx.backend, sharded=sharded, tp_group=layer.tp_group)
 
 
 class NVFP4ColumnParallelLinear(ColumnParallelLinear):
@@ -75,8 +112,7 @@ class NVFP4ColumnParallelLinear(ColumnParallelLinear):
         if sequence_parallel:  # upstream gathers the sequence inside its GEMM function; so do we
             input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True,
                                                          group=self.tp_group)
-        y = nvfp4_linear(input, weight, self.nvfp4.recipe, seed=self.nvfp4.layer_seed(self.nvfp4_layer_id),
-                         backend=self.nvfp4.backend, sharded="out", tp_group=self.tp_group)
+        y = _linear(self, input, weight, "out")
         return y + bias if bias is not None else y
 
 
@@ -91,8 +127,7 @@ class NVFP4RowParallelLinear(RowParallelLinear):
         self._forward_impl = self._nvfp4_gemm
 
     def _nvfp4_gemm(self, input, weight, bias, **_unused):
-        y = nvfp4_linear(input, weight, self.nvfp4.recipe, seed=self.nvfp4.layer_seed(self.nvfp4_layer_id),
-                         backend=self.nvfp4.backend, sharded="in", tp_group=self.tp_group)
+        y = _linear(self, input, weight, "in")
         return y + bias if bias is not None else y
 
 
@@ -150,8 +185,11 @@ class GroupedExperts(MegatronModule):
     def _linear(self, x, weight, counts, salt: int):
         if self.nvfp4 is None:
             return _bf16_grouped_linear(x, weight, counts)
-        seed = derive_seed(self.nvfp4.layer_seed(self.nvfp4_layer_id), salt)
-        return nvfp4_grouped_linear(x, weight, counts, self.nvfp4.recipe, seed=seed, backend=self.nvfp4.backend)
+        ctx = self.nvfp4
+        seed = derive_seed(ctx.layer_seed(self.nvfp4_layer_id), salt)
+        w_q = cached_weight_q(self, weight, lambda: [quantize_weight(w, ctx.recipe, backend=ctx.backend)
+                                                     for w in weight], slot=f"fc{salt}")
+        return nvfp4_grouped_linear(x, weight, counts, ctx.recipe, seed=seed, weight_q=w_q, backend=ctx.backend)
 
     def forward(self, permuted_hidden: torch.Tensor, tokens_per_expert, permuted_probs: torch.Tensor):
         counts = [int(c) for c in (tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert)

@@ -132,6 +132,7 @@ class Learner:
         self.step += 1
         if self.nvfp4 is not None:
             self.nvfp4.step = self.step
+            self.nvfp4.weights_updated()  # the optimizer wrote the weights through .data
         out = {k: float(v) for k, v in (metrics or {}).items()}
         out.update(loss=float(loss.detach()), grad_norm=float(grad_norm if grad_norm is not None else 0.0),
                    step_ok=float(bool(ok)))
@@ -165,6 +166,7 @@ class Learner:
         self.step = int(sd["step"])
         if self.nvfp4 is not None:
             self.nvfp4.step = self.step
+            self.nvfp4.weights_updated()
         if "rng_cpu" in sd:
             torch.set_rng_state(sd["rng_cpu"])
 

@@ -98,6 +98,9 @@ def build_model(cfg: Config, *, init_parallel_state: bool = True):
     # What Megatron's Float16Module does to its module: every float parameter (norms included) in the
     # compute dtype; fp32 master copies live in the optimizer.
     model = model.to(compute_dtype(cfg))
+    if cfg.alignment.strict:  # batch-invariant forward ops (minite.alignment.strict)
+        from minite.alignment.strict import apply_strict
+        apply_strict(model)
     return model.cuda() if cpu_patches.gpu_present() else model  # (GPU path: not exercised by the CPU tests)
 
 

@@ -100,6 +100,14 @@ def test_nvfp4_layers_run_the_op_functions():
         want = nvfp4_linear(inp, lin.weight, ctx.recipe, seed=ctx.layer_seed(lin.nvfp4_layer_id))
         got, bias = lin(inp)
         assert bias is None and torch.equal(got, want)
+    lin = layer.self_attention.linear_qkv  # the cached quantised weight follows in-place updates
+    with torch.no_grad():
+        lin.weight.copy_(lin.weight * 1.5)  # version counter: seen
+    assert torch.equal(lin(x)[0], nvfp4_linear(x, lin.weight, ctx.recipe, seed=ctx.layer_seed(lin.nvfp4_layer_id)))
+    with torch.no_grad():
+        lin.weight.data.mul_(0.5)  # .data bypasses the version counter: weights_updated() is the contract
+    ctx.weights_updated()
+    assert torch.equal(lin(x)[0], nvfp4_linear(x, lin.weight, ctx.recipe, seed=ctx.layer_seed(lin.nvfp4_layer_id)))
     experts = layer.mlp.experts
     hidden, probs, counts = torch.randn(10, 64), torch.rand(10), [3, 0, 4, 3]
     base = ctx.layer_seed(experts.nvfp4_layer_id)
