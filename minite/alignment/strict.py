@@ -1,0 +1,234 @@
+"""Strict mode: switch a built Megatron-Core Qwen3-MoE model so that every forward op is batch invariant.
+
+`apply_strict(model)` is called by `build_model(cfg)` when cfg.alignment.strict is set, so the learner and every
+embedded rollout engine built from the same config run the same strict ops (the learner's one full-sequence forward
+and the engine's prefill + KV-cache decode then give the same log-probs, bit for bit). What each op becomes:
+
+| op (module)                              | strict version                                                        |
+|------------------------------------------|-----------------------------------------------------------------------|
+| embeddings                               | unchanged: a row lookup is exact                                      |
+| RMSNorm (input, pre-MLP, q/k-norm, final)| strict_ops.rms_norm (tree sum over hidden, IEEE sqrt and division)    |
+| BF16 linears (QKV, O-proj, lm_head, ...) | strict_ops.linear (fp32 products, tree over K) via `_forward_impl`    |
+| NVFP4 linears and experts                | unchanged: the reference GEMM sums exact products in fp64 (exact, so  |
+|                                          | order-free, below); Triton kernels reduce K in a fixed order; per-row |
+|                                          | activation scales make quantisation row-local                         |
+| RoPE                                     | strict_ops.sincos, then the same elementwise rotation                 |
+| core attention (DotProductAttention)     | strict_ops.attention (causal by absolute position, tree over keys)    |
+| router: logits, softmax, top-k           | strict linear in fp32, strict softmax, stable top-k (low index wins)  |
+| BF16 experts, SwiGLU                     | strict linear per expert; silu = x / (1 + strict exp(-x))             |
+| MoE combine                              | a token's k expert outputs summed in ascending expert order, fp32     |
+| log-softmax over the vocabulary          | unchanged (torch): both engines reduce rows of the same length V with |
+|                                          | a row-local kernel; see docs/alignment.md for why that is safe        |
+
+Why the NVFP4 reference GEMM needs nothing: block values are multiples of 2^-10 below 2688 in magnitude, so each
+product is a multiple of 2^-20 below 2^23 with at most 12 significant bits, and any partial sum of K products is a
+multiple of 2^-20 below K * 2^22.8: exactly representable in fp64 (53 bits) for K <= 1189, and in practice far
+beyond (the bound needs every element at the maximum). Exact sums do not depend on order. The fp32 global scales
+are then applied elementwise.
+
+Scope: tensor and expert parallelism must be 1 (strict mode is for the rollout-sized engine and the tiny CPU
+tests; a TP-sharded reduction would need a fixed cross-rank order). Training works (backward uses ordinary
+matmuls), at the cost of the strict forward.
+
+Upstream patch: RoPE is a module-level function in megatron.core.transformer.attention, called with the layer's
+TransformerConfig. `apply_strict` installs once (idempotent, logged) a dispatcher in its place that runs the strict
+rotation for configs marked `minite_strict` and upstream's function otherwise; default models are untouched.
+Checked against Megatron-Core 0.16.1.
+"""
+from __future__ import annotations
+
+import logging
+import types
+
+import torch
+
+from . import strict_ops as S
+
+logger = logging.getLogger(__name__)
+
+
+def _bf16_linear_impl(self, input, weight, bias=None, *args, **kwargs):
+    """Replaces ColumnParallelLinear/RowParallelLinear._forward_impl (TP = 1: no communication to do)."""
+    y = S.linear(input, weight, out_dtype=input.dtype)
+    return y + bias if bias is not None else y
+
+
+def _rms_norm_forward(self, x):
+    return S.rms_norm(x, self.weight, self.eps if self.eps is not None else torch.finfo(x.dtype).eps)
+
+
+def _attention_forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
+                       attention_bias=None, packed_seq_params=None):
+    """DotProductAttention.forward: q [sq, b, np, hn], k/v [sk, b, ng, hn] -> [sq, b, np * hn] (causal)."""
+    if packed_seq_params is not None or attention_bias is not None:
+        raise ValueError("strict attention: packed sequences and attention bias are not supported")
+    rep = query.shape[2] // key.shape[2]
+    if rep > 1:
+        key = key.repeat_interleave(rep, dim=2)
+        value = value.repeat_interleave(rep, dim=2)
+    ctx = S.attention(query, key, value, float(self.softmax_scale))
+    return ctx.reshape(ctx.shape[0], ctx.shape[1], -1).to(query.dtype)
+
+
+def _router_forward(self, input, padding_mask=None):
+    """TopKRouter.forward: fp32 logits, (softmax,) stable top-k, softmax over the k; returns (probs, routing_map)."""
+    cfg = self.config
+    logits = S.linear(input.float(), self.weight.float()).reshape(-1, cfg.num_moe_experts)
+    if cfg.moe_router_pre_softmax:
+        probs_k, idx = S.topk(S.softmax(logits), self.topk)
+    else:
+        vals, idx = S.topk(logits, self.topk)
+        probs_k = S.softmax(vals)
+    if cfg.moe_router_topk_scaling_factor:
+        probs_k = probs_k * cfg.moe_router_topk_scaling_factor
+    probs = torch.zeros_like(logits).scatter(1, idx, probs_k.to(logits.dtype))
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, idx, True)
+    return probs, routing_map
+
+
+def _experts_forward(self, permuted_hidden, tokens_per_expert, permuted_probs):
+    """GroupedExperts.forward with strict BF16 GEMMs and strict SiLU (NVFP4 GEMMs stay the module's own)."""
+    counts = [int(c) for c in (tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert)
+                               else tokens_per_expert)]
+
+    def grouped(x, weight, salt):
+        if self.nvfp4 is not None:
+            return self._linear(x, weight, counts, salt)
+        outs, start = [], 0
+        for e, c in enumerate(counts):
+            outs.append(S.linear(x[start:start + c], weight[e], out_dtype=x.dtype))
+            start += c
+        return torch.cat(outs, dim=0) if outs else x.new_zeros(0, weight.shape[1])
+
+    h = grouped(permuted_hidden, self.fc1_weight, 1)
+    gate, up = torch.chunk(h, 2, dim=-1)
+    act = ((S.silu(gate) * up.float()) * permuted_probs.unsqueeze(-1).float()).to(h.dtype)
+    out = grouped(act, self.fc2_weight, 2)
+    if permuted_hidden.shape[0] == 0:
+        out = out + 0.0 * (self.fc1_weight.sum() + self.fc2_weight.sum()).to(out.dtype)
+    return out, None
+
+
+def _combine_postprocess(self, permuted):
+    """MoEAlltoAllTokenDispatcher.combine_postprocess (EP = 1): out[t] = sum over t's experts in ascending expert
+    order, in fp32, from a gather (no scatter_add: its accumulation order is the kernel's choice)."""
+    if self.shared_experts is not None:
+        self.shared_experts.linear_fc2_forward(permuted)
+        self.shared_experts.post_forward_comm()
+    tokens = self.hidden_shape_before_permute[0]
+    rows = self.reversed_local_input_permutation_mapping      # permuted row -> token; rows are expert-major
+    order = torch.sort(rows, stable=True).indices             # per token: its rows in ascending expert order
+    k = rows.numel() // max(tokens, 1)
+    if k * tokens != rows.numel():
+        raise ValueError("strict combine: every token must have the same number of experts (no token dropping)")
+    gathered = permuted[order].float().reshape(tokens, k, -1)
+    acc = gathered[:, 0]
+    for j in range(1, k):
+        acc = acc + gathered[:, j]
+    output = acc.to(permuted.dtype).view(self.hidden_shape)
+    if self.shared_experts is not None:
+        output = output + self.shared_experts.get_output()
+    return output
+
+
+def strict_rope(t, freqs, config, cu_seqlens=None, mscale: float = 1.0, cp_group=None):
+    """RoPE with strict sin/cos (non-interleaved bshd layout, as Qwen3 uses)."""
+    if cu_seqlens is not None or config.rotary_interleaved or config.multi_latent_attention:
+        raise ValueError("strict RoPE supports the bshd, non-interleaved layout only")
+    rot = freqs.shape[-1]
+    t_rot, t_pass = t[..., :rot], t[..., rot:]
+    sin, cos = S.sincos(freqs)
+    cos_, sin_ = (cos * mscale).to(t.dtype), (sin * mscale).to(t.dtype)
+    x1, x2 = torch.chunk(t_rot, 2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return torch.cat(((t_rot * cos_) + (rotated * sin_), t_pass), dim=-1)
+
+
+def _install_rope_dispatch() -> None:
+    import megatron.core.transformer.attention as attention_mod
+
+    if getattr(attention_mod.apply_rotary_pos_emb, "_minite_strict_dispatch", False):
+        return
+    upstream = attention_mod.apply_rotary_pos_emb
+
+    def apply_rotary_pos_emb(t, freqs, config, *args, **kwargs):
+        if getattr(config, "minite_strict", False):
+            return strict_rope(t, freqs, config, *args, **kwargs)
+        return upstream(t, freqs, config, *args, **kwargs)
+
+    apply_rotary_pos_emb._minite_strict_dispatch = True
+    attention_mod.apply_rotary_pos_emb = apply_rotary_pos_emb
+    logger.info("strict mode: megatron.core.transformer.attention.apply_rotary_pos_emb dispatches on config")
+
+
+def _check_supported(cfg) -> None:
+    if cfg.tensor_model_parallel_size != 1 or cfg.expert_model_parallel_size != 1:
+        raise ValueError("strict mode needs tensor and expert parallel size 1 "
+                         f"(got tp={cfg.tensor_model_parallel_size}, ep={cfg.expert_model_parallel_size})")
+    if cfg.apply_rope_fusion or cfg.moe_router_fusion or cfg.moe_permute_fusion:
+        raise ValueError("strict mode replaces fused RoPE/router/permute kernels: turn those fusions off")
+    if cfg.moe_router_score_function != "softmax" or cfg.moe_router_num_groups or cfg.moe_expert_capacity_factor:
+        raise ValueError("strict mode implements the softmax top-k router without groups or token dropping")
+    if cfg.moe_router_load_balancing_type not in ("none", None) or cfg.moe_z_loss_coeff:
+        raise ValueError("strict mode: router aux/z losses are not implemented (set them off)")
+
+
+def _bind(module, name: str, fn) -> None:
+    setattr(module, name, types.MethodType(fn, module))
+
+
+def apply_strict(model: torch.nn.Module) -> dict:
+    """Switch every op of `model` (a GPTModel, possibly wrapped) to its strict version; idempotent.
+
+    Returns {kind: count} of the modules switched (logged). Raises ValueError for unsupported configurations.
+    """
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+    from megatron.core.utils import get_model_config
+
+    from minite.megatron_patches.nvfp4_layers import (
+        GroupedExperts, NVFP4ColumnParallelLinear, NVFP4RowParallelLinear,
+    )
+
+    config = get_model_config(model)
+    _check_supported(config)
+    _install_rope_dispatch()
+    config.minite_strict = True
+    counts: dict[str, int] = {}
+
+    def mark(kind):
+        counts[kind] = counts.get(kind, 0) + 1
+
+    for module in model.modules():
+        if isinstance(module, (NVFP4ColumnParallelLinear, NVFP4RowParallelLinear)):
+            mark("nvfp4_linear (unchanged)")
+        elif isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            module._forward_impl = types.MethodType(_bf16_linear_impl, module)
+            mark("bf16_linear")
+        elif isinstance(module, torch.nn.RMSNorm):
+            _bind(module, "forward", _rms_norm_forward)
+            mark("rms_norm")
+        elif isinstance(module, DotProductAttention):
+            _bind(module, "forward", _attention_forward)
+            mark("attention")
+        elif isinstance(module, TopKRouter):
+            _bind(module, "forward", _router_forward)
+            mark("router")
+        elif isinstance(module, GroupedExperts):
+            _bind(module, "forward", _experts_forward)
+            mark("experts")
+        if isinstance(getattr(module, "token_dispatcher", None), MoEAlltoAllTokenDispatcher):
+            _bind(module.token_dispatcher, "combine_postprocess", _combine_postprocess)
+            mark("moe_combine")
+    if not counts.get("rms_norm") or not counts.get("attention"):
+        raise ValueError(f"apply_strict found no RMSNorm/attention modules to switch ({counts}): "
+                         "not a minite Qwen3-MoE model?")
+    model.minite_strict = True
+    logger.info("strict mode: %s", counts)
+    return counts
+
+
+def is_strict(model: torch.nn.Module) -> bool:
+    return bool(getattr(model, "minite_strict", False))

@@ -1,0 +1,206 @@
+"""Batch-invariant forward ops for strict mode: every output element is a fixed function of its own inputs.
+
+Why the default ops are not enough. A forward op is batch invariant when row i of its output does not depend on
+which other rows share the call. The learner scores a sequence in one forward over [B*T] rows; the rollout computes
+the same positions in a prefill and then one decode step at a time over [B] rows. Library kernels choose their
+reduction order by shape: a GEMM blocks K differently at M=1 than at M=512, a CPU vector loop sends the last
+`numel % 2*width` elements of a thread's chunk through a scalar tail (std::exp / std::cos instead of the SLEEF
+vector version, which differ in the last ulp), a softmax over 7 keys takes the scalar path and one over 12 keys the
+vector path. Measured here (CPU, tiny model, BF16): the MoE experts' torch matmuls at different M already differ
+by 3.8e-6 (`minite diagnose`, docs/alignment.md).
+
+What these ops guarantee. Each op is written with elementwise IEEE-754 basic operations only (+, -, *, /, sqrt,
+comparisons, round/floor, integer bit manipulation) and explicit reductions:
+  * IEEE-754 requires +, -, *, /, sqrt to be correctly rounded, so the vector and scalar code paths of a torch
+    elementwise kernel give the same bits, on any thread split, on CPU and on CUDA (PyTorch builds without fast
+    math; two separate torch ops are never contracted into an FMA).
+  * `tree_sum` reduces a dim by adjacent pairs, (x0+x1), (x2+x3), ..., then pairs of pairs, after zero padding
+    to a power of two. The tree depends only on absolute positions, and x + 0 == x exactly, so summing the first
+    n keys of a length-12 row and of a length-7 row gives the same bits when the extra keys carry zeros. That is
+    what lets a decode step (keys 0..t) and the full-sequence forward (keys 0..T-1, causally zeroed past t) agree.
+  * exp, sin and cos are polynomials in float64 after an exact range reduction (Cody-Waite constants whose products
+    with the reduction integer are exact), with 2^n built from exponent bits; the fp64 result (error ~1e-16 relative)
+    is rounded once to fp32. They are deterministic functions, so equal inputs give equal outputs everywhere. The
+    fp32 value is the correctly rounded exp/sin/cos except when the true value lies within ~1e-16 relative of an
+    fp32 rounding boundary (then it may be the other neighbour: an accuracy matter only, never an invariance one).
+  * max is exact in any order; top-k is a stable descending sort (ties keep the lower expert index).
+So for equal inputs every strict op returns equal outputs, independent of batch size, row position, sequence
+length, thread count and code path: guaranteed, not "almost surely", on any device whose torch elementwise
+kernels are IEEE-conformant (CPU; CUDA without fast math). Nothing here assumes anything about library GEMMs,
+softmax or reduction kernels.
+
+Cost. The GEMM materialises x_i * w_j products [rows, cols, K] (chunked to bounded memory) and reduces them in
+log2(K) elementwise passes: K times the memory traffic of a GEMM, fine for the tiny CPU model and for decode-size
+M, not a training-throughput path. Backward (only forward values must agree) uses ordinary matmuls.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+_CHUNK_ELEMS = 1 << 24  # products held at once by `linear` and `attention` (64 MiB of fp32)
+
+# exp: n = round(x / ln2); r = x - n*ln2_hi - n*ln2_lo (ln2_hi has 32 significant bits: n*ln2_hi is exact)
+_LOG2E = 1.4426950408889634
+_LN2_HI = 6.93147180369123816490e-01
+_LN2_LO = 1.90821492927058770002e-10
+_EXP_COEFFS = [1.0 / math.factorial(i) for i in range(14)]  # |r| <= 0.35: truncation ~4e-18
+# sin/cos: n = round(x * 2/pi); r = x - n*(p1 + p2 + p3), p1 and p2 with 33 significant bits (exact for |n| < 2^20)
+_TWO_OVER_PI = 0.6366197723675814
+_PIO2_1 = 1.57079632673412561417e+00
+_PIO2_2 = 6.07710050630396597660e-11
+_PIO2_3 = 2.02226624879595063154e-21
+_SIN_COEFFS = [(-1) ** k / math.factorial(2 * k + 1) for k in range(11)]  # |r| <= pi/4
+_COS_COEFFS = [(-1) ** k / math.factorial(2 * k) for k in range(12)]
+
+
+def _horner(z: torch.Tensor, coeffs: list[float]) -> torch.Tensor:
+    """sum_i coeffs[i] * z^i, evaluated from the highest power down (fixed order)."""
+    acc = torch.full_like(z, coeffs[-1])
+    for c in reversed(coeffs[:-1]):
+        acc = acc * z + c
+    return acc
+
+
+def _pow2(n: torch.Tensor) -> torch.Tensor:
+    """2.0**n in float64 for integer-valued n in [-1022, 1023], from the exponent bits (exact)."""
+    return ((n.to(torch.int64) + 1023) << 52).view(torch.float64)
+
+
+def exp(x: torch.Tensor) -> torch.Tensor:
+    """exp(x) in float32 (see the module docstring); -inf -> 0, NaN -> NaN, overflow -> inf."""
+    x64 = x.double()
+    xc = torch.nan_to_num(x64, nan=0.0).clamp(-150.0, 89.0)  # fp32 exp is 0 below -104, inf above 88.8
+    n = torch.round(xc * _LOG2E)
+    r = (xc - n * _LN2_HI) - n * _LN2_LO
+    y = (_horner(r, _EXP_COEFFS) * _pow2(n)).float()
+    y = torch.where(x64 < -150.0, torch.zeros_like(y), y)
+    y = torch.where(x64 > 89.0, torch.full_like(y, math.inf), y)
+    return torch.where(torch.isnan(x64), torch.full_like(y, math.nan), y)
+
+
+def sincos(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sin x, cos x) in float32 for finite |x| < 2^20 (RoPE angles: position * inverse frequency)."""
+    x64 = x.double()
+    if x64.numel() and float(x64.abs().max()) >= 2.0 ** 20:
+        raise ValueError("strict sincos: |x| >= 2^20 is outside the exact range reduction")
+    n = torch.round(x64 * _TWO_OVER_PI)
+    r = ((x64 - n * _PIO2_1) - n * _PIO2_2) - n * _PIO2_3
+    z = r * r
+    s = r * _horner(z, _SIN_COEFFS)
+    c = _horner(z, _COS_COEFFS)
+    q = torch.remainder(n.to(torch.int64), 4)
+    sin = torch.where(q == 0, s, torch.where(q == 1, c, torch.where(q == 2, -s, -c)))
+    cos = torch.where(q == 0, c, torch.where(q == 1, -s, torch.where(q == 2, -c, s)))
+    return sin.float(), cos.float()
+
+
+def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Sum over `dim` by adjacent pairs after zero padding to a power of two (the order depends on positions only)."""
+    x = x.movedim(dim, -1)
+    n = x.shape[-1]
+    if n == 0:
+        return x.new_zeros(x.shape[:-1])
+    width = 1 << (n - 1).bit_length()
+    if width != n:
+        x = torch.cat([x, x.new_zeros(*x.shape[:-1], width - n)], dim=-1)
+    while x.shape[-1] > 1:
+        x = x[..., 0::2] + x[..., 1::2]
+    return x[..., 0]
+
+
+def _linear_fwd(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """[M, K] x [N, K] -> fp32 [M, N]: fp32 products, tree_sum over K; chunked over rows and columns (each output
+    element is computed alone, so chunking changes nothing)."""
+    m, k = x.shape
+    n = w.shape[0]
+    width = 1 << max(k - 1, 0).bit_length()
+    cols = max(1, min(n, _CHUNK_ELEMS // max(width, 1)))
+    rows = max(1, _CHUNK_ELEMS // (cols * max(width, 1)))
+    out = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    xf, wf = x.float(), w.float()
+    for i in range(0, m, rows):
+        for j in range(0, n, cols):
+            prod = xf[i:i + rows, None, :] * wf[None, j:j + cols, :]
+            out[i:i + rows, j:j + cols] = tree_sum(prod, -1)
+    return out
+
+
+class _StrictLinear(torch.autograd.Function):
+    """Forward: `_linear_fwd`; backward: ordinary matmuls (only forward values have to agree across engines)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return _linear_fwd(x, w)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        gx = (g @ w.float()).to(x.dtype) if ctx.needs_input_grad[0] else None
+        gw = (g.t() @ x.float()).to(w.dtype) if ctx.needs_input_grad[1] else None
+        return gx, gw
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y = x @ w^T over the last dim of x, batch invariant; fp32 unless out_dtype says otherwise."""
+    lead = x.shape[:-1]
+    y = _StrictLinear.apply(x.reshape(-1, x.shape[-1]), w)
+    return y.reshape(*lead, w.shape[0]).to(out_dtype or torch.float32)
+
+
+def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """softmax in fp32: exact max, strict exp, tree_sum denominator, one IEEE division per element."""
+    x = x.float()
+    m = x.amax(dim=dim, keepdim=True)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # an all -inf row: every e is 0 (caller's problem)
+    e = exp(x - m)
+    return e / tree_sum(e, dim).unsqueeze(dim)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(x) = x / (1 + exp(-x)) in fp32."""
+    x = x.float()
+    return x / (1.0 + exp(-x))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim, fp32 inside, output in x's dtype."""
+    xf = x.float()
+    ms = tree_sum(xf * xf, -1) / xf.shape[-1]
+    inv = 1.0 / torch.sqrt(ms + eps)
+    return ((xf * inv.unsqueeze(-1)) * weight.float()).to(x.dtype)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention, q [sq, b, h, d], k/v [sk, b, h, d] (heads already expanded) -> [sq, b, h, d] fp32.
+
+    Query i sits at absolute position sk - sq + i and sees keys 0..that position; keys past it get probability
+    exactly 0. Scores are tree sums over d; the softmax denominator and the context are tree sums over keys at
+    absolute key positions, so a decode step (sq = 1) and a full forward give the same bits.
+    """
+    sq, sk = q.shape[0], k.shape[0]
+    qf, kf, vf = q.float(), k.float(), v.float()
+    kt = kf.permute(1, 2, 0, 3)          # [b, h, sk, d]
+    vt = vf.permute(1, 2, 3, 0)          # [b, h, d, sk]
+    per_query = max(1, kt.numel() * 2)
+    step = max(1, _CHUNK_ELEMS // per_query)
+    outs = []
+    for i0 in range(0, sq, step):
+        qi = qf[i0:i0 + step]            # [c, b, h, d]
+        scores = tree_sum(qi[:, :, :, None, :] * kt[None], -1) * scale  # [c, b, h, sk]
+        pos = (sk - sq) + torch.arange(i0, i0 + qi.shape[0], device=q.device)
+        allowed = torch.arange(sk, device=q.device)[None, :] <= pos[:, None]  # [c, sk]
+        allowed = allowed[:, None, None, :]
+        m = scores.masked_fill(~allowed, -math.inf).amax(-1, keepdim=True)
+        e = torch.where(allowed, exp(scores - m), torch.zeros_like(scores))
+        p = e / tree_sum(e, -1).unsqueeze(-1)
+        outs.append(tree_sum(p[:, :, :, None, :] * vt[None], -1))       # [c, b, h, d]
+    return torch.cat(outs, dim=0)
+
+
+def topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k over the last dim by a stable descending sort: ties go to the lower index, on every device."""
+    vals, idx = torch.sort(scores, dim=-1, descending=True, stable=True)
+    return vals[..., :k], idx[..., :k]
