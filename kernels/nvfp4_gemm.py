@@ -45,21 +45,18 @@ def _operand_tile(data_ptr, scale_ptr, vals_ptr, rows, rmask, k0, kmax, stride_d
                   SBR: tl.constexpr, PACKED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """fp16 block values [BLOCK_R, BLOCK_K] of rows `rows`, columns k0..k0+BLOCK_K (zero at and beyond kmax)."""
     if PACKED:
-        # 4-D [rows, 16-group, byte, nibble]: the scale broadcast and the nibble interleave need no data movement
-        G: tl.constexpr = BLOCK_K // 16
-        g = tl.arange(0, G)
-        jj = tl.arange(0, 8)
-        kb = k0 // 2 + g * 8
-        gmask = (kb < kmax // 2)[None, :]
-        d = tl.load(data_ptr + rows[:, None, None].to(tl.int64) * stride_d + (kb[None, :, None] + jj[None, None, :]),
-                    mask=(rmask[:, None] & gmask)[:, :, None], other=0)
-        s = tl.load(scale_ptr + (rows // SBR)[:, None].to(tl.int64) * stride_s + (k0 // 16 + g)[None, :],
-                    mask=rmask[:, None] & gmask, other=0)
-        c = tl.join(d & 15, d >> 4).to(tl.uint16)  # [BLOCK_R, G, 8, 2]
+        # (a 4-D [rows, group, byte, nibble] variant of this decode crashed Triton 3.6's dot-operand pass on sm_90)
+        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        d = tl.load(data_ptr + rows[:, None].to(tl.int64) * stride_d + kb[None, :],
+                    mask=rmask[:, None] & (kb < kmax // 2)[None, :], other=0)
+        ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+        s = tl.load(scale_ptr + (rows // SBR)[:, None].to(tl.int64) * stride_s + ks[None, :],
+                    mask=rmask[:, None] & (ks < kmax // 16)[None, :], other=0)
+        c = tl.reshape(tl.join(d & 15, d >> 4), [BLOCK_R, BLOCK_K]).to(tl.uint16)
         mag = (((c & 7) << 9) | ((c & 8) << 12)).to(tl.float16, bitcast=True)
         e2m1 = mag * tl.full([], 16384.0, tl.float16)  # exact: fp16 bits (c & 7) << 9 encode e2m1 * 2^-14
         sc = ((s.to(tl.uint16) & 0x7F) << 7).to(tl.float16, bitcast=True) * tl.full([], 256.0, tl.float16)
-        v = e2m1 * sc[:, :, None, None]  # exact: <= 6 significant bits
+        v = tl.reshape(e2m1, [BLOCK_R, BLOCK_K // 16, 16]) * sc[:, :, None]  # exact: <= 6 significant bits
         return tl.reshape(v, [BLOCK_R, BLOCK_K])
     else:
         kk = k0 + tl.arange(0, BLOCK_K)

@@ -58,7 +58,8 @@ def _lowbias32(x):
 
 @triton.jit
 def _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C,
-               BLOCK_R: tl.constexpr, G: tl.constexpr, RHT: tl.constexpr, SIGN_MASK: tl.constexpr):
+               BLOCK_R: tl.constexpr, G: tl.constexpr, RHT: tl.constexpr, SIGN_MASK: tl.constexpr,
+               VEC2D: tl.constexpr):
     """fp32 tile [BLOCK_R, G, 8, 2] of x: rows `rows`, 16-groups g at columns c0 + 16 g + 2 j + p; Hadamard-
     transformed per 16-group when RHT. The 4-D shape (group, pair, even/odd) is the layout every later step needs
     (block reductions over the last two axes, nibble packing over the last one), so no reshape moves data."""
@@ -85,6 +86,12 @@ def _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C,
             mvi = tl.where(par == 1, -0.25, 0.25) * (1.0 - 2.0 * ((SIGN_MASK >> i) & 1))
             acc = acc + xi * mvi[None, None, :, :]
         return acc
+    elif VEC2D:
+        # a 2-D load (16-byte vectors along the row), reshaped: the 4-D view needs no data movement
+        cols = c0 + tl.arange(0, G * 16)
+        ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :].to(tl.int64) * stride_c
+        x2 = tl.load(ptrs, mask=rmask[:, None] & (cols < C)[None, :], other=0.0).to(tl.float32)
+        return tl.reshape(x2, [BLOCK_R, G, 8, 2])
     else:
         c4 = (jj[None, None, :, None] * 2 + pp[None, None, None, :]).to(tl.int64) * stride_c
         return tl.load(x_ptr + r4 + g4 + c4, mask=m4, other=0.0).to(tl.float32)
@@ -143,7 +150,7 @@ def _e2m1_rne_index(mag):
 def _quantize_tile(x, rows, c0, R, C, s_enc, s_dec, sixth, seed_mix,
                    data_ptr, scale_ptr, vals_ptr, scale_row0,
                    BLOCK_R: tl.constexpr, G: tl.constexpr, BR: tl.constexpr,
-                   STOCHASTIC: tl.constexpr, WRITE_VALS: tl.constexpr):
+                   STOCHASTIC: tl.constexpr, WRITE_VALS: tl.constexpr, VEC2D: tl.constexpr):
     """Quantise a [BLOCK_R, G, 8, 2] fp32 tile; s_enc/s_dec are scalars or [BLOCK_R, 1] (per row)."""
     rmask = rows < R
     g = tl.arange(0, G)
@@ -177,9 +184,14 @@ def _quantize_tile(x, rows, c0, R, C, s_enc, s_dec, sixth, seed_mix,
     code = idx | (neg.to(tl.int32) << 3)
     even, odd = tl.split(code)  # [BLOCK_R, G, 8] each: even element in the low nibble
     byte = (even | (odd << 4)).to(tl.uint8)
-    bcol = (c0 // 2 + g * 8)[None, :, None] + jj[None, None, :]
-    dptr = data_ptr + rows[:, None, None].to(tl.int64) * (C // 2) + bcol
-    tl.store(dptr, byte, mask=rmask[:, None, None] & gmask[None, :, None])
+    if VEC2D:
+        bcols = c0 // 2 + tl.arange(0, G * 8)
+        dptr = data_ptr + rows[:, None].to(tl.int64) * (C // 2) + bcols[None, :]
+        tl.store(dptr, tl.reshape(byte, [BLOCK_R, G * 8]), mask=rmask[:, None] & (bcols < C // 2)[None, :])
+    else:
+        bcol = (c0 // 2 + g * 8)[None, :, None] + jj[None, None, :]
+        dptr = data_ptr + rows[:, None, None].to(tl.int64) * (C // 2) + bcol
+        tl.store(dptr, byte, mask=rmask[:, None, None] & gmask[None, :, None])
     scols = c0 // 16 + g
     if BR == 16:
         sptr = scale_ptr + scale_row0.to(tl.int64) * (C // 16) + scols
@@ -189,11 +201,17 @@ def _quantize_tile(x, rows, c0, R, C, s_enc, s_dec, sixth, seed_mix,
         tl.store(sptr, scode.to(tl.uint8), mask=rmask[:, None] & gmask[None, :])
     if WRITE_VALS:
         val = tl.where(neg, -_e2m1_value(idx), _e2m1_value(idx)) * sf[:, :, None, None]
-        pp2 = tl.arange(0, 2)
-        col = (c0 + g * 16)[None, :, None, None] + jj[None, None, :, None] * 2 + pp2[None, None, None, :]
-        vptr = vals_ptr + rows[:, None, None, None].to(tl.int64) * C + col
-        tl.store(vptr, val.to(vals_ptr.dtype.element_ty),
-                 mask=rmask[:, None, None, None] & gmask[None, :, None, None])
+        if VEC2D:
+            vcols = c0 + tl.arange(0, G * 16)
+            vptr = vals_ptr + rows[:, None].to(tl.int64) * C + vcols[None, :]
+            tl.store(vptr, tl.reshape(val, [BLOCK_R, G * 16]).to(vals_ptr.dtype.element_ty),
+                     mask=rmask[:, None] & (vcols < C)[None, :])
+        else:
+            pp2 = tl.arange(0, 2)
+            col = (c0 + g * 16)[None, :, None, None] + jj[None, None, :, None] * 2 + pp2[None, None, None, :]
+            vptr = vals_ptr + rows[:, None, None, None].to(tl.int64) * C + col
+            tl.store(vptr, val.to(vals_ptr.dtype.element_ty),
+                     mask=rmask[:, None, None, None] & gmask[None, :, None, None])
 
 
 @triton.jit(do_not_specialize=["seed_mix"])
@@ -201,7 +219,7 @@ def _quant_kernel(x_ptr, stride_r, stride_c, R, C, data_ptr, scale_ptr, gs_ptr, 
                   seed_mix, sixth,
                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BR: tl.constexpr, ROW_SCOPE: tl.constexpr,
                   SINGLE: tl.constexpr, STOCHASTIC: tl.constexpr, RHT: tl.constexpr, WRITE_VALS: tl.constexpr,
-                  SIGN_MASK: tl.constexpr):
+                  SIGN_MASK: tl.constexpr, VEC2D: tl.constexpr):
     G: tl.constexpr = BLOCK_C // 16
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -209,39 +227,41 @@ def _quant_kernel(x_ptr, stride_r, stride_c, R, C, data_ptr, scale_ptr, gs_ptr, 
     scale_row0 = pid_r  # 16x16 blocks: BLOCK_R == 16, one scale row per program
     if ROW_SCOPE:
         if SINGLE:
-            x = _load_tile(x_ptr, stride_r, stride_c, rows, 0, R, C, BLOCK_R, G, RHT, SIGN_MASK)
+            x = _load_tile(x_ptr, stride_r, stride_c, rows, 0, R, C, BLOCK_R, G, RHT, SIGN_MASK, VEC2D)
             s_enc, s_dec = _global_scales(_row_amax(x))
             tl.store(gs_ptr + rows, s_dec, mask=rows < R)
             _quantize_tile(x, rows, 0, R, C, s_enc[:, None], s_dec[:, None], sixth, seed_mix,
-                           data_ptr, scale_ptr, vals_ptr, scale_row0, BLOCK_R, G, BR, STOCHASTIC, WRITE_VALS)
+                           data_ptr, scale_ptr, vals_ptr, scale_row0, BLOCK_R, G, BR, STOCHASTIC, WRITE_VALS, VEC2D)
         else:
             amax = tl.zeros([BLOCK_R], tl.float32)
             for c0 in range(0, C, BLOCK_C):
-                x = _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C, BLOCK_R, G, RHT, SIGN_MASK)
+                x = _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C, BLOCK_R, G, RHT, SIGN_MASK, VEC2D)
                 amax = tl.maximum(amax, _row_amax(x))
             s_enc, s_dec = _global_scales(amax)
             tl.store(gs_ptr + rows, s_dec, mask=rows < R)
             for c0 in range(0, C, BLOCK_C):
-                x = _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C, BLOCK_R, G, RHT, SIGN_MASK)
+                x = _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C, BLOCK_R, G, RHT, SIGN_MASK, VEC2D)
                 _quantize_tile(x, rows, c0, R, C, s_enc[:, None], s_dec[:, None], sixth, seed_mix,
                                data_ptr, scale_ptr, vals_ptr, scale_row0, BLOCK_R, G, BR, STOCHASTIC,
-                               WRITE_VALS)
+                               WRITE_VALS, VEC2D)
     else:
         s_enc = tl.load(senc_ptr)
         s_dec = tl.load(senc_ptr + 1)
         c0 = pid_c * BLOCK_C
-        x = _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C, BLOCK_R, G, RHT, SIGN_MASK)
+        x = _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C, BLOCK_R, G, RHT, SIGN_MASK, VEC2D)
         _quantize_tile(x, rows, c0, R, C, s_enc, s_dec, sixth, seed_mix,
-                       data_ptr, scale_ptr, vals_ptr, scale_row0, BLOCK_R, G, BR, STOCHASTIC, WRITE_VALS)
+                       data_ptr, scale_ptr, vals_ptr, scale_row0, BLOCK_R, G, BR, STOCHASTIC, WRITE_VALS, VEC2D)
 
 
 @triton.jit
 def _amax_kernel(x_ptr, stride_r, stride_c, R, C, partial_ptr,
-                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, RHT: tl.constexpr, SIGN_MASK: tl.constexpr):
+                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, RHT: tl.constexpr, SIGN_MASK: tl.constexpr,
+                 VEC2D: tl.constexpr):
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    x = _load_tile(x_ptr, stride_r, stride_c, rows, pid_c * BLOCK_C, R, C, BLOCK_R, BLOCK_C // 16, RHT, SIGN_MASK)
+    x = _load_tile(x_ptr, stride_r, stride_c, rows, pid_c * BLOCK_C, R, C, BLOCK_R, BLOCK_C // 16, RHT, SIGN_MASK,
+                   VEC2D)
     tl.store(partial_ptr + pid_r * tl.num_programs(1) + pid_c, tl.max(_row_amax(x), axis=0))
 
 
@@ -259,6 +279,8 @@ def seed_mix(seed: int) -> int:
 # change speed. TILE_ELEMS is the fp32 elements one program holds; tools/bench/bench_nvfp4.py sweeps it.
 TILE_ELEMS = {"plain": 8192, "rht": 4096}
 NUM_WARPS_OVERRIDE: int | None = None
+# VEC2D: load/store 2-D row tiles (16-byte vectors) and reshape to the 4-D view, or address the 4-D view directly.
+VEC2D = True
 
 
 def _as_int32_bits(u: int) -> int:
@@ -322,7 +344,7 @@ def quantize_with_values_triton(x: torch.Tensor, block=(1, 16), scale_scope: str
         grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))
         partial = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=dev)
         _amax_kernel[grid](x, x.stride(0), x.stride(1), rows, cols, partial, BLOCK_R=block_r, BLOCK_C=block_c,
-                           RHT=rht, SIGN_MASK=RHT_SIGN_MASK, num_warps=warps)
+                           RHT=rht, SIGN_MASK=RHT_SIGN_MASK, VEC2D=VEC2D, num_warps=warps)
         s_enc = global_encode_scale(partial.amax())
         s_dec = torch.tensor(1.0, dtype=torch.float32) / s_enc
         senc = torch.stack([s_enc, s_dec])
@@ -331,7 +353,7 @@ def quantize_with_values_triton(x: torch.Tensor, block=(1, 16), scale_scope: str
                         _as_int32_bits(seed_mix(seed)) if stochastic else 0, SIXTH,
                         BLOCK_R=block_r, BLOCK_C=block_c, BR=br, ROW_SCOPE=row_scope, SINGLE=single,
                         STOCHASTIC=stochastic, RHT=rht, WRITE_VALS=values_dtype is not None,
-                        SIGN_MASK=RHT_SIGN_MASK, num_warps=warps)
+                        SIGN_MASK=RHT_SIGN_MASK, VEC2D=VEC2D, num_warps=warps)
     q = NVFP4Tensor(data=data, scale=scale.view(torch.float8_e4m3fn), global_scale=gs, shape=(rows, cols),
                     block=block)
     return q, (vals if values_dtype is not None else None)

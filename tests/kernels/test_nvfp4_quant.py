@@ -124,3 +124,11 @@ def test_public_quantize_dispatches_to_triton():
     x = torch.randn(16, 32, device=DEVICE)
     got = quantize(x, block=(16, 16), scale_scope="tensor", backend="triton")
     assert got.equal(quantize(x, block=(16, 16), scale_scope="tensor", backend="reference"))
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=_ids)
+def test_4d_addressing_variant_bitwise(monkeypatch, cfg):
+    """VEC2D=False (4-D addressing instead of 2-D loads + reshape) is a speed knob only: same bits."""
+    monkeypatch.setattr(nvfp4_quant, "VEC2D", False)
+    torch.manual_seed(8)
+    _check(torch.randn(16, 48, device=DEVICE), *cfg)

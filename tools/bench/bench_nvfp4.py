@@ -77,16 +77,17 @@ def section_copy_quant(res: dict) -> None:
     best = {}
     for shape_name, xx in (("2048", x),):
         nn = xx.numel()
-        for elems in (1024, 2048, 4096):
-            for warps in (1, 2, 4):
-                nq.TILE_ELEMS["plain"], nq.NUM_WARPS_OVERRIDE = elems, warps
-                t = bench(lambda: quantize_with_values_triton(xx, (1, 16), "row", "nearest", None, False), rep=60)
-                frac = (2 * nn + nn // 2 + nn // 16 + 2 * nn) / (t * 1e-3) / copy_bps
-                log(f"  quant sweep cols={shape_name} elems={elems} warps={warps}: {t * 1e3:.1f} us ({frac:.3f})")
-                if t < best.get(shape_name, (1e9,))[0]:
-                    best[shape_name] = (t, elems, warps)
-    nq.TILE_ELEMS["plain"], nq.NUM_WARPS_OVERRIDE = best["2048"][1], best["2048"][2]
-    res["quant_tile"] = {"tile_elems": best["2048"][1], "num_warps": best["2048"][2]}
+        for vec2d in (True, False):
+            for elems in (1024, 2048, 4096):
+                for warps in (2, 4):
+                    nq.TILE_ELEMS["plain"], nq.NUM_WARPS_OVERRIDE, nq.VEC2D = elems, warps, vec2d
+                    t = bench(lambda: quantize_triton(xx, (1, 16), "row", "nearest", None, False), rep=60)
+                    frac = (2 * nn + nn // 2 + nn // 16) / (t * 1e-3) / copy_bps
+                    log(f"  quant sweep vec2d={vec2d} elems={elems} warps={warps}: {t * 1e3:.1f} us ({frac:.3f})")
+                    if t < best.get(shape_name, (1e9,))[0]:
+                        best[shape_name] = (t, elems, warps, vec2d)
+    nq.TILE_ELEMS["plain"], nq.NUM_WARPS_OVERRIDE, nq.VEC2D = best["2048"][1:]
+    res["quant_tile"] = {"tile_elems": best["2048"][1], "num_warps": best["2048"][2], "vec2d": best["2048"][3]}
     log(f"quant tile chosen: {res['quant_tile']}")
     for elems in (512, 1024, 2048):
         nq.TILE_ELEMS["rht"] = elems
