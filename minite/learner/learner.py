@@ -57,6 +57,13 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return -vocab_parallel_cross_entropy(logits, target)
 
 
+def _all_gather(t: torch.Tensor, size: int, group) -> list:
+    import torch.distributed as dist
+    parts = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(parts, t, group=group)
+    return parts
+
+
 class Learner:
     """Owns the model, its DDP wrapper and optimizer; see the module docstring for the step."""
 
@@ -174,3 +181,23 @@ class Learner:
         """(Megatron parameter name, tensor) for rollout weight sync: this rank's shard, compute dtype, no grad."""
         for name, p in self.model.named_parameters():
             yield name, p.detach()
+
+    def full_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """Like named_weights, but every tensor gathered to its unsharded (TP=1, EP=1) layout on every rank.
+
+        TP shards concatenate along Megatron's partition_dim; a gated (SwiGLU) column-parallel fc1 holds
+        [gate_r; up_r] per rank and is reordered to [gate; up]. Expert shards concatenate along the expert dim.
+        Collective: every rank of the TP/EP groups must call it (with world size 1 it is named_weights)."""
+        from megatron.core import parallel_state as ps
+        tp, ep = ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size()
+        for name, p in self.model.named_parameters():
+            t = p.detach().contiguous()
+            if getattr(p, "tensor_model_parallel", False) and tp > 1:
+                parts = _all_gather(t, tp, ps.get_tensor_model_parallel_group())
+                if name.endswith("linear_fc1.weight") and self.model.config.gated_linear_unit:
+                    halves = [x.chunk(2, dim=0) for x in parts]
+                    parts = [h[0] for h in halves] + [h[1] for h in halves]
+                t = torch.cat(parts, dim=p.partition_dim)
+            elif not getattr(p, "allreduce", True) and ep > 1:
+                t = torch.cat(_all_gather(t, ep, ps.get_expert_model_parallel_group()), dim=0)
+            yield name, t

@@ -3,7 +3,9 @@
 `build_model(cfg)` is shared by the learner and the embedded rollout engine, so both hold the same module tree,
 parameter names and NVFP4 layers. The model is a function of (cfg.model, cfg.precision, cfg.rl.seed) only: Megatron's
 CPU initialisation builds each full weight from torch's global generator and keeps the local shard, and
-GroupedExperts does the same per expert, so the initial model is the same for every TP/EP layout.
+GroupedExperts does the same per expert, so the initial model is the same for every TP/EP layout. One exception:
+a shared expert's SwiGLU fc1 under TP > 1 (Megatron splits its [gate; up] master by rows, so each rank gets a
+slice of one half); `Learner.full_weights()` still gathers any TP model into the exact TP=1 layout.
 
 Parallel state: `init_parallel(cfg)` starts torch.distributed if nobody has (gloo, or NCCL with a GPU; world size 1
 on a free local port, or the torchrun environment when RANK/WORLD_SIZE are set; reading the environment here is the launcher's

@@ -26,8 +26,8 @@ CONFIGS = [  # (precision, tp, ep)
 ]
 
 
-def make_cfg(precision, tp, ep):
-    return load_config(None, [
+def make_cfg(precision, tp, ep, *extra):
+    return load_config(None, list(extra) + [
         f"precision.mode={precision}", "precision.compute_dtype=float32", f"parallel.tp={tp}", f"parallel.ep={ep}",
         "optim.lr=1e-3", "rl.seed=7", "model.num_layers=2", "model.hidden_size=64", "model.vocab_size=64",
         "model.num_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32",
@@ -54,22 +54,17 @@ def grads(learner, tokens):
 
 
 def full(learner, tp, ep, tensors=None):
-    """Gather every parameter (or the given per-parameter tensors) to its unsharded shape
-    (TP: Megatron's partition_dim; EP: expert dim 0)."""
-    from megatron.core import parallel_state as ps
-    out = {}
-    for name, p in learner.model.named_parameters():
-        t = (p if tensors is None else tensors[name]).detach().contiguous()
-        if getattr(p, "tensor_model_parallel", False) and tp > 1:
-            parts = [torch.empty_like(t) for _ in range(tp)]
-            dist.all_gather(parts, t, group=ps.get_tensor_model_parallel_group())
-            t = torch.cat(parts, dim=p.partition_dim)
-        elif not getattr(p, "allreduce", True) and ep > 1:
-            parts = [torch.empty_like(t) for _ in range(ep)]
-            dist.all_gather(parts, t, group=ps.get_expert_model_parallel_group())
-            t = torch.cat(parts, dim=0)
-        out[name] = t
-    return out
+    """Gathered unsharded tensors: the weights (Learner.full_weights) or per-parameter grads (same layout rules)."""
+    if tensors is None:
+        return dict(learner.full_weights())
+    saved = {n: p.data for n, p in learner.model.named_parameters()}
+    try:  # reuse full_weights' gather/reorder rules on the gradient tensors
+        for n, p in learner.model.named_parameters():
+            p.data = tensors[n].to(p.dtype)
+        return dict(learner.full_weights())
+    finally:
+        for n, p in learner.model.named_parameters():
+            p.data = saved[n]
 
 
 def run(precision, tp, ep, tokens):
@@ -108,6 +103,24 @@ def run(precision, tp, ep, tokens):
     return results
 
 
+def shared_expert_tp(tokens):
+    """TP=2 with a shared expert (SwiGLU, column/row-parallel): Megatron's CPU init splits the [gate; up] master
+    by rows, so the TP=2 model is not the TP=1 one; instead its full_weights() loaded into the unsharded model must
+    reproduce its log-probs."""
+    from megatron.core import parallel_state as ps
+    extra = ["model.shared_expert_intermediate_size=32"]
+    ps.destroy_model_parallel()
+    sh = Learner(make_cfg("bf16", 2, 1, *extra))
+    lp_sh = sh.logprobs(tokens)
+    weights = dict(sh.full_weights())
+    ps.destroy_model_parallel()
+    ref = Learner(make_cfg("bf16", 1, 1, *extra))
+    with torch.no_grad():
+        for name, p in ref.model.named_parameters():
+            p.copy_(weights[name])
+    return {"logp_max_abs": float((ref.logprobs(tokens) - lp_sh).abs().max())}
+
+
 def main():
     dist.init_process_group("gloo")
     torch.manual_seed(0)
@@ -120,6 +133,11 @@ def main():
         except Exception:  # report, do not hang the other rank's collectives forever
             report[key] = {"error": traceback.format_exc()}
             break
+    if "error" not in str(report):
+        try:
+            report["bf16_tp2_shared_expert_full_weights"] = shared_expert_tp(tokens)
+        except Exception:
+            report["bf16_tp2_shared_expert_full_weights"] = {"error": traceback.format_exc()}
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(report, f, indent=1)

@@ -5,7 +5,9 @@ learner_parallel_worker.py); this wrapper launches it with a timeout and checks 
 - weights: the initial model gathered from its shards equals the unsharded one exactly (layout-invariant init);
 - BF16 (fp32 compute): log-probs, per-parameter gradients and log-probs after one Adam step agree to fp32 rounding;
 - NVFP4: log-probs agree to fp32 rounding (the TP amax sync makes shards quantise like the unsharded tensor);
-  gradients differ by stochastic-rounding noise no larger than two seeds of one layout differ (tolerances.py).
+  gradients differ by stochastic-rounding noise no larger than two seeds of one layout differ (tolerances.py);
+- a TP=2 model with a shared expert: its Learner.full_weights() loaded into the unsharded model reproduce its
+  log-probs.
 """
 import json
 import os
@@ -68,5 +70,12 @@ def test_sharded_equals_unsharded(report, key):
         assert r["logp1_max_abs"] <= TOLERANCES["learner_parallel_nvfp4_logp_after_step"][0], r
 
 
+def test_tp_shared_expert_full_weights_reproduce_logprobs(report):
+    """Learner.full_weights() of a TP=2 model with a SwiGLU shared expert, loaded into the unsharded model, gives
+    the same log-probs (the [gate_r; up_r] shards are reordered to [gate; up])."""
+    atol, _ = TOLERANCES["learner_parallel_fp32"]
+    assert report["bf16_tp2_shared_expert_full_weights"]["logp_max_abs"] <= atol
+
+
 def test_all_configs_ran(report):
-    assert sorted(report) == sorted(CONFIGS)
+    assert sorted(report) == sorted(CONFIGS + ["bf16_tp2_shared_expert_full_weights"])
