@@ -1,6 +1,6 @@
 """Qwen3-MoE checkpoints, Hugging Face <-> the learner's Megatron-Core layout, converted by streaming.
 
-Commands (minite/convert/cli.py):
+Commands (arguments in minite/convert/cli.py, entry points run_hf_to_megatron / run_megatron_to_hf at the end):
     minite convert hf-to-megatron --hf DIR --out DIR [--tp N] [--ep N] [--pp N]
     minite convert megatron-to-hf --megatron DIR --out DIR
 
@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
@@ -510,3 +511,24 @@ def load_into_model(model: torch.nn.Module, mg_dir, *, tp_rank: Optional[int] = 
     if missing:
         raise ConversionError(f"{mg_dir}: missing tensors for this rank: {missing[:10]}")
     return loaded
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# entry points of `minite convert hf-to-megatron` / `megatron-to-hf` (arguments: minite/convert/cli.py)
+# ---------------------------------------------------------------------------------------------------------------
+def _cli(fn, *args, **kwargs) -> int:
+    try:
+        out = fn(*args, **kwargs)
+    except ConversionError as e:
+        print(f"minite convert: error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}")
+    return 0
+
+
+def run_hf_to_megatron(args) -> int:
+    return _cli(hf_to_megatron, args.hf, args.out, tp=args.tp, ep=args.ep, pp=args.pp, progress=not args.no_progress)
+
+
+def run_megatron_to_hf(args) -> int:
+    return _cli(megatron_to_hf, args.megatron, args.out, progress=not args.no_progress)
