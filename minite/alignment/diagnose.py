@@ -14,6 +14,7 @@ masked out, and so is the learner's padding.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -62,32 +63,36 @@ def _apply_valid(t: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 
 def position_aligned(name: str, module: torch.nn.Module) -> bool:
-    """Ops whose rows are (position, sequence) pairs: leaf modules, and the MoE layer as a whole. Inside the MoE
-    layer the experts see tokens permuted into expert order, which differs between a full forward and a decode step,
-    so those rows cannot be compared one to one; the layer's output is back in token order."""
-    if ".experts" in name or ".token_dispatcher" in name:
+    """Ops whose rows are (position, sequence) pairs: leaf modules, core attention and the MoE layer as a whole.
+    Inside the MoE layer the experts see tokens permuted into expert order, which differs between a full forward
+    and a decode step, so those rows cannot be compared one to one (the layer's output is back in token order);
+    inside core attention the score matrices are [b, heads, sq, sk] (the context output is per position).
+    The RoPE table (rotary_pos_emb) is left out: its rows are positions of a table whose length is the engine's
+    maximum sequence length, not (position, sequence) pairs; RoPE's effect is compared at core attention's input
+    (the rotated query)."""
+    if ".experts" in name or ".token_dispatcher" in name or ".core_attention." in name:
         return False
-    return name.endswith(".mlp") or next(module.children(), None) is None
+    if name == "rotary_pos_emb":
+        return False
+    if name.endswith(".mlp") or name.endswith(".core_attention"):
+        return True
+    return next(module.children(), None) is None
 
 
-def run_diagnose(cfg, b: str = "embedded", params: Optional[DiagnoseParams] = None,
-                 perturb: Optional[Callable[[torch.nn.Module], None]] = None) -> dict:
-    """The report (see `report_json` for its keys). `perturb(engine_model)` lets a test change engine B."""
+def build_pair(cfg, b: str = "embedded"):
+    """(learner, engine B holding the learner's weights) for `cfg`."""
     from minite.learner.learner import Learner
     from minite.rollout import make_engine
-    from minite.rollout.base import SamplingParams
 
-    params = params or DiagnoseParams()
     cfg.rollout.backend = b
     learner = Learner(cfg)
     engine = make_engine(cfg)
     engine.update_weights(learner.named_weights())
-    if perturb is not None:
-        perturb(engine.model)
-    prompts = random_prompts(cfg.model.vocab_size, params)
-    sampling = SamplingParams(max_new_tokens=params.max_new_tokens, n=1, seed=params.seed)
-    with Capture(engine.model, include=position_aligned) as cap_b:
-        results = engine.generate(prompts, sampling)
+    return learner, engine
+
+
+def _score_layout(results) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens [B, T], lengths [B], response mask [B, T-1], engine log-probs [B, T-1]) from rollout results."""
     seqs = [r.prompt + r.tokens for r in results]
     lengths = torch.tensor([len(s) for s in seqs])
     tokens = torch.zeros(len(seqs), int(lengths.max()), dtype=torch.long)
@@ -98,23 +103,64 @@ def run_diagnose(cfg, b: str = "embedded", params: Optional[DiagnoseParams] = No
         start = len(r.prompt) - 1
         mask[i, start:start + len(r.tokens)] = 1
         logp_b[i, start:start + len(r.tokens)] = torch.tensor(r.logprobs, dtype=torch.float64)
-    with Capture(learner.model, include=position_aligned) as cap_a:
-        logp_a = learner.logprobs(tokens)
+    return tokens, lengths, mask, logp_b
+
+
+def diagnose_pair(learner, engine, cfg, params: Optional[DiagnoseParams] = None, b: str = "embedded") -> dict:
+    """Generate with `engine` and score with `learner`, capturing ops on both; the report (see the module
+    docstring). With cfg.alignment.routing_replay the learner replays the engine's expert routes."""
+    from minite.rollout.base import SamplingParams
+    from .routing_replay import has_routers, record_routes, replay_routes, replay_targets, route_flips
+
+    params = params or DiagnoseParams()
+    replay = bool(getattr(getattr(cfg, "alignment", None), "routing_replay", False))
+    prompts = random_prompts(cfg.model.vocab_size, params)
+    sampling = SamplingParams(max_new_tokens=params.max_new_tokens, n=1, seed=params.seed)
+    routed = has_routers(engine.model)  # an SGLang engine's module tree has no Megatron routers
+    if replay and not routed:
+        raise ValueError(f"routing replay: engine {b!r} does not expose Megatron routers to record")
+    with contextlib.ExitStack() as stack:
+        cap_b = stack.enter_context(Capture(engine.model, include=position_aligned))
+        rec_b = stack.enter_context(record_routes(engine.model)) if routed else None
+        results = engine.generate(prompts, sampling)
+    tokens, lengths, mask, logp_b = _score_layout(results)
+    routes_b = rec_b.routes(len(results)) if routed else None
     valid = (torch.arange(tokens.shape[1])[:, None] < (lengths - 1)[None, :]).float()  # [s, b]
+    with contextlib.ExitStack() as stack:
+        cap_a = stack.enter_context(Capture(learner.model, include=position_aligned))
+        if replay:
+            stack.enter_context(replay_routes(learner.model, replay_targets(routes_b, tokens.shape[1])))
+        elif routed:
+            rec_a = stack.enter_context(record_routes(learner.model))
+        logp_a = learner.logprobs(tokens)
+    flips = None if replay or not routed else route_flips(rec_a.routes(len(results)), routes_b, valid)
     diffs = compare_ops([_mask_rows(t, valid) for t in cap_a.ordered()],
                         [_mask_rows(t, valid) for t in cap_b.ordered()])
     op, origin = first_divergence(diffs)
     report = logprob_gap(logp_a, logp_b, mask)
     report.update(a="learner", b=b, precision=cfg.precision.mode, ops_compared=len(diffs),
+                  strict=bool(getattr(getattr(cfg, "alignment", None), "strict", False)), routing_replay=replay,
+                  route_flips=flips, batch=len(results), prompt_lengths=[len(p) for p in prompts],
                   first_divergent_op=None if op is None else op.name, origin=origin,
                   first_divergent_max_abs=None if op is None else op.max_abs, ops=op_table(diffs))
     return report
+
+
+def run_diagnose(cfg, b: str = "embedded", params: Optional[DiagnoseParams] = None,
+                 perturb: Optional[Callable[[torch.nn.Module], None]] = None) -> dict:
+    """The report (see `diagnose_pair`). `perturb(engine_model)` lets a test change engine B."""
+    learner, engine = build_pair(cfg, b)
+    if perturb is not None:
+        perturb(engine.model)
+    return diagnose_pair(learner, engine, cfg, params, b)
 
 
 def format_report(r: dict) -> str:
     lines = [
         f"learner vs {r['b']} ({r['precision']}): {r['tokens_compared']} generated tokens compared",
         f"  |logp gap|  max {r['max_abs_logp_gap']:.3e}  mean {r['mean_abs_logp_gap']:.3e}  K3 KL {r['k3_kl']:.3e}",
+        f"  strict={r.get('strict')} routing_replay={r.get('routing_replay')} "
+        f"expert-route flips (learner vs engine, own routing): {r.get('route_flips')}",
         "  histogram: " + ", ".join(f"{k}: {v}" for k, v in r["histogram"].items() if v),
     ]
     if r["first_divergent_op"] is None:

@@ -81,6 +81,11 @@ def _router_forward(self, input, padding_mask=None):
         probs_k = S.softmax(vals)
     if cfg.moe_router_topk_scaling_factor:
         probs_k = probs_k * cfg.moe_router_topk_scaling_factor
+    replay = getattr(self, "router_replay", None)  # recording (minite.alignment.routing_replay) still works
+    if replay is not None and replay.router_replay_action is not None:
+        if replay.router_replay_action.value != "record":
+            raise ValueError("strict mode routes identically by itself: routing replay is for default mode")
+        replay.record_indices(idx)
     probs = torch.zeros_like(logits).scatter(1, idx, probs_k.to(logits.dtype))
     routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, idx, True)
     return probs, routing_map

@@ -1,0 +1,95 @@
+"""Strict-mode ops (minite.alignment.strict_ops): exact batch invariance, and accuracy against torch.
+
+Invariance checks are bitwise (torch.equal): a strict op's row must not depend on the other rows of the call, on
+the number of keys past a query, or on the tensor's size (which moves elements between vector and scalar paths).
+Accuracy checks compare with float64 torch: the fp64 polynomials must round to the correctly rounded fp32 value.
+"""
+import math
+
+import pytest
+import torch
+
+from minite.alignment import strict_ops as S
+
+
+def test_exp_is_correctly_rounded_fp32_and_handles_specials():
+    x = torch.cat([torch.randn(50_000) * 30, torch.linspace(-110, 90, 20_001)])
+    assert torch.equal(S.exp(x), torch.exp(x.double()).float())
+    special = S.exp(torch.tensor([-math.inf, math.nan, 100.0, -200.0, 0.0]))
+    assert special[0] == 0 and math.isnan(special[1]) and special[2] == math.inf and special[3] == 0
+    assert special[4] == 1
+
+
+def test_sincos_is_correctly_rounded_for_rope_angles():
+    x = torch.rand(50_000) * 4096  # position * inverse frequency
+    sin, cos = S.sincos(x)
+    assert torch.equal(sin, torch.sin(x.double()).float())
+    assert torch.equal(cos, torch.cos(x.double()).float())
+    with pytest.raises(ValueError, match="2\\^20"):
+        S.sincos(torch.tensor([2.0 ** 21]))
+
+
+@pytest.mark.parametrize("n", [1, 7, 64, 100])
+def test_elementwise_transcendentals_do_not_depend_on_tensor_size(n):
+    """The same value at any index of any size of tensor (torch's own exp may not: vector body vs scalar tail)."""
+    x = torch.randn(4096) * 5
+    for f in (S.exp, S.silu, lambda t: S.sincos(t)[0]):
+        big = f(x)
+        assert torch.equal(f(x[:n]), big[:n])
+        assert torch.equal(f(x[-n:]), big[-n:])
+
+
+def test_tree_sum_ignores_trailing_zeros():
+    a = torch.randn(6, 13)
+    for pad in (1, 3, 19, 51):
+        assert torch.equal(S.tree_sum(a), S.tree_sum(torch.cat([a, torch.zeros(6, pad)], dim=1)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_linear_rows_do_not_depend_on_batch(dtype):
+    x = torch.randn(37, 96).to(dtype)
+    w = torch.randn(40, 96).to(dtype)
+    full = S.linear(x, w)
+    assert torch.equal(torch.cat([S.linear(x[i:i + 1], w) for i in range(37)]), full)
+    assert torch.equal(S.linear(x[5:12], w), full[5:12])
+    ref = x.double() @ w.double().t()
+    assert (full.double() - ref).abs().max() <= 1e-5 * ref.abs().max()  # pairwise fp32 sum of exact bf16 products
+
+
+def test_linear_backward_matches_matmul():
+    x = torch.randn(5, 32, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(8, 32, dtype=torch.float64, requires_grad=True)
+    S.linear(x, w).sum().backward()
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    (x2 @ w2.t()).sum().backward()
+    assert torch.allclose(x.grad, x2.grad) and torch.allclose(w.grad, w2.grad)
+
+
+def test_attention_decode_steps_equal_full_forward():
+    """Query t alone against keys 0..t (decode with a KV cache) == row t of the causal full-sequence forward."""
+    torch.manual_seed(0)
+    T, b, h, d = 11, 3, 4, 16
+    q, k, v = (torch.randn(T, b, h, d).bfloat16() for _ in range(3))
+    full = S.attention(q, k, v, d ** -0.5)
+    steps = torch.cat([S.attention(q[t:t + 1], k[:t + 1], v[:t + 1], d ** -0.5) for t in range(T)])
+    assert torch.equal(steps, full)
+    prefill = S.attention(q[:4], k[:4], v[:4], d ** -0.5)
+    assert torch.equal(prefill, full[:4])
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *(t.float().permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=True, scale=d ** -0.5).permute(2, 0, 1, 3)
+    assert (full - ref).abs().max() < 1e-5
+
+
+def test_softmax_rows_and_rms_norm_rows_are_batch_invariant():
+    x = torch.randn(33, 50)
+    assert torch.equal(S.softmax(x[3:4]), S.softmax(x)[3:4])
+    assert torch.allclose(S.softmax(x), torch.softmax(x, -1), atol=1e-7)
+    w = torch.randn(50)
+    assert torch.equal(S.rms_norm(x[7:9], w, 1e-6), S.rms_norm(x, w, 1e-6)[7:9])
+    assert torch.allclose(S.rms_norm(x, w, 1e-6), torch.nn.functional.rms_norm(x, (50,), w, 1e-6), atol=1e-6)
+
+
+def test_topk_ties_go_to_the_lower_index():
+    s = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0]])
+    vals, idx = S.topk(s, 2)
+    assert idx.tolist() == [[1, 2]] and vals.tolist() == [[3.0, 3.0]]
