@@ -79,8 +79,9 @@ class Capture:
             if trace is None:
                 trace = self.traces[name] = OpTrace(name, len(self.traces))
             x, y = first_tensor(args), first_tensor(output)
-            trace.inputs.append(None if x is None else x.detach().float().clone())
-            trace.outputs.append(None if y is None else y.detach().float().clone())
+            # on the CPU: comparisons mix both engines' captures with CPU masks, and GPU memory stays free
+            trace.inputs.append(None if x is None else x.detach().float().cpu().clone())
+            trace.outputs.append(None if y is None else y.detach().float().cpu().clone())
         return hook
 
     def __enter__(self) -> "Capture":

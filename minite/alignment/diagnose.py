@@ -79,6 +79,10 @@ def position_aligned(name: str, module: torch.nn.Module) -> bool:
     return next(module.children(), None) is None
 
 
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
 def build_pair(cfg, b: str = "embedded"):
     """(learner, engine B holding the learner's weights) for `cfg`."""
     from minite.learner.learner import Learner
@@ -132,7 +136,7 @@ def diagnose_pair(learner, engine, cfg, params: Optional[DiagnoseParams] = None,
             stack.enter_context(replay_routes(learner.model, replay_targets(routes_b, tokens.shape[1])))
         elif routed:
             rec_a = stack.enter_context(record_routes(learner.model))
-        logp_a = learner.logprobs(tokens)
+        logp_a = learner.logprobs(tokens.to(_device(learner.model))).cpu()
     flips = None if replay or not routed else route_flips(rec_a.routes(len(results)), routes_b, valid)
     diffs = compare_ops([_mask_rows(t, valid) for t in cap_a.ordered()],
                         [_mask_rows(t, valid) for t in cap_b.ordered()])
