@@ -9,7 +9,9 @@ Both launches go through the real launchers with the worker multinode_worker.py 
   (--nnodes=2, static rendezvous at the first host, 127.0.0.1; gloo pinned to the loopback interface).
 EP=2 puts expert 0-1 on node 0 and 2-3 on node 1: every MoE layer's token all-to-all crosses the "network".
 Checks: the two layouts give bitwise-equal losses and grad norms (same ranks, same collectives); EP=2 matches the
-unsharded learner within TOLERANCES["learner_parallel_fp32"]; one log per rank (and per node) exists.
+unsharded learner within TOLERANCES["learner_parallel_fp32"]; one log per rank (and per node) exists; a random HF
+checkpoint converted by `minite convert hf-to-megatron` for EP=1, EP=2 and TP=2 loads into learners of those layouts
+(each rank its own files) and gives the same log-probs (learner_parallel_fp32).
 """
 import json
 import os
@@ -62,7 +64,7 @@ def _free_port_in(lo: int, hi: int) -> int:
 
 
 def _env(**extra) -> dict:
-    return dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
+    return dict(os.environ, MINITE_TEST_CKPT=extra.pop("ckpt"), TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
                 MINITE_LAUNCH_ENTRY=str(WORKER), PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                 **extra)
 
@@ -76,13 +78,37 @@ def _report(proc, out: Path, what: str) -> dict:
     return rep
 
 
+def _converted_checkpoints(root: Path) -> Path:
+    """A random FP32 Qwen3-MoE HF checkpoint (Hub spelling) and its conversions for ep1, ep2 and tp2."""
+    import torch
+
+    from minite.convert.hf_megatron import Shape, hf_shapes, hf_to_megatron
+    from minite.convert.safetensors_stream import StreamWriter
+
+    cfg = dict(model_type="qwen3_moe", vocab_size=32, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+               rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=64, norm_topk_prob=True)
+    (root / "hf").mkdir(parents=True)
+    (root / "hf" / "config.json").write_text(json.dumps(cfg))
+    shapes = hf_shapes(Shape.from_hf(cfg))
+    gen = torch.Generator().manual_seed(3)
+    w = StreamWriter(root / "hf" / "model.safetensors", [(n, "F32", s) for n, s in shapes.items()])
+    for n, s in shapes.items():
+        w.write(n, 1 + 0.2 * torch.randn(s, generator=gen) if len(s) == 1 else 0.1 * torch.randn(s, generator=gen))
+    w.close()
+    for sub, kw in (("ep1", {}), ("ep2", {"ep": 2}), ("tp2", {"tp": 2})):
+        hf_to_megatron(root / "hf", root / sub, progress=False, **kw)
+    return root
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     if shutil.which("torchrun") is None:
         pytest.skip("needs torchrun on PATH (torch's launcher)")
     tmp = tmp_path_factory.mktemp("multinode")
+    ckpt = _converted_checkpoints(tmp / "ckpt")
     one = subprocess.run(["bash", "tools/launch/torchrun.sh", CONFIG], cwd=ROOT, capture_output=True, text=True,
-                         timeout=TIMEOUT_S, env=_env(NPROC_PER_NODE="2", LOG_DIR=str(tmp / "one"),
+                         timeout=TIMEOUT_S, env=_env(ckpt=str(ckpt), NPROC_PER_NODE="2", LOG_DIR=str(tmp / "one"),
                                                      MINITE_TEST_OUT=str(tmp / "one.json")))
     (tmp / "bin").mkdir()
     (tmp / "bin" / "srun").write_text(FAKE_SRUN)
@@ -92,7 +118,7 @@ def runs(tmp_path_factory):
                  SLURM_SUBMIT_DIR=str(ROOT), MINITE_LOG_ROOT=str(tmp / "two"), MINITE_TEST_OUT=str(tmp / "two.json"),
                  PATH=f"{tmp / 'bin'}{os.pathsep}{os.environ['PATH']}")
     two = subprocess.run(["bash", "tools/launch/slurm.sbatch", CONFIG], cwd=ROOT, capture_output=True, text=True,
-                         timeout=TIMEOUT_S, env=_env(**slurm))
+                         timeout=TIMEOUT_S, env=_env(ckpt=str(ckpt), **slurm))
     logs = "\n".join(p.read_text()[-2000:] for p in sorted((tmp / "two").glob("node*.out")))
     return {"one": _report(one, tmp / "one.json", "torchrun.sh (1 node x 2)"),
             "two": _report(two, tmp / "two.json", f"slurm.sbatch (2 nodes x 1)\n{logs}"), "tmp": tmp}
@@ -111,7 +137,21 @@ def test_two_nodes_give_the_same_losses_as_one(runs):
 def test_expert_parallel_matches_unsharded(runs):
     atol, _ = TOLERANCES["learner_parallel_fp32"]
     ep2, ep1 = runs["two"]["bf16_ep2"]["loss"], runs["two"]["bf16_ep1"]["loss"]
+    print(f"losses EP=2 {ep2}, EP=1 {ep1}")
     assert max(abs(a - b) for a, b in zip(ep2, ep1)) <= atol, (ep2, ep1)
+
+
+def test_converted_checkpoint_loads_into_every_layout(runs):
+    """Per-rank files of `minite convert` in EP=2 / TP=2 learners = the EP=1 learner, on one node and on two."""
+    atol, _ = TOLERANCES["learner_parallel_fp32"]
+    for run in ("one", "two"):
+        ref = runs[run]["load_ep1"]["logp"]
+        for case in ("load_ep2", "load_tp2"):
+            got = runs[run][case]["logp"]
+            gap = max(abs(a - b) for ra, rb in zip(got, ref) for a, b in zip(ra, rb))
+            print(f"{run} node(s), {case} vs load_ep1: max |dlogp| {gap:.3g}")
+            assert gap <= atol, (run, case, gap)
+    assert runs["one"]["load_ep2"]["logp"] == runs["two"]["load_ep2"]["logp"]
 
 
 def test_one_log_per_rank(runs):
