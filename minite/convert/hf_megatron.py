@@ -37,7 +37,9 @@ megatron-to-hf runs the same list inverted, so both directions move identical by
 
 Streaming: a destination tensor is assembled CHUNK_BYTES of rows at a time from row-range reads of its sources
 (safetensors_stream: seek + readinto, no mmap) and appended to its file; peak memory is about two chunks plus the
-interpreter, whatever the model size (tools/convert_memory.py measures it).
+interpreter, whatever the model size. Measured (tools/convert_memory.py, under an RLIMIT_AS cap of 128 MiB above the
+interpreter): a 3.0 GiB random model, tp=2 ep=4, converted both ways with 32 / 39 MiB of peak-RSS growth (256 / 263
+MiB peak RSS in all), round trip bitwise.
 Checks before anything is written: missing, extra and misshapen tensors (named with their file), an index that
 names a tensor its file lacks, truncated files (a tensor's bytes past the end of its file).
 """
@@ -480,6 +482,8 @@ def load_into_model(model: torch.nn.Module, mg_dir, *, tp_rank: Optional[int] = 
     """Copy this rank's tensors into `model` (ranks default to Megatron's parallel state); returns the names.
 
     The checkpoint's tp/ep/pp must be the model's; every parameter must be covered (`_extra_state` aside).
+    Call it before building the optimizer (or reload the optimizer's fp32 master copies afterwards, e.g. Megatron's
+    `optimizer.reload_model_params()`): a BF16 learner's optimizer steps from masters copied at its construction.
     """
     mg_dir = Path(mg_dir)
     meta = read_meta(mg_dir)
