@@ -35,5 +35,9 @@ setup(
         # sglang==0.5.23 is installed with --no-deps (its CUDA-only pins); see README.
         "dev": ["pytest", "hypothesis"],
     },
-    entry_points={"console_scripts": ["minite=minite.cli:main"]},
+    entry_points={
+        "console_scripts": ["minite=minite.cli:main"],
+        # SGLang runs every entry point of this group in each of its processes (minite/rollout/sglang_plugin.py).
+        "sglang.srt.plugins": ["minite_nvfp4=minite.rollout.sglang_plugin:register"],
+    },
 )

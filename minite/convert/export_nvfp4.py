@@ -1,0 +1,313 @@
+"""`minite convert export-nvfp4`: a Qwen3-MoE checkpoint -> Hugging Face safetensors in ModelOpt's NVFP4 naming.
+
+    minite convert export-nvfp4 --hf DIR --out DIR          (a Hugging Face Qwen3-MoE BF16/FP32 checkpoint)
+    minite convert export-nvfp4 --megatron DIR --out DIR    (a checkpoint of `minite convert hf-to-megatron`)
+
+What is written (the names stock SGLang/vLLM load as `modelopt_fp4`; shared/NOTES.md section 5):
+    <linear>.weight          uint8 [N, K/2]           E2M1 codes, even element in the low nibble
+    <linear>.weight_scale    float8_e4m3fn [N, K/16]  one E4M3 scale per 1x16 block
+    <linear>.weight_scale_2  float32 []               the global decode scale (amax / (448 * 6))
+    <linear>.input_scale     float32 []               a static activation decode scale (--input-scale, default 1)
+for every q/k/v/o projection and every expert's gate/up/down projection; embeddings, norms, router (mlp.gate) and
+lm_head stay in the source dtype and are listed in hf_quant_config.json's exclude_modules. hf_quant_config.json:
+{"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "NVFP4", "group_size": 16, ...}, "minite": {the
+activation recipe}}; config.json, tokenizer and other small files are copied.
+
+Which values: exactly those the learner computes with. The learner quantises each Megatron weight as one tensor
+(`minite.learner.ops.quantize_weight`: 16x16 blocks, one global scale): the fused QKV weight (Megatron's interleaved
+per-KV-group layout), each expert's fc1 = [gate; up] and fc2, the attention output projection. The export builds those
+same fused tensors, quantises them with the same function, then cuts the rows apart into q/k/v (gate/up): q, k and v
+therefore share one weight_scale_2, as do an expert's gate and up. ModelOpt uses 1x16 blocks; a 16x16 block's scale
+repeated over its 16 rows is a 1x16 scale grid describing the same values, so the export is lossless: dequantising
+the export equals dequantising the learner's weight, bit for bit (tests/sglang/test_export.py).
+
+Static input_scale vs per-row activation scales: see docs/sglang.md. The minite_nvfp4 plugin ignores input_scale.
+`pack_megatron_weights` is the same conversion for in-memory learner weights (the SGLang backend's weight updates).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple
+
+import torch
+
+from minite.nvfp4 import NVFP4Recipe, NVFP4Tensor
+
+INDEX_FILE = "model.safetensors.index.json"
+SHARD_BYTES = 2 * 1024 ** 3
+
+
+class ExportError(ValueError):
+    """The source checkpoint cannot be exported (names the tensor or file)."""
+
+
+def scale_grid_1x16(q: NVFP4Tensor) -> torch.Tensor:
+    """The block scales of q as a 1x16 grid [N, K/16] (a 16x16 grid's rows repeated; exact: same e4m3 bits)."""
+    br = q.block[0]
+    s = q.scale.view(torch.uint8)
+    return s.repeat_interleave(br, dim=0).view(torch.float8_e4m3fn).contiguous() if br > 1 else q.scale
+
+
+def quantize_module(weight: torch.Tensor, recipe: NVFP4Recipe, backend: str = "auto"):
+    """(codes uint8 [N, K/2], scales e4m3 [N, K/16], global fp32 []) of the learner's quantisation of weight [N, K]."""
+    from minite.learner.ops import quantize_weight
+
+    q = quantize_weight(weight, recipe, backend=backend)
+    return q.data, scale_grid_1x16(q), q.global_scale.reshape(()).float()
+
+
+def _emit(prefix: str, parts: List[Tuple[str, int, int]], packed, input_scale: Optional[float]):
+    """ModelOpt tensors for row ranges [r0, r1) of one quantised fused weight, one linear each."""
+    data, scale, gs = packed
+    for name, r0, r1 in parts:
+        yield f"{prefix}{name}.weight", data[r0:r1].contiguous()
+        yield f"{prefix}{name}.weight_scale", scale[r0:r1].contiguous()
+        yield f"{prefix}{name}.weight_scale_2", gs.clone()
+        if input_scale is not None:
+            yield f"{prefix}{name}.input_scale", torch.tensor(float(input_scale), dtype=torch.float32)
+
+
+def qkv_rows(hf_cfg: dict) -> List[Tuple[str, int, int, int]]:
+    """Megatron's fused QKV row layout: (hf name q/k/v, kv group, first row in the fused tensor, rows)."""
+    heads = hf_cfg["num_attention_heads"]
+    groups = hf_cfg.get("num_key_value_heads") or heads
+    d = hf_cfg.get("head_dim") or hf_cfg["hidden_size"] // heads
+    qpg, out, row = heads // groups, [], 0
+    for g in range(groups):
+        for name, n in (("q_proj", qpg * d), ("k_proj", d), ("v_proj", d)):
+            out.append((name, g, row, n))
+            row += n
+    return out
+
+
+def _split_qkv(prefix: str, packed, hf_cfg: dict, input_scale):
+    """q/k/v tensors (HF row order: group-major within each of q, k, v) from the quantised Megatron QKV weight."""
+    data, scale, gs = packed
+    rows = {"q_proj": [], "k_proj": [], "v_proj": []}
+    for name, _g, r0, n in qkv_rows(hf_cfg):
+        rows[name].append(torch.arange(r0, r0 + n))
+    for name, idx in rows.items():
+        sel = torch.cat(idx)
+        yield from _emit(prefix, [(name, 0, len(sel))], (data[sel], scale[sel], gs), input_scale)
+
+
+_RENAME = {
+    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "decoder.final_layernorm.weight": "model.norm.weight",
+    "output_layer.weight": "lm_head.weight",
+}
+_LAYER_RENAME = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "mlp.router.weight": "mlp.gate.weight",
+}
+
+
+def pack_megatron_weights(named: Iterable[Tuple[str, torch.Tensor]], hf_cfg: dict, recipe: NVFP4Recipe, *,
+                          backend: str = "auto", input_scale: Optional[float] = None
+                          ) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Learner (Megatron local-spec, tp=ep=pp=1) tensors -> HF ModelOpt-named tensors, NVFP4 where the learner is.
+
+    Raises ExportError for a name it does not know (nothing silently dropped).
+    """
+    for name, t in named:
+        while name.startswith("module."):
+            name = name[len("module."):]
+        if name in _RENAME:
+            yield _RENAME[name], t
+            continue
+        parts = name.split(".")
+        if len(parts) < 4 or parts[:2] != ["decoder", "layers"]:
+            raise ExportError(f"unknown learner tensor {name!r}")
+        hf = f"model.layers.{parts[2]}."
+        rest = ".".join(parts[3:])
+        if rest in _LAYER_RENAME:
+            yield hf + _LAYER_RENAME[rest], t
+        elif rest == "self_attention.linear_qkv.weight":
+            yield from _split_qkv(hf + "self_attn.", quantize_module(t, recipe, backend), hf_cfg, input_scale)
+        elif rest == "self_attention.linear_proj.weight":
+            yield from _emit(hf + "self_attn.", [("o_proj", 0, t.shape[0])], quantize_module(t, recipe, backend),
+                             input_scale)
+        elif rest in ("mlp.experts.fc1_weight", "mlp.experts.fc2_weight"):
+            yield from _experts(hf + "mlp.experts.", rest.endswith("fc1_weight"), t, recipe, backend, input_scale)
+        elif rest.endswith("_extra_state"):
+            continue
+        else:
+            raise ExportError(f"unknown learner tensor {name!r} (layer part {rest!r})")
+
+
+def _experts(prefix, is_fc1, w, recipe, backend, input_scale):
+    for e in range(w.shape[0]):
+        packed = quantize_module(w[e], recipe, backend)
+        if is_fc1:
+            f = w.shape[1] // 2
+            yield from _emit(f"{prefix}{e}.", [("gate_proj", 0, f), ("up_proj", f, 2 * f)], packed, input_scale)
+        else:
+            yield from _emit(f"{prefix}{e}.", [("down_proj", 0, w.shape[1])], packed, input_scale)
+
+
+def exclude_modules(hf_cfg: dict) -> List[str]:
+    """Modules the export keeps unquantised (the learner keeps them BF16): router gates and lm_head."""
+    return ["lm_head"] + [f"model.layers.{i}.mlp.gate" for i in range(hf_cfg["num_hidden_layers"])]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading a Hugging Face checkpoint as the learner's fused tensors, one layer at a time
+# ---------------------------------------------------------------------------------------------------------------
+class _HFReader:
+    """Lazy tensor access over a HF directory (model.safetensors or an index of shards)."""
+
+    def __init__(self, hf_dir: Path):
+        from safetensors import safe_open
+
+        index = hf_dir / INDEX_FILE
+        if index.exists():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        else:
+            files = sorted(p.name for p in hf_dir.glob("*.safetensors"))
+        if not files:
+            raise ExportError(f"{hf_dir}: no *.safetensors files")
+        self.handles = [safe_open(str(hf_dir / f), framework="pt") for f in files]
+        self.where = {k: h for h in self.handles for k in h.keys()}
+
+    def has(self, name: str) -> bool:
+        return name in self.where
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.where:
+            raise ExportError(f"missing tensor {name!r} in the Hugging Face checkpoint")
+        return self.where[name].get_tensor(name)
+
+
+def _hf_experts(r: _HFReader, p: str, n_experts: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """fc1 [E, 2F, H] = [gate; up] and fc2 [E, H, F] from per-expert tensors or transformers-5 fused ones."""
+    if r.has(p + "gate_up_proj"):
+        return r.get(p + "gate_up_proj"), r.get(p + "down_proj")
+    fc1 = torch.stack([torch.cat([r.get(f"{p}{e}.gate_proj.weight"), r.get(f"{p}{e}.up_proj.weight")])
+                       for e in range(n_experts)])
+    fc2 = torch.stack([r.get(f"{p}{e}.down_proj.weight") for e in range(n_experts)])
+    return fc1, fc2
+
+
+def megatron_view_of_hf(r: _HFReader, hf_cfg: dict) -> Iterator[Tuple[str, torch.Tensor]]:
+    """The learner's tensors (Megatron names, tp=ep=pp=1) built from a HF checkpoint, layer by layer."""
+    yield "embedding.word_embeddings.weight", r.get("model.embed_tokens.weight")
+    n_experts = hf_cfg.get("num_experts") or hf_cfg["num_local_experts"]
+    for i in range(hf_cfg["num_hidden_layers"]):
+        hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
+        for mg_rest, hf_rest in _LAYER_RENAME.items():
+            yield mg + mg_rest, r.get(hf + hf_rest)
+        q, k, v = (r.get(f"{hf}self_attn.{n}.weight") for n in ("q_proj", "k_proj", "v_proj"))
+        src = {"q_proj": q, "k_proj": k, "v_proj": v}
+        seen = {"q_proj": 0, "k_proj": 0, "v_proj": 0}
+        pieces = []
+        for name, _g, _r0, n in qkv_rows(hf_cfg):
+            pieces.append(src[name][seen[name]:seen[name] + n])
+            seen[name] += n
+        yield mg + "self_attention.linear_qkv.weight", torch.cat(pieces)
+        yield mg + "self_attention.linear_proj.weight", r.get(hf + "self_attn.o_proj.weight")
+        fc1, fc2 = _hf_experts(r, hf + "mlp.experts.", n_experts)
+        yield mg + "mlp.experts.fc1_weight", fc1
+        yield mg + "mlp.experts.fc2_weight", fc2
+    yield "decoder.final_layernorm.weight", r.get("model.norm.weight")
+    if not hf_cfg.get("tie_word_embeddings", False):
+        yield "output_layer.weight", r.get("lm_head.weight")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------------------------------------------
+def write_sharded(out_dir: Path, tensors: Iterable[Tuple[str, torch.Tensor]], shard_bytes: int = SHARD_BYTES) -> int:
+    """Safetensors shards of at most ~shard_bytes plus model.safetensors.index.json; returns the tensor count."""
+    from safetensors.torch import save_file
+
+    shards: List[Dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors:
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > shard_bytes:
+            shards.append({})
+            size = 0
+        if name in (k for s in shards for k in s):
+            raise ExportError(f"tensor {name!r} produced twice")
+        shards[-1][name] = t.contiguous()
+        size += n
+    total, weight_map, total_size = len(shards), {}, 0
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{total:05d}.safetensors"
+        save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
+        for k, t in shard.items():
+            weight_map[k] = fname
+            total_size += t.numel() * t.element_size()
+    index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return len(weight_map)
+
+
+def _copy_small_files(src: Path, dst: Path) -> None:
+    for p in src.iterdir():
+        if p.is_file() and not p.name.endswith(".safetensors") and p.name not in (INDEX_FILE, "hf_quant_config.json"):
+            if p.stat().st_size < 64 * 1024 ** 2:
+                shutil.copyfile(p, dst / p.name)
+
+
+def export_nvfp4(*, out_dir, hf_dir=None, megatron_dir=None, recipe: Optional[NVFP4Recipe] = None,
+                 input_scale: float = 1.0, backend: str = "auto") -> Path:
+    """Write the ModelOpt-named NVFP4 checkpoint (module docstring) from a HF or a Megatron checkpoint."""
+    if (hf_dir is None) == (megatron_dir is None):
+        raise ExportError("give exactly one of --hf DIR or --megatron DIR")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ExportError(f"{out_dir} exists and is not empty")
+    if megatron_dir is not None:
+        from minite.convert.hf_megatron import megatron_to_hf
+
+        with tempfile.TemporaryDirectory(prefix="minite-export-") as tmp:
+            megatron_to_hf(megatron_dir, Path(tmp) / "hf", progress=False)
+            return export_nvfp4(out_dir=out_dir, hf_dir=Path(tmp) / "hf", recipe=recipe, input_scale=input_scale,
+                                backend=backend)
+    from minite.rollout.sglang_plugin import quant_config_dict
+
+    hf_dir, recipe = Path(hf_dir), recipe or NVFP4Recipe()
+    cfg_path = hf_dir / "config.json"
+    if not cfg_path.exists():
+        raise ExportError(f"{hf_dir}: no config.json")
+    hf_cfg = json.loads(cfg_path.read_text())
+    if hf_cfg.get("model_type") != "qwen3_moe":
+        raise ExportError(f"{cfg_path}: model_type {hf_cfg.get('model_type')!r}; only qwen3_moe is exported")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    reader = _HFReader(hf_dir)
+    packed = pack_megatron_weights(megatron_view_of_hf(reader, hf_cfg), hf_cfg, recipe, backend=backend,
+                                   input_scale=input_scale)
+    write_sharded(out_dir, packed)
+    _copy_small_files(hf_dir, out_dir)
+    qcfg = quant_config_dict(recipe, exclude_modules(hf_cfg))
+    (out_dir / "hf_quant_config.json").write_text(json.dumps(qcfg, indent=2) + "\n")
+    return out_dir
+
+
+def add_arguments(p) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--hf", help="Hugging Face Qwen3-MoE checkpoint directory (config.json, *.safetensors)")
+    src.add_argument("--megatron", help="a directory written by `minite convert hf-to-megatron`")
+    p.add_argument("--out", required=True, help="output directory (created; must be empty)")
+    p.add_argument("--input-scale", type=float, default=1.0,
+                   help="static activation decode scale written as input_scale for engines that need one "
+                        "(docs/sglang.md; the minite_nvfp4 plugin ignores it). Default 1.0")
+
+
+def run(args) -> int:
+    try:
+        out = export_nvfp4(out_dir=args.out, hf_dir=args.hf, megatron_dir=args.megatron,
+                           input_scale=args.input_scale)
+    except (ExportError, ValueError) as e:
+        print(f"minite convert export-nvfp4: error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}")
+    return 0
