@@ -60,7 +60,9 @@ def learner_and_engine():
 def test_engine_sampling_is_seeded_and_logprobs_match_the_learner(learner_and_engine):
     learner, engine = learner_and_engine
     prompts = [[1, 4, 5, 6, 3], [1, 9, 8, 7, 3]]
+    rng = torch.get_rng_state()
     a = engine.generate(prompts, SamplingParams(max_new_tokens=4, n=3, seed=5))
+    assert torch.equal(rng, torch.get_rng_state())  # engines never touch the global RNG (exact resume needs it)
     b = engine.generate(prompts, SamplingParams(max_new_tokens=4, n=3, seed=5))
     c = engine.generate(prompts, SamplingParams(max_new_tokens=4, n=3, seed=6))
     assert [r.tokens for r in a] == [r.tokens for r in b] and [r.tokens for r in a] != [r.tokens for r in c]
