@@ -140,3 +140,24 @@ def route_flips(a: list[torch.Tensor], b: list[torch.Tensor], valid: torch.Tenso
         differ = (ra[:s].sort(-1).values != rb[:s].sort(-1).values).any(-1)
         flips += int((differ & valid[:s].bool()).sum())
     return flips
+
+
+@contextlib.contextmanager
+def engine_recording(engine, enabled: bool) -> Iterator[RouteRecording | None]:
+    """For the RL loop: record the engine's routes when `enabled` (None otherwise)."""
+    if not enabled:
+        yield None
+        return
+    model = getattr(engine, "model", None)
+    if model is None or not has_routers(model):
+        raise ValueError("alignment.routing_replay needs a rollout engine that exposes its Megatron model "
+                         "(rollout.backend: embedded)")
+    with record_routes(model) as rec:
+        yield rec
+
+
+def learner_replay(learner, routes: list[torch.Tensor] | None, seq_len: int, rows: list[int] | None = None):
+    """For the RL loop: a context in which the learner's forwards over rows `rows` replay `routes` (no-op if None)."""
+    if routes is None:
+        return contextlib.nullcontext()
+    return replay_routes(learner.model, replay_targets(routes, seq_len, rows))

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from minite.alignment.monitor import check_gap
+from minite.alignment.routing_replay import engine_recording, learner_replay
 from minite.rl import checkpoint as ckpt
 from minite.rl.grpo import GRPOParams, group_advantages, grpo_loss
 from minite.rl.metrics import MetricsLogger, mismatch_metrics, rollout_metrics
@@ -79,12 +81,13 @@ def train(cfg) -> list[dict]:
 def rl_step(run: Run) -> dict:
     cfg, t0 = run.cfg, time.perf_counter()
     problems = run.stream.next_batch()
-    rollouts = run.engine.generate([p.prompt for p in problems], sampling_params(cfg, run.step, run.task))
+    with engine_recording(run.engine, cfg.alignment.routing_replay) as rec:  # expert routes, to replay
+        rollouts = run.engine.generate([p.prompt for p in problems], sampling_params(cfg, run.step, run.task))
     t_rollout = time.perf_counter() - t0
     rewards = score(run.task, problems, rollouts, cfg.rollout.group_size)
     advantages = group_advantages(rewards, cfg.rollout.group_size)
     batch = make_batch(rollouts)
-    metrics = train_on_batch(run, batch, advantages)
+    metrics = train_on_batch(run, batch, advantages, None if rec is None else rec.routes(len(rollouts)))
     sync_weights(run)
     run.step += 1
     elapsed = time.perf_counter() - t0
@@ -128,11 +131,14 @@ def make_batch(rollouts: list[RolloutResult]) -> Batch:
     return Batch(tokens, mask, rollout_logp, sum(len(row) for row in rows))
 
 
-def train_on_batch(run: Run, batch: Batch, advantages: torch.Tensor) -> dict:
-    """Mismatch metrics from the learner's pre-update log-probs, then rl.minibatches GRPO steps."""
-    cfg = run.cfg
-    learner_logp = run.learner.logprobs(batch.tokens).float()
+def train_on_batch(run: Run, batch: Batch, advantages: torch.Tensor, routes=None) -> dict:
+    """Mismatch metrics from the learner's pre-update log-probs (alignment monitor: warn/stop), then
+    rl.minibatches GRPO steps; with `routes` (alignment.routing_replay) the learner replays the engine's experts."""
+    cfg, seq_len = run.cfg, batch.tokens.shape[1]
+    with learner_replay(run.learner, routes, seq_len):
+        learner_logp = run.learner.logprobs(batch.tokens).float()
     metrics = mismatch_metrics(learner_logp, batch.rollout_logp, batch.mask)
+    check_gap(metrics, cfg.alignment, run.step)
     old_logp = learner_logp if cfg.rl.old_logp_source == "learner" else batch.rollout_logp
     ref_logp = run.ref.logprobs(batch.tokens).float() if run.ref is not None else None
     parts: list[dict] = []
@@ -143,7 +149,8 @@ def train_on_batch(run: Run, batch: Batch, advantages: torch.Tensor) -> dict:
                 rollout_logp=batch.rollout_logp[rows],
                 ref_logp=None if ref_logp is None else ref_logp[rows],
             )
-        out = run.learner.train_step(batch.tokens[rows], loss_fn)
+        with learner_replay(run.learner, routes, seq_len, rows.tolist()):
+            out = run.learner.train_step(batch.tokens[rows], loss_fn)
         parts.append({k: float(v) for k, v in (out or {}).items() if _is_scalar(v)})
     for key in parts[0]:
         metrics[key] = sum(p[key] for p in parts) / len(parts)

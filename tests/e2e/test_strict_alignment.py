@@ -98,3 +98,40 @@ def test_routing_replay_runs_in_default_mode():
     r = run_diagnose(cfg, params=DiagnoseParams(num_prompts=4))
     assert r["routing_replay"] and r["route_flips"] is None and r["tokens_compared"] == 4 * 6
     assert r["max_abs_logp_gap"] < 1e-3
+
+
+RL_TINY = {"rl.prompts_per_step": 2, "rollout.group_size": 4, "rollout.max_new_tokens": 4, "rl.task_length": 3,
+           "model.max_position_embeddings": 16, "logging.progress_bar": False, "rl.steps": 1, "rl.minibatches": 2}
+
+
+def _rl_cfg(tmp_path, **extra):
+    sets = {**RL_TINY, "logging.dir": str(tmp_path / "logs"), **extra}
+    return load_config(None, [f"{k}={v}" for k, v in sets.items()])
+
+
+def test_rl_step_in_strict_mode_has_zero_mismatch_and_monitor_passes(tmp_path):
+    from minite.rl.loop import train
+
+    m = train(_rl_cfg(tmp_path, **{"alignment.strict": "true", "alignment.stop_above": 0.0}))[0]
+    assert m["mismatch/logp_abs_max"] == 0.0 and m["mismatch/k3_kl"] == 0.0
+
+
+def test_rl_step_with_routing_replay(tmp_path):
+    from minite.rl.loop import train
+
+    m = train(_rl_cfg(tmp_path, **{"precision.mode": "bf16", "alignment.routing_replay": "true"}))[0]
+    assert m["mismatch/logp_abs_max"] < 1e-2 and m["loss/policy"] == m["loss/policy"]
+
+
+def test_rl_loop_stops_when_the_gap_crosses_stop_above(tmp_path):
+    """An engine whose final norm uses another epsilon: the first step's gap is > 0 and the monitor stops it."""
+    from minite.alignment.monitor import AlignmentError
+    from minite.rl import loop
+
+    run = loop.setup(_rl_cfg(tmp_path, **{"alignment.strict": "true", "alignment.stop_above": 0.0}))
+    for name, module in run.engine.model.named_modules():
+        if name.endswith("decoder.final_layernorm"):
+            module.eps = 0.5
+    with pytest.raises(AlignmentError, match="stop_above"):
+        loop.rl_step(run)
+    assert run.step == 0  # nothing was trained on the off-policy step
