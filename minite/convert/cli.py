@@ -35,6 +35,8 @@ CONVERTERS: dict[str, tuple[str, Fn, Fn]] = {
                        _add_hf_to_megatron, "minite.convert.hf_megatron:run_hf_to_megatron"),
     "megatron-to-hf": ("a checkpoint from hf-to-megatron -> Hugging Face sharded safetensors with an index",
                        _add_megatron_to_hf, "minite.convert.hf_megatron:run_megatron_to_hf"),
+    "export-nvfp4": ("a Qwen3-MoE checkpoint (HF or hf-to-megatron's) -> HF safetensors in ModelOpt's NVFP4 naming",
+                     "minite.convert.export_nvfp4:add_arguments", "minite.convert.export_nvfp4:run"),
 }
 
 
