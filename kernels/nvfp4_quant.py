@@ -275,12 +275,21 @@ def seed_mix(seed: int) -> int:
     return x ^ (x >> 16)
 
 
-# Tile tuning knobs: every tile shape computes the same bits (elementwise math and an exact max), so these only
-# change speed. TILE_ELEMS is the fp32 elements one program holds; tools/bench/bench_nvfp4.py sweeps it.
-TILE_ELEMS = {"plain": 8192, "rht": 4096}
-NUM_WARPS_OVERRIDE: int | None = None
-# VEC2D: load/store 2-D row tiles (16-byte vectors) and reshape to the 4-D view, or address the 4-D view directly.
-VEC2D = True
+# Tuning knobs, one set per kind of call. Every setting computes the same bits (elementwise math and an exact max;
+# tests/kernels checks both addressing variants), so these change speed only. Measured on the H200 (docs/benchmarks.md,
+# 131072 x 2048 bf16, 1x16 per-row RNE): 4-D addressing, 1024 elements, 2 warps: 272 us (0.61 of copy); 2-D loads +
+# reshape: 294-336 us; 8192 elements / 8 warps (the first version): 913 us. tools/bench/bench_nvfp4.py sweeps them.
+#   elems: fp32 elements one program holds; warps: None = 8 if elems >= 8192 else 4; vec2d: 2-D row loads/stores
+#   (16-byte vectors) reshaped to the 4-D view, else 4-D addressing.
+TUNING = {
+    "plain": {"elems": 1024, "warps": 2, "vec2d": False},
+    "values": {"elems": 2048, "warps": 2, "vec2d": True},
+    "rht": {"elems": 2048, "warps": None, "vec2d": True},
+}
+
+
+def _tuning(rht: bool, values: bool) -> dict:
+    return TUNING["rht" if rht else ("values" if values else "plain")]
 
 
 def _as_int32_bits(u: int) -> int:
@@ -288,9 +297,8 @@ def _as_int32_bits(u: int) -> int:
     return u - (1 << 32) if u >= (1 << 31) else u
 
 
-def _tile_shape(rows: int, cols: int, br: int, row_scope: bool, rht: bool) -> tuple[int, int, bool]:
-    """(BLOCK_R, BLOCK_C, single pass) for one program."""
-    budget = TILE_ELEMS["rht" if rht else "plain"]
+def _tile_shape(rows: int, cols: int, br: int, row_scope: bool, budget: int) -> tuple[int, int, bool]:
+    """(BLOCK_R, BLOCK_C, single pass) for one program holding about `budget` elements."""
     full = triton.next_power_of_2(cols)
     if row_scope:
         single = full <= MAX_SINGLE_PASS_COLS
@@ -301,12 +309,6 @@ def _tile_shape(rows: int, cols: int, br: int, row_scope: bool, rht: bool) -> tu
         return 16, max(16, min(full, budget // 16)), False
     block_c = min(full, 1024, budget)
     return max(1, min(64, budget // block_c)), block_c, False
-
-
-def _num_warps(block_r: int, block_c: int) -> int:
-    if NUM_WARPS_OVERRIDE:
-        return NUM_WARPS_OVERRIDE
-    return 8 if block_r * block_c >= 8192 else 4
 
 
 def quantize_triton(x: torch.Tensor, block=(1, 16), scale_scope: str = "tensor", rounding: str = "nearest",
@@ -334,8 +336,10 @@ def quantize_with_values_triton(x: torch.Tensor, block=(1, 16), scale_scope: str
     data = torch.empty(rows, cols // 2, dtype=torch.uint8, device=dev)
     scale = torch.empty(rows // br, cols // 16, dtype=torch.uint8, device=dev)
     vals = torch.empty(rows, cols, dtype=values_dtype, device=dev) if values_dtype is not None else data
-    block_r, block_c, single = _tile_shape(rows, cols, br, row_scope, rht)
-    warps = _num_warps(block_r, block_c)
+    tune = _tuning(rht, values_dtype is not None)
+    block_r, block_c, single = _tile_shape(rows, cols, br, row_scope, tune["elems"])
+    warps = tune["warps"] or (8 if block_r * block_c >= 8192 else 4)
+    vec2d = tune["vec2d"]
     if row_scope:
         gs = torch.empty(rows, dtype=torch.float32, device=dev)
         senc = gs  # unused
@@ -344,7 +348,7 @@ def quantize_with_values_triton(x: torch.Tensor, block=(1, 16), scale_scope: str
         grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))
         partial = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=dev)
         _amax_kernel[grid](x, x.stride(0), x.stride(1), rows, cols, partial, BLOCK_R=block_r, BLOCK_C=block_c,
-                           RHT=rht, SIGN_MASK=RHT_SIGN_MASK, VEC2D=VEC2D, num_warps=warps)
+                           RHT=rht, SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d, num_warps=warps)
         s_enc = global_encode_scale(partial.amax())
         s_dec = torch.tensor(1.0, dtype=torch.float32) / s_enc
         senc = torch.stack([s_enc, s_dec])
@@ -353,7 +357,7 @@ def quantize_with_values_triton(x: torch.Tensor, block=(1, 16), scale_scope: str
                         _as_int32_bits(seed_mix(seed)) if stochastic else 0, SIXTH,
                         BLOCK_R=block_r, BLOCK_C=block_c, BR=br, ROW_SCOPE=row_scope, SINGLE=single,
                         STOCHASTIC=stochastic, RHT=rht, WRITE_VALS=values_dtype is not None,
-                        SIGN_MASK=RHT_SIGN_MASK, VEC2D=VEC2D, num_warps=warps)
+                        SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d, num_warps=warps)
     q = NVFP4Tensor(data=data, scale=scale.view(torch.float8_e4m3fn), global_scale=gs, shape=(rows, cols),
                     block=block)
     return q, (vals if values_dtype is not None else None)

@@ -126,9 +126,11 @@ def test_public_quantize_dispatches_to_triton():
     assert got.equal(quantize(x, block=(16, 16), scale_scope="tensor", backend="reference"))
 
 
+@pytest.mark.parametrize("vec2d", [True, False])
 @pytest.mark.parametrize("cfg", CONFIGS, ids=_ids)
-def test_4d_addressing_variant_bitwise(monkeypatch, cfg):
-    """VEC2D=False (4-D addressing instead of 2-D loads + reshape) is a speed knob only: same bits."""
-    monkeypatch.setattr(nvfp4_quant, "VEC2D", False)
+def test_addressing_variants_bitwise(monkeypatch, cfg, vec2d):
+    """2-D loads + reshape vs 4-D addressing, and the tile size, are speed knobs only: same bits."""
+    for kind in ("plain", "values", "rht"):
+        monkeypatch.setitem(nvfp4_quant.TUNING, kind, {"elems": 256, "warps": 2, "vec2d": vec2d})
     torch.manual_seed(8)
     _check(torch.randn(16, 48, device=DEVICE), *cfg)

@@ -30,7 +30,7 @@ import triton
 from triton.testing import do_bench
 
 from minite.kernels.nvfp4_swiglu import SwiGLUFunction, swiglu_bwd_triton, swiglu_quant_triton
-from minite.kernels.nvfp4_gemm import GemmConfig, grouped_gemm_triton, kgrouped_gemm_triton, stack_expert_weights
+from minite.kernels.nvfp4_gemm import ExpertWeights, GemmConfig, grouped_gemm_triton, kgrouped_gemm_triton, stack_expert_weights
 from minite.kernels import nvfp4_quant as nq
 from minite.kernels.nvfp4_quant import quantize_triton, quantize_with_values_triton
 
@@ -73,26 +73,28 @@ def section_copy_quant(res: dict) -> None:
     res["copy_TBps"] = copy_bps / 1e12
     log(f"copy 131072x2048 bf16: {t * 1e3:.1f} us, {copy_bps / 1e12:.3f} TB/s")
     out_bytes = n // 2 + n // 16
-    # tile sweep (all tiles give the same bits): per-row activations at 2048 and 768 columns
-    best = {}
-    for shape_name, xx in (("2048", x),):
-        nn = xx.numel()
+    # tuning sweep (every setting gives the same bits): per-row activations, codes only and codes + fp16 values
+    for kind, values in (("plain", False), ("values", True)):
+        best = None
         for vec2d in (True, False):
             for elems in (1024, 2048, 4096):
-                for warps in (2, 4):
-                    nq.TILE_ELEMS["plain"], nq.NUM_WARPS_OVERRIDE, nq.VEC2D = elems, warps, vec2d
-                    t = bench(lambda: quantize_triton(xx, (1, 16), "row", "nearest", None, False), rep=60)
-                    frac = (2 * nn + nn // 2 + nn // 16) / (t * 1e-3) / copy_bps
-                    log(f"  quant sweep vec2d={vec2d} elems={elems} warps={warps}: {t * 1e3:.1f} us ({frac:.3f})")
-                    if t < best.get(shape_name, (1e9,))[0]:
-                        best[shape_name] = (t, elems, warps, vec2d)
-    nq.TILE_ELEMS["plain"], nq.NUM_WARPS_OVERRIDE, nq.VEC2D = best["2048"][1:]
-    res["quant_tile"] = {"tile_elems": best["2048"][1], "num_warps": best["2048"][2], "vec2d": best["2048"][3]}
-    log(f"quant tile chosen: {res['quant_tile']}")
-    for elems in (512, 1024, 2048):
-        nq.TILE_ELEMS["rht"] = elems
+                nq.TUNING[kind] = {"elems": elems, "warps": 2, "vec2d": vec2d}
+                fn = (lambda: quantize_with_values_triton(x, (1, 16), "row", "nearest", None, False)) if values \
+                    else (lambda: quantize_triton(x, (1, 16), "row", "nearest", None, False))
+                t = bench(fn, rep=60)
+                log(f"  quant sweep {kind} vec2d={vec2d} elems={elems} warps=2: {t * 1e3:.1f} us")
+                if best is None or t < best[0]:
+                    best = (t, dict(nq.TUNING[kind]))
+        nq.TUNING[kind] = best[1]
+    for elems in (2048, 4096, 8192):
+        nq.TUNING["rht"] = {"elems": elems, "warps": None, "vec2d": True}
         t = bench(lambda: quantize_triton(x.t(), (1, 16), "tensor", "stochastic", 7, True), rep=60)
         log(f"  quant sweep colwise rht elems={elems}: {t * 1e3:.1f} us")
+        if elems == 2048 or t < best_rht[0]:
+            best_rht = (t, dict(nq.TUNING["rht"]))
+    nq.TUNING["rht"] = best_rht[1]
+    res["quant_tuning"] = {k: dict(v) for k, v in nq.TUNING.items()}
+    log(f"quant tuning chosen: {res['quant_tuning']}")
     variants = {
         "row_rne": (lambda: quantize_triton(x, (1, 16), "row", "nearest", None, False), 2 * n + out_bytes + 4 * rows),
         "row_rne_values_fp16": (lambda: quantize_with_values_triton(x, (1, 16), "row", "nearest", None, False),
@@ -330,6 +332,14 @@ def section_decode(res: dict, decode_cfg: GemmConfig | None) -> None:
 
         t_w = bench_graph(w4_all, sets)
         t_g = bench_graph(w4_gemm_only, sets)
+        if m == 1:  # same kernel and tiles, weights as fp16 block values (4x the bytes, no nibble decode)
+            # (values of bf16 random weights, not of the quantised ones: same bytes and timing, bits unused)
+            wv = [ExpertWeights(w.data, w.scale, w.global_scale, wb[s_].transpose(1, 2).contiguous().half(),
+                                w.block_rows, w.shape) for s_, w in enumerate(wq)]
+            t_v = bench_graph(lambda: [grouped_gemm_triton(qpre[s], wv[s], counts, torch.bfloat16, config=cfg_m)
+                                       for s in range(sets)], sets)
+            res["decode_m1_values_weights_us"] = t_v * 1e3
+            log(f"decode M=1 with fp16-value weights (no decode, 4x bytes): {t_v * 1e3:.1f} us")
         res.setdefault("decode_config", {})[str(m)] = vars(cfg_m) if cfg_m else "default"
         res["decode_speedup_vs_bf16"][str(m)] = t_b / t_w
         res["decode_us"][str(m)] = {"bf16_bmm": t_b * 1e3, "w4a4_quant_plus_gemm": t_w * 1e3,
