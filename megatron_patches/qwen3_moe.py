@@ -85,14 +85,19 @@ class Qwen3MoeShape:
         if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
             raise ValueError("Qwen3-MoE config: dense (mlp_only) layers are not supported; every layer must be MoE")
         heads = hf["num_attention_heads"]
+        # transformers 5 writes num_local_experts and nests rope_theta under rope_parameters; the Hub files don't
+        experts = hf.get("num_experts", hf.get("num_local_experts"))
+        if experts is None:
+            raise ValueError("Qwen3-MoE config: neither num_experts nor num_local_experts is set")
+        rope = hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 1e6))
         return cls(
             vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
             num_attention_heads=heads, num_query_groups=hf.get("num_key_value_heads", heads),
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            moe_ffn_hidden_size=hf["moe_intermediate_size"], num_experts=hf["num_experts"],
+            moe_ffn_hidden_size=hf["moe_intermediate_size"], num_experts=experts,
             moe_router_topk=hf["num_experts_per_tok"],
             shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0) or 0,
-            norm_topk_prob=hf.get("norm_topk_prob", True), rope_theta=float(hf.get("rope_theta", 1e6)),
+            norm_topk_prob=hf.get("norm_topk_prob", True), rope_theta=float(rope),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),

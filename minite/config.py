@@ -33,6 +33,9 @@ class ModelConfig:
 
     hf_config: str | None = None
     """Path to a Hugging Face Qwen3-MoE config.json (relative to the YAML file); overrides the shape fields."""
+    init_from: str | None = None
+    """Initial weights: a directory written by `minite convert hf-to-megatron` for this run's TP/EP/PP layout
+    (relative to the YAML file). None: random initialisation from rl.seed."""
     vocab_size: int = 64
     hidden_size: int = 64
     num_layers: int = 2
@@ -329,8 +332,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     raw.pop("source", None)
     cfg = from_dict(Config, raw, where)
     cfg.source = str(path) if path is not None else None
-    if cfg.model.hf_config and path is not None and not Path(cfg.model.hf_config).is_absolute():
-        cfg.model.hf_config = str((Path(path).parent / cfg.model.hf_config).resolve())
+    for name in ("hf_config", "init_from"):
+        value = getattr(cfg.model, name)
+        if value and path is not None and not Path(value).is_absolute():
+            setattr(cfg.model, name, str((Path(path).parent / value).resolve()))
     return cfg
 
 

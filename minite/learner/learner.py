@@ -72,6 +72,10 @@ class Learner:
 
         self.cfg = cfg
         self.model = build_model(cfg)
+        if cfg.model.init_from:
+            # before the optimizer exists: it copies fp32 master weights from the model at construction
+            from minite.convert.hf_megatron import load_into_model
+            load_into_model(self.model, cfg.model.init_from)
         self.nvfp4 = nvfp4_context(self.model)
         self.step = 0
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,

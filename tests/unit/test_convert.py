@@ -216,3 +216,33 @@ def test_peak_memory_below_a_limit_smaller_than_the_model(tmp_path):
     for direction in ("hf_to_megatron", "megatron_to_hf"):
         assert res[direction]["peak_rss_growth_bytes"] < res["limit_bytes"], res
     assert res["megatron_to_hf"]["bitwise"] is True
+
+
+def test_learner_starts_from_a_converted_checkpoint(tiny_hf, tmp_path):
+    """model.init_from: the learner's initial weights are the converted ones (and training then moves them)."""
+    from minite.config import load_config
+    from minite.convert.hf_megatron import load_into_model
+    from minite.learner.learner import Learner
+    from minite.learner.model import build_model
+
+    mg = hf_to_megatron(tiny_hf, tmp_path / "mg", progress=False)
+    overrides = [f"model.hf_config={tiny_hf / 'config.json'}", f"model.init_from={mg}", "precision.mode=bf16",
+                 "model.max_position_embeddings=64"]
+    learner = Learner(load_config(None, overrides))
+    expect = build_model(load_config(None, overrides[:1] + overrides[2:]), init_parallel_state=False)
+    load_into_model(expect, mg)
+    got = dict(learner.model.state_dict())
+    for name, t in expect.state_dict().items():
+        if "_extra_state" not in name:
+            assert torch.equal(got[name], t), name
+
+
+def test_transformers5_config_spelling(tiny_hf, tmp_path):
+    """transformers 5 writes num_local_experts and rope_parameters.rope_theta; both are read."""
+    from minite.megatron_patches.qwen3_moe import Qwen3MoeShape
+
+    cfg = json.loads((tiny_hf / "config.json").read_text())
+    cfg["num_local_experts"] = cfg.pop("num_experts")
+    cfg["rope_parameters"] = {"rope_theta": cfg.pop("rope_theta"), "rope_type": "default"}
+    shape = Qwen3MoeShape.from_any(cfg)
+    assert shape.num_experts == TINY["num_experts"] and shape.rope_theta == TINY["rope_theta"]
