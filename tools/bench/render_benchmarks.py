@@ -1,0 +1,54 @@
+"""Render docs/benchmarks.md's kernel table from docs/benchmarks/kernels-h200.json (numbers are never typed by hand).
+
+    python tools/bench/render_benchmarks.py docs/benchmarks/kernels-h200.json > docs/benchmarks/kernels-h200.md
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+TARGETS = {
+    "quant_fraction_of_copy": (">=", 0.80),
+    "expert_block_fwd_ratio_vs_bf16": ("<=", 1.10),
+    "expert_block_fwdbwd_ratio_vs_bf16": ("<=", 1.15),
+    "expert_block_speedup_vs_torch_emulation": (">=", 5.0),
+}
+
+
+def _met(value, op, target) -> str:
+    if value is None:
+        return "not measured"
+    return "met" if (value >= target if op == ">=" else value <= target) else "missed"
+
+
+def render(d: dict) -> str:
+    out = [f"Device {d['device']} (torch {d['torch']}, triton {d['triton']}), {d['date']}, commit {d['commit']}, "
+           f"command `{d['command']}` (run through `bash tools/bench/device_run.sh COMMIT ...`). One run, medians of "
+           "triton.testing.do_bench (decode: CUDA-graph replays over 8 rotating weight sets).", "",
+           "| metric | measured | target | |", "|---|---|---|---|",
+           f"| device copy, 131072x2048 bf16 (read + write) | {d['copy_TBps']:.3f} TB/s | ceiling | |"]
+    for key, (op, target) in TARGETS.items():
+        v = d.get(key)
+        out.append(f"| {key} | {'-' if v is None else f'{v:.3f}'} | {op} {target} | {_met(v, op, target)} |")
+    for m, v in d.get("decode_speedup_vs_bf16", {}).items():
+        out.append(f"| decode_speedup_vs_bf16, M={m} | {v:.2f}x | >= 3.5x | {_met(v, '>=', 3.5)} |")
+    out.append(f"| learner_slice_nvfp4_over_bf16_tokens_per_s | {d.get('learner_slice_nvfp4_over_bf16_tokens_per_s')}"
+               f" | >= 0.95 | {d.get('learner_slice_reason', '')} |")
+    out += ["", "Expert block (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in d.get("expert_block_ms", {}).items()),
+            "", "Forward stages (us): " + ", ".join(f"{k} {v:.0f}" for k, v in
+                                                    d.get("expert_block_fwd_stages_us", {}).items()),
+            "", "Backward stages (us): " + ", ".join(f"{k} {v:.0f}" for k, v in
+                                                     d.get("expert_block_bwd_stages_us", {}).items()),
+            "", "Quantisation variants (us, fraction of copy): " + ", ".join(
+                f"{k} {v['us']:.0f} ({v['fraction_of_copy']:.2f})" for k, v in d.get("quant_variants", {}).items()),
+            "", "Decode (us): " + "; ".join(
+                f"M={m}: bmm {v['bf16_bmm']:.1f}, W4A4 quant+GEMM {v['w4a4_quant_plus_gemm']:.1f}, GEMM only "
+                f"{v['w4a4_gemm_only']:.1f}" for m, v in d.get("decode_us", {}).items())]
+    if "decode_m1_values_weights_us" in d:
+        out.append(f"(same decode kernel, M=1, fp16 block-value weights instead of packed nibbles: "
+                   f"{d['decode_m1_values_weights_us']:.1f} us)")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    print(render(json.load(open(sys.argv[1]))), end="")
