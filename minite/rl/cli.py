@@ -18,6 +18,11 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"minite train: {e}")
         return 2
+    from minite.rl.checkpoint import CheckpointError
     from minite.rl.loop import train
-    train(cfg)
+    try:
+        train(cfg)
+    except CheckpointError as e:
+        print(f"minite train: {e}")
+        return 2
     return 0
