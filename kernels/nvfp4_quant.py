@@ -14,9 +14,14 @@ request, the block values (code x block scale, exact in fp16/bf16) that feed an 
 Why bit arithmetic for the casts: Hopper has no E2M1 convert, and Triton's interpreter gets fp32 -> float8e4nv wrong
 (carry, ties, saturation, subnormals; NOTES section 7). The E4M3 rounding here adds 0x7FFFF + lsb to the fp32 bits and
 truncates 20 mantissa bits (round to nearest even), and rounds subnormals (< 2^-6) with the 1.5 * 2^23 magic-number
-add; both are exact on the GPU and in the interpreter. Every fp32 multiply/divide mirrors one in the reference; the
+add; E2M1 nearest-even rounds |v| with (|v| + M) - M, M = 2^22 / 2^23 / 2^24 for the grid steps 0.5 / 1 / 2 (an
+exact add, IEEE ties-to-even) and reads the index off the fp32 bits. All of it is exact on the GPU and in the
+interpreter. Every fp32 multiply/divide mirrors one in the reference; the
 possible fma contraction (x*m + acc in the RHT, v*512 + C in the subnormal rounding) changes nothing because each
 product is exact.
+
+Tile layout: [BLOCK_R, G, 8, 2] (rows, 16-groups, byte, nibble), so block maxima reduce the last two axes and the
+nibble pair of a byte is a split of the last axis: no reshape moves data between threads.
 
 Memory passes: scale_scope="row" with rows of at most 8192 elements is one pass (read x once, write 0.5625 B/elem,
 plus 2 B/elem if block values are requested). scale_scope="tensor" needs the amax of the whole tensor first: one
@@ -276,15 +281,17 @@ def seed_mix(seed: int) -> int:
 
 
 # Tuning knobs, one set per kind of call. Every setting computes the same bits (elementwise math and an exact max;
-# tests/kernels checks both addressing variants), so these change speed only. Measured on the H200 (docs/benchmarks.md,
-# 131072 x 2048 bf16, 1x16 per-row RNE): 4-D addressing, 1024 elements, 2 warps: 272 us (0.61 of copy); 2-D loads +
-# reshape: 294-336 us; 8192 elements / 8 warps (the first version): 913 us. tools/bench/bench_nvfp4.py sweeps them.
+# tests/kernels checks both addressing variants), so these change speed only. The defaults are what the H200 sweep in
+# tools/bench/bench_nvfp4.py chose (docs/benchmarks.md, 131072 x 2048 bf16): codes only, per-row RNE: 4-D addressing,
+# 2048 elements, 2 warps, 272 us (0.61 of copy; 2-D loads: 294-300 us; the first 8192-element / 8-warp tile: 913 us);
+# codes + fp16 values: 2-D vector loads/stores, 1024 elements, 425 us (4-D addressing: 1045 us); column-wise RHT + SR:
+# 8192 elements, 1142 us (2048: 1858 us).
 #   elems: fp32 elements one program holds; warps: None = 8 if elems >= 8192 else 4; vec2d: 2-D row loads/stores
 #   (16-byte vectors) reshaped to the 4-D view, else 4-D addressing.
 TUNING = {
-    "plain": {"elems": 1024, "warps": 2, "vec2d": False},
-    "values": {"elems": 2048, "warps": 2, "vec2d": True},
-    "rht": {"elems": 2048, "warps": None, "vec2d": True},
+    "plain": {"elems": 2048, "warps": 2, "vec2d": False},
+    "values": {"elems": 1024, "warps": 2, "vec2d": True},
+    "rht": {"elems": 8192, "warps": None, "vec2d": True},
 }
 
 
