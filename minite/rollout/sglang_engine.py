@@ -1,0 +1,268 @@
+"""The `sglang` rollout backend: SGLang's offline Engine in-process, computing with the minite_nvfp4 plugin.
+
+Start-up (`build_sglang(cfg)`): build the learner's initial model exactly as the learner does
+(`minite.learner.model.build_model(cfg)`, so both start from the same weights), convert its tensors with
+`minite.convert.export_nvfp4.pack_megatron_weights` into a ModelOpt-named NVFP4 checkpoint in a temporary directory
+(config.json written from the model shape), and start `sglang.Engine(model_path=that, quantization="minite_nvfp4",
+skip_tokenizer_init=True)`. SGLang runs the scheduler in a subprocess; the plugin registers there through its entry
+point. Measured start-up on the 2-core CPU dev machine, tiny model: see docs/sglang.md.
+
+generate: one SGLang request per sample (n per prompt), token ids in, `return_logprob=True`; the per-token
+log-probs are meta_info["output_token_logprobs"] (logprob, token id, text). They are the untempered policy's
+(base.py's contract) because the engine runs with SGLANG_RETURN_ORIGINAL_LOGPROB=1: SGLang then takes
+log_softmax of the logits before temperature and top-p. Each sample gets `sampling_seed = derive_seed(seed, k)`.
+SGLang honours sampling seeds only in its deterministic-inference mode (enable_deterministic_inference, on by default
+here on GPU; SGLang measured it at about 34% slower, shared/NOTES.md section 6), which needs a GPU attention backend:
+on CPU, sampling at temperature > 0 is therefore NOT reproducible call to call (greedy decoding is). Either way our
+process's torch RNG is untouched (sampling happens in SGLang's scheduler process). The stop token ends a
+response and is kept (SGLang's finished_len includes it); the config.json we write has no eos_token_id, so nothing
+else stops a response early.
+
+update_weights: the learner's Megatron-named tensors (tp=ep=pp=1 names; a leading "module." is ignored) are
+validated (every expected name once, same shapes, finite floating point), then quantised with the learner's own
+quantize_weight and packed (NVFP4 codes + E4M3 scales + FP32 global scales travel, about 4.5 bits per weight, not
+BF16), renamed to SGLang's Qwen3-MoE checkpoint names, and sent with update_weights_from_tensor between
+begin_weight_update() and end_weight_update() (end re-runs process_weights_after_loading). All-or-nothing: a
+rejected tensor raises WeightUpdateError before anything is sent; if SGLang reports a failure half way, the engine
+reloads the last good packed weights (kept on the host) and WeightUpdateError is raised.
+
+Environment: the engine sets SGLANG_RETURN_ORIGINAL_LOGPROB=1 (and SGLANG_USE_CPU_ENGINE=1 without a GPU) for the
+processes it starts; this is the launcher's job, done here because this class is the launcher. On a CPU-only
+machine SGLang also needs stand-ins for two CUDA-only modules it imports (tests/sglang/stubs, put on PYTHONPATH);
+they are test tooling and are not shipped.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from minite.rollout.base import (
+    RolloutEngine,
+    RolloutResult,
+    SamplingParams,
+    WeightUpdateError,
+    strip_wrapper_prefix,
+    truncate_at_stop,
+)
+
+log = logging.getLogger(__name__)
+
+
+def hf_config_from_shape(shape) -> dict:
+    """A Hugging Face Qwen3-MoE config.json for a `Qwen3MoeShape` (no eos_token_id: see the module docstring)."""
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "torch_dtype": "bfloat16",
+        "vocab_size": shape.vocab_size, "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.moe_ffn_hidden_size, "moe_intermediate_size": shape.moe_ffn_hidden_size,
+        "num_hidden_layers": shape.num_layers, "num_attention_heads": shape.num_attention_heads,
+        "num_key_value_heads": shape.num_query_groups, "head_dim": shape.head_dim,
+        "num_experts": shape.num_experts, "num_experts_per_tok": shape.moe_router_topk,
+        "norm_topk_prob": shape.norm_topk_prob, "rope_theta": shape.rope_theta, "rms_norm_eps": shape.rms_norm_eps,
+        "max_position_embeddings": shape.max_position_embeddings, "tie_word_embeddings": shape.tie_word_embeddings,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "attention_bias": False, "hidden_act": "silu",
+        "bos_token_id": None, "eos_token_id": None, "use_sliding_window": False,
+    }
+
+
+def default_engine_args(device: str) -> dict:
+    """sglang.Engine arguments for `device`; on CPU those shared/NOTES.md section 5 found to work."""
+    args = {"skip_tokenizer_init": True, "dtype": "bfloat16", "log_level": "warning",
+            "quantization": "minite_nvfp4", "random_seed": 0}
+    if device == "cpu":
+        args.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
+                    sampling_backend="pytorch", mem_fraction_static=0.05, max_total_tokens=4096)
+    else:
+        args.update(enable_deterministic_inference=True)  # honours per-request sampling seeds (untested here)
+    return args
+
+
+class SGLangEngine(RolloutEngine):
+    """SGLang offline Engine over a ModelOpt NVFP4 checkpoint, kept in sync with the learner (module docstring)."""
+
+    def __init__(self, model_dir: str, *, hf_config: dict, recipe, expected: Dict[str, Tuple[int, ...]],
+                 initial_packed: List[Tuple[str, torch.Tensor]], engine_args: Optional[dict] = None,
+                 owns_dir: bool = False):
+        from minite.rollout.sglang_plugin import check_sglang_version, register
+
+        check_sglang_version()
+        register()  # in this process too: a failure here is raised, not just logged by SGLang's plugin loader
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
+        if device == "cpu":
+            os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+        self.model_dir, self._owns_dir = model_dir, owns_dir
+        self.hf_config, self.recipe, self._expected = hf_config, recipe, dict(expected)
+        self._last_good = initial_packed
+        self.weight_version = 0
+        args = {**default_engine_args(device), **(engine_args or {})}
+        t0 = time.perf_counter()
+        self.engine = _start_engine(model_dir, args)
+        self.startup_seconds = time.perf_counter() - t0
+        log.info("sglang engine ready in %.1f s (%s, quantization=%s)", self.startup_seconds, device,
+                 args.get("quantization"))
+        if not args.get("enable_deterministic_inference"):
+            log.warning("sglang rollout: sampling seeds are ignored without deterministic inference (it needs a GPU "
+                        "attention backend); sampled rollouts are not reproducible call to call")
+
+    # ---- generation ------------------------------------------------------------------------------------------
+    def generate(self, prompts: List[List[int]], params: SamplingParams) -> List[RolloutResult]:
+        from minite.learner.ops import derive_seed
+
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("generate needs at least one prompt and no empty prompts")
+        flat = [(i, [int(t) for t in p]) for i, p in enumerate(prompts) for _ in range(params.n)]
+        sps = []
+        for k in range(len(flat)):
+            sp = {"temperature": float(params.temperature), "top_p": float(params.top_p), "top_k": -1,
+                  "max_new_tokens": int(params.max_new_tokens), "sampling_seed": derive_seed(params.seed, k),
+                  "no_stop_trim": True}
+            if params.stop_token_id is not None:
+                sp["stop_token_ids"] = [int(params.stop_token_id)]
+            sps.append(sp)
+        outs = self.engine.generate(input_ids=[p for _, p in flat], sampling_params=sps, return_logprob=True)
+        results = []
+        for (i, prompt), out in zip(flat, outs):
+            toks = [int(t) for t in out["output_ids"]]
+            lps = [float(lp) for lp, _tok, _txt in out["meta_info"]["output_token_logprobs"]]
+            if len(lps) != len(toks):
+                raise RuntimeError(f"sglang returned {len(toks)} tokens but {len(lps)} log-probs")
+            toks, lps, finished = truncate_at_stop(toks, lps, params.stop_token_id)
+            results.append(RolloutResult(prompt_index=i, prompt=prompt, tokens=toks, logprobs=lps,
+                                         finished=finished))
+        return results
+
+    # ---- weight sync -----------------------------------------------------------------------------------------
+    def validate(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> List[Tuple[str, torch.Tensor]]:
+        """The learner's tensors, checked against the model's names and shapes; WeightUpdateError otherwise."""
+        seen: Dict[str, torch.Tensor] = {}
+        for name, t in named_tensors:
+            bare = strip_wrapper_prefix(name)
+            if bare not in self._expected:
+                raise WeightUpdateError(f"unknown weight {name!r}: the rollout model has no parameter of that name")
+            if bare in seen:
+                raise WeightUpdateError(f"weight {name!r} given twice")
+            if tuple(t.shape) != self._expected[bare]:
+                raise WeightUpdateError(f"weight {name!r} has shape {tuple(t.shape)}, expected {self._expected[bare]}")
+            if not t.is_floating_point() or not torch.isfinite(t).all():
+                raise WeightUpdateError(f"weight {name!r} is not a finite floating-point tensor")
+            seen[bare] = t.detach()
+        missing = sorted(set(self._expected) - set(seen))
+        if missing:
+            raise WeightUpdateError(f"incomplete weight update: {len(missing)} tensors missing, e.g. {missing[:3]}")
+        return list(seen.items())
+
+    def pack(self, named: List[Tuple[str, torch.Tensor]]) -> List[Tuple[str, torch.Tensor]]:
+        return pack_for_sglang(named, self.hf_config, self.recipe)
+
+    def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
+        packed = self.pack(self.validate(named_tensors))
+        ok, msg = self._load(packed)
+        if not ok:
+            restored, rmsg = self._load(self._last_good)
+            state = "kept its previous weights" if restored else f"could not restore its weights either ({rmsg})"
+            raise WeightUpdateError(f"sglang rejected the weight update ({msg}); the engine {state}")
+        self._last_good = packed
+        self.weight_version += 1
+
+    def _load(self, packed: List[Tuple[str, torch.Tensor]]) -> Tuple[bool, str]:
+        """begin -> update_weights_from_tensor -> end; (success, message), never raises on SGLang's errors."""
+        try:
+            ok, msg = _result(self.engine.begin_weight_update())
+            if not ok:
+                return False, f"begin_weight_update: {msg}"
+            ok, msg = _result(self.engine.update_weights_from_tensor(packed, flush_cache=True))
+            end_ok, end_msg = _result(self.engine.end_weight_update())
+            if not ok:
+                return False, msg
+            return (True, msg) if end_ok else (False, f"end_weight_update: {end_msg}")
+        except Exception as e:  # noqa: BLE001 - SGLang raises several types; the caller reports and restores
+            return False, f"{type(e).__name__}: {e}"
+
+    def shutdown(self) -> None:
+        eng, self.engine = getattr(self, "engine", None), None
+        if eng is not None:
+            eng.shutdown()
+        if self._owns_dir and self.model_dir and Path(self.model_dir).exists():
+            shutil.rmtree(self.model_dir, ignore_errors=True)
+
+
+def pack_for_sglang(named, hf_config: dict, recipe) -> List[Tuple[str, torch.Tensor]]:
+    """Learner tensors -> SGLang-named CPU tensors: NVFP4 (uint8 codes, e4m3 scales, fp32 global scales) for the
+    linears and experts, BF16 (the engine's dtype) for embeddings, norms, router and lm_head."""
+    from minite.convert.export_nvfp4 import pack_megatron_weights
+
+    out = []
+    for name, t in pack_megatron_weights(named, hf_config, recipe):
+        if t.is_floating_point() and t.dim() > 0 and t.dtype != torch.float8_e4m3fn:
+            t = t.to(torch.bfloat16)
+        out.append((name, t.contiguous().cpu()))
+    return out
+
+
+def start_from_learner_tensors(named, hf_config: dict, recipe, *, engine_args: Optional[dict] = None
+                               ) -> "SGLangEngine":
+    """Pack the learner's tensors into a temporary ModelOpt NVFP4 checkpoint and start an engine on it."""
+    named = [(strip_wrapper_prefix(n), t.detach()) for n, t in named]
+    expected = {n: tuple(t.shape) for n, t in named}
+    packed = pack_for_sglang(named, hf_config, recipe)
+    tmp = Path(tempfile.mkdtemp(prefix="minite-sglang-"))
+    try:
+        write_checkpoint(tmp, hf_config, packed, recipe)
+        return SGLangEngine(str(tmp), hf_config=hf_config, recipe=recipe, expected=expected,
+                            initial_packed=packed, engine_args=engine_args, owns_dir=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _result(r) -> Tuple[bool, str]:
+    if isinstance(r, tuple) and len(r) >= 2:
+        return bool(r[0]), str(r[1])
+    if r is None:
+        return True, ""
+    return bool(getattr(r, "success", True)), str(getattr(r, "message", r))
+
+
+def _start_engine(model_dir: str, args: dict):
+    try:
+        import sglang
+    except ImportError as e:
+        raise RuntimeError(
+            f"rollout.backend='sglang' cannot import sglang ({e}). Install it with tools/setup.sh "
+            "(sglang==0.5.23 --no-deps plus tools/sglang_requirements.txt); on a CPU-only machine also put "
+            "tests/sglang/stubs on PYTHONPATH (stand-ins for torchvision and sgl_kernel)") from e
+    return sglang.Engine(model_path=model_dir, **args)
+
+
+def write_checkpoint(out_dir: Path, hf_config: dict, packed: List[Tuple[str, torch.Tensor]], recipe) -> None:
+    """config.json + hf_quant_config.json + safetensors of already packed tensors."""
+    from minite.convert.export_nvfp4 import exclude_modules, write_sharded
+    from minite.rollout.sglang_plugin import quant_config_dict
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_sharded(out_dir, packed)
+    (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    qcfg = quant_config_dict(recipe, exclude_modules(hf_config))
+    (out_dir / "hf_quant_config.json").write_text(json.dumps(qcfg, indent=2) + "\n")
+
+
+def build_sglang(cfg, *, pad_id: int = 0, engine_args: Optional[dict] = None) -> SGLangEngine:
+    """An SGLang engine on the learner's initial weights (module docstring). pad_id is unused (no padding)."""
+    from minite.learner.model import build_model, model_shape
+
+    if cfg.precision.mode != "nvfp4":
+        raise ValueError("rollout.backend='sglang' runs the minite_nvfp4 plugin: set precision.mode='nvfp4'")
+    if (cfg.parallel.tp, cfg.parallel.ep, cfg.parallel.pp) != (1, 1, 1):
+        raise ValueError("rollout.backend='sglang' takes weight updates from a tp=ep=pp=1 learner for now")
+    model = build_model(cfg)
+    named = [(n, p.detach()) for n, p in model.named_parameters()]
+    return start_from_learner_tensors(named, hf_config_from_shape(model_shape(cfg)), cfg.precision.recipe,
+                                      engine_args=engine_args)
