@@ -1,12 +1,20 @@
 """Kernel tests run the Triton kernels on the CPU through Triton's interpreter.
 
-TRITON_INTERPRET is read by triton.jit when a kernel module is imported, so it is set here, before any test module
-of this folder imports minite.kernels. On a machine with a GPU the same tests run compiled (tests/gpu has the
-real-shape versions).
+triton.jit reads TRITON_INTERPRET when a kernel is decorated, i.e. when its module is imported; it is set here before
+this folder's test modules import minite.kernels. If an earlier test folder (tests/gpu, collected first) already
+imported the kernel modules without it, they are reloaded so that their kernels are interpreted. On a machine with a
+GPU nothing changes: the same tests run compiled (tests/gpu has the real-shape versions).
 """
+import importlib
 import os
+import sys
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+KERNEL_MODULES = ("minite.kernels.nvfp4_quant", "minite.kernels.nvfp4_gemm", "minite.kernels.nvfp4_swiglu")
+
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    os.environ["TRITON_INTERPRET"] = "1"
+    for name in KERNEL_MODULES:  # in dependency order: swiglu imports from quant
+        if name in sys.modules:
+            importlib.reload(sys.modules[name])
