@@ -1,0 +1,36 @@
+"""The minite_nvfp4 plugin is pinned to one SGLang version and says so when it meets another (no SGLang needed)."""
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+
+
+def test_other_sglang_version_fails_with_a_clear_message(monkeypatch):
+    from minite.rollout import sglang_plugin
+
+    monkeypatch.setattr(sglang_plugin, "_REGISTERED", False)
+    monkeypatch.setattr(sglang_plugin.importlib.metadata, "version", lambda name: "0.5.22")
+    with pytest.raises(sglang_plugin.SGLangVersionError, match=r"sglang==0\.5\.23 only.*found sglang==0\.5\.22"):
+        sglang_plugin.register()
+
+
+def test_missing_sglang_fails_with_a_clear_message(monkeypatch):
+    from minite.rollout import sglang_plugin
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(sglang_plugin.importlib.metadata, "version", missing)
+    with pytest.raises(sglang_plugin.SGLangVersionError, match="not installed.*tools/setup.sh"):
+        sglang_plugin.check_sglang_version()
+
+
+def test_recipe_round_trips_through_hf_quant_config():
+    from minite.nvfp4 import NVFP4Recipe, OperandRecipe
+    from minite.rollout.sglang_plugin import quant_config_dict, recipe_from_json
+
+    r = NVFP4Recipe(activation=OperandRecipe(block=(1, 16), scale_scope="tensor"))
+    back = recipe_from_json(quant_config_dict(r, ["lm_head"])["minite"])
+    assert back.activation == r.activation
+    assert recipe_from_json(None).activation.scale_scope == "row"
