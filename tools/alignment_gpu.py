@@ -101,6 +101,8 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: tiny model, small benchmark")
     ap.add_argument("--skip-gaps", action="store_true")
+    ap.add_argument("--round2", action="store_true",
+                    help="strict-mode rows only (medium model gaps) and the decode benchmark, shorter")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     from minite.megatron_patches import cpu as cpu_patches
@@ -114,6 +116,10 @@ def main() -> int:
         if not args.skip_gaps:
             gap_rows(args.out, "tiny", tiny, 4, 4, ["default", "strict"])
         throughput_rows(args.out, "tiny", tiny, batch=4, plen=4, n1=2, n2=6)
+        return 0
+    if args.round2:
+        gap_rows(args.out, "medium", MEDIUM, 16, 16, ["strict"])
+        throughput_rows(args.out, "medium", MEDIUM, batch=32, plen=16, n1=8, n2=24)
         return 0
     if not args.skip_gaps:
         gap_rows(args.out, "medium", MEDIUM, 16, 16, ["default", "replay", "strict"])

@@ -136,13 +136,29 @@ def _combine_postprocess(self, permuted):
     return output
 
 
+_ROPE_CACHE: list = []  # (freqs copy, sin, cos), newest first
+
+
+def _rope_sincos(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """S.sincos(freqs), memoised over the last few tables: every layer of a forward rotates with the same angles.
+    A hit needs equal values (torch.equal), and S.sincos is a deterministic function, so the cache cannot change
+    a result, only skip recomputing it (~30 elementwise kernels per call)."""
+    for f, sin, cos in _ROPE_CACHE:
+        if f.shape == freqs.shape and f.device == freqs.device and torch.equal(f, freqs):
+            return sin, cos
+    sin, cos = S.sincos(freqs)
+    _ROPE_CACHE.insert(0, (freqs.detach().clone(), sin, cos))
+    del _ROPE_CACHE[4:]
+    return sin, cos
+
+
 def strict_rope(t, freqs, config, cu_seqlens=None, mscale: float = 1.0, cp_group=None):
     """RoPE with strict sin/cos (non-interleaved bshd layout, as Qwen3 uses)."""
     if cu_seqlens is not None or config.rotary_interleaved or config.multi_latent_attention:
         raise ValueError("strict RoPE supports the bshd, non-interleaved layout only")
     rot = freqs.shape[-1]
     t_rot, t_pass = t[..., :rot], t[..., rot:]
-    sin, cos = S.sincos(freqs)
+    sin, cos = _rope_sincos(freqs)
     cos_, sin_ = (cos * mscale).to(t.dtype), (sin * mscale).to(t.dtype)
     x1, x2 = torch.chunk(t_rot, 2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)

@@ -29,6 +29,15 @@ length, thread count and code path: guaranteed, not "almost surely", on any devi
 kernels are IEEE-conformant (CPU; CUDA without fast math). Nothing here assumes anything about library GEMMs,
 softmax or reduction kernels.
 
+On CUDA, BF16/FP16 GEMMs take one exception: `strict_triton.matmul_fixed_k`, a Triton kernel with one constant
+tile configuration and a sequential K loop, batch invariant because every row runs the same instruction sequence
+(measured bitwise on the H200, tests/gpu) rather than by IEEE rules alone; the tree GEMM below was 4.8x slower than
+cuBLAS per decode step there.
+
+Measured on this CPU (AVX512, torch 2.13): torch's own silu on the first n elements of a tensor differed from the
+same elements computed inside the whole tensor in 29 places over n = 1..63 (vector body vs scalar tail); the
+strict versions never differ (tests/unit/test_alignment_strict.py).
+
 Cost. The GEMM materialises x_i * w_j products [rows, cols, K] (chunked to bounded memory) and reduces them in
 log2(K) elementwise passes: K times the memory traffic of a GEMM, fine for the tiny CPU model and for decode-size
 M, not a training-throughput path. Backward (only forward values must agree) uses ordinary matmuls.
@@ -133,6 +142,10 @@ class _StrictLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w):
         ctx.save_for_backward(x, w)
+        from . import strict_triton  # CUDA bf16/fp16: the fixed-K tensor-core kernel (see strict_triton)
+
+        if strict_triton.available(x, w):
+            return strict_triton.matmul_fixed_k(x, w)
         return _linear_fwd(x, w)
 
     @staticmethod
