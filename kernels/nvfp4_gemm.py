@@ -82,7 +82,8 @@ def _grouped_gemm_kernel(a_data, a_scale, a_vals, a_gs, a_gs_stride,
                          c_ptr, count_ptr, E, N, K,
                          A_SBR: tl.constexpr, B_SBR: tl.constexpr, A_PACKED: tl.constexpr, B_PACKED: tl.constexpr,
                          BLOCK_E: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         SWAP_AB: tl.constexpr):
     """c[rows of expert e] = a[rows] @ b[e]^T, for rows grouped contiguously by expert (counts per expert)."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -109,12 +110,21 @@ def _grouped_gemm_kernel(a_data, a_scale, a_vals, a_gs, a_gs_stride,
     bd = b_data + e64 * N * (K // 2)
     bs = b_scale + e64 * (N // B_SBR) * (K // 16)
     bv = b_vals + e64 * N * K
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # fixed, sequential K order: the batch-invariance rule
-        a = _operand_tile(a_data, a_scale, a_vals, rows, rmask, k0, K, K // 2, K // 16, K,
-                          A_SBR, A_PACKED, BLOCK_M, BLOCK_K)
-        b = _operand_tile(bd, bs, bv, cols, cmask, k0, K, K // 2, K // 16, K, B_SBR, B_PACKED, BLOCK_N, BLOCK_K)
-        acc = tl.dot(a, tl.trans(b), acc)
+    if SWAP_AB:  # out^T = b @ a^T: the weight tile is the MMA's first operand (small-M decode variant)
+        acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):  # fixed, sequential K order: the batch-invariance rule
+            a = _operand_tile(a_data, a_scale, a_vals, rows, rmask, k0, K, K // 2, K // 16, K,
+                              A_SBR, A_PACKED, BLOCK_M, BLOCK_K)
+            b = _operand_tile(bd, bs, bv, cols, cmask, k0, K, K // 2, K // 16, K, B_SBR, B_PACKED, BLOCK_N, BLOCK_K)
+            acc_t = tl.dot(b, tl.trans(a), acc_t)
+        acc = tl.trans(acc_t)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):  # fixed, sequential K order: the batch-invariance rule
+            a = _operand_tile(a_data, a_scale, a_vals, rows, rmask, k0, K, K // 2, K // 16, K,
+                              A_SBR, A_PACKED, BLOCK_M, BLOCK_K)
+            b = _operand_tile(bd, bs, bv, cols, cmask, k0, K, K // 2, K // 16, K, B_SBR, B_PACKED, BLOCK_N, BLOCK_K)
+            acc = tl.dot(a, tl.trans(b), acc)
     gsa = tl.load(a_gs + rows * a_gs_stride, mask=rmask, other=0.0)
     gsb = tl.load(b_gs + e64 * b_gs_stride_e + cols * b_gs_stride_n, mask=cmask, other=0.0)
     out = acc * (gsa[:, None] * gsb[None, :])
@@ -162,6 +172,8 @@ class GemmConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    swap_ab: bool = False
+    """Compute out^T = b @ a^T (weights as the first MMA operand); used only where tests/gpu proves it bitwise."""
 
 
 def default_config(rows_per_group: int, interpreter: bool) -> GemmConfig:
@@ -255,7 +267,7 @@ def grouped_gemm_triton(a: NVFP4Tensor, weights, tokens_per_expert, out_dtype=to
         out, counts, experts, n, k,
         A_SBR=a.block[0], B_SBR=w.block_rows, A_PACKED=a_packed, B_PACKED=b_packed,
         BLOCK_E=max(16, triton.next_power_of_2(experts)),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SWAP_AB=cfg.swap_ab,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 

@@ -15,7 +15,8 @@ pytestmark = pytest.mark.gpu
 ATOL = TOLERANCES["nvfp4_gemm_tensorcore_acc"][0]
 HIDDEN, FFN2 = 2048, 1536  # Qwen3-30B-A3B expert FC1: 2048 -> 2 * 768
 TRAIN = GemmConfig(128, 128, 64, 8, 4)
-DECODE_CONFIGS = [GemmConfig(16, 64, 256, 4, 4), GemmConfig(16, 32, 128, 4, 4), GemmConfig(64, 64, 128, 4, 4)]
+DECODE_CONFIGS = [GemmConfig(16, 64, 256, 4, 4), GemmConfig(16, 32, 128, 4, 4), GemmConfig(64, 64, 128, 4, 4),
+                  GemmConfig(16, 64, 128, 4, 4, swap_ab=True), GemmConfig(16, 128, 128, 4, 4, swap_ab=True)]
 CONFIGS = [c for c in itertools.product([(1, 16), (16, 16)], ["tensor", "row"], ["nearest", "stochastic"],
                                         [False, True]) if not (c[1] == "row" and c[0] == (16, 16))]
 

@@ -78,6 +78,15 @@ def test_tile_shapes_at_fixed_block_k_bitwise():
         assert torch.equal(gemm_triton(a, b, config=cfg), base)
 
 
+def test_swapped_operands_match_reference():
+    """swap_ab computes out^T = b @ a^T; on the CPU only closeness is checked (bitwise is a tests/gpu question)."""
+    torch.manual_seed(9)
+    a = _q(torch.randn(5, 128, device=DEVICE))
+    b = _weights(64, 128, 9)
+    out = gemm_triton(a, b, config=GemmConfig(16, 32, 64, 4, 1, swap_ab=True))
+    _assert_close_to_reference(out, gemm_reference(a, b), _bound(a, b))
+
+
 @pytest.mark.parametrize("tokens", [[7, 0, 13], [0, 0, 5], [16, 16, 16], [1, 2, 0]])
 def test_grouped_matches_reference_and_dense(tokens):
     torch.manual_seed(sum(tokens))
