@@ -16,6 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override a config field (repeatable)")
     parser.add_argument("--prompts", type=int, default=8, help="number of prompts (varied lengths)")
     parser.add_argument("--max-new-tokens", type=int, default=6)
+    parser.add_argument("--max-prompt-len", type=int, default=9, help="prompt lengths are drawn from 2..this")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -28,7 +29,8 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"minite diagnose: {e}")
         return 2
-    params = DiagnoseParams(num_prompts=args.prompts, max_new_tokens=args.max_new_tokens, seed=args.seed)
+    params = DiagnoseParams(num_prompts=args.prompts, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                            max_prompt_len=getattr(args, "max_prompt_len", 9))
     report = run_diagnose(cfg, b=args.b, params=params)
     print(format_report(report))
     if args.json_out:
