@@ -1,8 +1,10 @@
 """Shared set-up of the SGLang tests (real SGLang 0.5.23 on CPU).
 
-Everything here is test tooling: it puts tests/sglang/stubs (stand-ins for the CUDA-only modules SGLang imports, see
-stubs/README.md) first on sys.path and PYTHONPATH (for SGLang's subprocesses), and turns on SGLang's CPU engine.
-`sglang_skip_reason()` is the capability probe: every test here skips with its reason when SGLang is missing.
+Everything here is test tooling. While the tests of this folder run (a package-scoped autouse fixture), and only on a
+machine without a GPU, tests/sglang/stubs (stand-ins for the CUDA-only modules SGLang imports, see stubs/README.md)
+is first on sys.path and PYTHONPATH (for SGLang's subprocesses) and SGLang's CPU engine is on; both are undone after.
+`sglang_skip_reason()` is the capability probe (no import, so collecting this folder changes nothing): every test
+here that needs SGLang skips with its reason when SGLang is missing or another version.
 """
 from __future__ import annotations
 
@@ -18,18 +20,30 @@ STUBS = str(Path(__file__).parent / "stubs")
 WANT = "0.5.23"
 
 
-def _install_cpu_stand_ins() -> None:
+@pytest.fixture(scope="package", autouse=True)
+def cpu_stand_ins():
+    """Stand-ins and CPU engine switches for this folder's tests only (module docstring)."""
     import torch
 
     if torch.cuda.is_available():
+        yield
         return
-    if STUBS not in sys.path:
-        sys.path.insert(0, STUBS)
-    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
-    if STUBS not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join([STUBS] + [p for p in paths if p])
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "SGLANG_USE_CPU_ENGINE", "TORCHDYNAMO_DISABLE")}
+    sys.path.insert(0, STUBS)
+    paths = [p for p in (saved["PYTHONPATH"] or "").split(os.pathsep) if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join([STUBS] + paths)
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    try:
+        yield
+    finally:
+        if STUBS in sys.path:
+            sys.path.remove(STUBS)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def sglang_skip_reason() -> str | None:
@@ -39,11 +53,6 @@ def sglang_skip_reason() -> str | None:
         return f"needs sglang=={WANT} (tools/setup.sh installs it with tools/sglang_requirements.txt)"
     if have != WANT:
         return f"needs sglang=={WANT}, found {have}"
-    _install_cpu_stand_ins()
-    try:
-        import sglang.srt.layers.linear  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - any import failure is a reason to skip, reported verbatim
-        return f"sglang {have} is installed but does not import here: {type(e).__name__}: {e}"
     return None
 
 
