@@ -229,6 +229,13 @@ class Config:
     source: str | None = None
     """The YAML file this was loaded from (set by load_config)."""
 
+    def __post_init__(self):
+        if self.alignment.strict and self.rollout.backend != "embedded":
+            raise ValueError(f"alignment.strict is implemented for rollout.backend 'embedded' only, "
+                             f"got {self.rollout.backend!r} (docs/alignment.md)")
+        if self.alignment.strict and (self.parallel.tp != 1 or self.parallel.ep != 1):
+            raise ValueError("alignment.strict needs parallel.tp = parallel.ep = 1")
+
 
 def _type_name(tp) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")

@@ -88,9 +88,16 @@ def build_pair(cfg, b: str = "embedded"):
     from minite.learner.learner import Learner
     from minite.rollout import make_engine
 
+    if b != "embedded" and getattr(cfg.alignment, "strict", False):
+        raise ValueError(f"alignment.strict is implemented for the embedded backend only, not {b!r}")
     cfg.rollout.backend = b
     learner = Learner(cfg)
-    engine = make_engine(cfg)
+    if b == "sglang":  # make_engine's sglang dispatch lands with the RL loop's owner; the backend itself is here
+        from minite.rollout.sglang_engine import build_sglang
+
+        engine = build_sglang(cfg)
+    else:
+        engine = make_engine(cfg)
     engine.update_weights(learner.named_weights())
     return learner, engine
 
@@ -120,11 +127,13 @@ def diagnose_pair(learner, engine, cfg, params: Optional[DiagnoseParams] = None,
     replay = bool(getattr(getattr(cfg, "alignment", None), "routing_replay", False))
     prompts = random_prompts(cfg.model.vocab_size, params)
     sampling = SamplingParams(max_new_tokens=params.max_new_tokens, n=1, seed=params.seed)
-    routed = has_routers(engine.model)  # an SGLang engine's module tree has no Megatron routers
+    model_b = getattr(engine, "model", None)  # SGLang runs its model in a scheduler process: no module tree here
+    routed = model_b is not None and has_routers(model_b)
     if replay and not routed:
         raise ValueError(f"routing replay: engine {b!r} does not expose Megatron routers to record")
     with contextlib.ExitStack() as stack:
-        cap_b = stack.enter_context(Capture(engine.model, include=position_aligned))
+        cap_b = stack.enter_context(Capture(model_b if model_b is not None else torch.nn.Module(),
+                                            include=position_aligned))
         rec_b = stack.enter_context(record_routes(engine.model)) if routed else None
         results = engine.generate(prompts, sampling)
     tokens, lengths, mask, logp_b = _score_layout(results)
@@ -145,6 +154,7 @@ def diagnose_pair(learner, engine, cfg, params: Optional[DiagnoseParams] = None,
     report.update(a="learner", b=b, precision=cfg.precision.mode, ops_compared=len(diffs),
                   strict=bool(getattr(getattr(cfg, "alignment", None), "strict", False)), routing_replay=replay,
                   route_flips=flips, batch=len(results), prompt_lengths=[len(p) for p in prompts],
+                  ops_captured=model_b is not None,
                   first_divergent_op=None if op is None else op.name, origin=origin,
                   first_divergent_max_abs=None if op is None else op.max_abs, ops=op_table(diffs))
     return report
@@ -154,9 +164,13 @@ def run_diagnose(cfg, b: str = "embedded", params: Optional[DiagnoseParams] = No
                  perturb: Optional[Callable[[torch.nn.Module], None]] = None) -> dict:
     """The report (see `diagnose_pair`). `perturb(engine_model)` lets a test change engine B."""
     learner, engine = build_pair(cfg, b)
-    if perturb is not None:
-        perturb(engine.model)
-    return diagnose_pair(learner, engine, cfg, params, b)
+    try:
+        if perturb is not None:
+            perturb(engine.model)
+        return diagnose_pair(learner, engine, cfg, params, b)
+    finally:
+        if hasattr(engine, "shutdown"):
+            engine.shutdown()
 
 
 def format_report(r: dict) -> str:
@@ -167,7 +181,9 @@ def format_report(r: dict) -> str:
         f"expert-route flips (learner vs engine, own routing): {r.get('route_flips')}",
         "  histogram: " + ", ".join(f"{k}: {v}" for k, v in r["histogram"].items() if v),
     ]
-    if r["first_divergent_op"] is None:
+    if not r.get("ops_captured", True):
+        lines.append(f"  engine {r['b']} exposes no module tree in this process: ops not compared")
+    elif r["first_divergent_op"] is None:
         lines.append(f"  all {r['ops_compared']} captured ops agree bitwise")
     else:
         lines.append(f"  first divergent op: {r['first_divergent_op']} ({r['origin']}), "
