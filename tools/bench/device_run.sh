@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# One device call: map kernels/ to minite.kernels (a link inside the device's copy of the tree), run the GPU tests
+# One device call: map kernels/ and megatron_patches/ into minite (links inside the device's copy of the tree), run the GPU tests
 # and the kernel tests compiled, then the benchmarks; logs and the JSON go to $OUT.
 # Usage: bash tools/bench/device_run.sh COMMIT [bench args...]
 set -uo pipefail
 COMMIT=${1:-unknown}; shift || true
 [ -e minite/kernels ] || ln -s ../kernels minite/kernels
+[ -e minite/megatron_patches ] || ln -s ../megatron_patches minite/megatron_patches
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MINITE_COMMIT=$COMMIT
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv | tee $OUT/device.txt

@@ -44,6 +44,10 @@ def render(d: dict) -> str:
             "", "Decode (us): " + "; ".join(
                 f"M={m}: bmm {v['bf16_bmm']:.1f}, W4A4 quant+GEMM {v['w4a4_quant_plus_gemm']:.1f}, GEMM only "
                 f"{v['w4a4_gemm_only']:.1f}" for m, v in d.get("decode_us", {}).items())]
+    if "decode_measured_in" in d:
+        src = d["decode_measured_in"]
+        out.append(f"Decode rows and numbers: {src['file']}, {src['date']}, commit {src['commit']}, command "
+                   f"`{src['command']}` ({src['note']}).")
     if "decode_m1_values_weights_us" in d:
         out.append(f"(same decode kernel, M=1, fp16 block-value weights instead of packed nibbles: "
                    f"{d['decode_m1_values_weights_us']:.1f} us)")
