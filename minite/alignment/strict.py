@@ -17,8 +17,8 @@ and the engine's prefill + KV-cache decode then give the same log-probs, bit for
 | router: logits, softmax, top-k           | strict linear in fp32, strict softmax, stable top-k (low index wins)  |
 | BF16 experts, SwiGLU                     | strict linear per expert; silu = x / (1 + strict exp(-x))             |
 | MoE combine                              | a token's k expert outputs summed in ascending expert order, fp32     |
-| log-softmax over the vocabulary          | unchanged (torch): both engines reduce rows of the same length V with |
-|                                          | a row-local kernel; see docs/alignment.md for why that is safe        |
+| log-softmax over the vocabulary          | strict_ops.log_softmax: learner (token_logprobs) and the rollout      |
+|                                          | (Megatron's controller, through `controller_log_softmax`)             |
 
 Why the NVFP4 reference GEMM needs nothing: block values are multiples of 2^-10 below 2688 in magnitude, so each
 product is a multiple of 2^-20 below 2^23 with at most 12 significant bits, and any partial sum of K products is a
@@ -37,6 +37,7 @@ Checked against Megatron-Core 0.16.1.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import types
 
@@ -252,4 +253,39 @@ def apply_strict(model: torch.nn.Module) -> dict:
 
 
 def is_strict(model: torch.nn.Module) -> bool:
-    return bool(getattr(model, "minite_strict", False))
+    """True for a model switched by `apply_strict` (also through Float16Module/DDP wrappers)."""
+    from megatron.core.utils import get_model_config
+
+    return bool(getattr(model, "minite_strict", False) or getattr(get_model_config(model), "minite_strict", False))
+
+
+class _StrictFunctional:
+    """torch.nn.functional, except log_softmax, which is strict_ops.log_softmax (fp32)."""
+
+    def __init__(self, functional):
+        self._functional = functional
+
+    def __getattr__(self, name):
+        return getattr(self._functional, name)
+
+    @staticmethod
+    def log_softmax(x, dim=None, _stacklevel=3, dtype=None):
+        return S.log_softmax(x, -1 if dim is None else dim)
+
+
+@contextlib.contextmanager
+def controller_log_softmax(model: torch.nn.Module):
+    """While a strict model generates, Megatron's TextGenerationController (which calls F.log_softmax on the step's
+    logits) takes the strict log-softmax, the one the strict learner uses. A no-op for other models; the module
+    global is restored on exit. Checked against Megatron-Core 0.16.1 (its only F.* calls are log_softmax)."""
+    if not is_strict(model):
+        yield
+        return
+    import megatron.core.inference.text_generation_controllers.text_generation_controller as tgc
+
+    saved = tgc.F
+    tgc.F = _StrictFunctional(saved)
+    try:
+        yield
+    finally:
+        tgc.F = saved

@@ -64,6 +64,11 @@ _SIN_COEFFS = [(-1) ** k / math.factorial(2 * k + 1) for k in range(11)]  # |r| 
 _COS_COEFFS = [(-1) ** k / math.factorial(2 * k) for k in range(12)]
 
 
+# log: x = 2^e * m with m in [sqrt(1/2), sqrt(2)) from the bits; log m = 2 atanh(s), s = (m-1)/(m+1), |s| < 0.172
+_SQRT2 = 1.4142135623730951
+_ATANH_COEFFS = [1.0 / (2 * k + 1) for k in range(12)]  # s^2k / (2k+1): truncation ~1e-20
+
+
 def _horner(z: torch.Tensor, coeffs: list[float]) -> torch.Tensor:
     """sum_i coeffs[i] * z^i, evaluated from the highest power down (fixed order)."""
     acc = torch.full_like(z, coeffs[-1])
@@ -103,6 +108,48 @@ def sincos(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     sin = torch.where(q == 0, s, torch.where(q == 1, c, torch.where(q == 2, -s, -c)))
     cos = torch.where(q == 0, c, torch.where(q == 1, -s, torch.where(q == 2, -c, s)))
     return sin.float(), cos.float()
+
+
+def _log_fwd(x: torch.Tensor) -> torch.Tensor:
+    x64 = x.double()
+    bits = x64.clamp(min=2.0 ** -1022).view(torch.int64)  # normal numbers only (log-softmax sums are >= 1)
+    e = ((bits >> 52) & 0x7FF) - 1023
+    m = ((bits & ((1 << 52) - 1)) | (1023 << 52)).view(torch.float64)  # mantissa in [1, 2)
+    big = m > _SQRT2
+    m = torch.where(big, m * 0.5, m)
+    e = (e + big.to(torch.int64)).double()
+    t = (m - 1.0) / (m + 1.0)
+    y = e * _LN2_HI + (e * _LN2_LO + 2.0 * t * _horner(t * t, _ATANH_COEFFS))
+    y = torch.where(x64 == 0, torch.full_like(y, -math.inf), y)
+    y = torch.where(torch.isinf(x64) & (x64 > 0), torch.full_like(y, math.inf), y)
+    return torch.where(torch.isnan(x64) | (x64 < 0), torch.full_like(y, math.nan), y).float()
+
+
+class _StrictLog(torch.autograd.Function):
+    """The bit extraction has no gradient; d log x / dx = 1 / x is supplied here."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return _log_fwd(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g / x.float()
+
+
+def log(x: torch.Tensor) -> torch.Tensor:
+    """Natural log in float32 (fp64 polynomial from the exponent and mantissa bits, rounded once)."""
+    return _StrictLog.apply(x)
+
+
+def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """x - max - log(tree_sum(exp(x - max))) in fp32 (rows of any batch give the same bits)."""
+    x = x.float()
+    m = x.amax(dim=dim, keepdim=True).detach()
+    z = x - m
+    return z - log(tree_sum(exp(z), dim)).unsqueeze(dim)
 
 
 def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

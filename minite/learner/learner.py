@@ -45,14 +45,18 @@ def _snapshot(obj):
     return copy.deepcopy(obj)
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """logits [B, T, V/tp] (vocab-parallel), tokens [B, T] -> logp [B, T-1] in fp32 (autograd-aware)."""
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, strict: bool = False) -> torch.Tensor:
+    """logits [B, T, V/tp] (vocab-parallel), tokens [B, T] -> logp [B, T-1] in fp32 (autograd-aware).
+    strict: the batch-invariant log-softmax of minite.alignment.strict_ops (alignment.strict; TP = 1)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     logits = logits[:, :-1].to(torch.float32, copy=True)  # contiguous, and ours: the TP path works in place
     target = tokens[:, 1:].to(logits.device)
     if ps.get_tensor_model_parallel_world_size() == 1:
+        if strict:
+            from minite.alignment.strict_ops import log_softmax
+            return log_softmax(logits, -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
         return torch.log_softmax(logits, dim=-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
     return -vocab_parallel_cross_entropy(logits, target)
 
@@ -99,6 +103,9 @@ class Learner:
         return get_megatron_optimizer(config, [self.ddp])
 
     # ------------------------------------------------------------------ forward
+    def _strict(self) -> bool:
+        return bool(getattr(self.model.config, "minite_strict", False))  # set by alignment.strict's apply_strict
+
     def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.dim() != 2 or tokens.dtype != torch.long:
             raise ValueError(f"tokens must be a LongTensor [B, T], got {tokens.dtype} {tuple(tokens.shape)}")
@@ -117,7 +124,7 @@ class Learner:
         """log p(tokens[:, t+1] | tokens[:, :t+1]) as fp32 [B, T-1] (no grad; eval mode)."""
         self.model.eval()
         try:
-            return token_logprobs(self._logits(tokens), tokens)
+            return token_logprobs(self._logits(tokens), tokens, strict=self._strict())
         finally:
             self.model.train()
 
@@ -128,7 +135,7 @@ class Learner:
         self.model.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        logp = token_logprobs(self._logits(tokens), tokens)
+        logp = token_logprobs(self._logits(tokens), tokens, strict=self._strict())
         loss, metrics = loss_fn(logp)
         if not torch.is_tensor(loss) or loss.dim() != 0:
             raise ValueError("loss_fn must return (a scalar loss tensor, a metrics dict)")

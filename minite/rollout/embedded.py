@@ -106,7 +106,9 @@ class EmbeddedEngine(RolloutEngine):
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs at least one prompt and no empty prompts")
         flat = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
-        with _cpu_generate_shims():
+        from minite.alignment.strict import controller_log_softmax  # strict models: strict log-probs
+
+        with _cpu_generate_shims(), controller_log_softmax(self.model):
             controller = self._controller(len(flat), max(len(p) for _, p in flat) + params.max_new_tokens)
             controller.sampling_rng.manual_seed(params.seed)
             done = controller.generate_all_output_tokens_static_batch(self._requests(flat, params))

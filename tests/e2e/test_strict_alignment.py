@@ -10,6 +10,7 @@ import logging
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from minite.alignment.diagnose import DiagnoseParams, build_pair, diagnose_pair, run_diagnose
 from minite.config import load_config
@@ -138,3 +139,19 @@ def test_rl_loop_stops_when_the_gap_crosses_stop_above(tmp_path):
     with pytest.raises(AlignmentError, match="stop_above"):
         loop.rl_step(run)
     assert run.step == 0  # nothing was trained on the off-policy step
+
+
+def test_strict_rollout_and_learner_take_the_strict_log_softmax(strict_pair, monkeypatch):
+    from minite.alignment import strict_ops
+
+    cfg, learner, engine = strict_pair
+    calls = []
+    real = strict_ops.log_softmax
+    monkeypatch.setattr(strict_ops, "log_softmax", lambda x, dim=-1: calls.append(x.shape) or real(x, dim))
+    engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3))
+    assert len(calls) >= 3  # one per generated token, inside Megatron's controller
+    import megatron.core.inference.text_generation_controllers.text_generation_controller as tgc
+    assert tgc.F is torch.nn.functional  # restored after generate
+    calls.clear()
+    learner.logprobs(torch.tensor([[1, 2, 3, 4]]))
+    assert len(calls) == 1

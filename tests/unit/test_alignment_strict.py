@@ -93,3 +93,17 @@ def test_topk_ties_go_to_the_lower_index():
     s = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0]])
     vals, idx = S.topk(s, 2)
     assert idx.tolist() == [[1, 2]] and vals.tolist() == [[3.0, 3.0]]
+
+
+def test_log_is_correctly_rounded_and_log_softmax_is_row_invariant_with_right_gradients():
+    x = torch.cat([torch.rand(50_000) * 1e6 + 1e-3, torch.rand(50_000) * 4 + 0.5, torch.tensor([1.0, 2.0, 151936.0])])
+    assert torch.equal(S.log(x), torch.log(x.double()).float())
+    z = torch.randn(9, 1000, generator=torch.Generator().manual_seed(0)) * 5
+    lp = S.log_softmax(z)
+    assert torch.equal(S.log_softmax(z[4:5]), lp[4:5])
+    ref = torch.log_softmax(z.double(), -1)
+    assert ((lp.double() - ref).abs() / ref.abs().clamp(min=1)).max() < 4 * 2.0 ** -24  # a few fp32 ulps
+    a, b = z.clone().requires_grad_(), z.clone().requires_grad_()
+    S.log_softmax(a)[:, 3].sum().backward()
+    torch.log_softmax(b, -1)[:, 3].sum().backward()
+    assert torch.allclose(a.grad, b.grad, atol=1e-6)
