@@ -92,12 +92,7 @@ def build_pair(cfg, b: str = "embedded"):
         raise ValueError(f"alignment.strict is implemented for the embedded backend only, not {b!r}")
     cfg.rollout.backend = b
     learner = Learner(cfg)
-    if b == "sglang":  # make_engine's sglang dispatch lands with the RL loop's owner; the backend itself is here
-        from minite.rollout.sglang_engine import build_sglang
-
-        engine = build_sglang(cfg)
-    else:
-        engine = make_engine(cfg)
+    engine = make_engine(cfg)
     engine.update_weights(learner.named_weights())
     return learner, engine
 

@@ -2,7 +2,7 @@
 
 `make_engine(cfg)` picks the backend named by cfg.rollout.backend:
     embedded   Megatron-Core's static inference engine in-process, over build_model(cfg) (embedded.py)
-    sglang     not implemented yet (the SGLang rollout issue)
+    sglang     SGLang's offline engine with the minite_nvfp4 plugin (sglang_engine.py, docs/sglang.md)
 """
 from minite.rollout.base import RolloutEngine, RolloutResult, SamplingParams, WeightUpdateError
 
@@ -16,10 +16,9 @@ def make_engine(cfg, *, pad_id: int = 0) -> RolloutEngine:
 
         return build_embedded(cfg, pad_id=pad_id)
     if backend == "sglang":
-        raise NotImplementedError(
-            "rollout.backend='sglang' is not implemented yet (it lands with the SGLang rollout issue); "
-            "use rollout.backend='embedded'"
-        )
+        from minite.rollout.sglang_engine import build_sglang
+
+        return build_sglang(cfg, pad_id=pad_id)
     raise ValueError(f"unknown rollout.backend {backend!r}; choose one of {BACKENDS}")
 
 

@@ -122,9 +122,14 @@ def test_bad_checkpoint_is_named(tmp_path):
         train(_cfg(tmp_path, **{"checkpoint.resume_from": str(tmp_path / "missing")}))
 
 
-def test_sglang_backend_is_a_clear_not_implemented(tmp_path):
-    with pytest.raises(NotImplementedError, match="sglang"):
-        make_engine(_cfg(tmp_path, **{"rollout.backend": "sglang"}))
+def test_sglang_backend_dispatches_to_the_sglang_engine(tmp_path, monkeypatch):
+    """rollout.backend=sglang builds the SGLang engine (stubbed here: tests/sglang starts the real one)."""
+    import minite.rollout.sglang_engine as sglang_engine
+
+    calls = []
+    monkeypatch.setattr(sglang_engine, "build_sglang", lambda cfg, pad_id=0: calls.append((cfg, pad_id)) or "engine")
+    assert make_engine(_cfg(tmp_path, **{"rollout.backend": "sglang"})) == "engine"
+    assert calls and calls[0][0].rollout.backend == "sglang"
 
 
 def test_mismatch_metric_sees_a_precision_gap(learner_and_engine):
