@@ -13,7 +13,7 @@ exercised against the real upstream classes by tests/unit/test_learner_*.py and 
 |-------------------------------------------------------------|-------------------------------------|-----------------------------------------------|
 | `torch.cuda.current_device()` as a `device=` argument         | raises (no CUDA in the build)        | returns "cpu"                                  |
 | `CudaRNGStatesTracker.add/fork` (tensor_parallel/random.py)   | calls torch.cuda RNG functions       | the tracked states live in CPU generators      |
-| `moe_utils.te_general_gemm` (a 0.16.1 bug: unset without TE)  | NameError in the router GEMM         | defined as None (router falls back to torch)   |
+| `moe_utils.te_general_gemm` (a 0.16.1 bug: unset without TE)  | NameError in the router GEMM (on GPUs too) | defined as None (router falls back to torch); `apply_upstream_fixes()`, on every device |
 | `grouped_gemm_util.ops.gmm` (legacy GroupedMLP)               | needs the grouped_gemm CUDA package  | a per-expert torch.matmul fallback             |
 | `MoEAlltoAllTokenDispatcher` streams and device->host copies  | creates torch.cuda.Stream; gloo gets tensors as split sizes | no streams; split sizes become numpy arrays |
 | `transformer.utils.get_default_causal_mask` / sliding window  | hard-codes device="cuda"             | same masks on the CPU                          |
@@ -211,10 +211,29 @@ def _patch_causal_masks() -> str:
     return "get_default_causal_mask / get_sliding_window_causal_mask build on the CPU"
 
 
+# Upstream bugs that bite on every device: apply_upstream_fixes() runs them with or without a GPU.
+_UPSTREAM_FIXES: List[Callable[[], str]] = [_patch_te_general_gemm]
+_FIXED: List[str] = []
+
+
+def apply_upstream_fixes() -> List[str]:
+    """Fix the device-independent 0.16.1 bugs (first found on the H200: the router's te_general_gemm NameError).
+
+    Idempotent; returns what was fixed. `apply()` calls it too.
+    """
+    if not _FIXED:
+        for fix in _UPSTREAM_FIXES:
+            what = fix()
+            if what:
+                logger.info("megatron_patches: %s", what)
+                _FIXED.append(what)
+        _FIXED.append("upstream fixes checked")
+    return [w for w in _FIXED if w != "upstream fixes checked"]
+
+
 _PATCHES: List[Callable[[], str]] = [
     _patch_current_device,
     _patch_rng_tracker,
-    _patch_te_general_gemm,
     _patch_grouped_gemm,
     _patch_alltoall_dispatcher,
     _patch_causal_masks,
@@ -237,6 +256,7 @@ def apply(force: bool = False) -> List[str]:
     if version not in SUPPORTED_MEGATRON_CORE:
         logger.warning("megatron_patches.cpu: written for megatron-core %s, found %s",
                        SUPPORTED_MEGATRON_CORE, version)
+    _APPLIED.extend(apply_upstream_fixes())
     for patch in _PATCHES:
         what = patch()
         if what:

@@ -42,6 +42,7 @@ def init_parallel(cfg: Config) -> None:
     """torch.distributed (gloo unless already started) and Megatron's TP/EP groups, once per process."""
     from megatron.core import parallel_state as ps
 
+    cpu_patches.apply_upstream_fixes()
     if not cpu_patches.gpu_present():
         cpu_patches.apply()
     par = cfg.parallel
