@@ -213,22 +213,25 @@ def _patch_causal_masks() -> str:
 
 # Upstream bugs that bite on every device: apply_upstream_fixes() runs them with or without a GPU.
 _UPSTREAM_FIXES: List[Callable[[], str]] = [_patch_te_general_gemm]
-_FIXED: List[str] = []
+
+
+def _run_patches(patches: List[Callable[[], str]], applied: List[str], prefix: str) -> None:
+    """Run each patch once, logging and recording what it changed (a patch returns "" when nothing was needed)."""
+    for patch in patches:
+        what = patch()
+        if what:
+            logger.info("%s: %s", prefix, what)
+            applied.append(what)
 
 
 def apply_upstream_fixes() -> List[str]:
     """Fix the device-independent 0.16.1 bugs (first found on the H200: the router's te_general_gemm NameError).
 
-    Idempotent; returns what was fixed. `apply()` calls it too.
+    Idempotent (each fix checks whether it is needed); returns what was fixed. `apply()` calls it too.
     """
-    if not _FIXED:
-        for fix in _UPSTREAM_FIXES:
-            what = fix()
-            if what:
-                logger.info("megatron_patches: %s", what)
-                _FIXED.append(what)
-        _FIXED.append("upstream fixes checked")
-    return [w for w in _FIXED if w != "upstream fixes checked"]
+    fixed: List[str] = []
+    _run_patches(_UPSTREAM_FIXES, fixed, "megatron_patches")
+    return fixed
 
 
 _PATCHES: List[Callable[[], str]] = [
@@ -257,10 +260,6 @@ def apply(force: bool = False) -> List[str]:
         logger.warning("megatron_patches.cpu: written for megatron-core %s, found %s",
                        SUPPORTED_MEGATRON_CORE, version)
     _APPLIED.extend(apply_upstream_fixes())
-    for patch in _PATCHES:
-        what = patch()
-        if what:
-            logger.info("megatron_patches.cpu: %s", what)
-            _APPLIED.append(what)
+    _run_patches(_PATCHES, _APPLIED, "megatron_patches.cpu")
     _APPLIED.append("cuda_as_cpu() context available for DDP/optimizer/clip_grads")
     return list(_APPLIED)

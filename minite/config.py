@@ -355,3 +355,12 @@ def to_dict(cfg) -> dict:
             return {k: plain(x) for k, x in v.items()}
         return v
     return plain(dataclasses.asdict(cfg))
+
+
+def load_config_for_cli(prog: str, path, overrides: list[str]) -> Config | None:
+    """load_config for a command: on a ConfigError print "<prog>: <message>" and return None (the caller exits 2)."""
+    try:
+        return load_config(path, overrides)
+    except ConfigError as e:
+        print(f"{prog}: {e}")
+        return None

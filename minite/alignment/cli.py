@@ -21,13 +21,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from minite.config import ConfigError, load_config
+    from minite.config import load_config_for_cli
     from minite.alignment.diagnose import DiagnoseParams, format_report, run_diagnose
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"minite diagnose: {e}")
+    cfg = load_config_for_cli("minite diagnose", args.config, args.overrides)
+    if cfg is None:
         return 2
     params = DiagnoseParams(num_prompts=args.prompts, max_new_tokens=args.max_new_tokens, seed=args.seed,
                             max_prompt_len=getattr(args, "max_prompt_len", 9))

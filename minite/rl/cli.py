@@ -11,12 +11,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from minite.config import ConfigError, load_config
+    from minite.config import load_config_for_cli
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"minite train: {e}")
+    cfg = load_config_for_cli("minite train", args.config, args.overrides)
+    if cfg is None:
         return 2
     from minite.rl.checkpoint import CheckpointError
     from minite.rl.loop import train
