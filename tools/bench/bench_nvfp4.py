@@ -407,9 +407,8 @@ def main() -> None:
         dcfg = GemmConfig(*map(int, args.decode_config.split(","))) if args.decode_config else None
         guarded("decode", section_decode, res, dcfg)
     res["learner_slice_nvfp4_over_bf16_tokens_per_s"] = None
-    res["learner_slice_reason"] = ("not measured: the learner's Megatron NVFP4 layers (issue 3) were not run on the "
-                                   "GPU in this session; the kernel-level expert-block ratios above are the measured "
-                                   "part")
+    res["learner_slice_reason"] = ("measured separately by tools/bench/bench_learner_slice.py "
+                                   "(docs/benchmarks/learner-slice-h200.json)")
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
