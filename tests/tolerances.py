@@ -34,6 +34,14 @@ TOLERANCES = {
     # across ranks (row-parallel partial sums, the vocab-parallel log-softmax), a few fp32 ulps per op; measured
     # 5e-7 (log-probs, abs) and 6e-7 (per-parameter gradient, relative Frobenius). Bound 1e-5 for both.
     "learner_parallel_fp32": (1e-5, 1e-5),
+    # Weights after 3 GRPO steps (Adam, lr 1e-3) of the learner with the batch's rows split over DP=2 (and EP=2) vs
+    # the single-process run, fp32 compute (tests/distributed/test_data_parallel.py): the gradients differ only by
+    # the order of fp32 sums (DDP's cross-rank sum, the all-to-all'd expert tokens), a few ulps; Adam's update
+    # lr * m / (sqrt(v) + eps) passes a relative gradient error through at about its size (more only where |g| is
+    # near eps), so the weights move apart by ~lr * 1e-6 per step; measured 2.1e-7 (DP=2) and 4.3e-7 (EP=2) abs.
+    # Bound 1e-5 abs = 1% of one Adam step: a missed row or a per-rank token mean changes a step by O(lr) (a uniform
+    # gradient scale, which Adam hides, shows in the grad norm, checked with learner_parallel_fp32).
+    "learner_data_parallel_weights": (1e-5, 0.0),
     # NVFP4 gradients, sharded vs unsharded: the forward is exact up to fp32 order (amax synced over TP), but
     # stochastic rounding indexes its random stream by the element's position in the *local* tensor, so a sharded
     # run draws other rounding noise. The layout difference must not exceed rtol x the difference between two

@@ -3,7 +3,9 @@
 Public interface (consumed by minite.rl and minite.rollout):
     Learner(cfg)                      .logprobs(tokens) / .train_step(tokens, loss_fn) / .state_dict() /
                                       .load_state_dict(sd) / .named_weights() (local shards) /
-                                      .full_weights() (gathered to TP=1/EP=1 layout) / .model (the GPTModel)
+                                      .full_weights() (gathered to TP=1/EP=1 layout) / .model (the GPTModel) /
+                                      .local_rows(B) (the rows this data-parallel rank forwards; loss_fn
+                                      still sees the whole batch's log-probs, gathered)
     build_model(cfg)                  the same GPTModel (BF16 or NVFP4) for another engine
     init_parallel(cfg)                torch.distributed (gloo) + Megatron TP/EP groups, once per process
     token_logprobs(logits, tokens)    fp32 log-probs of the next tokens (vocab-parallel aware)

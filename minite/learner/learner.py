@@ -1,17 +1,29 @@
 """The Learner: a Megatron-Core Qwen3-MoE (BF16 or NVFP4 W4A4) with Adam, grad clipping and token log-probs.
 
 One train step is Megatron's own machinery without its pipeline schedule (pipeline parallelism is 1):
-    zero grad buffers -> logp = log_softmax(fp32 logits)[targets] -> loss_fn(logp) -> backward
+    zero grad buffers -> logp = log_softmax(fp32 logits)[targets] of this rank's rows, all-gathered over data
+    parallelism -> loss_fn(logp of the whole batch) -> backward
     -> finalize_model_grads (DDP all-reduce over data/expert-data ranks; q/k-norm and sequence-parallel norm
        grads over TP ranks) -> MegatronOptimizer.step
        (fp32 master weights when compute is BF16; global grad-norm clip that counts every TP/EP shard once)
 Log-probs: logp[b, t] = log p(tokens[b, t+1] | tokens[b, :t+1]) from fp32 logits; with TP the vocabulary is
 sharded and Megatron's vocab_parallel_cross_entropy computes the same quantity without gathering the logits.
 
-Data parallelism: every rank receives the whole batch and computes on all of it (ranks that differ only in data
-parallelism compute identical gradients, and DDP's average leaves them unchanged). This keeps the loss_fn
-contract (full [B, T-1] log-probs, per-row advantages) independent of the layout; splitting the batch over data
-ranks is a later optimisation. Under EP every rank holds different experts and the token all-to-all makes it exact.
+Data parallelism: the batch's rows are split over Megatron's data-parallel group (`local_rows`): DP rank r of D
+forwards rows [r B/D, (r+1) B/D); the TP ranks of one replica see the same rows (sequence parallelism splits T
+among them), and under EP the token all-to-all carries each rank's own tokens to the experts. B must be a multiple
+of D (ValueError otherwise: padding rows would cost a forward and need routing-replay targets of their own).
+The loss stays global: the local log-probs are all-gathered over DP (`_GatherRows`), so loss_fn still receives
+the whole batch's [B, T-1] log-probs and computes the same loss, token means and metrics as an unsharded run;
+only the forward and backward are split. Gradient invariant: every DP rank evaluates the identical loss L on the
+identical gathered log-probs; the gather's backward sums the D upstream gradients (all-reduce), so rank r
+back-propagates D * dL/dlogp[its rows]; DDP then multiplies by 1/D and sums over DP (experts: 1/D over their
+expert-data group, which with the all-to-all covers every token once), which gives sum_r dL/dtheta|rows r =
+dL/dtheta of the full batch. Cost of the gather: B x (T-1) fp32 forward and backward, against a model forward.
+BF16 (and fp32) results equal the unsharded run's up to the order of the cross-rank fp32 sums. NVFP4: the forward
+is per row (row-scoped activation scales) and equal too, but quantisers scoped along the token dim (wgrad
+operands) and stochastic rounding see this rank's tokens only, so NVFP4 gradients carry other rounding noise than
+an unsharded run, as with any split of the batch into micro-batches.
 
 Resume: `state_dict()` snapshots model weights, optimizer state (fp32 masters, Adam moments and step), the step
 counter that seeds NVFP4 stochastic rounding, and torch's CPU RNG; `load_state_dict` restores all of them, so a
@@ -68,6 +80,24 @@ def _all_gather(t: torch.Tensor, size: int, group) -> list:
     return parts
 
 
+class _GatherRows(torch.autograd.Function):
+    """Forward: concatenate the equal row blocks of the data-parallel ranks (in rank order).
+    Backward: sum the whole-batch gradient over the ranks (each evaluated its own copy of the loss) and keep this
+    rank's block; see the module docstring for why DDP's 1/D average then yields the full-batch gradient."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, group, rank: int, size: int) -> torch.Tensor:
+        ctx.group, ctx.block = group, slice(rank * local.shape[0], (rank + 1) * local.shape[0])
+        return torch.cat(_all_gather(local.contiguous(), size, group))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        import torch.distributed as dist
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[ctx.block], None, None, None
+
+
 class Learner:
     """Owns the model, its DDP wrapper and optimizer; see the module docstring for the step."""
 
@@ -119,24 +149,51 @@ class Learner:
         positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
         return self.ddp(tokens, positions, None)[:, :t]
 
+    def local_rows(self, batch_size: int) -> range:
+        """The rows of a [batch_size, T] batch that this rank forwards: its data-parallel rank's contiguous block
+        (all rows when data parallelism is 1). ValueError when batch_size is not a multiple of the DP size."""
+        from megatron.core import parallel_state as ps
+        size, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        if batch_size < 1 or batch_size % size:
+            raise ValueError(f"a batch of {batch_size} rows does not split over {size} data-parallel ranks: make "
+                             f"the rows per train step (rl.prompts_per_step x rollout.group_size / rl.minibatches) "
+                             f"a multiple of {size} (world size / (parallel.tp x parallel.pp))")
+        block = batch_size // size
+        return range(rank * block, (rank + 1) * block)
+
+    def _batch_logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Log-probs [B, T-1] of the whole batch: this rank's rows forwarded, the rest all-gathered over DP."""
+        from megatron.core import parallel_state as ps
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be a LongTensor [B, T], got {tokens.dtype} {tuple(tokens.shape)}")
+        rows = self.local_rows(tokens.shape[0])
+        mine = tokens[rows.start:rows.stop]
+        logp = token_logprobs(self._logits(mine), mine, strict=self._strict())
+        size = ps.get_data_parallel_world_size()
+        if size == 1:
+            return logp
+        return _GatherRows.apply(logp, ps.get_data_parallel_group(), ps.get_data_parallel_rank(), size)
+
     @torch.no_grad()
     def logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
-        """log p(tokens[:, t+1] | tokens[:, :t+1]) as fp32 [B, T-1] (no grad; eval mode)."""
+        """log p(tokens[:, t+1] | tokens[:, :t+1]) as fp32 [B, T-1] (no grad; eval mode; rows split over DP)."""
         self.model.eval()
         try:
-            return token_logprobs(self._logits(tokens), tokens, strict=self._strict())
+            return self._batch_logprobs(tokens)
         finally:
             self.model.train()
 
     # ------------------------------------------------------------------ train
     def train_step(self, tokens: torch.Tensor, loss_fn: LossFn) -> Dict[str, float]:
-        """Forward, loss_fn(logp [B, T-1] with grad) -> (loss, metrics), backward, clip, Adam step, zero grad."""
+        """Forward, loss_fn(logp [B, T-1] with grad) -> (loss, metrics), backward, clip, Adam step, zero grad.
+
+        Collective over all ranks, each passing the same whole batch: each forwards its `local_rows`, loss_fn sees
+        the whole batch's log-probs (gathered), so its loss and metrics are the global ones on every rank."""
         from megatron.core.distributed import finalize_model_grads
         self.model.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        logp = token_logprobs(self._logits(tokens), tokens, strict=self._strict())
-        loss, metrics = loss_fn(logp)
+        loss, metrics = loss_fn(self._batch_logprobs(tokens))
         if not torch.is_tensor(loss) or loss.dim() != 0:
             raise ValueError("loss_fn must return (a scalar loss tensor, a metrics dict)")
         loss.backward()

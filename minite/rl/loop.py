@@ -138,7 +138,7 @@ def train_on_batch(run: Run, batch: Batch, advantages: torch.Tensor, routes=None
     """Mismatch metrics from the learner's pre-update log-probs (alignment monitor: warn/stop), then
     rl.minibatches GRPO steps; with `routes` (alignment.routing_replay) the learner replays the engine's experts."""
     cfg, seq_len = run.cfg, batch.tokens.shape[1]
-    with learner_replay(run.learner, routes, seq_len):
+    with _replay(run.learner, routes, seq_len, list(range(batch.tokens.shape[0]))):
         learner_logp = run.learner.logprobs(batch.tokens).float()
     metrics = mismatch_metrics(learner_logp, batch.rollout_logp, batch.mask)
     check_gap(metrics, cfg.alignment, run.step)
@@ -152,12 +152,20 @@ def train_on_batch(run: Run, batch: Batch, advantages: torch.Tensor, routes=None
                 rollout_logp=batch.rollout_logp[rows],
                 ref_logp=None if ref_logp is None else ref_logp[rows],
             )
-        with learner_replay(run.learner, routes, seq_len, rows.tolist()):
+        with _replay(run.learner, routes, seq_len, rows.tolist()):
             out = run.learner.train_step(batch.tokens[rows], loss_fn)
         parts.append({k: float(v) for k, v in (out or {}).items() if _is_scalar(v)})
     for key in parts[0]:
         metrics[key] = sum(p[key] for p in parts) / len(parts)
     return metrics
+
+
+def _replay(learner, routes, seq_len: int, rows: list[int]):
+    """Routing replay for the learner's forward over `rows`: the learner splits them over data-parallel ranks
+    (Learner.local_rows) and each rank forwards only its share, so it replays only that share's routes."""
+    if routes is None:
+        return learner_replay(learner, None, seq_len)
+    return learner_replay(learner, routes, seq_len, [rows[i] for i in learner.local_rows(len(rows))])
 
 
 def _is_scalar(v) -> bool:

@@ -1,8 +1,9 @@
 """torchrun worker: TP=2 and EP=2 learners against the unsharded learner on the same inputs (several configs per launch).
 
-For each (precision, layout) the worker builds the unsharded learner (tp=ep=1, i.e. two data-parallel replicas),
-records its weights, log-probs, one train step's grad norm and the log-probs after that step, then rebuilds the
-Megatron parallel state with the sharded layout and checks:
+For each (precision, layout) the worker builds the unsharded learner (tp=ep=1, i.e. two data-parallel replicas that
+split the batch's rows, which equals one process: test_data_parallel.py), records its weights, log-probs, one train
+step's grad norm and the log-probs after that step, then rebuilds the Megatron parallel state with the sharded
+layout and checks:
   1. initial weights: the shards gathered over TP/EP equal the unsharded weights exactly (layout-invariant init);
   2. log-probs before training: equal up to the cross-rank summation order (tolerances.py);
   3. grad norm and log-probs after one Adam step: close (tolerances.py says why they are looser).
