@@ -230,9 +230,6 @@ class Config:
     """The YAML file this was loaded from (set by load_config)."""
 
     def __post_init__(self):
-        if self.alignment.strict and self.rollout.backend != "embedded":
-            raise ValueError(f"alignment.strict is implemented for rollout.backend 'embedded' only, "
-                             f"got {self.rollout.backend!r} (docs/alignment.md)")
         if self.alignment.strict and (self.parallel.tp != 1 or self.parallel.ep != 1):
             raise ValueError("alignment.strict needs parallel.tp = parallel.ep = 1")
 

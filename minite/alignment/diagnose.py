@@ -88,8 +88,6 @@ def build_pair(cfg, b: str = "embedded"):
     from minite.learner.learner import Learner
     from minite.rollout import make_engine
 
-    if b != "embedded" and getattr(cfg.alignment, "strict", False):
-        raise ValueError(f"alignment.strict is implemented for the embedded backend only, not {b!r}")
     cfg.rollout.backend = b
     learner = Learner(cfg)
     engine = make_engine(cfg)

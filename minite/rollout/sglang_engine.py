@@ -207,15 +207,16 @@ def pack_for_sglang(named, hf_config: dict, recipe) -> List[Tuple[str, torch.Ten
     return out
 
 
-def start_from_learner_tensors(named, hf_config: dict, recipe, *, engine_args: Optional[dict] = None
-                               ) -> "SGLangEngine":
-    """Pack the learner's tensors into a temporary ModelOpt NVFP4 checkpoint and start an engine on it."""
+def start_from_learner_tensors(named, hf_config: dict, recipe, *, engine_args: Optional[dict] = None,
+                               strict: bool = False) -> "SGLangEngine":
+    """Pack the learner's tensors into a temporary ModelOpt NVFP4 checkpoint and start an engine on it
+    (strict: SGLang computes with the learner's strict ops, minite.rollout.sglang_strict)."""
     named = [(strip_wrapper_prefix(n), t.detach()) for n, t in named]
     expected = {n: tuple(t.shape) for n, t in named}
     packed = pack_for_sglang(named, hf_config, recipe)
     tmp = Path(tempfile.mkdtemp(prefix="minite-sglang-"))
     try:
-        write_checkpoint(tmp, hf_config, packed, recipe)
+        write_checkpoint(tmp, hf_config, packed, recipe, strict=strict)
         return SGLangEngine(str(tmp), hf_config=hf_config, recipe=recipe, expected=expected,
                             initial_packed=packed, engine_args=engine_args, owns_dir=True)
     except BaseException:
@@ -242,7 +243,8 @@ def _start_engine(model_dir: str, args: dict):
     return sglang.Engine(model_path=model_dir, **args)
 
 
-def write_checkpoint(out_dir: Path, hf_config: dict, packed: List[Tuple[str, torch.Tensor]], recipe) -> None:
+def write_checkpoint(out_dir: Path, hf_config: dict, packed: List[Tuple[str, torch.Tensor]], recipe,
+                     strict: bool = False) -> None:
     """config.json + hf_quant_config.json + safetensors of already packed tensors."""
     from minite.convert.export_nvfp4 import exclude_modules, write_sharded
     from minite.rollout.sglang_plugin import quant_config_dict
@@ -250,7 +252,7 @@ def write_checkpoint(out_dir: Path, hf_config: dict, packed: List[Tuple[str, tor
     out_dir.mkdir(parents=True, exist_ok=True)
     write_sharded(out_dir, packed)
     (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    qcfg = quant_config_dict(recipe, exclude_modules(hf_config))
+    qcfg = quant_config_dict(recipe, exclude_modules(hf_config), strict=strict)
     (out_dir / "hf_quant_config.json").write_text(json.dumps(qcfg, indent=2) + "\n")
 
 
@@ -262,7 +264,10 @@ def build_sglang(cfg, *, pad_id: int = 0, engine_args: Optional[dict] = None) ->
         raise ValueError("rollout.backend='sglang' runs the minite_nvfp4 plugin: set precision.mode='nvfp4'")
     if (cfg.parallel.tp, cfg.parallel.ep, cfg.parallel.pp) != (1, 1, 1):
         raise ValueError("rollout.backend='sglang' takes weight updates from a tp=ep=pp=1 learner for now")
+    if cfg.alignment.strict and torch.cuda.is_available():
+        raise ValueError("alignment.strict with rollout.backend='sglang' is implemented for the CPU engine only "
+                         "(torch_native attention, minite.rollout.sglang_strict); use the embedded backend on GPU")
     model = build_model(cfg)
     named = [(n, p.detach()) for n, p in model.named_parameters()]
     return start_from_learner_tensors(named, hf_config_from_shape(model_shape(cfg)), cfg.precision.recipe,
-                                      engine_args=engine_args)
+                                      engine_args=engine_args, strict=bool(cfg.alignment.strict))

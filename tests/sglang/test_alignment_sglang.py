@@ -1,11 +1,12 @@
 """`minite diagnose` against the SGLang backend on CPU: the per-token gap is measured (ops are not: SGLang runs its
-model in a scheduler process), and strict mode is refused with a clear error (it is implemented for the embedded
-backend only)."""
+model in a scheduler process); in strict mode (minite.rollout.sglang_strict) it is exactly 0 for batches of
+different sizes and prompt lengths, with a cached prefix, and after a training step and a weight sync."""
 from __future__ import annotations
 
 import math
 
 import pytest
+import torch
 
 from tests.sglang.conftest import sglang_skip_reason
 
@@ -24,12 +25,26 @@ def test_diagnose_learner_vs_sglang_measures_the_gap():
     assert r["first_divergent_op"] is None and r["origin"] is None
 
 
-def test_strict_mode_with_sglang_is_refused():
-    from minite.alignment.diagnose import build_pair
-    from minite.config import ConfigError, load_config
+def test_strict_mode_gives_zero_gap_with_sglang():
+    from minite.alignment.diagnose import DiagnoseParams, build_pair, diagnose_pair
+    from minite.config import load_config
 
-    with pytest.raises(ConfigError, match="embedded"):
-        load_config("examples/tiny/nvfp4.yaml", ["alignment.strict=true", "rollout.backend=sglang"])
-    cfg = load_config("examples/tiny/nvfp4.yaml", ["alignment.strict=true"])
-    with pytest.raises(ValueError, match="embedded backend only"):
-        build_pair(cfg, "sglang")
+    cfg = load_config("examples/tiny/nvfp4.yaml",
+                      ["model.max_position_embeddings=32", "alignment.strict=true", "rollout.backend=sglang"])
+    learner, engine = build_pair(cfg, "sglang")
+    batches = [DiagnoseParams(num_prompts=3, min_prompt_len=2, max_prompt_len=12, max_new_tokens=5, seed=1),
+               DiagnoseParams(num_prompts=9, min_prompt_len=1, max_prompt_len=16, max_new_tokens=4, seed=2)]
+    try:
+        # the second batch runs twice: SGLang's radix cache then serves its prompts' K/V from the first run
+        for p in batches + batches[1:]:
+            r = diagnose_pair(learner, engine, cfg, p, "sglang")
+            assert r["strict"] and r["tokens_compared"] == p.num_prompts * p.max_new_tokens
+            assert len(set(r["prompt_lengths"])) > 1
+            assert r["max_abs_logp_gap"] == 0.0 and r["mean_abs_logp_gap"] == 0.0, r["max_abs_logp_gap"]
+        tokens = torch.randint(1, cfg.model.vocab_size, (4, 12), generator=torch.Generator().manual_seed(0))
+        learner.train_step(tokens, lambda logp: (-logp.mean(), {}))
+        engine.update_weights(learner.named_weights())
+        r = diagnose_pair(learner, engine, cfg, batches[0], "sglang")
+        assert r["max_abs_logp_gap"] == 0.0, r["max_abs_logp_gap"]
+    finally:
+        engine.shutdown()
