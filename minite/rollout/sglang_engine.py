@@ -5,7 +5,10 @@ Start-up (`build_sglang(cfg)`): build the learner's initial model exactly as the
 `minite.convert.export_nvfp4.pack_megatron_weights` into a ModelOpt-named NVFP4 checkpoint in a temporary directory
 (config.json written from the model shape), and start `sglang.Engine(model_path=that, quantization="minite_nvfp4",
 skip_tokenizer_init=True)`. SGLang runs the scheduler in a subprocess; the plugin registers there through its entry
-point. Measured start-up on the 2-core CPU dev machine, tiny model: see docs/sglang.md.
+point. Measured start-up on the 2-core CPU dev machine, tiny model: see docs/sglang.md. A BF16 learner
+(precision.mode "bf16") gets a BF16 checkpoint under Hugging Face names, loaded without quantization, and BF16
+weight updates. With cfg.alignment.strict, config.json carries `"minite_strict": true` and SGLang's Qwen3-MoE
+computes with the learner's strict ops (minite.rollout.sglang_strict; CPU engine only).
 
 generate: one SGLang request per sample (n per prompt), token ids in, `return_logprob=True`; the per-token
 log-probs are meta_info["output_token_logprobs"] (logprob, token id, text). They are the untempered policy's
@@ -196,11 +199,13 @@ class SGLangEngine(RolloutEngine):
 
 def pack_for_sglang(named, hf_config: dict, recipe) -> List[Tuple[str, torch.Tensor]]:
     """Learner tensors -> SGLang-named CPU tensors: NVFP4 (uint8 codes, e4m3 scales, fp32 global scales) for the
-    linears and experts, BF16 (the engine's dtype) for embeddings, norms, router and lm_head."""
+    linears and experts, BF16 (the engine's dtype) for embeddings, norms, router and lm_head. recipe None (a BF16
+    learner): every tensor BF16 under its Hugging Face name."""
     from minite.convert.export_nvfp4 import pack_megatron_weights
 
     out = []
-    for name, t in pack_megatron_weights(named, hf_config, recipe):
+    tensors = pack_megatron_weights(named, hf_config, recipe) if recipe is not None else _bf16_tensors(named, hf_config)
+    for name, t in tensors:
         if t.is_floating_point() and t.dim() > 0 and t.dtype != torch.float8_e4m3fn:
             t = t.to(torch.bfloat16)
         out.append((name, t.contiguous().cpu()))
@@ -209,19 +214,59 @@ def pack_for_sglang(named, hf_config: dict, recipe) -> List[Tuple[str, torch.Ten
 
 def start_from_learner_tensors(named, hf_config: dict, recipe, *, engine_args: Optional[dict] = None,
                                strict: bool = False) -> "SGLangEngine":
-    """Pack the learner's tensors into a temporary ModelOpt NVFP4 checkpoint and start an engine on it
-    (strict: SGLang computes with the learner's strict ops, minite.rollout.sglang_strict)."""
+    """Pack the learner's tensors into a temporary ModelOpt NVFP4 checkpoint (recipe None: a BF16 one, loaded
+    without quantization) and start an engine on it (strict: config.json carries `minite_strict`, and SGLang computes
+    with the learner's strict ops, minite.rollout.sglang_strict)."""
+    hf_config = dict(hf_config)
+    if strict:
+        hf_config["minite_strict"] = True
+    if recipe is None:
+        engine_args = {**(engine_args or {}), "quantization": None}
     named = [(strip_wrapper_prefix(n), t.detach()) for n, t in named]
     expected = {n: tuple(t.shape) for n, t in named}
     packed = pack_for_sglang(named, hf_config, recipe)
     tmp = Path(tempfile.mkdtemp(prefix="minite-sglang-"))
     try:
-        write_checkpoint(tmp, hf_config, packed, recipe, strict=strict)
+        write_checkpoint(tmp, hf_config, packed, recipe)
         return SGLangEngine(str(tmp), hf_config=hf_config, recipe=recipe, expected=expected,
                             initial_packed=packed, engine_args=engine_args, owns_dir=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _bf16_tensors(named, hf_config: dict):
+    """Learner (Megatron, tp=ep=pp=1) tensors -> Hugging Face Qwen3-MoE names, unquantized (a BF16 learner)."""
+    from minite.convert.export_nvfp4 import _LAYER_RENAME, _RENAME, ExportError, qkv_rows
+
+    for name, t in named:
+        if name in _RENAME:
+            yield _RENAME[name], t
+            continue
+        parts = name.split(".")
+        if len(parts) < 4 or parts[:2] != ["decoder", "layers"]:
+            raise ExportError(f"unknown learner tensor {name!r}")
+        hf, rest = f"model.layers.{parts[2]}.", ".".join(parts[3:])
+        if rest in _LAYER_RENAME:
+            yield hf + _LAYER_RENAME[rest], t
+        elif rest == "self_attention.linear_qkv.weight":
+            rows: Dict[str, list] = {"q_proj": [], "k_proj": [], "v_proj": []}
+            for proj, _g, r0, n in qkv_rows(hf_config):
+                rows[proj].append(torch.arange(r0, r0 + n))
+            for proj, idx in rows.items():
+                yield f"{hf}self_attn.{proj}.weight", t[torch.cat(idx)]
+        elif rest == "self_attention.linear_proj.weight":
+            yield f"{hf}self_attn.o_proj.weight", t
+        elif rest == "mlp.experts.fc1_weight":
+            f = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                yield f"{hf}mlp.experts.{e}.gate_proj.weight", t[e, :f]
+                yield f"{hf}mlp.experts.{e}.up_proj.weight", t[e, f:]
+        elif rest == "mlp.experts.fc2_weight":
+            for e in range(t.shape[0]):
+                yield f"{hf}mlp.experts.{e}.down_proj.weight", t[e]
+        elif not rest.endswith("_extra_state"):
+            raise ExportError(f"unknown learner tensor {name!r} (layer part {rest!r})")
 
 
 def _result(r) -> Tuple[bool, str]:
@@ -243,8 +288,7 @@ def _start_engine(model_dir: str, args: dict):
     return sglang.Engine(model_path=model_dir, **args)
 
 
-def write_checkpoint(out_dir: Path, hf_config: dict, packed: List[Tuple[str, torch.Tensor]], recipe,
-                     strict: bool = False) -> None:
+def write_checkpoint(out_dir: Path, hf_config: dict, packed: List[Tuple[str, torch.Tensor]], recipe) -> None:
     """config.json + hf_quant_config.json + safetensors of already packed tensors."""
     from minite.convert.export_nvfp4 import exclude_modules, write_sharded
     from minite.rollout.sglang_plugin import quant_config_dict
@@ -252,7 +296,9 @@ def write_checkpoint(out_dir: Path, hf_config: dict, packed: List[Tuple[str, tor
     out_dir.mkdir(parents=True, exist_ok=True)
     write_sharded(out_dir, packed)
     (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    qcfg = quant_config_dict(recipe, exclude_modules(hf_config), strict=strict)
+    if recipe is None:  # BF16 checkpoint: no quantization config
+        return
+    qcfg = quant_config_dict(recipe, exclude_modules(hf_config))
     (out_dir / "hf_quant_config.json").write_text(json.dumps(qcfg, indent=2) + "\n")
 
 
@@ -260,8 +306,6 @@ def build_sglang(cfg, *, pad_id: int = 0, engine_args: Optional[dict] = None) ->
     """An SGLang engine on the learner's initial weights (module docstring). pad_id is unused (no padding)."""
     from minite.learner.model import build_model, model_shape
 
-    if cfg.precision.mode != "nvfp4":
-        raise ValueError("rollout.backend='sglang' runs the minite_nvfp4 plugin: set precision.mode='nvfp4'")
     if (cfg.parallel.tp, cfg.parallel.ep, cfg.parallel.pp) != (1, 1, 1):
         raise ValueError("rollout.backend='sglang' takes weight updates from a tp=ep=pp=1 learner for now")
     if cfg.alignment.strict and torch.cuda.is_available():
@@ -269,5 +313,6 @@ def build_sglang(cfg, *, pad_id: int = 0, engine_args: Optional[dict] = None) ->
                          "(torch_native attention, minite.rollout.sglang_strict); use the embedded backend on GPU")
     model = build_model(cfg)
     named = [(n, p.detach()) for n, p in model.named_parameters()]
-    return start_from_learner_tensors(named, hf_config_from_shape(model_shape(cfg)), cfg.precision.recipe,
+    recipe = cfg.precision.recipe if cfg.precision.mode == "nvfp4" else None
+    return start_from_learner_tensors(named, hf_config_from_shape(model_shape(cfg)), recipe,
                                       engine_args=engine_args, strict=bool(cfg.alignment.strict))

@@ -175,9 +175,6 @@ class MiniteNVFP4Config(QuantizationConfig):
         if int(quant.get("group_size", GROUP)) != GROUP:
             raise ValueError(f"minite_nvfp4: group_size must be {GROUP}, got {quant.get('group_size')}")
         exclude = quant.get("exclude_modules") or quant.get("ignore") or []
-        from minite.rollout import sglang_strict  # strict mode is a property of the loaded model: see that module
-
-        sglang_strict.set_active(bool((config.get("minite") or {}).get("strict", False)))
         return cls(recipe_from_json(config.get("minite")), exclude)
 
     @classmethod

@@ -5,8 +5,9 @@ What it changes in SGLang (0.5.23 only; any other version raises `SGLangVersionE
   (QUANTIZATION_METHODS first in order, see below; BASE_ and CPU_QUANTIZATION_METHODS) and as a CLI choice;
 - appends "MiniteNVFP4LinearMethod" to sglang.srt.layers.linear.WEIGHT_LOADER_V2_SUPPORTED, so the linears load our
   parameters with the same (v2) loaders that ModelOpt's FP4 method uses;
-- when a checkpoint's hf_quant_config.json says `"minite": {"strict": true}` (written for cfg.alignment.strict),
-  loading it switches that process's Qwen3-MoE forward to the learner's strict ops (sglang_strict.py).
+- installs sglang_strict's dispatchers (idempotent): SGLang code runs unchanged except for a Qwen3-MoE model whose
+  config.json says `"minite_strict": true` (written for cfg.alignment.strict), which then computes with the
+  learner's strict ops (sglang_strict.py; with or without this quantization method).
 Why first in QUANTIZATION_METHODS: SGLang asks every method, in table order, whether to override the user's choice
 for a checkpoint; ModelOpt's methods claim every ModelOpt NVFP4 checkpoint. Ours answers first and claims it only
 when the user asked for "minite_nvfp4", so `--quantization minite_nvfp4` loads a ModelOpt export and every other
@@ -95,6 +96,9 @@ def register() -> None:
         add_quantization_method_choices([METHOD_NAME])
     except ImportError:  # the CLI choice is a convenience; the offline Engine does not need it
         log.info("minite_nvfp4: sglang.srt.arg_groups.choices not found; CLI choice not added")
+    from minite.rollout import sglang_strict
+
+    sglang_strict.install()
     _REGISTERED = True
     log.info("minite_nvfp4: registered quantization method with sglang %s (linear + fused MoE)", SGLANG_VERSION)
 
@@ -150,17 +154,13 @@ def _config_class():
 _CONFIG_CLS = None
 
 
-def quant_config_dict(recipe: NVFP4Recipe, exclude_modules: List[str], strict: bool = False) -> Dict[str, Any]:
-    """hf_quant_config.json content: ModelOpt's NVFP4 schema plus a 'minite' section SGLang/ModelOpt ignore.
-    strict: the plugin runs SGLang's Qwen3-MoE forward with the learner's strict ops (sglang_strict.py)."""
-    minite = recipe_to_json(recipe)
-    if strict:
-        minite["strict"] = True
+def quant_config_dict(recipe: NVFP4Recipe, exclude_modules: List[str]) -> Dict[str, Any]:
+    """hf_quant_config.json content: ModelOpt's NVFP4 schema plus a 'minite' section SGLang/ModelOpt ignore."""
     return {
         "producer": {"name": "modelopt", "version": "minite-export"},
         "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": GROUP,
                          "exclude_modules": list(exclude_modules)},
-        "minite": minite,
+        "minite": recipe_to_json(recipe),
     }
 
 

@@ -28,14 +28,15 @@ What is replaced (only while strict mode is active in the process; otherwise eve
 |   (torch log_softmax)                               | (the learner's token_logprobs); sampling itself unchanged |
 
 NVFP4 linears (q/k/v/o) and expert GEMMs stay the plugin's (minite_nvfp4: the learner's own op functions, exact);
-BF16 (excluded) linears become strict_ops.linear. Which layers are affected: every Qwen3MoeModel, every
-TorchNativeAttnBackend, LogitsProcessor and Sampler of a process in which strict mode is active.
+BF16 linears (a BF16 checkpoint, or modules the NVFP4 export keeps BF16) become strict_ops.linear, BF16 experts a
+strict_ops.linear per expert (the learner's strict GroupedExperts in BF16).
 
-How it is switched on. `MiniteNVFP4Config.from_config` (the plugin, in every SGLang process that loads the model)
-reads `"minite": {"strict": true}` from hf_quant_config.json (written by sglang_engine.build_sglang when
-cfg.alignment.strict) and calls `set_active(True)`, which installs the patches once (idempotent, logged) and turns
-them on for the process; a non-strict config turns them off. One model per SGLang scheduler process, so a
-process-wide switch is what the model has.
+How it is switched on. The plugin's entry point (`sglang_plugin.register`, run in every SGLang process) calls
+`install()`, which puts dispatchers in place once (idempotent, logged). A Qwen3MoeModel whose config carries
+`minite_strict: true` (config.json, written by sglang_engine.build_sglang when cfg.alignment.strict; SGLang keeps
+unknown config.json keys as config attributes) runs `_model_forward` and marks the process strict for the
+attention, lm_head and log-prob steps that follow it; any other model runs upstream's code and clears the mark. One
+model per SGLang scheduler process, so the mark is the model's. NVFP4 or BF16 checkpoint alike.
 
 Scope: sglang==0.5.23 only (the plugin refuses other versions: these are private SGLang methods);
 attention_backend="torch_native" (the CPU engine; `_model_forward` raises for any other backend, and build_sglang
@@ -44,9 +45,10 @@ refuses strict mode on a GPU machine), TP = EP = PP = 1, Qwen3-MoE without share
 moe_router_pre_softmax = not norm_topk_prob). The radix cache may stay on: a cached prefix holds the same strict
 K/V bits a recomputation would give. Strict ops must run eagerly (no torch.compile / CUDA graphs).
 
-Measured (CPU, 2 cores, tiny NVFP4 model, docs/alignment.md): `minite diagnose --b sglang --set
-alignment.strict=true` gives max |logp gap| exactly 0 (default mode: 3.2e-2); generating 16 prompts x 8 tokens
-takes about 3x the default engine's time (0.35 s vs 0.12 s).
+Measured (CPU, 2 cores, docs/alignment.md): `minite diagnose --b sglang --set alignment.strict=true` gives max
+|logp gap| exactly 0 on the tiny model in NVFP4 (default mode: 3.2e-2) and BF16 (default: 2.3e-3), and on a wider
+3-layer model (default: 9.2e-2 NVFP4, 1.5e-2 BF16); generating 16 prompts x 8 tokens on the tiny NVFP4 model takes
+about 3x the default engine's time (0.35 s vs 0.12 s).
 """
 from __future__ import annotations
 
@@ -69,12 +71,12 @@ def is_active() -> bool:
 
 
 def set_active(active: bool) -> None:
-    """Turn strict mode on (installing the patches once) or off for this process."""
+    """Mark this process strict (or not) for the attention, lm_head and log-prob dispatchers; the model's forward
+    does this on every call (module docstring)."""
     global _ACTIVE
-    if active:
-        install()
+    if bool(active) != _ACTIVE:
+        log.info("minite strict mode for SGLang: %s", "on" if active else "off")
     _ACTIVE = bool(active)
-    log.info("minite strict mode for SGLang: %s", "on" if _ACTIVE else "off")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -125,8 +127,6 @@ def _moe_block(block, x: torch.Tensor, pre_softmax: bool) -> torch.Tensor:
     from minite.rollout.sglang_methods import MiniteNVFP4MoEMethod
 
     method = block.experts.quant_method
-    if not isinstance(method, MiniteNVFP4MoEMethod):
-        raise ValueError(f"strict SGLang: experts must use the minite_nvfp4 method, got {type(method).__name__}")
     k = block.topk.topk_config.top_k
     logits = S.linear(x.float(), block.gate.weight.float())
     if pre_softmax:
@@ -134,14 +134,19 @@ def _moe_block(block, x: torch.Tensor, pre_softmax: bool) -> torch.Tensor:
     else:
         vals, idx = S.topk(logits, k)
         probs_k = S.softmax(vals)
-    w13, w2 = method.experts(block.experts)
-    return strict_grouped_forward(x, w13, w2, probs_k, idx, method.config.recipe, method.config.backend)
+    if isinstance(method, MiniteNVFP4MoEMethod):
+        w13, w2 = method.experts(block.experts)
+        return strict_grouped_forward(x, w13, w2, probs_k, idx, method.config.recipe, method.config.backend)
+    if type(method).__name__ != "UnquantizedFusedMoEMethod":
+        raise ValueError(f"strict SGLang: experts must be minite_nvfp4 or BF16, got {type(method).__name__}")
+    return strict_grouped_forward(x, block.experts.w13_weight, block.experts.w2_weight, probs_k, idx, None)
 
 
 def strict_grouped_forward(x, w13, w2, probs_k, idx, recipe, backend="auto") -> torch.Tensor:
     """Routed SwiGLU experts, the learner's strict GroupedExperts + combine: per expert (ascending) its tokens'
-    NVFP4 fc1 (per-row activation scales: a row's result does not depend on the other rows), silu(gate) * up *
-    prob in fp32 with strict SiLU, fc2; each token's k outputs summed in ascending expert order in fp32."""
+    fc1 (NVFP4 with per-row activation scales, so a row's result does not depend on the other rows; or, recipe
+    None, BF16 weights [E, 2F, H] / [E, H, F] through strict_ops.linear), silu(gate) * up * prob in fp32 with strict
+    SiLU, fc2; each token's k outputs summed in ascending expert order in fp32."""
     from minite.learner.ops import nvfp4_grouped_linear
     from minite.rollout.sglang_plugin import _shape_only
 
@@ -154,10 +159,19 @@ def strict_grouped_forward(x, w13, w2, probs_k, idx, recipe, backend="auto") -> 
     counts = torch.bincount(flat_e, minlength=len(w13)).tolist()
     tok = torch.arange(t, device=x.device).repeat_interleave(idx.shape[1])
     xp = x.index_select(0, tok[perm])
-    hidden = nvfp4_grouped_linear(xp, _shape_only(w13, x), counts, recipe, weight_q=w13, backend=backend)
+    def grouped(a, w):
+        if recipe is not None:
+            return nvfp4_grouped_linear(a, _shape_only(w, x), counts, recipe, weight_q=w, backend=backend)
+        outs, start = [], 0
+        for e, c in enumerate(counts):
+            outs.append(S.linear(a[start:start + c], w[e], out_dtype=a.dtype))
+            start += c
+        return torch.cat(outs, dim=0)
+
+    hidden = grouped(xp, w13)
     gate, up = torch.chunk(hidden, 2, dim=-1)
     act = ((S.silu(gate) * up.float()) * probs_sorted.reshape(-1)[perm].unsqueeze(-1).float()).to(hidden.dtype)
-    out = nvfp4_grouped_linear(act, _shape_only(w2, x), counts, recipe, weight_q=w2, backend=backend)
+    out = grouped(act, w2)
     unperm = torch.empty_like(out)
     unperm[perm] = out                                               # back to (token, ascending expert) order
     gathered = unperm.float().reshape(t, idx.shape[1], h)
@@ -278,8 +292,18 @@ def install() -> None:
     from sglang.srt.models.qwen3_moe import Qwen3MoeModel
 
     patched = []
-    for cls, name, fn in ((Qwen3MoeModel, "forward", _model_forward),
-                          (TorchNativeAttnBackend, "_run_sdpa_forward_extend", _sdpa_extend),
+    if not getattr(Qwen3MoeModel.forward, "_minite_strict_dispatch", False):
+        upstream_model = Qwen3MoeModel.forward
+
+        def forward(self, *args, **kwargs):
+            strict = bool(getattr(self.config, "minite_strict", False))
+            set_active(strict)
+            return (_model_forward if strict else upstream_model)(self, *args, **kwargs)
+
+        forward._minite_strict_dispatch = True
+        Qwen3MoeModel.forward = forward
+        patched.append("Qwen3MoeModel.forward")
+    for cls, name, fn in ((TorchNativeAttnBackend, "_run_sdpa_forward_extend", _sdpa_extend),
                           (TorchNativeAttnBackend, "_run_sdpa_forward_decode", _sdpa_decode),
                           (LogitsProcessor, "_compute_lm_head", _lm_head)):
         upstream = getattr(cls, name)

@@ -1,6 +1,6 @@
 """`minite diagnose` against the SGLang backend on CPU: the per-token gap is measured (ops are not: SGLang runs its
-model in a scheduler process); in strict mode (minite.rollout.sglang_strict) it is exactly 0 for batches of
-different sizes and prompt lengths, with a cached prefix, and after a training step and a weight sync."""
+model in a scheduler process); in strict mode (minite.rollout.sglang_strict) it is exactly 0, NVFP4 and BF16, for
+batches of different sizes and prompt lengths, with a cached prefix, and after a training step and a weight sync."""
 from __future__ import annotations
 
 import math
@@ -25,12 +25,13 @@ def test_diagnose_learner_vs_sglang_measures_the_gap():
     assert r["first_divergent_op"] is None and r["origin"] is None
 
 
-def test_strict_mode_gives_zero_gap_with_sglang():
+@pytest.mark.parametrize("precision", ["nvfp4", "bf16"])
+def test_strict_mode_gives_zero_gap_with_sglang(precision):
     from minite.alignment.diagnose import DiagnoseParams, build_pair, diagnose_pair
     from minite.config import load_config
 
-    cfg = load_config("examples/tiny/nvfp4.yaml",
-                      ["model.max_position_embeddings=32", "alignment.strict=true", "rollout.backend=sglang"])
+    cfg = load_config("examples/tiny/nvfp4.yaml", ["model.max_position_embeddings=32", "alignment.strict=true",
+                                                   "rollout.backend=sglang", f"precision.mode={precision}"])
     learner, engine = build_pair(cfg, "sglang")
     batches = [DiagnoseParams(num_prompts=3, min_prompt_len=2, max_prompt_len=12, max_new_tokens=5, seed=1),
                DiagnoseParams(num_prompts=9, min_prompt_len=1, max_prompt_len=16, max_new_tokens=4, seed=2)]
