@@ -96,7 +96,10 @@ def write_random_hf(d: Path, model_mib: int, shard_mib: int = 256, seed: int = 0
 
 
 def run_child(direction: str, src: Path, dst: Path, limit: int, tp: int, ep: int, pp: int) -> dict:
-    env = {**os.environ, "MALLOC_ARENA_MAX": "2", "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1",
+    # a minimal environment: variables other programs left behind (a test suite's, an engine's) must not change the
+    # child's thread or allocator set-up, which is what its address-space budget is sized for
+    keep = {k: os.environ[k] for k in ("PATH", "HOME", "LANG", "TMPDIR") if k in os.environ}
+    env = {**keep, "MALLOC_ARENA_MAX": "2", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1",
            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     out = subprocess.run([sys.executable, "-c", CHILD, direction, str(src), str(dst), str(limit), str(tp), str(ep),
                           str(pp)], capture_output=True, text=True, env=env)

@@ -206,9 +206,13 @@ def test_cli_round_trip(tiny_hf, tmp_path):
 
 
 def test_peak_memory_below_a_limit_smaller_than_the_model(tmp_path):
-    """tools/convert_memory.py: a 192 MiB random model converted both ways under a 96 MiB address-space budget."""
-    out = subprocess.run([sys.executable, str(REPO / "tools" / "convert_memory.py"), "--model-mib", "192",
-                          "--limit-mib", "96", "--dir", str(tmp_path), "--json"],
+    """tools/convert_memory.py: a 320 MiB random model converted both ways under a 160 MiB address-space budget.
+
+    Peak RSS growth measured 19-39 MiB; the budget is address space (mappings, thread arenas), whose headroom varied
+    between runs: a 96 MiB budget failed once in a full-suite CI run, so the budget keeps 4x the measured peak while
+    staying half the model's size."""
+    out = subprocess.run([sys.executable, str(REPO / "tools" / "convert_memory.py"), "--model-mib", "320",
+                          "--limit-mib", "160", "--dir", str(tmp_path), "--json"],
                          capture_output=True, text=True, timeout=150, env={**os.environ, "TORCHDYNAMO_DISABLE": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
