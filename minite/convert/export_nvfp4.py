@@ -31,7 +31,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -60,12 +60,19 @@ def quantize_module(weight: torch.Tensor, recipe: NVFP4Recipe, backend: str = "a
     return q.data, scale_grid_1x16(q), q.global_scale.reshape(()).float()
 
 
-def _emit(prefix: str, parts: List[Tuple[str, int, int]], packed, input_scale: Optional[float]):
-    """ModelOpt tensors for row ranges [r0, r1) of one quantised fused weight, one linear each."""
-    data, scale, gs = packed
-    for name, r0, r1 in parts:
-        yield f"{prefix}{name}.weight", data[r0:r1].contiguous()
-        yield f"{prefix}{name}.weight_scale", scale[r0:r1].contiguous()
+def _emit(prefix: str, parts: List[Tuple[str, object]], w, input_scale: Optional[float]):
+    """HF tensors for row selections (hf name, slice or index) of one fused weight, one linear each.
+
+    `w` is the BF16 tensor itself (written as it is) or a packed NVFP4 triple (data, scale grid, global scale),
+    written in ModelOpt naming: weight, weight_scale, weight_scale_2 (and input_scale when asked for).
+    """
+    for name, sel in parts:
+        if not isinstance(w, tuple):
+            yield f"{prefix}{name}.weight", w[sel]
+            continue
+        data, scale, gs = w
+        yield f"{prefix}{name}.weight", data[sel].contiguous()
+        yield f"{prefix}{name}.weight_scale", scale[sel].contiguous()
         yield f"{prefix}{name}.weight_scale_2", gs.clone()
         if input_scale is not None:
             yield f"{prefix}{name}.input_scale", torch.tensor(float(input_scale), dtype=torch.float32)
@@ -84,15 +91,12 @@ def qkv_rows(hf_cfg: dict) -> List[Tuple[str, int, int, int]]:
     return out
 
 
-def _split_qkv(prefix: str, packed, hf_cfg: dict, input_scale):
-    """q/k/v tensors (HF row order: group-major within each of q, k, v) from the quantised Megatron QKV weight."""
-    data, scale, gs = packed
-    rows = {"q_proj": [], "k_proj": [], "v_proj": []}
+def _qkv_parts(hf_cfg: dict) -> List[Tuple[str, torch.Tensor]]:
+    """(q/k/v, fused-QKV row index in HF order: group-major within each of q, k, v)."""
+    rows: Dict[str, list] = {"q_proj": [], "k_proj": [], "v_proj": []}
     for name, _g, r0, n in qkv_rows(hf_cfg):
         rows[name].append(torch.arange(r0, r0 + n))
-    for name, idx in rows.items():
-        sel = torch.cat(idx)
-        yield from _emit(prefix, [(name, 0, len(sel))], (data[sel], scale[sel], gs), input_scale)
+    return [(name, torch.cat(idx)) for name, idx in rows.items()]
 
 
 _RENAME = {
@@ -109,12 +113,13 @@ _LAYER_RENAME = {
 }
 
 
-def pack_megatron_weights(named: Iterable[Tuple[str, torch.Tensor]], hf_cfg: dict, recipe: NVFP4Recipe, *,
-                          backend: str = "auto", input_scale: Optional[float] = None
-                          ) -> Iterator[Tuple[str, torch.Tensor]]:
-    """Learner (Megatron local-spec, tp=ep=pp=1) tensors -> HF ModelOpt-named tensors, NVFP4 where the learner is.
+def learner_to_hf(named: Iterable[Tuple[str, torch.Tensor]], hf_cfg: dict,
+                  pack: Optional[Callable[[torch.Tensor], tuple]] = None, input_scale: Optional[float] = None
+                  ) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Learner (Megatron local-spec, tp=ep=pp=1) tensors -> Hugging Face Qwen3-MoE names.
 
-    Raises ExportError for a name it does not know (nothing silently dropped).
+    pack=None keeps every tensor as it is (a BF16 checkpoint); otherwise each linear/expert weight is packed by
+    `pack` and written in ModelOpt NVFP4 naming. Raises ExportError for a name it does not know (nothing dropped).
     """
     for name, t in named:
         while name.startswith("module."):
@@ -125,31 +130,35 @@ def pack_megatron_weights(named: Iterable[Tuple[str, torch.Tensor]], hf_cfg: dic
         parts = name.split(".")
         if len(parts) < 4 or parts[:2] != ["decoder", "layers"]:
             raise ExportError(f"unknown learner tensor {name!r}")
-        hf = f"model.layers.{parts[2]}."
-        rest = ".".join(parts[3:])
+        hf, rest = f"model.layers.{parts[2]}.", ".".join(parts[3:])
+        packed = (lambda w: w) if pack is None else pack
         if rest in _LAYER_RENAME:
             yield hf + _LAYER_RENAME[rest], t
         elif rest == "self_attention.linear_qkv.weight":
-            yield from _split_qkv(hf + "self_attn.", quantize_module(t, recipe, backend), hf_cfg, input_scale)
+            yield from _emit(hf + "self_attn.", _qkv_parts(hf_cfg), packed(t), input_scale)
         elif rest == "self_attention.linear_proj.weight":
-            yield from _emit(hf + "self_attn.", [("o_proj", 0, t.shape[0])], quantize_module(t, recipe, backend),
-                             input_scale)
+            yield from _emit(hf + "self_attn.", [("o_proj", slice(0, t.shape[0]))], packed(t), input_scale)
         elif rest in ("mlp.experts.fc1_weight", "mlp.experts.fc2_weight"):
-            yield from _experts(hf + "mlp.experts.", rest.endswith("fc1_weight"), t, recipe, backend, input_scale)
-        elif rest.endswith("_extra_state"):
-            continue
-        else:
+            yield from _experts(hf + "mlp.experts.", rest.endswith("fc1_weight"), t, packed, input_scale)
+        elif not rest.endswith("_extra_state"):
             raise ExportError(f"unknown learner tensor {name!r} (layer part {rest!r})")
 
 
-def _experts(prefix, is_fc1, w, recipe, backend, input_scale):
+def pack_megatron_weights(named: Iterable[Tuple[str, torch.Tensor]], hf_cfg: dict, recipe: NVFP4Recipe, *,
+                          backend: str = "auto", input_scale: Optional[float] = None
+                          ) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Learner tensors -> HF ModelOpt-named tensors, NVFP4 where the learner is (see `learner_to_hf`)."""
+    return learner_to_hf(named, hf_cfg, lambda w: quantize_module(w, recipe, backend), input_scale)
+
+
+def _experts(prefix, is_fc1, w, packed, input_scale):
     for e in range(w.shape[0]):
-        packed = quantize_module(w[e], recipe, backend)
         if is_fc1:
             f = w.shape[1] // 2
-            yield from _emit(f"{prefix}{e}.", [("gate_proj", 0, f), ("up_proj", f, 2 * f)], packed, input_scale)
+            parts = [("gate_proj", slice(0, f)), ("up_proj", slice(f, 2 * f))]
         else:
-            yield from _emit(f"{prefix}{e}.", [("down_proj", 0, w.shape[1])], packed, input_scale)
+            parts = [("down_proj", slice(0, w.shape[1]))]
+        yield from _emit(f"{prefix}{e}.", parts, packed(w[e]), input_scale)
 
 
 def exclude_modules(hf_cfg: dict) -> List[str]:

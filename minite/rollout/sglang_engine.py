@@ -201,10 +201,10 @@ def pack_for_sglang(named, hf_config: dict, recipe) -> List[Tuple[str, torch.Ten
     """Learner tensors -> SGLang-named CPU tensors: NVFP4 (uint8 codes, e4m3 scales, fp32 global scales) for the
     linears and experts, BF16 (the engine's dtype) for embeddings, norms, router and lm_head. recipe None (a BF16
     learner): every tensor BF16 under its Hugging Face name."""
-    from minite.convert.export_nvfp4 import pack_megatron_weights
+    from minite.convert.export_nvfp4 import learner_to_hf, pack_megatron_weights
 
     out = []
-    tensors = pack_megatron_weights(named, hf_config, recipe) if recipe is not None else _bf16_tensors(named, hf_config)
+    tensors = pack_megatron_weights(named, hf_config, recipe) if recipe is not None else learner_to_hf(named, hf_config)
     for name, t in tensors:
         if t.is_floating_point() and t.dim() > 0 and t.dtype != torch.float8_e4m3fn:
             t = t.to(torch.bfloat16)
@@ -233,40 +233,6 @@ def start_from_learner_tensors(named, hf_config: dict, recipe, *, engine_args: O
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def _bf16_tensors(named, hf_config: dict):
-    """Learner (Megatron, tp=ep=pp=1) tensors -> Hugging Face Qwen3-MoE names, unquantized (a BF16 learner)."""
-    from minite.convert.export_nvfp4 import _LAYER_RENAME, _RENAME, ExportError, qkv_rows
-
-    for name, t in named:
-        if name in _RENAME:
-            yield _RENAME[name], t
-            continue
-        parts = name.split(".")
-        if len(parts) < 4 or parts[:2] != ["decoder", "layers"]:
-            raise ExportError(f"unknown learner tensor {name!r}")
-        hf, rest = f"model.layers.{parts[2]}.", ".".join(parts[3:])
-        if rest in _LAYER_RENAME:
-            yield hf + _LAYER_RENAME[rest], t
-        elif rest == "self_attention.linear_qkv.weight":
-            rows: Dict[str, list] = {"q_proj": [], "k_proj": [], "v_proj": []}
-            for proj, _g, r0, n in qkv_rows(hf_config):
-                rows[proj].append(torch.arange(r0, r0 + n))
-            for proj, idx in rows.items():
-                yield f"{hf}self_attn.{proj}.weight", t[torch.cat(idx)]
-        elif rest == "self_attention.linear_proj.weight":
-            yield f"{hf}self_attn.o_proj.weight", t
-        elif rest == "mlp.experts.fc1_weight":
-            f = t.shape[1] // 2
-            for e in range(t.shape[0]):
-                yield f"{hf}mlp.experts.{e}.gate_proj.weight", t[e, :f]
-                yield f"{hf}mlp.experts.{e}.up_proj.weight", t[e, f:]
-        elif rest == "mlp.experts.fc2_weight":
-            for e in range(t.shape[0]):
-                yield f"{hf}mlp.experts.{e}.down_proj.weight", t[e]
-        elif not rest.endswith("_extra_state"):
-            raise ExportError(f"unknown learner tensor {name!r} (layer part {rest!r})")
 
 
 def _result(r) -> Tuple[bool, str]:
