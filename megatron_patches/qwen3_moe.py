@@ -31,7 +31,6 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
@@ -40,6 +39,8 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+
+from minite.hf_config import qwen3_moe_fields
 
 from .nvfp4_layers import GroupedExperts, NVFP4ColumnParallelLinear, NVFP4Context, NVFP4RowParallelLinear
 
@@ -82,26 +83,7 @@ class Qwen3MoeShape:
 
     @classmethod
     def _from_hf(cls, hf: dict) -> "Qwen3MoeShape":
-        if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
-            raise ValueError("Qwen3-MoE config: dense (mlp_only) layers are not supported; every layer must be MoE")
-        heads = hf["num_attention_heads"]
-        # transformers 5 writes num_local_experts and nests rope_theta under rope_parameters; the Hub files don't
-        experts = hf.get("num_experts", hf.get("num_local_experts"))
-        if experts is None:
-            raise ValueError("Qwen3-MoE config: neither num_experts nor num_local_experts is set")
-        rope = hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 1e6))
-        return cls(
-            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
-            num_attention_heads=heads, num_query_groups=hf.get("num_key_value_heads", heads),
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            moe_ffn_hidden_size=hf["moe_intermediate_size"], num_experts=experts,
-            moe_router_topk=hf["num_experts_per_tok"],
-            shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0) or 0,
-            norm_topk_prob=hf.get("norm_topk_prob", True), rope_theta=float(rope),
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            max_position_embeddings=hf.get("max_position_embeddings", 4096),
-            tie_word_embeddings=hf.get("tie_word_embeddings", False),
-        )
+        return cls(**qwen3_moe_fields(hf, "Qwen3-MoE config"))
 
 
 def transformer_config(shape: Qwen3MoeShape, *, compute_dtype: torch.dtype = torch.bfloat16, tp: int = 1,

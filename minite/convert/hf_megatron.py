@@ -50,11 +50,12 @@ import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from tqdm import tqdm
 
+from minite.hf_config import qwen3_moe_fields
 from minite.convert.safetensors_stream import (
     DTYPES, ConversionError, RowReader, StreamWriter, TensorEntry, read_header, view2d,
 )
@@ -82,20 +83,15 @@ class Shape:
 
     @classmethod
     def from_hf(cls, hf: dict, where: str = "config.json") -> "Shape":
-        if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
-            raise ConversionError(f"{where}: dense (mlp_only) layers are not supported; every layer must be MoE")
-        if hf.get("shared_expert_intermediate_size"):
-            raise ConversionError(f"{where}: shared experts are not part of Qwen3-MoE and not converted")
         try:
-            heads = hf["num_attention_heads"]
-            return cls(vocab=hf["vocab_size"], hidden=hf["hidden_size"], layers=hf["num_hidden_layers"],
-                       heads=heads, groups=hf.get("num_key_value_heads") or heads,
-                       head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-                       ffn=hf["moe_intermediate_size"],
-                       experts=hf.get("num_experts") or hf["num_local_experts"],
-                       tied=bool(hf.get("tie_word_embeddings", False)))
-        except KeyError as e:
-            raise ConversionError(f"{where}: missing Qwen3-MoE field {e.args[0]!r}") from None
+            f = qwen3_moe_fields(hf, where)
+        except ValueError as e:
+            raise ConversionError(str(e)) from None
+        if f["shared_expert_intermediate_size"]:
+            raise ConversionError(f"{where}: shared experts are not part of Qwen3-MoE and not converted")
+        return cls(vocab=f["vocab_size"], hidden=f["hidden_size"], layers=f["num_layers"],
+                   heads=f["num_attention_heads"], groups=f["num_query_groups"], head_dim=f["head_dim"],
+                   ffn=f["moe_ffn_hidden_size"], experts=f["num_experts"], tied=f["tie_word_embeddings"])
 
 
 @dataclass(frozen=True)

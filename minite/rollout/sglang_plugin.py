@@ -42,7 +42,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from minite.learner.ops import nvfp4_grouped_linear, nvfp4_linear_forward
+from minite.learner.ops import nvfp4_grouped_linear
 from minite.nvfp4 import NVFP4Recipe, NVFP4Tensor, OperandRecipe
 
 log = logging.getLogger(__name__)

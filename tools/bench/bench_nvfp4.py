@@ -86,11 +86,12 @@ def section_copy_quant(res: dict) -> None:
                 if best is None or t < best[0]:
                     best = (t, dict(nq.TUNING[kind]))
         nq.TUNING[kind] = best[1]
+    best_rht = None
     for elems in (2048, 4096, 8192):
         nq.TUNING["rht"] = {"elems": elems, "warps": None, "vec2d": True}
         t = bench(lambda: quantize_triton(x.t(), (1, 16), "tensor", "stochastic", 7, True), rep=60)
         log(f"  quant sweep colwise rht elems={elems}: {t * 1e3:.1f} us")
-        if elems == 2048 or t < best_rht[0]:
+        if best_rht is None or t < best_rht[0]:
             best_rht = (t, dict(nq.TUNING["rht"]))
     nq.TUNING["rht"] = best_rht[1]
     res["quant_tuning"] = {k: dict(v) for k, v in nq.TUNING.items()}
