@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minite.nvfp4.grouped import NVFP4Segments, NVFP4Stack
 from minite.nvfp4.tensor import NVFP4Tensor
 
 from ._interpreter import ensure_interpreter_compat, interpreting
@@ -65,6 +66,19 @@ def _operand_tile(data_ptr, scale_ptr, vals_ptr, rows, rmask, k0, kmax, stride_d
 
 
 @triton.jit
+def _b_tile(bd, bs, bv, cols, cmask, k0, N, K, B_SBR: tl.constexpr, B_PACKED: tl.constexpr, B_TRANS: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp16 block values [BLOCK_N, BLOCK_K] of b rows `cols`: from b [N, K] (packed or values), or with B_TRANS
+    from the values of b^T [K, N] (element (n, k) at k * N + n)."""
+    if B_TRANS:
+        kk = k0 + tl.arange(0, BLOCK_K)
+        return tl.load(bv + kk[None, :].to(tl.int64) * N + cols[:, None], mask=cmask[:, None] & (kk < K)[None, :],
+                       other=0.0)
+    else:
+        return _operand_tile(bd, bs, bv, cols, cmask, k0, K, K // 2, K // 16, K, B_SBR, B_PACKED, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
 def _cast_out(x, out_ty: tl.constexpr):
     """fp32 -> out dtype. bf16 rounds to nearest even in integer arithmetic first (Triton's interpreter truncates
     fp32 -> bf16; on the GPU the cast is already RNE, so this is the same value), then the cast is exact."""
@@ -83,8 +97,10 @@ def _grouped_gemm_kernel(a_data, a_scale, a_vals, a_gs, a_gs_stride,
                          A_SBR: tl.constexpr, B_SBR: tl.constexpr, A_PACKED: tl.constexpr, B_PACKED: tl.constexpr,
                          BLOCK_E: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         SWAP_AB: tl.constexpr):
-    """c[rows of expert e] = a[rows] @ b[e]^T, for rows grouped contiguously by expert (counts per expert)."""
+                         SWAP_AB: tl.constexpr, B_TRANS: tl.constexpr = False):
+    """c[rows of expert e] = a[rows] @ b[e]^T, for rows grouped contiguously by expert (counts per expert).
+    B_TRANS: b[e] is given as the block values of its transpose, [K, N] row-major (dgrad reads the forward
+    weight's values in place); the tiles hold the same values, so the result is bitwise the same."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     t = pid // num_n
@@ -115,7 +131,7 @@ def _grouped_gemm_kernel(a_data, a_scale, a_vals, a_gs, a_gs_stride,
         for k0 in range(0, K, BLOCK_K):  # fixed, sequential K order: the batch-invariance rule
             a = _operand_tile(a_data, a_scale, a_vals, rows, rmask, k0, K, K // 2, K // 16, K,
                               A_SBR, A_PACKED, BLOCK_M, BLOCK_K)
-            b = _operand_tile(bd, bs, bv, cols, cmask, k0, K, K // 2, K // 16, K, B_SBR, B_PACKED, BLOCK_N, BLOCK_K)
+            b = _b_tile(bd, bs, bv, cols, cmask, k0, N, K, B_SBR, B_PACKED, B_TRANS, BLOCK_N, BLOCK_K)
             acc_t = tl.dot(b, tl.trans(a), acc_t)
         acc = tl.trans(acc_t)
     else:
@@ -123,7 +139,7 @@ def _grouped_gemm_kernel(a_data, a_scale, a_vals, a_gs, a_gs_stride,
         for k0 in range(0, K, BLOCK_K):  # fixed, sequential K order: the batch-invariance rule
             a = _operand_tile(a_data, a_scale, a_vals, rows, rmask, k0, K, K // 2, K // 16, K,
                               A_SBR, A_PACKED, BLOCK_M, BLOCK_K)
-            b = _operand_tile(bd, bs, bv, cols, cmask, k0, K, K // 2, K // 16, K, B_SBR, B_PACKED, BLOCK_N, BLOCK_K)
+            b = _b_tile(bd, bs, bv, cols, cmask, k0, N, K, B_SBR, B_PACKED, B_TRANS, BLOCK_N, BLOCK_K)
             acc = tl.dot(a, tl.trans(b), acc)
     gsa = tl.load(a_gs + rows * a_gs_stride, mask=rmask, other=0.0)
     gsb = tl.load(b_gs + e64 * b_gs_stride_e + cols * b_gs_stride_n, mask=cmask, other=0.0)
@@ -133,7 +149,8 @@ def _grouped_gemm_kernel(a_data, a_scale, a_vals, a_gs, a_gs_stride,
 
 
 @triton.jit
-def _kgrouped_gemm_kernel(a_data, a_scale, a_vals, a_gs, a_gs_stride, b_data, b_scale, b_vals, b_gs, b_gs_stride,
+def _kgrouped_gemm_kernel(a_data, a_scale, a_vals, a_gs, a_gs_stride, a_gs_stride_e,
+                          b_data, b_scale, b_vals, b_gs, b_gs_stride, b_gs_stride_e,
                           c_ptr, k_start_ptr, k_count_ptr, M, N, KT,
                           A_PACKED: tl.constexpr, B_PACKED: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -156,8 +173,8 @@ def _kgrouped_gemm_kernel(a_data, a_scale, a_vals, a_gs, a_gs_stride, b_data, b_
         b = _operand_tile(b_data, b_scale, b_vals, cols, cmask, k0, ke, KT // 2, KT // 16, KT, 1, B_PACKED,
                           BLOCK_N, BLOCK_K)
         acc = tl.dot(a, tl.trans(b), acc)
-    gsa = tl.load(a_gs + rows * a_gs_stride, mask=rmask, other=0.0)
-    gsb = tl.load(b_gs + cols * b_gs_stride, mask=cmask, other=0.0)
+    gsa = tl.load(a_gs + e * a_gs_stride_e + rows * a_gs_stride, mask=rmask, other=0.0)
+    gsb = tl.load(b_gs + e * b_gs_stride_e + cols * b_gs_stride, mask=cmask, other=0.0)
     out = acc * (gsa[:, None] * gsb[None, :])
     c_ptrs = c_ptr + e.to(tl.int64) * M * N + rows[:, None].to(tl.int64) * N + cols[None, :]
     tl.store(c_ptrs, _cast_out(out, c_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
@@ -232,7 +249,8 @@ def _as_group_tensors(tokens_per_expert, experts: int, device) -> torch.Tensor:
             and tokens_per_expert.dtype == torch.int32:
         counts = tokens_per_expert
     else:
-        counts = torch.as_tensor(tokens_per_expert, dtype=torch.int32).to(device)
+        # (non_blocking from pageable host memory is safe and skips a stream synchronisation)
+        counts = torch.as_tensor(tokens_per_expert, dtype=torch.int32).to(device, non_blocking=True)
     if counts.numel() != experts:
         raise ValueError(f"{counts.numel()} token counts for {experts} experts")
     return counts
@@ -240,18 +258,33 @@ def _as_group_tensors(tokens_per_expert, experts: int, device) -> torch.Tensor:
 
 def grouped_gemm_triton(a: NVFP4Tensor, weights, tokens_per_expert, out_dtype=torch.float32, *,
                         a_values: torch.Tensor | None = None, config: GemmConfig | None = None,
-                        rows_hint: int | None = None) -> torch.Tensor:
+                        rows_hint: int | None = None, transpose_weights: bool = False) -> torch.Tensor:
     """Per-expert a_e @ w_e^T over rows of `a` grouped contiguously by expert; returns [T, N] in out_dtype.
 
-    weights: a list of NVFP4Tensor [N, K] or an ExpertWeights (stacked once; with values it reads fp16 block values).
-    a_values: optional fp16 block values of `a` (from quantize_with_values_triton); else the packed codes are read.
+    weights: a list of NVFP4Tensor [N, K], an NVFP4Stack or an ExpertWeights (stacked once; with values it reads fp16
+    block values). a_values: fp16 block values of `a` (default: a.values); without them the packed codes are read.
     No host synchronisation: the expert of each tile comes from a device-side table, so the call can be captured in a
     CUDA graph. rows_hint (rows per expert, for the tile choice) defaults to T / E.
+    transpose_weights: compute a_e @ w_e instead (the MoE dgrad with 16x16-block weights, whose transpose is exact):
+    with an NVFP4Stack carrying values the kernel reads them transposed in place, otherwise the stack is transposed.
     """
     ensure_interpreter_compat()
-    w = weights if isinstance(weights, ExpertWeights) else stack_expert_weights(list(weights))
+    b_trans = False
+    if transpose_weights:
+        if isinstance(weights, NVFP4Stack) and weights.values is not None:
+            b_trans = True
+        else:
+            weights = weights.t() if isinstance(weights, NVFP4Stack) else [w.t() for w in weights]
+    if isinstance(weights, NVFP4Stack):
+        w = ExpertWeights(weights.data, weights.scale.view(torch.uint8), weights.global_scale.reshape(-1, 1),
+                          weights.values, weights.block[0], weights.shape)
+    elif isinstance(weights, ExpertWeights):
+        w = weights
+    else:
+        w = stack_expert_weights(list(weights))
+    a_values = a.values if a_values is None else a_values
     t_rows, k = a.shape
-    n, kw = w.shape
+    kw, n = w.shape if b_trans else w.shape[::-1]
     if k != kw:
         raise ValueError(f"K mismatch: a is {a.shape}, weights are {w.shape}")
     experts = w.num_experts
@@ -271,14 +304,16 @@ def grouped_gemm_triton(a: NVFP4Tensor, weights, tokens_per_expert, out_dtype=to
         out, counts, experts, n, k,
         A_SBR=a.block[0], B_SBR=w.block_rows, A_PACKED=a_packed, B_PACKED=b_packed,
         BLOCK_E=max(16, triton.next_power_of_2(experts)),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SWAP_AB=cfg.swap_ab,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SWAP_AB=cfg.swap_ab, B_TRANS=b_trans,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
 def gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype=torch.float32, *, a_values=None, b_values=None,
                 config: GemmConfig | None = None) -> torch.Tensor:
-    """a @ b^T for NVFP4 a [M, K], b [N, K]: the grouped kernel with one group (same arithmetic per row)."""
+    """a @ b^T for NVFP4 a [M, K], b [N, K]: the grouped kernel with one group (same arithmetic per row).
+    Block values default to the operands' own (`NVFP4Tensor.values`) when they carry them."""
+    b_values = b.values if b_values is None else b_values
     w = ExpertWeights(b.data[None], b.scale.view(torch.uint8)[None], b.global_scale.reshape(1, -1).float(),
                       None if b_values is None else b_values[None], b.block[0], b.shape)
     m = a.shape[0]
@@ -286,11 +321,14 @@ def gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype=torch.float32, *, a_va
 
 
 def kgrouped_gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, tokens_per_expert, out_dtype=torch.float32, *,
-                         a_values=None, b_values=None, config: GemmConfig | None = None) -> torch.Tensor:
+                         a_values=None, b_values=None, config: GemmConfig | None = None,
+                         a_expert_gs: torch.Tensor | None = None,
+                         b_expert_gs: torch.Tensor | None = None) -> torch.Tensor:
     """MoE wgrad: out[e] = a[:, T_e] @ b[:, T_e]^T for a [M, T], b [N, T] quantised along T (tokens grouped by expert).
 
     Each expert's token count must be a multiple of 16 (pad the permuted tokens per expert): a 16-element block must
-    not straddle two experts. Returns [E, M, N] in out_dtype.
+    not straddle two experts. a_expert_gs / b_expert_gs: fp32 [E] global scales, one per expert segment, used
+    instead of the operands' own (minite.nvfp4.NVFP4Segments). Returns [E, M, N] in out_dtype.
     """
     ensure_interpreter_compat()
     m, kt = a.shape
@@ -303,19 +341,32 @@ def kgrouped_gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, tokens_per_expert, out_
     if not torch.is_tensor(tokens_per_expert) or not tokens_per_expert.is_cuda:  # checkable without a sync
         if any(int(c) % 16 for c in tokens_per_expert):
             raise ValueError(f"wgrad token counts must be multiples of 16 (pad per expert), got {tokens_per_expert}")
-    counts = torch.as_tensor(tokens_per_expert, dtype=torch.int32).to(dev)
+    counts = torch.as_tensor(tokens_per_expert, dtype=torch.int32).to(dev, non_blocking=True)
     starts = (torch.cumsum(counts, 0, dtype=torch.int32) - counts).to(torch.int32)
     experts = counts.numel()
     cfg = config or (GemmConfig(16, 32, 64, 4, 1) if interpreting() else GemmConfig(128, 128, 64, 8, 4))
     out = torch.empty(experts, m, n, dtype=out_dtype, device=dev)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), experts)
+    a_gs, a_rs, a_es = (a.global_scale, 1 if a.per_row else 0, 0) if a_expert_gs is None else (a_expert_gs, 0, 1)
+    b_gs, b_rs, b_es = (b.global_scale, 1 if b.per_row else 0, 0) if b_expert_gs is None else (b_expert_gs, 0, 1)
     _kgrouped_gemm_kernel[grid](
-        a.data, a.scale.view(torch.uint8), a.data if a_values is None else a_values, a.global_scale,
-        1 if a.per_row else 0,
-        b.data, b.scale.view(torch.uint8), b.data if b_values is None else b_values, b.global_scale,
-        1 if b.per_row else 0,
+        a.data, a.scale.view(torch.uint8), a.data if a_values is None else a_values, a_gs, a_rs, a_es,
+        b.data, b.scale.view(torch.uint8), b.data if b_values is None else b_values, b_gs, b_rs, b_es,
         out, starts, counts, m, n, kt,
         A_PACKED=a_values is None, B_PACKED=b_values is None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
+
+
+def segmented_gemm_triton(a: NVFP4Segments, b: NVFP4Segments, out_dtype=torch.float32) -> torch.Tensor:
+    """out[e] = a_e @ b_e^T over matching column segments (minite.nvfp4.segmented_gemm): the K-grouped kernel with
+    one global scale per segment; reads the fp16 block values when both operands carry them."""
+    ra, rb, total = a.data.shape[0], b.data.shape[0], sum(a.widths)
+    one = torch.ones((), dtype=torch.float32, device=a.data.device)
+    qa = NVFP4Tensor(a.data, a.scale, one, (ra, total), (1, 16))
+    qb = NVFP4Tensor(b.data, b.scale, one, (rb, total), (1, 16))
+    use_vals = a.values is not None and b.values is not None
+    return kgrouped_gemm_triton(qa, qb, list(a.widths), out_dtype, a_values=a.values if use_vals else None,
+                                b_values=b.values if use_vals else None, a_expert_gs=a.global_scale,
+                                b_expert_gs=b.global_scale)

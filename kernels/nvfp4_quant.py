@@ -153,10 +153,14 @@ def _e2m1_rne_index(mag):
 
 @triton.jit
 def _quantize_tile(x, rows, c0, R, C, s_enc, s_dec, sixth, seed_mix,
-                   data_ptr, scale_ptr, vals_ptr, scale_row0,
+                   data_ptr, scale_ptr, vals_ptr, scale_row0, out_r0, out_c0, OC,
                    BLOCK_R: tl.constexpr, G: tl.constexpr, BR: tl.constexpr,
                    STOCHASTIC: tl.constexpr, WRITE_VALS: tl.constexpr, VEC2D: tl.constexpr):
-    """Quantise a [BLOCK_R, G, 8, 2] fp32 tile; s_enc/s_dec are scalars or [BLOCK_R, 1] (per row)."""
+    """Quantise a [BLOCK_R, G, 8, 2] fp32 tile; s_enc/s_dec are scalars or [BLOCK_R, 1] (per row).
+
+    rows, c0, R, C are coordinates inside the tensor being quantised (masks, the stochastic-rounding index); the
+    outputs land at row out_r0 + r, column out_c0 + c of output arrays OC columns wide (0, 0, C for a whole tensor;
+    a segment of a larger tensor otherwise, out_c0 a multiple of 16)."""
     rmask = rows < R
     g = tl.arange(0, G)
     jj = tl.arange(0, 8)
@@ -189,32 +193,33 @@ def _quantize_tile(x, rows, c0, R, C, s_enc, s_dec, sixth, seed_mix,
     code = idx | (neg.to(tl.int32) << 3)
     even, odd = tl.split(code)  # [BLOCK_R, G, 8] each: even element in the low nibble
     byte = (even | (odd << 4)).to(tl.uint8)
+    orows = (out_r0 + rows).to(tl.int64)
     if VEC2D:
         bcols = c0 // 2 + tl.arange(0, G * 8)
-        dptr = data_ptr + rows[:, None].to(tl.int64) * (C // 2) + bcols[None, :]
+        dptr = data_ptr + orows[:, None] * (OC // 2) + out_c0 // 2 + bcols[None, :]
         tl.store(dptr, tl.reshape(byte, [BLOCK_R, G * 8]), mask=rmask[:, None] & (bcols < C // 2)[None, :])
     else:
         bcol = (c0 // 2 + g * 8)[None, :, None] + jj[None, None, :]
-        dptr = data_ptr + rows[:, None, None].to(tl.int64) * (C // 2) + bcol
+        dptr = data_ptr + orows[:, None, None] * (OC // 2) + out_c0 // 2 + bcol
         tl.store(dptr, byte, mask=rmask[:, None, None] & gmask[None, :, None])
     scols = c0 // 16 + g
     if BR == 16:
-        sptr = scale_ptr + scale_row0.to(tl.int64) * (C // 16) + scols
+        sptr = scale_ptr + (out_r0 // 16 + scale_row0).to(tl.int64) * (OC // 16) + out_c0 // 16 + scols
         tl.store(sptr, tl.reshape(scode, [G]).to(tl.uint8), mask=gmask)
     else:
-        sptr = scale_ptr + rows[:, None].to(tl.int64) * (C // 16) + scols[None, :]
+        sptr = scale_ptr + orows[:, None] * (OC // 16) + out_c0 // 16 + scols[None, :]
         tl.store(sptr, scode.to(tl.uint8), mask=rmask[:, None] & gmask[None, :])
     if WRITE_VALS:
         val = tl.where(neg, -_e2m1_value(idx), _e2m1_value(idx)) * sf[:, :, None, None]
         if VEC2D:
             vcols = c0 + tl.arange(0, G * 16)
-            vptr = vals_ptr + rows[:, None].to(tl.int64) * C + vcols[None, :]
+            vptr = vals_ptr + orows[:, None] * OC + out_c0 + vcols[None, :]
             tl.store(vptr, tl.reshape(val, [BLOCK_R, G * 16]).to(vals_ptr.dtype.element_ty),
                      mask=rmask[:, None] & (vcols < C)[None, :])
         else:
             pp2 = tl.arange(0, 2)
             col = (c0 + g * 16)[None, :, None, None] + jj[None, None, :, None] * 2 + pp2[None, None, None, :]
-            vptr = vals_ptr + rows[:, None, None, None].to(tl.int64) * C + col
+            vptr = vals_ptr + orows[:, None, None, None] * OC + out_c0 + col
             tl.store(vptr, val.to(vals_ptr.dtype.element_ty),
                      mask=rmask[:, None, None, None] & gmask[None, :, None, None])
 
@@ -236,7 +241,7 @@ def _quant_kernel(x_ptr, stride_r, stride_c, R, C, data_ptr, scale_ptr, gs_ptr, 
             s_enc, s_dec = _global_scales(_row_amax(x))
             tl.store(gs_ptr + rows, s_dec, mask=rows < R)
             _quantize_tile(x, rows, 0, R, C, s_enc[:, None], s_dec[:, None], sixth, seed_mix,
-                           data_ptr, scale_ptr, vals_ptr, scale_row0, BLOCK_R, G, BR, STOCHASTIC, WRITE_VALS, VEC2D)
+                           data_ptr, scale_ptr, vals_ptr, scale_row0, 0, 0, C, BLOCK_R, G, BR, STOCHASTIC, WRITE_VALS, VEC2D)
         else:
             amax = tl.zeros([BLOCK_R], tl.float32)
             for c0 in range(0, C, BLOCK_C):
@@ -247,7 +252,7 @@ def _quant_kernel(x_ptr, stride_r, stride_c, R, C, data_ptr, scale_ptr, gs_ptr, 
             for c0 in range(0, C, BLOCK_C):
                 x = _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C, BLOCK_R, G, RHT, SIGN_MASK, VEC2D)
                 _quantize_tile(x, rows, c0, R, C, s_enc[:, None], s_dec[:, None], sixth, seed_mix,
-                               data_ptr, scale_ptr, vals_ptr, scale_row0, BLOCK_R, G, BR, STOCHASTIC,
+                               data_ptr, scale_ptr, vals_ptr, scale_row0, 0, 0, C, BLOCK_R, G, BR, STOCHASTIC,
                                WRITE_VALS, VEC2D)
     else:
         s_enc = tl.load(senc_ptr)
@@ -255,7 +260,7 @@ def _quant_kernel(x_ptr, stride_r, stride_c, R, C, data_ptr, scale_ptr, gs_ptr, 
         c0 = pid_c * BLOCK_C
         x = _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C, BLOCK_R, G, RHT, SIGN_MASK, VEC2D)
         _quantize_tile(x, rows, c0, R, C, s_enc, s_dec, sixth, seed_mix,
-                       data_ptr, scale_ptr, vals_ptr, scale_row0, BLOCK_R, G, BR, STOCHASTIC, WRITE_VALS, VEC2D)
+                       data_ptr, scale_ptr, vals_ptr, scale_row0, 0, 0, C, BLOCK_R, G, BR, STOCHASTIC, WRITE_VALS, VEC2D)
 
 
 @triton.jit
@@ -268,6 +273,56 @@ def _amax_kernel(x_ptr, stride_r, stride_c, R, C, partial_ptr,
     x = _load_tile(x_ptr, stride_r, stride_c, rows, pid_c * BLOCK_C, R, C, BLOCK_R, BLOCK_C // 16, RHT, SIGN_MASK,
                    VEC2D)
     tl.store(partial_ptr + pid_r * tl.num_programs(1) + pid_c, tl.max(_row_amax(x), axis=0))
+
+
+@triton.jit
+def _segment(table_ptr, b):
+    """Row b of a segment table int64 [B, 6]: x row, x column, rows, columns, output row, output column."""
+    t = table_ptr + b * 6
+    return (tl.load(t), tl.load(t + 1), tl.load(t + 2), tl.load(t + 3), tl.load(t + 4), tl.load(t + 5))
+
+
+@triton.jit
+def _segments_amax_kernel(x_ptr, stride_r, stride_c, table_ptr, partial_ptr,
+                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, RHT: tl.constexpr,
+                          SIGN_MASK: tl.constexpr, VEC2D: tl.constexpr):
+    """Per segment b, the amax of each [BLOCK_R, BLOCK_C] tile (0 for tiles past the segment's end)."""
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    b = tl.program_id(2)
+    xr, xc, R, C, _, _ = _segment(table_ptr, b)
+    xb = x_ptr + xr * stride_r + xc * stride_c
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    x = _load_tile(xb, stride_r, stride_c, rows, pid_c * BLOCK_C, R, C, BLOCK_R, BLOCK_C // 16, RHT, SIGN_MASK,
+                   VEC2D)
+    slot = (b * tl.num_programs(0) + pid_r) * tl.num_programs(1) + pid_c
+    tl.store(partial_ptr + slot, tl.max(_row_amax(x), axis=0))
+
+
+@triton.jit
+def _segments_quant_kernel(x_ptr, stride_r, stride_c, table_ptr, OC, data_ptr, scale_ptr, senc_ptr, seed_ptr,
+                           vals_ptr, sixth,
+                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BR: tl.constexpr,
+                           STOCHASTIC: tl.constexpr, RHT: tl.constexpr, WRITE_VALS: tl.constexpr,
+                           SIGN_MASK: tl.constexpr, VEC2D: tl.constexpr):
+    """Segment b (grid axis 2) quantised as its own tensor (one global scale, its own seed, stochastic-rounding
+    index r * C_b + c inside the segment): the same bits as `_quant_kernel` on that segment alone."""
+    G: tl.constexpr = BLOCK_C // 16
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    b = tl.program_id(2)
+    xr, xc, R, C, orow, ocol = _segment(table_ptr, b)
+    if (pid_r * BLOCK_R >= R) | (pid_c * BLOCK_C >= C):
+        return
+    xb = x_ptr + xr * stride_r + xc * stride_c
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    s_enc = tl.load(senc_ptr + 2 * b)
+    s_dec = tl.load(senc_ptr + 2 * b + 1)
+    mix = tl.load(seed_ptr + b) if STOCHASTIC else 0
+    c0 = pid_c * BLOCK_C
+    x = _load_tile(xb, stride_r, stride_c, rows, c0, R, C, BLOCK_R, G, RHT, SIGN_MASK, VEC2D)
+    _quantize_tile(x, rows, c0, R, C, s_enc, s_dec, sixth, mix, data_ptr, scale_ptr, vals_ptr, pid_r,
+                   orow, ocol, OC, BLOCK_R, G, BR, STOCHASTIC, WRITE_VALS, VEC2D)
 
 
 def seed_mix(seed: int) -> int:
@@ -368,3 +423,57 @@ def quantize_with_values_triton(x: torch.Tensor, block=(1, 16), scale_scope: str
     q = NVFP4Tensor(data=data, scale=scale.view(torch.float8_e4m3fn), global_scale=gs, shape=(rows, cols),
                     block=block)
     return q, (vals if values_dtype is not None else None)
+
+
+def quantize_segments_triton(x: torch.Tensor, segments, out_shape: tuple[int, int], block=(1, 16),
+                             rounding: str = "nearest", seeds=None, rht: bool = False,
+                             values_dtype: torch.dtype | None = None):
+    """Quantise B rectangles of x, each as its own tensor (scale_scope="tensor"), into one output array.
+
+    segments: B tuples (x_row, x_col, rows, cols, out_row, out_col): rows x cols of x starting at (x_row, x_col),
+    written at (out_row, out_col) of outputs shaped `out_shape` [R_out, C_out] (codes [R_out, C_out/2], E4M3
+    scales [R_out/br, C_out/16], block values [R_out, C_out] if values_dtype). Columns and output columns are
+    multiples of 16 (rows too for 16x16 blocks). seeds: B stochastic-rounding seeds. Every segment's bits equal
+    `quantize_with_values_triton` (and the reference) on that rectangle alone. Returns (data, scale, global scales
+    fp32 [B], values or None); output positions no segment covers are left uninitialised.
+    One amax launch and one quantisation launch for all segments, no host synchronisation.
+    """
+    ensure_interpreter_compat()
+    block = tuple(block)
+    br = block[0]
+    stochastic = rounding == "stochastic"
+    if stochastic and (seeds is None or len(seeds) != len(segments)):
+        raise ValueError("stochastic rounding needs one seed per segment")
+    for seg in segments:
+        _, _, r, c, orow, ocol = seg
+        if c % 16 or ocol % 16 or (br == 16 and (r % 16 or orow % 16)):
+            raise ValueError(f"segment {seg}: columns (and rows for 16x16 blocks) must be multiples of 16")
+    dev = x.device
+    out_r, out_c = out_shape
+    data = torch.empty(out_r, out_c // 2, dtype=torch.uint8, device=dev)
+    scale = torch.empty(out_r // br, out_c // 16, dtype=torch.uint8, device=dev)
+    vals = torch.empty(out_r, out_c, dtype=values_dtype, device=dev) if values_dtype is not None else data
+    nseg = len(segments)
+    if nseg == 0:
+        return data, scale.view(torch.float8_e4m3fn), torch.empty(0, device=dev), (vals if values_dtype else None)
+    max_r = max(s[2] for s in segments)
+    max_c = max(s[3] for s in segments)
+    table = torch.tensor([list(map(int, s)) for s in segments], dtype=torch.int64).to(dev, non_blocking=True)
+    tune = _tuning(rht, values_dtype is not None)
+    block_r, block_c, _ = _tile_shape(max(max_r, 1), max(max_c, 16), br, False, tune["elems"])
+    warps = tune["warps"] or (8 if block_r * block_c >= 8192 else 4)
+    vec2d = tune["vec2d"]
+    grid = (triton.cdiv(max(max_r, 1), block_r), triton.cdiv(max(max_c, 16), block_c), nseg)
+    partial = torch.empty(nseg * grid[0] * grid[1], dtype=torch.float32, device=dev)
+    _segments_amax_kernel[grid](x, x.stride(0), x.stride(1), table, partial, BLOCK_R=block_r, BLOCK_C=block_c,
+                                RHT=rht, SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d, num_warps=warps)
+    s_enc = global_encode_scale(partial.view(nseg, -1).amax(dim=1))
+    s_dec = torch.tensor(1.0, dtype=torch.float32) / s_enc
+    senc = torch.stack([s_enc, s_dec], dim=1).contiguous()
+    mixes = torch.tensor([_as_int32_bits(seed_mix(sd)) for sd in seeds] if stochastic else [0] * nseg,
+                         dtype=torch.int32).to(dev, non_blocking=True)
+    _segments_quant_kernel[grid](x, x.stride(0), x.stride(1), table, out_c, data, scale, senc, mixes, vals, SIXTH,
+                                 BLOCK_R=block_r, BLOCK_C=block_c, BR=br, STOCHASTIC=stochastic, RHT=rht,
+                                 WRITE_VALS=values_dtype is not None, SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d,
+                                 num_warps=warps)
+    return data, scale.view(torch.float8_e4m3fn), s_dec, (vals if values_dtype is not None else None)

@@ -57,7 +57,7 @@ def _swiglu_quant_kernel(h_ptr, a_ptr, data_ptr, scale_ptr, gs_ptr, vals_ptr, R,
         s_enc, s_dec = _global_scales(_row_amax(x))
         tl.store(gs_ptr + rows, s_dec, mask=rows < R)
         _quantize_tile(x, rows, 0, R, F, s_enc[:, None], s_dec[:, None], sixth, 0,
-                       data_ptr, scale_ptr, vals_ptr, 0, BLOCK_R, G, 1, False, WRITE_VALS, False)
+                       data_ptr, scale_ptr, vals_ptr, 0, 0, 0, F, BLOCK_R, G, 1, False, WRITE_VALS, False)
 
 
 @triton.jit

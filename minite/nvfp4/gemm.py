@@ -80,13 +80,18 @@ def grouped_gemm_reference(a: NVFP4Tensor, weights: list[NVFP4Tensor], tokens_pe
     return out
 
 
-def grouped_gemm(a: NVFP4Tensor, weights: list[NVFP4Tensor], tokens_per_expert, *,
-                 out_dtype: torch.dtype = torch.float32, backend: str = "auto") -> torch.Tensor:
-    """Per-expert a_e @ w_e^T over rows of `a` grouped contiguously by expert (Megatron's permuted layout)."""
-    if not weights:
+def grouped_gemm(a: NVFP4Tensor, weights, tokens_per_expert, *, out_dtype: torch.dtype = torch.float32,
+                 backend: str = "auto", transpose_weights: bool = False) -> torch.Tensor:
+    """Per-expert a_e @ w_e^T over rows of `a` grouped contiguously by expert (Megatron's permuted layout).
+
+    weights: a list of NVFP4Tensor [N, K] or an NVFP4Stack. transpose_weights: a_e @ w_e instead, with w_e^T the
+    exact transpose of 16x16-block weights (the MoE dgrad; the kernels read a stack's block values in place)."""
+    if not len(weights):
         raise ValueError("grouped_gemm: no expert weights")
     name, _ = resolve(backend, a.data, op="gemm")
     if name == "triton":
         from minite.kernels.nvfp4_gemm import grouped_gemm_triton
-        return grouped_gemm_triton(a, weights, tokens_per_expert, out_dtype)
+        return grouped_gemm_triton(a, weights, tokens_per_expert, out_dtype, transpose_weights=transpose_weights)
+    if transpose_weights:
+        weights = [w.t() for w in weights]
     return grouped_gemm_reference(a, weights, tokens_per_expert, out_dtype)

@@ -89,7 +89,7 @@ def e2m1_round_stochastic(mag: torch.Tensor, u24: torch.Tensor) -> torch.Tensor:
     return (lo + up.long()).to(torch.uint8)
 
 
-def _validate(x, block, scale_scope, rounding) -> tuple[int, int]:
+def _validate(x, block, scale_scope, rounding, check_finite: bool = True) -> tuple[int, int]:
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"quantize expects a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 2:
@@ -109,31 +109,41 @@ def _validate(x, block, scale_scope, rounding) -> tuple[int, int]:
         raise ValueError("scale_scope='row' needs (1, 16) blocks: a 16x16 block spans 16 rows")
     if rounding not in ("nearest", "stochastic"):
         raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
-    if not bool(torch.isfinite(x).all()):
+    if check_finite and not bool(torch.isfinite(x).all()):
         raise ValueError("quantize input contains NaN or Inf")
     return rows, cols
 
 
 def quantize(x: torch.Tensor, *, block=BLOCK_1D, scale_scope: str = "tensor", rounding: str = "nearest",
-             seed: int | None = None, rht: bool = False, backend: str = "auto") -> NVFP4Tensor:
+             seed: int | None = None, rht: bool = False, backend: str = "auto", values: bool = False,
+             check_finite: bool = True) -> NVFP4Tensor:
     """Quantise a 2-D float tensor along its last dim to NVFP4 (see the module docstring for the exact math).
 
     block: (1, 16) or (16, 16). scale_scope: "tensor" or "row" (row needs (1, 16) blocks).
     rounding: "nearest" or "stochastic" (reproducible from `seed`, an int in [0, 2^32); None draws one from torch's
     global generator). rht: apply the 16-point random Hadamard transform along K first.
     backend: "auto" (Triton on CUDA tensors, else the reference), "reference", or "triton".
+    values: also keep the fp16 block values (`NVFP4Tensor.values`) for the GEMM kernels; the Triton kernel writes
+    them in the same pass. check_finite=False skips the NaN/Inf check, a host synchronisation on a GPU (the learner's
+    GPU path skips it; a non-finite input then shows as a non-finite loss).
     """
     block = tuple(block)
-    _validate(x, block, scale_scope, rounding)
+    _validate(x, block, scale_scope, rounding, check_finite)
     if rounding == "stochastic" and seed is None:
         seed = int(torch.randint(0, 2**32, ()).item())
     if seed is not None and not 0 <= int(seed) < 2**32:
         raise ValueError(f"seed must be in [0, 2^32), got {seed}")
     name, _ = resolve(backend, x, op="quantize")
     if name == "triton":
-        from minite.kernels.nvfp4_quant import quantize_triton
-        return quantize_triton(x, block, scale_scope, rounding, seed, rht)
-    return quantize_reference(x, block=block, scale_scope=scale_scope, rounding=rounding, seed=seed, rht=rht)
+        from minite.kernels.nvfp4_quant import quantize_with_values_triton
+        q, vals = quantize_with_values_triton(x, block, scale_scope, rounding, seed, rht,
+                                              values_dtype=torch.float16 if values else None)
+        q.values = vals
+        return q
+    q = quantize_reference(x, block=block, scale_scope=scale_scope, rounding=rounding, seed=seed, rht=rht)
+    if values:
+        q.values = q.block_values(torch.float16)
+    return q
 
 
 def quantize_reference(x: torch.Tensor, *, block, scale_scope: str, rounding: str, seed: int | None,

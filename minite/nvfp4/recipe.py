@@ -43,9 +43,10 @@ class OperandRecipe:
         if self.rounding not in ("nearest", "stochastic"):
             raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {self.rounding!r}")
 
-    def quantize(self, x, *, seed: int | None = None, backend: str = "auto") -> NVFP4Tensor:
+    def quantize(self, x, *, seed: int | None = None, backend: str = "auto", values: bool = False,
+                 check_finite: bool = True) -> NVFP4Tensor:
         return quantize(x, block=self.block, scale_scope=self.scale_scope, rounding=self.rounding,
-                        seed=seed, rht=self.rht, backend=backend)
+                        seed=seed, rht=self.rht, backend=backend, values=values, check_finite=check_finite)
 
 
 def _weight() -> OperandRecipe:

@@ -5,6 +5,8 @@ Bit layout (the same one Transformer Engine and ModelOpt checkpoints use):
   A code is sign bit (8) | magnitude index 0..7 for 0, 0.5, 1, 1.5, 2, 3, 4, 6. Code 8 is "-0".
 - `scale` float8_e4m3fn [R/br, C/16]: one block scale per (br x 16) block, row-major block order.
 - `global_scale` float32: the decode scale S_dec = 1/S_enc, a 0-d tensor (one per tensor) or [R] (one per row).
+- `values` (optional, derived): fp16 [R, C] block values, code x block scale, kept for GEMM kernels that read
+  them instead of decoding nibbles (`quantize(..., values=True)`); not part of the format, ignored by `equal`.
 
 Value of element (i, j) = e2m1(code) x float(scale[i // br, j // 16]) x global_scale[(i)].
 The product e2m1 x e4m3 has at most 6 significant bits (magnitudes 2^-10 .. 2688), so the block-dequantised
@@ -13,7 +15,8 @@ values with fp32 accumulation computes the NVFP4 product exactly up to summation
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -49,6 +52,8 @@ class NVFP4Tensor:
     global_scale: torch.Tensor
     shape: tuple[int, int]
     block: tuple[int, int]
+    values: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
+    _transposed: Optional["NVFP4Tensor"] = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         rows, cols = self.shape
@@ -66,6 +71,9 @@ class NVFP4Tensor:
                              f"got {gs.dtype} {tuple(gs.shape)}")
         if gs.dim() == 1 and br != 1:
             raise ValueError("per-row global scales need (1, 16) blocks")
+        v = self.values
+        if v is not None and (v.dtype != torch.float16 or tuple(v.shape) != (rows, cols)):
+            raise ValueError(f"NVFP4Tensor.values: expected float16 {(rows, cols)}, got {v.dtype} {tuple(v.shape)}")
 
     @property
     def device(self) -> torch.device:
@@ -100,22 +108,26 @@ class NVFP4Tensor:
 
         A 16x16 block has one scale whichever way it is read, so the codes and the scale grid transpose
         as they are; this is why weights use 2-D blocks (fprop and dgrad share one quantised weight).
+        Computed once per tensor (a cached weight is transposed once per update, not once per backward).
         """
         if self.block != BLOCK_2D or self.per_row:
             raise ValueError("t() needs (16, 16) blocks and a per-tensor global scale; "
                              f"got block={self.block}, per_row={self.per_row}")
-        rows, cols = self.shape
-        return NVFP4Tensor(
-            data=pack_codes(self.codes().t().contiguous()),
-            scale=self.scale.t().contiguous(),
-            global_scale=self.global_scale,
-            shape=(cols, rows),
-            block=self.block,
-        )
+        if self._transposed is None:
+            rows, cols = self.shape
+            self._transposed = NVFP4Tensor(
+                data=pack_codes(self.codes().t().contiguous()),
+                scale=self.scale.t().contiguous(),
+                global_scale=self.global_scale,
+                shape=(cols, rows),
+                block=self.block,
+                values=None if self.values is None else self.values.t().contiguous(),
+            )
+        return self._transposed
 
     def to(self, device) -> "NVFP4Tensor":
         return NVFP4Tensor(self.data.to(device), self.scale.to(device), self.global_scale.to(device),
-                           self.shape, self.block)
+                           self.shape, self.block, None if self.values is None else self.values.to(device))
 
     def equal(self, other: "NVFP4Tensor") -> bool:
         """Bitwise equality of every field (scales compared as bits, so -0 and NaN patterns count)."""

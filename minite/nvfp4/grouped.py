@@ -1,0 +1,215 @@
+"""NVFP4 for groups of tensors that are quantised separately but stored and multiplied together (MoE experts).
+
+Two layouts, each with the reference (a loop over `quantize` / `gemm_reference`, the specification) and a Triton
+path that does all members in one amax launch and one quantisation launch, bitwise equal to the loop:
+
+- `NVFP4Stack`: E tensors of one shape [R, C], e.g. the expert weights [E, N, K], each quantised as its own tensor
+  (one global scale per expert). `quantize_stack(w)` quantises them; `stack[e]` is expert e's NVFP4Tensor (a view);
+  `stack.t()` is every member's exact 16x16 transpose (dgrad's operand). `grouped_gemm` accepts a stack.
+- `NVFP4Segments`: column segments of one [R, T] tensor, segment e of width w_e quantised as its own tensor
+  [R, w_e] (its own global scale, stochastic-rounding seed and element index). This is the MoE wgrad operand: dy^T
+  and x^T with the permuted tokens grouped by expert, each expert's tokens zero-padded to a multiple of 16, so that
+  dW_e = Q(dy_e^T) @ Q(x_e^T)^T quantises exactly as a separate linear layer's wgrad would. `segmented_gemm(a, b)`
+  computes all E products.
+
+Segments and stacks carry optional fp16 block values (`values`), which the kernels read instead of decoding nibbles.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from .backend import resolve
+from .gemm import gemm_reference
+from .quantize import _validate, quantize_reference
+from .tensor import BLOCK_1D, BLOCK_2D, NVFP4Tensor, pack_codes, unpack_codes
+
+VALUES_DTYPE = torch.float16
+
+
+@dataclass
+class NVFP4Stack:
+    """E NVFP4 tensors of one shape, stored stacked: data uint8 [E, R, C/2], scale e4m3 [E, R/br, C/16],
+    global_scale fp32 [E] (one per member), values fp16 [E, R, C] block values or None."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    global_scale: torch.Tensor
+    shape: tuple[int, int]
+    block: tuple[int, int]
+    values: Optional[torch.Tensor] = None
+    _transposed: Optional["NVFP4Stack"] = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self):
+        e = self.data.shape[0]
+        rows, cols = self.shape
+        br = self.block[0]
+        want = {"data": (self.data, torch.uint8, (e, rows, cols // 2)),
+                "scale": (self.scale, torch.float8_e4m3fn, (e, rows // br, cols // 16)),
+                "global_scale": (self.global_scale, torch.float32, (e,))}
+        if self.values is not None:
+            want["values"] = (self.values, VALUES_DTYPE, (e, rows, cols))
+        for name, (t, dtype, shape) in want.items():
+            if t.dtype != dtype or tuple(t.shape) != shape:
+                raise ValueError(f"NVFP4Stack.{name}: expected {dtype} {shape}, got {t.dtype} {tuple(t.shape)}")
+
+    def __len__(self) -> int:
+        return self.data.shape[0]
+
+    def __getitem__(self, e: int) -> NVFP4Tensor:
+        return NVFP4Tensor(self.data[e], self.scale[e], self.global_scale[e], self.shape, self.block,
+                           None if self.values is None else self.values[e])
+
+    def __iter__(self):
+        return (self[e] for e in range(len(self)))
+
+    @classmethod
+    def from_tensors(cls, tensors: Sequence[NVFP4Tensor]) -> "NVFP4Stack":
+        """Stack per-tensor-scaled NVFP4 tensors of one shape and block (copies)."""
+        first = tensors[0]
+        for e, t in enumerate(tensors):
+            if t.shape != first.shape or t.block != first.block or t.per_row:
+                raise ValueError(f"member {e}: shape {t.shape} block {t.block} per_row {t.per_row}; all members "
+                                 f"need shape {first.shape}, block {first.block} and one global scale")
+        return cls(torch.stack([t.data for t in tensors]), torch.stack([t.scale for t in tensors]),
+                   torch.stack([t.global_scale.reshape(()) for t in tensors]), first.shape, first.block)
+
+    def t(self) -> "NVFP4Stack":
+        """Every member transposed exactly (16x16 blocks; see NVFP4Tensor.t), computed once per stack."""
+        if self.block != BLOCK_2D:
+            raise ValueError(f"t() needs (16, 16) blocks, got {self.block}")
+        if self._transposed is None:
+            e, (rows, cols) = len(self), self.shape
+            codes = unpack_codes(self.data.reshape(e * rows, cols // 2)).reshape(e, rows, cols)
+            data = pack_codes(codes.transpose(1, 2).reshape(e * cols, rows)).reshape(e, cols, rows // 2)
+            vals = None if self.values is None else self.values.transpose(1, 2).contiguous()
+            self._transposed = NVFP4Stack(data, self.scale.transpose(1, 2).contiguous(), self.global_scale,
+                                          (cols, rows), self.block, vals)
+        return self._transposed
+
+
+@dataclass
+class NVFP4Segments:
+    """Column segments of one [R, T] tensor, each quantised along T as its own tensor (1x16 blocks):
+    data uint8 [R, T/2], scale e4m3 [R, T/16], global_scale fp32 [E], widths (multiples of 16, summing to T),
+    values fp16 [R, T] or None."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    global_scale: torch.Tensor
+    widths: tuple[int, ...]
+    values: Optional[torch.Tensor] = None
+
+    @property
+    def starts(self) -> list[int]:
+        out, s = [], 0
+        for w in self.widths:
+            out.append(s)
+            s += w
+        return out
+
+    def segment(self, e: int) -> NVFP4Tensor:
+        """Segment e as a standalone NVFP4Tensor [R, w_e] (copies)."""
+        s, w = self.starts[e], self.widths[e]
+        rows = self.data.shape[0]
+        return NVFP4Tensor(self.data[:, s // 2:(s + w) // 2].contiguous(),
+                           self.scale[:, s // 16:(s + w) // 16].contiguous(), self.global_scale[e], (rows, w),
+                           BLOCK_1D)
+
+
+def _use_triton(backend: str, x: torch.Tensor) -> bool:
+    return resolve(backend, x, op="quantize")[0] == "triton"
+
+
+def _check_rounding(rounding: str, seeds, n: int) -> None:
+    if rounding == "stochastic" and (seeds is None or len(seeds) != n):
+        raise ValueError(f"stochastic rounding needs {n} seeds (one per member), got {seeds!r}")
+    for s in seeds or ():
+        if not 0 <= int(s) < 2**32:
+            raise ValueError(f"seed must be in [0, 2^32), got {s}")
+
+
+def quantize_stack(x: torch.Tensor, *, block=BLOCK_2D, rounding: str = "nearest", seeds=None, rht: bool = False,
+                   values: bool = False, check_finite: bool = True, backend: str = "auto") -> NVFP4Stack:
+    """Quantise each x[e] of x [E, R, C] as its own tensor (scale_scope="tensor"); `values` also keeps the fp16
+    block values. check_finite=False skips the NaN/Inf check (a host synchronisation on a GPU)."""
+    if x.dim() != 3:
+        raise ValueError(f"quantize_stack expects [E, R, C], got shape {tuple(x.shape)}")
+    block = tuple(block)
+    e, rows, cols = x.shape
+    flat = x.reshape(e * rows, cols)
+    if check_finite:
+        _validate(flat, block, "tensor", rounding)
+    _check_rounding(rounding, seeds, e)
+    if _use_triton(backend, x):
+        from minite.kernels.nvfp4_quant import quantize_segments_triton
+        segs = [(i * rows, 0, rows, cols, i * rows, 0) for i in range(e)]
+        data, scale, gs, vals = quantize_segments_triton(flat, segs, (e * rows, cols), block, rounding, seeds, rht,
+                                                         VALUES_DTYPE if values else None)
+        br = block[0]
+        return NVFP4Stack(data.view(e, rows, cols // 2), scale.view(e, rows // br, cols // 16), gs, (rows, cols),
+                          block, None if vals is None else vals.view(e, rows, cols))
+    qs = [quantize_reference(x[i], block=block, scale_scope="tensor", rounding=rounding,
+                             seed=None if seeds is None else int(seeds[i]), rht=rht) for i in range(e)]
+    st = NVFP4Stack.from_tensors(qs)
+    if values:
+        st.values = torch.stack([q.block_values(VALUES_DTYPE) for q in qs])
+    return st
+
+
+def quantize_column_segments(x: torch.Tensor, widths: Sequence[int], *, rounding: str = "nearest", seeds=None,
+                             rht: bool = False, values: bool = False, check_finite: bool = True,
+                             backend: str = "auto") -> NVFP4Segments:
+    """Quantise column segments of x [R, T] (T = sum of widths, each a multiple of 16; x may be a strided view such
+    as the transpose of the permuted tokens) along T, segment e as its own [R, w_e] tensor: one global scale
+    (1 for an empty segment), stochastic rounding from seeds[e] indexed inside the segment, RHT per 16 columns."""
+    widths = tuple(int(w) for w in widths)
+    if x.dim() != 2 or sum(widths) != x.shape[1] or any(w < 0 or w % 16 for w in widths):
+        raise ValueError(f"quantize_column_segments: widths {widths} must be multiples of 16 summing to the "
+                         f"columns of x {tuple(x.shape)}")
+    if check_finite:
+        _validate(x, BLOCK_1D, "tensor", rounding)
+    _check_rounding(rounding, seeds, len(widths))
+    rows, total = x.shape
+    starts = NVFP4Segments(x.new_empty(0), x.new_empty(0), x.new_empty(0), widths).starts
+    if _use_triton(backend, x):
+        from minite.kernels.nvfp4_quant import quantize_segments_triton
+        segs = [(0, s, rows, w, 0, s) for s, w in zip(starts, widths)]
+        data, scale, gs, vals = quantize_segments_triton(x, segs, (rows, total), BLOCK_1D, rounding, seeds, rht,
+                                                         VALUES_DTYPE if values else None)
+        return NVFP4Segments(data, scale, gs, widths, vals)
+    datas, scales, gss, vals = [], [], [], []
+    for e, (s, w) in enumerate(zip(starts, widths)):
+        if w == 0:
+            gss.append(torch.ones((), dtype=torch.float32, device=x.device))
+            continue
+        q = quantize_reference(x[:, s:s + w], block=BLOCK_1D, scale_scope="tensor", rounding=rounding,
+                               seed=None if seeds is None else int(seeds[e]), rht=rht)
+        datas.append(q.data)
+        scales.append(q.scale)
+        gss.append(q.global_scale.reshape(()))
+        if values:
+            vals.append(q.block_values(VALUES_DTYPE))
+    empty = torch.empty(rows, 0, dtype=torch.uint8, device=x.device)
+    data = torch.cat(datas, dim=1) if datas else empty
+    scale = torch.cat(scales, dim=1) if scales else empty.view(torch.float8_e4m3fn)
+    val = (torch.cat(vals, dim=1) if vals else x.new_zeros(rows, 0, dtype=VALUES_DTYPE)) if values else None
+    return NVFP4Segments(data, scale, torch.stack(gss), widths, val)
+
+
+def segmented_gemm(a: NVFP4Segments, b: NVFP4Segments, *, out_dtype: torch.dtype = torch.float32,
+                   backend: str = "auto") -> torch.Tensor:
+    """out[e] = a_e @ b_e^T for matching segments (the MoE wgrad: [E, Ra, Rb]); an empty segment gives zeros."""
+    if a.widths != b.widths:
+        raise ValueError(f"segmented_gemm: segment widths differ ({a.widths} vs {b.widths})")
+    ra, rb = a.data.shape[0], b.data.shape[0]
+    if resolve(backend, a.data, op="gemm")[0] == "triton":
+        from minite.kernels.nvfp4_gemm import segmented_gemm_triton
+        return segmented_gemm_triton(a, b, out_dtype)
+    out = torch.zeros(len(a.widths), ra, rb, dtype=out_dtype, device=a.data.device)
+    for e, w in enumerate(a.widths):
+        if w:
+            out[e] = gemm_reference(a.segment(e), b.segment(e), out_dtype)
+    return out

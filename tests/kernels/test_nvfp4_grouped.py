@@ -1,0 +1,148 @@
+"""Grouped NVFP4 (minite.nvfp4.grouped): the Triton paths vs the reference loop, under TRITON_INTERPRET=1 on the CPU.
+
+Quantisation of expert stacks and of wgrad column segments is bitwise equal to quantising each member alone with the
+reference (codes, scales, global scales, block values); the segmented GEMM is within the fp32-accumulation bound of
+the reference and bitwise equal to the per-expert dense kernel.
+"""
+import pytest
+import torch
+
+from minite.nvfp4 import (NVFP4Stack, gemm_reference, grouped_gemm, quantize_column_segments, quantize_reference,
+                          quantize_stack, segmented_gemm)
+from minite.kernels.nvfp4_gemm import gemm_triton
+from tests.tolerances import TOLERANCES
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ATOL = TOLERANCES["nvfp4_gemm_fp32_acc"][0] if DEVICE == "cpu" else TOLERANCES["nvfp4_gemm_tensorcore_acc"][0]
+
+
+def _bits_equal(a, b):
+    """Codes, scales, global scales bitwise; block values by value (the kernel writes +0 where the reference has -0
+    for code 8, which no fp32 accumulation starting from +0 can tell apart)."""
+    return a.equal(b) and (a.values is None) == (b.values is None) and \
+        (a.values is None or torch.equal(a.values, b.values))
+
+
+def _experts(e, n, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(e, n, k, generator=g) * torch.logspace(-3, 2, e)[:, None, None]  # very different amax per expert
+    w[1] = 0.0  # an all-zero expert (global scale 1)
+    w[2, 0, :16] = 448 * 6 * 1e4  # a block far above the rest: saturating block scales elsewhere in that expert
+    return w.to(DEVICE)
+
+
+@pytest.mark.parametrize("values", [False, True])
+def test_quantize_stack_bitwise_per_expert(values):
+    w = _experts(4, 32, 48, 0)
+    tri = quantize_stack(w, values=values, backend="triton")
+    ref = quantize_stack(w, values=values, backend="reference")
+    assert isinstance(tri, NVFP4Stack) and len(tri) == 4
+    for e in range(4):
+        alone = quantize_reference(w[e], block=(16, 16), scale_scope="tensor", rounding="nearest", seed=None,
+                                   rht=False)
+        assert alone.equal(tri[e]) and alone.equal(ref[e])
+        assert _bits_equal(tri[e], ref[e])
+        if values:
+            assert torch.equal(tri[e].values, alone.block_values(torch.float16))
+
+
+def test_stack_transpose_is_each_members_transpose():
+    w = _experts(3, 32, 64, 1)
+    st = quantize_stack(w, values=True, backend="triton")
+    for e in range(3):
+        assert _bits_equal(st.t()[e], st[e].t())
+    assert st.t() is st.t()  # computed once
+
+
+@pytest.mark.parametrize("rounding,rht", [("nearest", False), ("nearest", True), ("stochastic", True),
+                                          ("stochastic", False)])
+def test_column_segments_bitwise_per_segment(rounding, rht):
+    torch.manual_seed(3)
+    widths = [32, 0, 16, 80, 48]
+    total = sum(widths)
+    tokens = torch.randn(total, 40) * torch.linspace(0.01, 50, total)[:, None]
+    tokens[32 + 16:32 + 16 + 80] *= 1e-3  # one segment far smaller than the others
+    x = tokens.to(DEVICE).t()  # [40, total], a strided view as the learner passes it
+    seeds = [11, 12, 13, 14, 15]
+    kw = dict(rounding=rounding, seeds=seeds if rounding == "stochastic" else None, rht=rht, values=True)
+    tri = quantize_column_segments(x, widths, backend="triton", **kw)
+    ref = quantize_column_segments(x, widths, backend="reference", **kw)
+    assert torch.equal(tri.global_scale, ref.global_scale)
+    assert tri.global_scale[1].item() == 1.0  # the empty segment
+    start = 0
+    for e, w in enumerate(widths):
+        if w:
+            alone = quantize_reference(x[:, start:start + w].contiguous(), block=(1, 16), scale_scope="tensor",
+                                       rounding=rounding, seed=seeds[e], rht=rht)
+            assert alone.equal(tri.segment(e)) and alone.equal(ref.segment(e))
+        start += w
+    assert torch.equal(tri.data, ref.data) and torch.equal(tri.scale.view(torch.uint8), ref.scale.view(torch.uint8))
+    assert torch.equal(tri.values, ref.values)
+
+
+def test_segmented_gemm_matches_reference_and_dense_kernel():
+    torch.manual_seed(4)
+    widths = [48, 0, 16, 64]
+    total = sum(widths)
+    dy, x = torch.randn(total, 32).to(DEVICE), (torch.randn(total, 48) * 4).to(DEVICE)
+    seeds = [1, 2, 3, 4]
+    a = quantize_column_segments(dy.t(), widths, rounding="stochastic", seeds=seeds, rht=True, values=True,
+                                 backend="triton")
+    b = quantize_column_segments(x.t(), widths, rht=True, values=True, backend="triton")
+    out = segmented_gemm(a, b, backend="triton")
+    ref = segmented_gemm(a, b, backend="reference")
+    assert out.shape == (4, 32, 48) and torch.equal(out[1], torch.zeros(32, 48, device=DEVICE))
+    for e, w in enumerate(widths):
+        if not w:
+            continue
+        sa, sb = a.segment(e), b.segment(e)
+        bound = (sa.block_values(torch.float64).abs() @ sb.block_values(torch.float64).abs().t()) * \
+            (sa.global_scale.double() * sb.global_scale.double()).abs()
+        err = (out[e].double() - ref[e].double()).abs()
+        assert torch.all(err <= ATOL * bound + 1e-45)
+        assert torch.equal(out[e], gemm_triton(sa, sb))  # same K order as the dense kernel: bitwise
+    # packed operands (no values) give the same bits as block values
+    a.values = b.values = None
+    assert torch.equal(segmented_gemm(a, b, backend="triton"), out)
+
+
+def test_grouped_gemm_accepts_a_stack():
+    torch.manual_seed(5)
+    w = _experts(3, 32, 48, 2)
+    st = quantize_stack(w, values=True, backend="triton")
+    counts = [5, 0, 11]
+    a = quantize_reference(torch.randn(16, 48).to(DEVICE), block=(1, 16), scale_scope="row", rounding="nearest",
+                           seed=None, rht=False)
+    out = grouped_gemm(a, st, counts, backend="triton")
+    assert torch.equal(out, grouped_gemm(a, list(st), counts, backend="triton"))
+    ref = grouped_gemm(a, st, counts, backend="reference")
+    assert (out - ref).abs().max() <= TOLERANCES["nvfp4_op_kernels_vs_reference"][1] * ref.abs().max()
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="multiples of 16"):
+        quantize_column_segments(torch.randn(4, 40, device=DEVICE), [24, 16])
+    with pytest.raises(ValueError, match="seeds"):
+        quantize_column_segments(torch.randn(4, 32, device=DEVICE), [16, 16], rounding="stochastic", seeds=[1])
+    x = torch.randn(2, 16, 16, device=DEVICE)
+    x[1, 3, 3] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        quantize_stack(x)
+    with pytest.raises(ValueError, match=r"\[E, R, C\]"):
+        quantize_stack(torch.randn(16, 16, device=DEVICE))
+
+
+def test_grouped_gemm_transposed_weights_bitwise():
+    """dgrad: a_e @ w_e read from the forward stack's values in place == the same GEMM on the transposed stack."""
+    torch.manual_seed(6)
+    st = quantize_stack(_experts(3, 48, 32, 3), values=True, backend="triton")
+    counts = [7, 0, 9]
+    a = quantize_reference(torch.randn(16, 48).to(DEVICE), block=(1, 16), scale_scope="tensor",
+                           rounding="stochastic", seed=5, rht=False)
+    got = grouped_gemm(a, st, counts, backend="triton", transpose_weights=True)
+    assert got.shape == (16, 32)
+    assert torch.equal(got, grouped_gemm(a, st.t(), counts, backend="triton"))
+    assert torch.equal(got, grouped_gemm(a, [w.t() for w in st], counts, backend="triton"))
+    ref = grouped_gemm(a, st, counts, backend="reference", transpose_weights=True)
+    assert torch.equal(ref, grouped_gemm(a, st.t(), counts, backend="reference"))
+    assert (got - ref).abs().max() <= TOLERANCES["nvfp4_op_kernels_vs_reference"][1] * ref.abs().max()
