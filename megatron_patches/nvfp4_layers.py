@@ -39,7 +39,8 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from minite.learner.ops import _group_size, derive_seed, nvfp4_grouped_linear, nvfp4_linear, quantize_weight
+from minite.learner.ops import (_group_size, derive_seed, nvfp4_grouped_linear, nvfp4_linear, quantize_expert_weights,
+                                quantize_weight)
 from minite.nvfp4 import NVFP4Recipe
 
 
@@ -132,7 +133,14 @@ class NVFP4RowParallelLinear(RowParallelLinear):
 
 
 def _bf16_grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """Per-expert x_e @ W_e^T in the input dtype (fp32 accumulation inside matmul), experts in order."""
+    """Per-expert x_e @ W_e^T in the input dtype (fp32 accumulation inside matmul), experts in order.
+
+    On a GPU with bf16 operands: one torch._grouped_mm (forward and both backward GEMMs grouped; no per-expert
+    Python loop, whose weight-gradient selects also zero-fill and add a full [E, N, K] buffer per expert).
+    Elsewhere (the CPU tests, fp32 compute): a loop of matmuls over the experts."""
+    if x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+        offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(x.device, non_blocking=True)
+        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offs)
     outs, start = [], 0
     for e, c in enumerate(counts):
         outs.append(x[start:start + c] @ weight[e].t())
@@ -187,8 +195,8 @@ class GroupedExperts(MegatronModule):
             return _bf16_grouped_linear(x, weight, counts)
         ctx = self.nvfp4
         seed = derive_seed(ctx.layer_seed(self.nvfp4_layer_id), salt)
-        w_q = cached_weight_q(self, weight, lambda: [quantize_weight(w, ctx.recipe, backend=ctx.backend)
-                                                     for w in weight], slot=f"fc{salt}")
+        w_q = cached_weight_q(self, weight, lambda: quantize_expert_weights(weight, ctx.recipe, backend=ctx.backend),
+                              slot=f"fc{salt}")
         return nvfp4_grouped_linear(x, weight, counts, ctx.recipe, seed=seed, weight_q=w_q, backend=ctx.backend)
 
     def forward(self, permuted_hidden: torch.Tensor, tokens_per_expert, permuted_probs: torch.Tensor):

@@ -3,7 +3,7 @@
 Architecture (Hugging Face Qwen3MoeForCausalLM) -> Megatron-Core 0.16.1 local-spec modules:
     RMSNorm (pre-attention, pre-MLP, final)   RMSNorm below (torch.nn.RMSNorm; sequence-parallel aware)
     q/k RMSNorm per head                      q_layernorm / k_layernorm (qk_layernorm=True)
-    GQA, RoPE (theta = rope_theta)            SelfAttention(linear_qkv, DotProductAttention, linear_proj)
+    GQA, RoPE (theta = rope_theta)            SelfAttention(linear_qkv, FusedDotProductAttention, linear_proj)
     top-k softmax router                      TopKRouter: topk on logits then softmax over the k
                                               (= HF softmax, topk, renormalise: norm_topk_prob=True);
                                               norm_topk_prob=False -> moe_router_pre_softmax=True
@@ -13,6 +13,9 @@ Architecture (Hugging Face Qwen3MoeForCausalLM) -> Megatron-Core 0.16.1 local-sp
 Precision: "bf16" builds upstream linears; "nvfp4" swaps in NVFP4 linears/experts for every module role the
 recipe does not keep in BF16 (recipe.bf16_modules, bf16_first_layers, bf16_last_layers). Router, embeddings,
 lm_head and the attention math (softmax(QK^T)V) always stay BF16: this builder has no NVFP4 version of them.
+Core attention: upstream's unfused DotProductAttention, except that a whole-sequence causal pass on a GPU (the
+learner's training forward) runs torch's scaled_dot_product_attention (flash backend; the [s, s] score matrix is
+never materialised); decode steps with a KV cache, explicit masks and CPU runs keep upstream's path.
 No dropout (RL on-policy forward passes must be deterministic); router aux loss 0 unless asked. With TP > 1 the
 config turns on sequence parallelism (Megatron refuses MoE + TP training without it), so the sequence length must
 be a multiple of TP (the learner pads).
@@ -132,6 +135,36 @@ class RMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
+def sdpa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention over a whole sequence with torch's SDPA: q [s, b, np, hn], k/v [s, b, ng, hn] (GQA groups
+    repeated as upstream does) -> [s, b, np * hn], the layout DotProductAttention returns."""
+    rep = query.shape[2] // key.shape[2]
+    if rep > 1:
+        key, value = key.repeat_interleave(rep, dim=2), value.repeat_interleave(rep, dim=2)
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    s, b = query.shape[0], query.shape[1]
+    return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+class FusedDotProductAttention(DotProductAttention):
+    """DotProductAttention that takes torch SDPA for whole-sequence causal passes on a GPU (module docstring)."""
+
+    def _sdpa_ok(self, query, key, attention_mask, attn_mask_type, attention_bias, packed_seq_params) -> bool:
+        cfg = self.config
+        return (query.is_cuda and attention_mask is None and attention_bias is None and packed_seq_params is None
+                and self.attn_mask_type == AttnMaskType.causal and attn_mask_type in (None, AttnMaskType.causal)
+                and query.shape[0] == key.shape[0] and self.softmax_offset is None
+                and not cfg.apply_query_key_layer_scaling and cfg.window_size is None
+                and (self.attention_dropout.p == 0.0 or not self.training))
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if self._sdpa_ok(query, key, attention_mask, attn_mask_type, attention_bias, packed_seq_params):
+            return sdpa_attention(query, key, value, self.softmax_scale)
+        return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
+
+
 def _linear(cls_bf16, cls_nvfp4, ctx: Optional[NVFP4Context]):
     return cls_bf16 if ctx is None else ModuleSpec(module=cls_nvfp4, params={"nvfp4": ctx})
 
@@ -154,7 +187,7 @@ def layer_spec(*, attention: Optional[NVFP4Context], mlp: Optional[NVFP4Context]
         params={"attn_mask_type": AttnMaskType.causal},
         submodules=SelfAttentionSubmodules(
             linear_qkv=_linear(ColumnParallelLinear, NVFP4ColumnParallelLinear, attention),
-            core_attention=DotProductAttention,
+            core_attention=FusedDotProductAttention,
             linear_proj=_linear(RowParallelLinear, NVFP4RowParallelLinear, attention),
             q_layernorm=RMSNorm, k_layernorm=RMSNorm,
         ),

@@ -29,6 +29,31 @@ TOLERANCES = {
     # |MG_bf16 - HF_bf16| may be at most this factor times e_hf, on the max and on the mean over all logits
     # (measured on two weight draws: 0.87x, 1.09x on the max; 0.85x, 0.58x on the mean). A mapping error is >> e_hf.
     "hf_vs_megatron_logits_bf16_vs_noise": (2.0, 0.0),
+    # The learner's NVFP4 ops and grouped GEMMs on the Triton kernels vs the reference backend, K <= 64 at
+    # the test shapes (tests/kernels/test_learner_ops_kernels.py): the quantised operands are bitwise equal, so only
+    # fp32 vs exact summation differs, <= K * 2^-24 * sum_k |a_k b_k| per element; sum_k |a_k b_k| stays within ~10x
+    # of max |output| for these Gaussian operands, so the error is < 64 * 6e-8 * 10 ~ 4e-5 of max |output|. rtol is
+    # relative to max |reference output|; a wrong scale, seed, padding or transpose gives O(1).
+    "nvfp4_op_kernels_vs_reference": (0.0, 1e-4),
+    # torch SDPA vs Megatron's unfused attention, fp32, 9 keys, head dim 16 (tests/unit/test_learner_layers.py):
+    # the same softmax(QK^T * scale) V with other summation orders and a fused softmax; outputs are convex
+    # combinations of values of size ~1, so the gap is a few fp32 ulps of 1. A wrong mask, scale or GQA mapping is O(0.1).
+    "sdpa_vs_unfused_fp32": (1e-5, 0.0),
+    # --- GPU paths of the learner (tests/gpu/test_learner_gpu.py) ---
+    # BF16 experts on torch._grouped_mm vs a loop of per-expert matmuls (forward, dgrad, wgrad): both accumulate in
+    # fp32 and round once to bf16, in other orders, so an element differs by at most ~1 bf16 ulp (2^-8 relative)
+    # plus fp32 noise; normwise (relative Frobenius) that is < 2^-8. Bound 2^-7; a wrong expert offset is O(1).
+    "bf16_grouped_mm_vs_loop": (0.0, 2.0 ** -7),
+    # torch SDPA (flash) vs Megatron's unfused attention in bf16, causal, 1024 keys: the unfused path rounds the
+    # fp32 softmax probabilities to bf16 (2^-9 relative) before P V and rounds scores to bf16; flash keeps them in
+    # fp32. Each output sum_j p_j v_j then moves by <= ~2^-9 * max|v| per rounding, a few of them; atol below is
+    # relative to max|v|. A wrong mask or scale moves outputs by O(max|v|).
+    "sdpa_vs_unfused_bf16": (2.0 ** -6, 0.0),
+    # A 2-layer NVFP4 learner step on the kernels vs the reference backend (same seeds, bitwise-equal quantisers):
+    # fp32 vs exact sums change a GEMM output by ~1e-6 relative, but a later quantisation can round such an element
+    # to the other neighbour (one E2M1 step, up to 1/3 relative for that element), so loss and gradient norm differ
+    # by a few such flips averaged over ~1e5 elements. Bound 2% relative; a wrong scale/seed/transpose is O(1).
+    "nvfp4_learner_kernels_vs_reference": (0.0, 0.02),
     # --- learner (tests/unit/test_learner_*.py, tests/distributed/) ---
     # TP=2 / EP=2 vs the unsharded learner, fp32 compute: the sharded run sums the same fp32 products in another order
     # across ranks (row-parallel partial sums, the vocab-parallel log-softmax), a few fp32 ulps per op; measured

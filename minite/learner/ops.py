@@ -23,17 +23,27 @@ scales) whose only non-zero carries the group amax, then drops it: the pad chang
 Stochastic-rounding streams are indexed by element position in the *local* tensor, so backward values under TP
 match the unsharded run in distribution, not bitwise; the forward matches up to fp32 summation order.
 
-All quantisation goes through `minite.nvfp4.quantize(backend=...)` and GEMMs through `minite.nvfp4.gemm` /
-`grouped_gemm`: the Triton kernels plug in behind those functions, not here.
+MoE experts (`nvfp4_grouped_linear`): the weights are an `NVFP4Stack` (each expert its own global scale, quantised
+in one launch); dgrad reuses its exact 16x16 transpose (the kernels read the forward block values transposed); wgrad pads each expert's tokens to a multiple of 16 and
+quantises dy^T and x^T as column segments, one per expert (`quantize_column_segments`: per expert its own global
+scale and seed, bitwise what E separate wgrads would draw), then one segmented GEMM computes all dW_e.
+
+All quantisation goes through `minite.nvfp4` (quantize, quantize_stack, quantize_column_segments) and GEMMs through
+its gemm / grouped_gemm / segmented_gemm: the Triton kernels plug in behind those functions, not here. When the
+GEMMs run on the kernels, operands also carry fp16 block values (written in the quantisation pass, read by the MMA
+without a nibble decode), and on a GPU the per-op NaN/Inf check (a host synchronisation each) is skipped: a
+non-finite input then shows as a non-finite loss / gradient norm, which the learner reports.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from minite.nvfp4 import NVFP4Recipe, NVFP4Tensor, OperandRecipe, apply_rht, gemm, grouped_gemm, rht_matrix
+from minite.nvfp4 import (NVFP4Recipe, NVFP4Stack, NVFP4Tensor, OperandRecipe, apply_rht, gemm, grouped_gemm,
+                          quantize_column_segments, quantize_stack, rht_matrix, segmented_gemm)
+from minite.nvfp4.backend import resolve
 
 _M32 = 0xFFFFFFFF
 _ROLES = {"gradient": 1, "wgrad_gradient": 2, "wgrad_input": 3}
@@ -59,11 +69,18 @@ def _group_amax(values: torch.Tensor, dim: Optional[int], group) -> torch.Tensor
     return amax
 
 
+def _on_kernels(backend: str, t: torch.Tensor) -> bool:
+    """True when this op's GEMMs run on the Triton kernels (then operands carry fp16 block values)."""
+    return resolve(backend, t, op="gemm")[0] == "triton"
+
+
 def _quantize_scoped(x: torch.Tensor, op: OperandRecipe, *, seed: Optional[int], backend: str,
                      amax_group=None) -> NVFP4Tensor:
-    """`op.quantize(x)`, with the global-scale amax taken over `amax_group` (TP) when it has > 1 rank."""
+    """`op.quantize(x)`, with the global-scale amax taken over `amax_group` (TP) when it has > 1 rank; block values
+    kept when the kernels will read them; the NaN/Inf check only off the GPU (see the module docstring)."""
+    vals, check = _on_kernels(backend, x), not x.is_cuda
     if _group_size(amax_group) == 1:
-        return op.quantize(x, seed=seed, backend=backend)
+        return op.quantize(x, seed=seed, backend=backend, values=vals, check_finite=check)
     rows, cols = x.shape
     if op.scale_scope == "row":
         if op.rht:
@@ -71,9 +88,11 @@ def _quantize_scoped(x: torch.Tensor, op: OperandRecipe, *, seed: Optional[int],
         g = _group_amax(x.float(), 1, amax_group)
         pad = torch.zeros(rows, 16, dtype=torch.float32, device=x.device)
         pad[:, 0] = g
-        q = op.quantize(torch.cat([x.float(), pad], dim=1), seed=seed, backend=backend)
+        q = op.quantize(torch.cat([x.float(), pad], dim=1), seed=seed, backend=backend, values=vals,
+                        check_finite=check)
         return NVFP4Tensor(q.data[:, :cols // 2].contiguous(), q.scale[:, :cols // 16].contiguous(),
-                           q.global_scale, (rows, cols), q.block)
+                           q.global_scale, (rows, cols), q.block,
+                           None if q.values is None else q.values[:, :cols].contiguous())
     seen = apply_rht(x) if op.rht else x.float()
     g = _group_amax(seen, None, amax_group)
     pad = torch.zeros(op.block[0], cols, dtype=torch.float32, device=x.device)
@@ -82,10 +101,10 @@ def _quantize_scoped(x: torch.Tensor, op: OperandRecipe, *, seed: Optional[int],
     else:
         pad[0, 0] = g
     padded = torch.cat([x.float(), pad], dim=0)  # fp32 holds bf16/fp16 inputs exactly
-    q = op.quantize(padded, seed=seed, backend=backend)
+    q = op.quantize(padded, seed=seed, backend=backend, values=vals, check_finite=check)
     br = op.block[0]
     return NVFP4Tensor(q.data[:rows].contiguous(), q.scale[:rows // br].contiguous(), q.global_scale,
-                       (rows, cols), q.block)
+                       (rows, cols), q.block, None if q.values is None else q.values[:rows].contiguous())
 
 
 def quantize_weight(weight: torch.Tensor, recipe: NVFP4Recipe, *, backend: str = "auto",
@@ -104,8 +123,8 @@ def nvfp4_linear_forward(x: torch.Tensor, w_q: NVFP4Tensor, recipe: NVFP4Recipe,
     if x2.shape[0] == 0:
         return x.new_zeros(*lead, w_q.shape[0], dtype=out_dtype or x.dtype)
     xq = _quantize_scoped(x2, recipe.activation, seed=None, backend=backend, amax_group=amax_group)
-    y = gemm(xq, w_q, out_dtype=torch.float32, backend=backend)
-    return y.to(out_dtype or x.dtype).reshape(*lead, w_q.shape[0])
+    y = gemm(xq, w_q, out_dtype=out_dtype or x.dtype, backend=backend)  # fp32 result rounded once
+    return y.reshape(*lead, w_q.shape[0])
 
 
 def _pad_tokens(t: torch.Tensor) -> torch.Tensor:
@@ -115,15 +134,14 @@ def _pad_tokens(t: torch.Tensor) -> torch.Tensor:
 
 
 def _wgrad(dy: torch.Tensor, x: torch.Tensor, recipe: NVFP4Recipe, seed: int, backend: str,
-           dy_group=None, x_group=None) -> torch.Tensor:
-    """dW [N, K] = Q(dy^T) @ Q(x^T)^T in fp32, both operands quantised along tokens (RHT per recipe)."""
-    dyt = _pad_tokens(dy).t().contiguous()
-    xt = _pad_tokens(x).t().contiguous()
-    gq = _quantize_scoped(dyt, recipe.wgrad_gradient, seed=derive_seed(seed, _ROLES["wgrad_gradient"]),
-                          backend=backend, amax_group=dy_group)
-    xq = _quantize_scoped(xt, recipe.wgrad_input, seed=derive_seed(seed, _ROLES["wgrad_input"]),
+           dy_group=None, x_group=None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """dW [N, K] = Q(dy^T) @ Q(x^T)^T (fp32, rounded once to out_dtype), both operands quantised along tokens (RHT
+    per recipe). The transposes are strided views: the quantisers read them in place."""
+    gq = _quantize_scoped(_pad_tokens(dy).t(), recipe.wgrad_gradient,
+                          seed=derive_seed(seed, _ROLES["wgrad_gradient"]), backend=backend, amax_group=dy_group)
+    xq = _quantize_scoped(_pad_tokens(x).t(), recipe.wgrad_input, seed=derive_seed(seed, _ROLES["wgrad_input"]),
                           backend=backend, amax_group=x_group)
-    return gemm(gq, xq, out_dtype=torch.float32, backend=backend)
+    return gemm(gq, xq, out_dtype=out_dtype, backend=backend)
 
 
 def _groups(sharded: Optional[str], tp_group):
@@ -160,9 +178,9 @@ class _NVFP4Linear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             gq = _quantize_scoped(dy2, recipe.gradient, seed=derive_seed(seed, _ROLES["gradient"]),
                                   backend=backend, amax_group=gdy)
-            dx = gemm(gq, ctx.w_q.t(), out_dtype=torch.float32, backend=backend).to(x.dtype).reshape(x.shape)
+            dx = gemm(gq, ctx.w_q.t(), out_dtype=x.dtype, backend=backend).reshape(x.shape)
         if ctx.needs_input_grad[1]:
-            dw = _wgrad(dy2, x2, recipe, seed, backend, dy_group=gdy, x_group=gxt).to(ctx.w_dtype)
+            dw = _wgrad(dy2, x2, recipe, seed, backend, dy_group=gdy, x_group=gxt, out_dtype=ctx.w_dtype)
         return dx, dw, None, None, None, None, None, None
 
 
@@ -189,22 +207,82 @@ def _counts(tokens_per_expert, experts: int, rows: int) -> list[int]:
     return counts
 
 
-def nvfp4_grouped_linear_forward(x: torch.Tensor, w_q: Sequence[NVFP4Tensor], tokens_per_expert,
-                                 recipe: NVFP4Recipe, *, backend: str = "auto",
-                                 out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """Forward only (no autograd): per-expert Q_act(x_e) @ w_q[e]^T; the same math as `nvfp4_grouped_linear`."""
+def quantize_expert_weights(weight: torch.Tensor, recipe: NVFP4Recipe, *, backend: str = "auto") -> NVFP4Stack:
+    """Expert weights [E, N, K] with the recipe's weight role, each expert its own tensor (16x16 blocks, one global
+    scale per expert): one launch on the kernels; fp16 block values kept when the kernels read them."""
+    op = recipe.weight
+    if weight.dim() != 3:
+        raise ValueError(f"quantize_expert_weights expects [E, N, K], got shape {tuple(weight.shape)}")
+    seeds = None
+    if op.rounding == "stochastic":  # as quantize(seed=None): drawn from torch's generator
+        seeds = [int(torch.randint(0, 2**32, ()).item()) for _ in range(weight.shape[0])]
+    return quantize_stack(weight, block=op.block, rounding=op.rounding, seeds=seeds, rht=op.rht,
+                          values=_on_kernels(backend, weight), check_finite=not weight.is_cuda, backend=backend)
+
+
+def _as_stack(w_q) -> NVFP4Stack:
+    return w_q if isinstance(w_q, NVFP4Stack) else NVFP4Stack.from_tensors(list(w_q))
+
+
+def nvfp4_grouped_linear_forward(x: torch.Tensor, w_q, tokens_per_expert, recipe: NVFP4Recipe, *,
+                                 backend: str = "auto", out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Forward only (no autograd): per-expert Q_act(x_e) @ w_q[e]^T; the same math as `nvfp4_grouped_linear`.
+    w_q: an NVFP4Stack (`quantize_expert_weights`) or a list of per-expert NVFP4Tensors."""
     counts = _counts(tokens_per_expert, len(w_q), x.shape[0])
     if x.shape[0] == 0:
         return x.new_zeros(0, w_q[0].shape[0], dtype=out_dtype or x.dtype)
-    xq = recipe.activation.quantize(x, backend=backend)
-    return grouped_gemm(xq, list(w_q), counts, out_dtype=torch.float32, backend=backend).to(out_dtype or x.dtype)
+    xq = recipe.activation.quantize(x, backend=backend, values=_on_kernels(backend, x), check_finite=not x.is_cuda)
+    return grouped_gemm(xq, w_q, counts, out_dtype=out_dtype or x.dtype, backend=backend)
+
+
+def _pad_groups(t: torch.Tensor, counts: list[int], widths: list[int]) -> torch.Tensor:
+    """Rows of t grouped by expert -> each group zero-padded to its width (a multiple of 16); no host sync."""
+    if list(counts) == list(widths):
+        return t
+    dev = t.device
+    starts = torch.tensor([0] + counts[:-1], dtype=torch.long).cumsum(0)
+    pstarts = torch.tensor([0] + widths[:-1], dtype=torch.long).cumsum(0)
+    # small host tables go over with non_blocking=True: from pageable memory that is safe and skips a stream sync
+    shift = torch.repeat_interleave((pstarts - starts).to(dev, non_blocking=True),
+                                    torch.tensor(counts).to(dev, non_blocking=True), output_size=t.shape[0])
+    dest = torch.arange(t.shape[0], device=dev) + shift
+    return t.new_zeros(sum(widths), t.shape[1]).index_copy_(0, dest, t)
+
+
+def _segmentable(op: OperandRecipe) -> bool:
+    return op.block == (1, 16) and op.scale_scope == "tensor"
+
+
+def _grouped_wgrad(dy: torch.Tensor, x: torch.Tensor, counts: list[int], recipe: NVFP4Recipe, seed: int,
+                   backend: str, out_dtype: torch.dtype) -> torch.Tensor:
+    """dW [E, N, K]: per expert e, Q(dy_e^T) @ Q(x_e^T)^T with tokens padded to a multiple of 16 and seeds derived
+    from (seed, 1000 + e): exactly E separate `_wgrad` calls (the loop below), done as column segments in a
+    few launches when both wgrad roles use (1, 16) blocks with one global scale (the default recipe)."""
+    experts = len(counts)
+    seeds = [derive_seed(seed, 1000 + e) for e in range(experts)]
+    if not (_segmentable(recipe.wgrad_gradient) and _segmentable(recipe.wgrad_input)):
+        dw = torch.zeros(experts, dy.shape[1], x.shape[1], dtype=out_dtype, device=x.device)
+        start = 0
+        for e, c in enumerate(counts):
+            if c:  # an expert that saw no token has a zero gradient
+                dw[e] = _wgrad(dy[start:start + c], x[start:start + c], recipe, seeds[e], backend,
+                               out_dtype=out_dtype)
+            start += c
+        return dw
+    widths = [c + (-c) % 16 for c in counts]
+    vals, check = _on_kernels(backend, x), not x.is_cuda
+    segs = []
+    for t, op, role in ((dy, recipe.wgrad_gradient, "wgrad_gradient"), (x, recipe.wgrad_input, "wgrad_input")):
+        segs.append(quantize_column_segments(
+            _pad_groups(t, counts, widths).t(), widths, rounding=op.rounding, rht=op.rht, values=vals,
+            seeds=[derive_seed(s, _ROLES[role]) for s in seeds], check_finite=check, backend=backend))
+    return segmented_gemm(segs[0], segs[1], out_dtype=out_dtype, backend=backend)
 
 
 class _NVFP4GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, counts, recipe, seed, w_q, backend):
-        if w_q is None:
-            w_q = [quantize_weight(weight[e], recipe, backend=backend) for e in range(weight.shape[0])]
+        w_q = quantize_expert_weights(weight, recipe, backend=backend) if w_q is None else _as_stack(w_q)
         y = nvfp4_grouped_linear_forward(x, w_q, counts, recipe, backend=backend)
         ctx.save_for_backward(x)
         ctx.w_q, ctx.counts, ctx.recipe, ctx.seed, ctx.backend = w_q, counts, recipe, seed, backend
@@ -215,32 +293,27 @@ class _NVFP4GroupedLinear(torch.autograd.Function):
     def backward(ctx, dy):
         (x,) = ctx.saved_tensors
         recipe, seed, backend, counts = ctx.recipe, ctx.seed, ctx.backend, ctx.counts
+        dy = dy.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0] and x.shape[0] == 0:
             dx = torch.zeros_like(x)
         elif ctx.needs_input_grad[0]:
-            gq = recipe.gradient.quantize(dy.contiguous(), seed=derive_seed(seed, _ROLES["gradient"]),
-                                          backend=backend)
-            w_t = [w.t() for w in ctx.w_q]
-            dx = grouped_gemm(gq, w_t, counts, out_dtype=torch.float32, backend=backend).to(x.dtype)
+            gq = recipe.gradient.quantize(dy, seed=derive_seed(seed, _ROLES["gradient"]), backend=backend,
+                                          values=_on_kernels(backend, dy), check_finite=not dy.is_cuda)
+            dx = grouped_gemm(gq, ctx.w_q, counts, out_dtype=x.dtype, backend=backend, transpose_weights=True)
         if ctx.needs_input_grad[1]:
-            dw = torch.zeros(ctx.w_shape, dtype=torch.float32, device=x.device)
-            start = 0
-            for e, c in enumerate(counts):
-                if c:  # an expert that saw no token has a zero gradient
-                    dw[e] = _wgrad(dy[start:start + c], x[start:start + c], recipe,
-                                   derive_seed(seed, 1000 + e), backend)
-                start += c
-            dw = dw.to(ctx.w_dtype)
+            dw = _grouped_wgrad(dy, x, counts, recipe, seed, backend, ctx.w_dtype)
         return dx, dw, None, None, None, None, None
 
 
 def nvfp4_grouped_linear(x: torch.Tensor, weight, tokens_per_expert, recipe: NVFP4Recipe, *, seed: int = 0,
-                         weight_q: Optional[Sequence[NVFP4Tensor]] = None, backend: str = "auto") -> torch.Tensor:
+                         weight_q=None, backend: str = "auto") -> torch.Tensor:
     """Per-expert y_e = x_e @ W_e^T in NVFP4 W4A4 with autograd; rows of x [T, K] grouped by expert.
 
     weight: a stacked tensor [E, N, K] or a list of E tensors [N, K]. tokens_per_expert: E counts (Megatron's
-    permuted layout). Activations keep per-row scales, so a token's fprop does not depend on its expert group.
+    permuted layout). weight_q: a cached quantisation of `weight` (an NVFP4Stack from `quantize_expert_weights`, or
+    a list of per-expert NVFP4Tensors). Activations keep per-row scales, so a token's fprop does not depend on its
+    expert group.
     """
     if isinstance(weight, (list, tuple)):
         weight = torch.stack(list(weight))

@@ -176,3 +176,31 @@ def test_train_step_reduces_loss(tokens, precision):
     assert losses[0]["loss"] > losses[1]["loss"] > losses[2]["loss"]
     after = float(-learner.logprobs(tokens).mean())
     assert after < losses[2]["loss"]
+
+
+def test_sdpa_attention_equals_upstream_dot_product_attention():
+    """The fused path (torch SDPA, taken on GPUs for whole-sequence causal passes) computes upstream's
+    DotProductAttention: same causal mask, GQA repeat, scale and output layout; on the CPU the module keeps upstream."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from minite.learner.model import init_parallel
+    from minite.megatron_patches.qwen3_moe import (FusedDotProductAttention, Qwen3MoeShape, sdpa_attention,
+                                                   transformer_config)
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    init_parallel(cfg())
+    model_parallel_cuda_manual_seed(0, force_reset_rng=True)  # upstream forks its dropout RNG
+    shape = Qwen3MoeShape(vocab_size=16, hidden_size=64, num_layers=1, num_attention_heads=4, num_query_groups=2,
+                          head_dim=16, moe_ffn_hidden_size=16, num_experts=2, moe_router_topk=2)
+    conf = transformer_config(shape, compute_dtype=torch.float32)
+    up = DotProductAttention(conf, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    fused = FusedDotProductAttention(conf, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                     attention_type="self")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(9, 2, h, 16, generator=g) for h in (4, 2, 2))
+    want = up(q, k, v, None)
+    assert torch.equal(fused(q, k, v, None), want)  # CPU: upstream's path
+    got = sdpa_attention(q, k, v, up.softmax_scale)
+    assert got.shape == want.shape == (9, 2, 64)
+    torch.testing.assert_close(got, want, atol=TOLERANCES["sdpa_vs_unfused_fp32"][0], rtol=0)
+    assert fused._sdpa_ok(q, k, None, None, None, None) is False  # CPU tensors never take it

@@ -1,0 +1,52 @@
+"""The learner's NVFP4 op functions on the Triton kernels (interpreter on the CPU) vs the reference backend.
+
+Every quantisation is bitwise equal between the backends (tests/kernels/test_nvfp4_*), so forward, dgrad and wgrad
+may differ only by the fp32 summation of the kernels against the reference's exact sums (tolerance below).
+"""
+import pytest
+import torch
+
+from minite.learner.ops import nvfp4_grouped_linear, nvfp4_linear, quantize_expert_weights
+from minite.nvfp4 import NVFP4Recipe
+from tests.tolerances import TOLERANCES
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+RTOL = TOLERANCES["nvfp4_op_kernels_vs_reference"][1]
+
+
+def _run(fn, backend, *tensors):
+    leaves = [t.detach().clone().requires_grad_() for t in tensors]
+    y = fn(backend, *leaves)
+    y.backward(torch.ones_like(y) * torch.linspace(-1, 1, y.shape[-1], device=y.device))
+    return [y.detach()] + [t.grad for t in leaves]
+
+
+def _close(a, b):
+    err = (a.float() - b.float()).abs().max().item()
+    assert err <= RTOL * b.float().abs().max().item(), err
+
+
+@pytest.mark.parametrize("counts", [[10, 0, 17, 21], [16, 16, 0, 16]])
+def test_grouped_linear_kernels_match_reference(counts):
+    torch.manual_seed(0)
+    x = torch.randn(sum(counts), 64, device=DEVICE)
+    w = torch.randn(4, 48, 64, device=DEVICE) * torch.tensor([1.0, 0.1, 10.0, 1.0], device=DEVICE)[:, None, None]
+    fn = lambda backend, xx, ww: nvfp4_grouped_linear(xx, ww, counts, NVFP4Recipe(), seed=3, backend=backend)  # noqa
+    for a, b in zip(_run(fn, "triton", x, w), _run(fn, "reference", x, w)):
+        _close(a, b)
+
+
+def test_dense_linear_kernels_match_reference():
+    torch.manual_seed(1)
+    x, w = torch.randn(2, 9, 64, device=DEVICE), torch.randn(32, 64, device=DEVICE)
+    fn = lambda backend, xx, ww: nvfp4_linear(xx, ww, NVFP4Recipe(), seed=4, backend=backend)  # noqa: E731
+    for a, b in zip(_run(fn, "triton", x, w), _run(fn, "reference", x, w)):
+        _close(a, b)
+
+
+def test_expert_weights_carry_block_values_only_for_the_kernels():
+    w = torch.randn(3, 32, 48, device=DEVICE)
+    tri = quantize_expert_weights(w, NVFP4Recipe(), backend="triton")
+    ref = quantize_expert_weights(w, NVFP4Recipe(), backend="reference")
+    assert tri.values is not None and ref.values is None
+    assert all(tri[e].equal(ref[e]) for e in range(3))
