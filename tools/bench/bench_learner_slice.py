@@ -33,7 +33,22 @@ def model_flops_per_token(m: dict, layers: int, seq: int) -> float:
     return 3 * (2 * dense + attention)
 
 
-def run(precision: str, shape: dict, layers: int, seq: int, steps: int, warmup: int) -> dict:
+def _profile_step(learner, tokens, top: int) -> None:
+    """One more step under torch.profiler: the `top` ops by self device time and by self host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        learner.train_step(tokens, lambda lp: (-lp.mean(), {}))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    ka = prof.key_averages()
+    dev_key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    print(ka.table(sort_by=dev_key, row_limit=top, max_name_column_width=60), flush=True)
+    print(ka.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60), flush=True)
+
+
+def run(precision: str, shape: dict, layers: int, seq: int, steps: int, warmup: int, profile_top: int = 0) -> dict:
     from minite.config import load_config
     from minite.learner.learner import Learner
 
@@ -53,6 +68,8 @@ def run(precision: str, shape: dict, layers: int, seq: int, steps: int, warmup: 
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     step = statistics.median(times)
+    if profile_top:
+        _profile_step(learner, tokens, profile_top)
     out = {"precision": precision, "step_s": step, "tokens_per_s": seq / step, "loss": metrics["loss"],
            "model_tflops": model_flops_per_token(shape, layers, seq) * seq / step / 1e12,
            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else None}
@@ -73,12 +90,14 @@ def main() -> None:
     p.add_argument("--precisions", default="bf16,nvfp4")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--out", default=None)
+    p.add_argument("--profile", type=int, default=0, metavar="TOP",
+                   help="after timing, profile one more step and print the TOP ops by device and host time")
     a = p.parse_args()
     shape = TINY if a.tiny else FULL
     rows = []
     for prec in a.precisions.split(","):
         try:
-            rows.append(run(prec, shape, a.layers, a.seq, a.steps, a.warmup))
+            rows.append(run(prec, shape, a.layers, a.seq, a.steps, a.warmup, a.profile))
         except Exception as e:  # report and go on: one precision failing must not hide the other's number
             rows.append({"precision": prec, "error": f"{type(e).__name__}: {e}"})
         print(json.dumps(rows[-1]), flush=True)

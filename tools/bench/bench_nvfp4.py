@@ -384,6 +384,8 @@ def main() -> None:
     p.add_argument("--out", default="docs/benchmarks/kernels-h200.json")
     p.add_argument("--sections", default="copy,quant,sweep,block,decode")
     p.add_argument("--decode-config", default="", help="bm,bn,bk,warps,stages")
+    p.add_argument("--learner-slice", default="", metavar="JSON",
+                   help="the output of tools/bench/bench_learner_slice.py from the same device run, merged in")
     args = p.parse_args()
     sections = args.sections.split(",")
     res: dict = {"errors": {}}
@@ -408,8 +410,14 @@ def main() -> None:
         dcfg = GemmConfig(*map(int, args.decode_config.split(","))) if args.decode_config else None
         guarded("decode", section_decode, res, dcfg)
     res["learner_slice_nvfp4_over_bf16_tokens_per_s"] = None
-    res["learner_slice_reason"] = ("measured separately by tools/bench/bench_learner_slice.py "
-                                   "(docs/benchmarks/learner-slice-h200.json)")
+    res["learner_slice_reason"] = "not run in this call (--learner-slice)"
+    if args.learner_slice:
+        with open(args.learner_slice) as f:
+            sl = json.load(f)
+        res["learner_slice"] = sl
+        res["learner_slice_nvfp4_over_bf16_tokens_per_s"] = sl.get("nvfp4_over_bf16_tokens_per_s")
+        res["learner_slice_reason"] = (f"tools/bench/bench_learner_slice.py --layers {sl.get('layers')} --seq "
+                                       f"{sl.get('seq')}, same device call")
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:

@@ -32,8 +32,17 @@ def render(d: dict) -> str:
         out.append(f"| {key} | {'-' if v is None else f'{v:.3f}'} | {op} {target} | {_met(v, op, target)} |")
     for m, v in d.get("decode_speedup_vs_bf16", {}).items():
         out.append(f"| decode_speedup_vs_bf16, M={m} | {v:.2f}x | >= 3.5x | {_met(v, '>=', 3.5)} |")
-    out.append(f"| learner_slice_nvfp4_over_bf16_tokens_per_s | {d.get('learner_slice_nvfp4_over_bf16_tokens_per_s')}"
-               f" | >= 0.95 | {d.get('learner_slice_reason', '')} |")
+    ratio = d.get("learner_slice_nvfp4_over_bf16_tokens_per_s")
+    out.append(f"| learner_slice_nvfp4_over_bf16_tokens_per_s | {'-' if ratio is None else f'{ratio:.3f}'} | >= 0.95 "
+               f"| {_met(ratio, '>=', 0.95)}: {d.get('learner_slice_reason', '')} |")
+    for row in d.get("learner_slice", {}).get("rows", []):
+        if "error" in row:
+            out.append(f"| learner slice {row['precision']} | failed: {row['error']} | | |")
+            continue
+        out.append(f"| learner slice {row['precision']}: tokens/s (step s, peak GiB) | {row['tokens_per_s']:,.0f} "
+                   f"({row['step_s']:.3f} s, {row['peak_mem_gib']:.1f} GiB) | | |")
+        out.append(f"| learner slice {row['precision']}: model TFLOP/s | {row['model_tflops']:.1f} | >= 200 "
+                   f"| {_met(row['model_tflops'], '>=', 200)} |")
     out += ["", "Expert block (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in d.get("expert_block_ms", {}).items()),
             "", "Forward stages (us): " + ", ".join(f"{k} {v:.0f}" for k, v in
                                                     d.get("expert_block_fwd_stages_us", {}).items()),
