@@ -379,6 +379,44 @@ def sweep_train_config() -> GemmConfig:
     return best
 
 
+def section_segments(res: dict) -> None:
+    """Grouped quantisation of the learner's MoE path, tile sweep (every tile gives the same bits, checked):
+    the expert-weight stack (128 x [1536, 2048], 16x16 blocks, values) and the wgrad operand x^T (2048 x 131072
+    permuted tokens in 128 column segments, RHT, read through the transposed view)."""
+    gen = torch.Generator().manual_seed(0)
+    w = (torch.randn(EXPERTS, 2 * FFN, HIDDEN, device="cuda") * 0.02).bfloat16()
+    counts = [c + (-c) % 16 for c in _routing_counts(TOKENS * TOPK, EXPERTS, gen).tolist()]
+    x = torch.randn(sum(counts), HIDDEN, device="cuda").bfloat16()
+    cases = {
+        "stack": (w.reshape(-1, HIDDEN), [(e * 2 * FFN, 0, 2 * FFN, HIDDEN, e * 2 * FFN, 0) for e in range(EXPERTS)],
+                  (EXPERTS * 2 * FFN, HIDDEN), (16, 16), False, [{"elems": n, "warps": wp, "vec2d": True}
+                                                                   for n in (1024, 4096, 8192, 16384) for wp in (4, 8)]),
+        "wgrad_xT_rht": (x.t(), [(0, s, HIDDEN, c, 0, s) for s, c in zip(
+            [sum(counts[:i]) for i in range(EXPERTS)], counts)], (HIDDEN, sum(counts)), (1, 16), True,
+            [{"elems": n, "warps": wp, "vec2d": False} for n in (2048, 4096, 8192, 16384) for wp in (4, 8)]),
+    }
+    res["segments_us"] = {}
+    for name, (src, segs, shape, block, rht, tunings) in cases.items():
+        nelem = shape[0] * shape[1]
+        base, best = None, None
+        for tu in [None] + tunings:
+            fn = lambda: nq.quantize_segments_triton(src, segs, shape, block, "nearest", None, rht,  # noqa: E731
+                                                     torch.float16, tuning=tu)
+            out = fn()
+            t = bench(fn, rep=50)
+            bits = [t_.view(torch.uint8) if t_.dtype == torch.float8_e4m3fn else t_ for t_ in out]
+            same = "" if base is None else f" bitwise={all(torch.equal(a, b) for a, b in zip(bits, base))}"
+            out = bits
+            base = out if base is None else base
+            log(f"  segments {name} tuning={tu or 'default'}: {t * 1e3:.1f} us, "
+                f"{nelem * (src.element_size() + 2.5625) / t / 1e9:.2f} TB/s (two reads + codes/scales/values){same}")
+            if tu is None:
+                res["segments_us"][name] = {"default_us": t * 1e3}
+            elif best is None or t < best[0]:
+                best = (t, tu)
+        res["segments_us"][name].update(best_us=best[0] * 1e3, best_tuning=best[1])
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="docs/benchmarks/kernels-h200.json")
@@ -401,6 +439,8 @@ def main() -> None:
 
     if "copy" in sections or "quant" in sections:
         guarded("copy_quant", section_copy_quant, res)
+    if "segments" in sections:
+        guarded("segments", section_segments, res)
     cfg = guarded("sweep", sweep_train_config) if "sweep" in sections else None
     if cfg:
         log(f"training tile: {vars(cfg)}")
