@@ -343,15 +343,20 @@ def seed_mix(seed: int) -> int:
 # 8192 elements, 1142 us (2048: 1858 us).
 #   elems: fp32 elements one program holds; warps: None = 8 if elems >= 8192 else 4; vec2d: 2-D row loads/stores
 #   (16-byte vectors) reshaped to the 4-D view, else 4-D addressing.
-# "stack": expert-weight stacks (16x16 blocks) in quantize_segments_triton, from the H200 sweep of
-# `bench_nvfp4.py --sections segments` (128 x [1536, 2048]: 8192 elements / 4 warps 2004 us; 8 warps 2282 us; 1024
-# elements 2213-2628 us). Tall tiles for transposed views (128 x 64) measured no faster (3.0 ms for x^T with RHT).
+# Not yet swept on the H200 (chosen by the coalescing argument, see docs/benchmarks.md): "colmajor" for transposed
+# views (tall tiles, tensor scope), "stack" for expert-weight stacks (16x16 blocks).
 TUNING = {
     "plain": {"elems": 2048, "warps": 2, "vec2d": False},
     "values": {"elems": 1024, "warps": 2, "vec2d": True},
     "rht": {"elems": 8192, "warps": None, "vec2d": True},
-    "stack": {"elems": 8192, "warps": 4, "vec2d": True},
+    "colmajor": {"elems": 8192, "warps": 8, "vec2d": False},
+    "stack": {"elems": 8192, "warps": 8, "vec2d": True},
 }
+
+
+def _col_major(x: torch.Tensor) -> bool:
+    """x is a transposed view: its rows, not its columns, are contiguous in memory."""
+    return x.stride(0) == 1 and x.stride(1) != 1 and x.shape[0] > 1
 
 
 def _tuning(rht: bool, values: bool) -> dict:
@@ -363,9 +368,15 @@ def _as_int32_bits(u: int) -> int:
     return u - (1 << 32) if u >= (1 << 31) else u
 
 
-def _tile_shape(rows: int, cols: int, br: int, row_scope: bool, budget: int) -> tuple[int, int, bool]:
-    """(BLOCK_R, BLOCK_C, single pass) for one program holding about `budget` elements."""
+def _tile_shape(rows: int, cols: int, br: int, row_scope: bool, budget: int,
+                col_major: bool = False) -> tuple[int, int, bool]:
+    """(BLOCK_R, BLOCK_C, single pass) for one program holding about `budget` elements. col_major: x's rows are
+    the contiguous direction (a transposed view, e.g. the wgrad operands x^T): tall tiles, so that each column's
+    read is one contiguous run of up to 128 rows."""
     full = triton.next_power_of_2(cols)
+    if col_major and br == 1 and not row_scope:
+        block_r = min(triton.next_power_of_2(rows), 128)
+        return block_r, max(16, min(full, budget // block_r)), False
     if row_scope:
         single = full <= MAX_SINGLE_PASS_COLS
         block_c = full if single else 2048
@@ -402,8 +413,9 @@ def quantize_with_values_triton(x: torch.Tensor, block=(1, 16), scale_scope: str
     data = torch.empty(rows, cols // 2, dtype=torch.uint8, device=dev)
     scale = torch.empty(rows // br, cols // 16, dtype=torch.uint8, device=dev)
     vals = torch.empty(rows, cols, dtype=values_dtype, device=dev) if values_dtype is not None else data
-    tune = _tuning(rht, values_dtype is not None)
-    block_r, block_c, single = _tile_shape(rows, cols, br, row_scope, tune["elems"])
+    col_major = _col_major(x)
+    tune = TUNING["colmajor"] if col_major and br == 1 and not row_scope else _tuning(rht, values_dtype is not None)
+    block_r, block_c, single = _tile_shape(rows, cols, br, row_scope, tune["elems"], col_major)
     warps = tune["warps"] or (8 if block_r * block_c >= 8192 else 4)
     vec2d = tune["vec2d"]
     if row_scope:
@@ -464,8 +476,9 @@ def quantize_segments_triton(x: torch.Tensor, segments, out_shape: tuple[int, in
     max_r = max(s[2] for s in segments)
     max_c = max(s[3] for s in segments)
     table = torch.tensor([list(map(int, s)) for s in segments], dtype=torch.int64).to(dev, non_blocking=True)
-    tune = tuning or (TUNING["stack"] if br == 16 else _tuning(rht, values_dtype is not None))
-    block_r, block_c, _ = _tile_shape(max(max_r, 1), max(max_c, 16), br, False, tune["elems"])
+    col_major = _col_major(x)
+    tune = tuning or TUNING["colmajor" if col_major and br == 1 else ("stack" if br == 16 else "values")]
+    block_r, block_c, _ = _tile_shape(max(max_r, 1), max(max_c, 16), br, False, tune["elems"], col_major)
     warps = tune["warps"] or (8 if block_r * block_c >= 8192 else 4)
     vec2d = tune["vec2d"]
     grid = (triton.cdiv(max(max_r, 1), block_r), triton.cdiv(max(max_c, 16), block_c), nseg)

@@ -393,7 +393,7 @@ def section_segments(res: dict) -> None:
                                                                    for n in (1024, 4096, 8192, 16384) for wp in (4, 8)]),
         "wgrad_xT_rht": (x.t(), [(0, s, HIDDEN, c, 0, s) for s, c in zip(
             [sum(counts[:i]) for i in range(EXPERTS)], counts)], (HIDDEN, sum(counts)), (1, 16), True,
-            [{"elems": n, "warps": wp, "vec2d": v} for n in (2048, 8192) for wp in (4, 8) for v in (False, True)]),
+            [{"elems": n, "warps": wp, "vec2d": False} for n in (2048, 4096, 8192, 16384) for wp in (4, 8)]),
     }
     res["segments_us"] = {}
     for name, (src, segs, shape, block, rht, tunings) in cases.items():
