@@ -23,7 +23,7 @@ def _met(value, op, target) -> str:
 
 def render(d: dict) -> str:
     out = [f"Device {d['device']} (torch {d['torch']}, triton {d['triton']}), {d['date']}, commit {d['commit']}, "
-           f"command `{d['command']}` (run through `bash tools/bench/device_run.sh COMMIT ...`). One run, medians of "
+           f"command `{d['command']}`. One run, medians of "
            "triton.testing.do_bench (decode: CUDA-graph replays over 8 rotating weight sets).", "",
            "| metric | measured | target | |", "|---|---|---|---|",
            f"| device copy, 131072x2048 bf16 (read + write) | {d['copy_TBps']:.3f} TB/s | ceiling | |"]
