@@ -175,6 +175,10 @@ class _NVFP4Linear(torch.autograd.Function):
         k, n = x.shape[-1], ctx.w_q.shape[0]
         x2, dy2 = x.reshape(-1, k), dy.reshape(-1, n)
         dx = dw = None
+        if x2.shape[0] == 0:  # no tokens: zero gradients (a quantiser's amax needs a non-empty tensor)
+            dx = torch.zeros_like(x) if ctx.needs_input_grad[0] else None
+            dw = x.new_zeros(ctx.w_q.shape, dtype=ctx.w_dtype) if ctx.needs_input_grad[1] else None
+            return dx, dw, None, None, None, None, None, None
         if ctx.needs_input_grad[0]:
             gq = _quantize_scoped(dy2, recipe.gradient, seed=derive_seed(seed, _ROLES["gradient"]),
                                   backend=backend, amax_group=gdy)

@@ -85,6 +85,14 @@ def test_empty_expert_batch():
     assert y.shape == (0, 16) and torch.equal(w.grad, torch.zeros_like(w))
 
 
+def test_empty_token_batch_dense_linear():
+    w = torch.randn(16, 32, requires_grad=True)
+    x = torch.zeros(2, 0, 32, requires_grad=True)
+    y = nvfp4_linear(x, w, R, seed=1)
+    (y.sum() + 0 * w.sum()).backward()
+    assert y.shape == (2, 0, 16) and torch.equal(w.grad, torch.zeros_like(w)) and x.grad.shape == x.shape
+
+
 @pytest.mark.parametrize("role,shard", [("weight", "rows"), ("activation", "cols"), ("wgrad_input", "rows"),
                                         ("gradient", "cols")])
 def test_tp_amax_sync_reproduces_unsharded_quantisation(monkeypatch, role, shard):
