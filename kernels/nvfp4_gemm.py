@@ -275,13 +275,12 @@ def grouped_gemm_triton(a: NVFP4Tensor, weights, tokens_per_expert, out_dtype=to
             b_trans = True
         else:
             weights = weights.t() if isinstance(weights, NVFP4Stack) else [w.t() for w in weights]
-    if isinstance(weights, NVFP4Stack):
-        w = ExpertWeights(weights.data, weights.scale.view(torch.uint8), weights.global_scale.reshape(-1, 1),
-                          weights.values, weights.block[0], weights.shape)
-    elif isinstance(weights, ExpertWeights):
+    if isinstance(weights, ExpertWeights):
         w = weights
-    else:
-        w = stack_expert_weights(list(weights))
+    else:  # a list is stacked here (NVFP4Stack handles members with per-tensor and per-row scales together)
+        st = weights if isinstance(weights, NVFP4Stack) else NVFP4Stack.from_tensors(list(weights))
+        gs = st.global_scale if st.global_scale.dim() == 2 else st.global_scale.reshape(-1, 1)
+        w = ExpertWeights(st.data, st.scale.view(torch.uint8), gs, st.values, st.block[0], st.shape)
     a_values = a.values if a_values is None else a_values
     t_rows, k = a.shape
     kw, n = w.shape if b_trans else w.shape[::-1]

@@ -32,7 +32,8 @@ VALUES_DTYPE = torch.float16
 @dataclass
 class NVFP4Stack:
     """E NVFP4 tensors of one shape, stored stacked: data uint8 [E, R, C/2], scale e4m3 [E, R/br, C/16],
-    global_scale fp32 [E] (one per member), values fp16 [E, R, C] block values or None."""
+    global_scale fp32 [E] (one per member) or [E, R] (per row, (1, 16) blocks: e.g. a ModelOpt gate/up weight whose
+    two halves carry different scales), values fp16 [E, R, C] block values or None."""
 
     data: torch.Tensor
     scale: torch.Tensor
@@ -48,7 +49,9 @@ class NVFP4Stack:
         br = self.block[0]
         want = {"data": (self.data, torch.uint8, (e, rows, cols // 2)),
                 "scale": (self.scale, torch.float8_e4m3fn, (e, rows // br, cols // 16)),
-                "global_scale": (self.global_scale, torch.float32, (e,))}
+                "global_scale": (self.global_scale, torch.float32, (e,) if self.global_scale.dim() < 2 else (e, rows))}
+        if self.global_scale.dim() == 2 and br != 1:
+            raise ValueError("NVFP4Stack: per-row global scales need (1, 16) blocks")
         if self.values is not None:
             want["values"] = (self.values, VALUES_DTYPE, (e, rows, cols))
         for name, (t, dtype, shape) in want.items():
@@ -67,19 +70,25 @@ class NVFP4Stack:
 
     @classmethod
     def from_tensors(cls, tensors: Sequence[NVFP4Tensor]) -> "NVFP4Stack":
-        """Stack per-tensor-scaled NVFP4 tensors of one shape and block (copies)."""
+        """Stack NVFP4 tensors of one shape and block (copies). If any member has per-row global scales, every
+        member's scale is stored per row (a per-tensor scale repeated: the same products)."""
         first = tensors[0]
         for e, t in enumerate(tensors):
-            if t.shape != first.shape or t.block != first.block or t.per_row:
-                raise ValueError(f"member {e}: shape {t.shape} block {t.block} per_row {t.per_row}; all members "
-                                 f"need shape {first.shape}, block {first.block} and one global scale")
-        return cls(torch.stack([t.data for t in tensors]), torch.stack([t.scale for t in tensors]),
-                   torch.stack([t.global_scale.reshape(()) for t in tensors]), first.shape, first.block)
+            if t.shape != first.shape or t.block != first.block:
+                raise ValueError(f"member {e}: shape {t.shape} block {t.block}; all members need shape "
+                                 f"{first.shape} and block {first.block}")
+        if any(t.per_row for t in tensors):
+            gs = torch.stack([t.global_scale if t.per_row else t.global_scale.reshape(()).expand(first.shape[0])
+                              for t in tensors])
+        else:
+            gs = torch.stack([t.global_scale.reshape(()) for t in tensors])
+        return cls(torch.stack([t.data for t in tensors]), torch.stack([t.scale for t in tensors]), gs,
+                   first.shape, first.block)
 
     def t(self) -> "NVFP4Stack":
         """Every member transposed exactly (16x16 blocks; see NVFP4Tensor.t), computed once per stack."""
-        if self.block != BLOCK_2D:
-            raise ValueError(f"t() needs (16, 16) blocks, got {self.block}")
+        if self.block != BLOCK_2D or self.global_scale.dim() != 1:
+            raise ValueError(f"t() needs (16, 16) blocks and one global scale per member, got {self.block}")
         if self._transposed is None:
             e, (rows, cols) = len(self), self.shape
             codes = unpack_codes(self.data.reshape(e * rows, cols // 2)).reshape(e, rows, cols)

@@ -26,7 +26,8 @@ from sglang.srt.utils import set_weight_attrs
 
 from minite.learner.ops import nvfp4_linear_forward
 from minite.nvfp4 import NVFP4Recipe
-from minite.rollout.sglang_plugin import GROUP, METHOD_NAME, grouped_forward, recipe_from_json, weight_tensor
+from minite.rollout.sglang_plugin import (GROUP, METHOD_NAME, expert_stack, grouped_forward, recipe_from_json,
+                                         weight_tensor)
 
 
 def _scale_param(shape, weight_loader, fill: Optional[float] = None) -> PerTensorScaleParameter:
@@ -119,12 +120,9 @@ class MiniteNVFP4MoEMethod(FusedMoEMethodBase):
         self.moe_runner_config = moe_runner_config
 
     def experts(self, layer: torch.nn.Module):
-        """(w13, w2): per-expert NVFP4Tensor views of the loaded parameters."""
-        w13 = [weight_tensor(layer.w13_weight.data[i], layer.w13_weight_scale.data[i],
-                             layer.w13_weight_scale_2.data[i]) for i in range(layer.w13_weight.shape[0])]
-        w2 = [weight_tensor(layer.w2_weight.data[i], layer.w2_weight_scale.data[i],
-                            layer.w2_weight_scale_2.data[i]) for i in range(layer.w2_weight.shape[0])]
-        return w13, w2
+        """(w13, w2): NVFP4Stacks over the loaded parameters (no copy)."""
+        return (expert_stack(layer.w13_weight.data, layer.w13_weight_scale.data, layer.w13_weight_scale_2.data),
+                expert_stack(layer.w2_weight.data, layer.w2_weight_scale.data, layer.w2_weight_scale_2.data))
 
     def apply(self, layer: torch.nn.Module, dispatch_output):
         from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput

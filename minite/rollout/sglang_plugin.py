@@ -43,7 +43,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from minite.learner.ops import nvfp4_grouped_linear
-from minite.nvfp4 import NVFP4Recipe, NVFP4Tensor, OperandRecipe
+from minite.nvfp4 import NVFP4Recipe, NVFP4Stack, NVFP4Tensor, OperandRecipe
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +142,20 @@ def weight_tensor(data: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor
     return NVFP4Tensor(data, scale, gs, (n, k), (1, GROUP))
 
 
+def expert_stack(data: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor) -> NVFP4Stack:
+    """The experts of a FusedMoE layer as one NVFP4Stack over its stacked ModelOpt tensors (no copy of codes or
+    scales): data [E, N, K/2], scale [E, N, K/16], scale_2 [E] or [E, shards]. One global scale per expert when every
+    expert's shards agree (our exports), else per-row scales (each shard's scale repeated over its rows: the same
+    products, as in `weight_tensor`). The grouped kernels read it directly instead of stacking E tensors per call."""
+    e, n = data.shape[0], data.shape[1]
+    s2 = scale_2.reshape(e, -1).float()
+    if s2.shape[1] == 1 or bool((s2 == s2[:, :1]).all()):
+        gs = s2[:, 0].contiguous()
+    else:
+        gs = torch.repeat_interleave(s2, n // s2.shape[1], dim=1).contiguous()
+    return NVFP4Stack(data, scale, gs, (n, data.shape[2] * 2), (1, GROUP))
+
+
 def _config_class():
     """MiniteNVFP4Config, defined on first use so that importing this module never imports SGLang."""
     global _CONFIG_CLS
@@ -164,9 +178,10 @@ def quant_config_dict(recipe: NVFP4Recipe, exclude_modules: List[str]) -> Dict[s
     }
 
 
-def grouped_forward(x: torch.Tensor, w13: List[NVFP4Tensor], w2: List[NVFP4Tensor], topk_weights: torch.Tensor,
+def grouped_forward(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor, recipe: NVFP4Recipe, backend: str = "auto") -> torch.Tensor:
     """Routed SwiGLU experts on x [T, H] with top-k ids/weights [T, k], computed as the learner's MoE layer does.
+    w13 / w2: NVFP4Stack (`expert_stack`) or lists of per-expert NVFP4Tensors.
 
     Permute (Megatron moe_utils.permute): rows sorted by expert, token order within an expert. Experts: the learner's
     GroupedExperts.forward (fc1, silu(gate) * up * prob in fp32, fc2). Combine (moe_utils.unpermute): scatter_add of
@@ -193,7 +208,7 @@ def grouped_forward(x: torch.Tensor, w13: List[NVFP4Tensor], w2: List[NVFP4Tenso
     return combined
 
 
-def _shape_only(ws: List[NVFP4Tensor], like: torch.Tensor) -> torch.Tensor:
+def _shape_only(ws, like: torch.Tensor) -> torch.Tensor:
     """A zero-storage [E, N, K] stand-in: nvfp4_grouped_linear reads only the weight's shape/dtype when weight_q
     is given."""
     n, k = ws[0].shape

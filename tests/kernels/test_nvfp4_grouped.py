@@ -146,3 +146,29 @@ def test_grouped_gemm_transposed_weights_bitwise():
     ref = grouped_gemm(a, st, counts, backend="reference", transpose_weights=True)
     assert torch.equal(ref, grouped_gemm(a, st.t(), counts, backend="reference"))
     assert (got - ref).abs().max() <= TOLERANCES["nvfp4_op_kernels_vs_reference"][1] * ref.abs().max()
+
+
+def test_stack_with_per_row_global_scales():
+    """ModelOpt-style expert weights: (1, 16) blocks, some experts with per-row global scales (gate and up halves
+    scaled differently), others with one; the stack keeps them per row and every path gives the list's result."""
+    torch.manual_seed(7)
+    ws = []
+    for e in range(3):
+        q = quantize_reference(torch.randn(32, 48).to(DEVICE), block=(1, 16), scale_scope="tensor",
+                               rounding="nearest", seed=None, rht=False)
+        if e != 1:  # two halves with different global scales -> per-row
+            gs = torch.cat([q.global_scale.expand(16), 2 * q.global_scale.expand(16)]).contiguous()
+            q = type(q)(q.data, q.scale, gs, q.shape, q.block)
+        ws.append(q)
+    st = NVFP4Stack.from_tensors(ws)
+    assert st.global_scale.shape == (3, 32)
+    counts = [4, 7, 5]
+    a = quantize_reference(torch.randn(16, 48).to(DEVICE), block=(1, 16), scale_scope="row", rounding="nearest",
+                           seed=None, rht=False)
+    ref = grouped_gemm(a, ws, counts, backend="reference")
+    assert torch.equal(grouped_gemm(a, st, counts, backend="reference"), ref)
+    tri = grouped_gemm(a, st, counts, backend="triton")
+    assert torch.equal(tri, grouped_gemm(a, ws, counts, backend="triton"))
+    assert (tri - ref).abs().max() <= TOLERANCES["nvfp4_op_kernels_vs_reference"][1] * ref.abs().max()
+    with pytest.raises(ValueError, match="one global scale per member"):
+        st.t()
