@@ -226,10 +226,12 @@ def _quantize_tile(x, rows, c0, R, C, s_enc, s_dec, sixth, seed_mix,
 
 @triton.jit(do_not_specialize=["seed_mix"])
 def _quant_kernel(x_ptr, stride_r, stride_c, R, C, data_ptr, scale_ptr, gs_ptr, senc_ptr, vals_ptr,
-                  seed_mix, sixth,
+                  seed_mix, sixth, amax_ptr,
                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BR: tl.constexpr, ROW_SCOPE: tl.constexpr,
                   SINGLE: tl.constexpr, STOCHASTIC: tl.constexpr, RHT: tl.constexpr, WRITE_VALS: tl.constexpr,
-                  SIGN_MASK: tl.constexpr, VEC2D: tl.constexpr):
+                  SIGN_MASK: tl.constexpr, VEC2D: tl.constexpr, GIVEN_AMAX: tl.constexpr = False):
+    """GIVEN_AMAX (per-row scales): each row's amax is read from amax_ptr (the caller's, e.g. all-reduced over a
+    tensor-parallel group) instead of computed from the row."""
     G: tl.constexpr = BLOCK_C // 16
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -238,15 +240,21 @@ def _quant_kernel(x_ptr, stride_r, stride_c, R, C, data_ptr, scale_ptr, gs_ptr, 
     if ROW_SCOPE:
         if SINGLE:
             x = _load_tile(x_ptr, stride_r, stride_c, rows, 0, R, C, BLOCK_R, G, RHT, SIGN_MASK, VEC2D)
-            s_enc, s_dec = _global_scales(_row_amax(x))
+            if GIVEN_AMAX:
+                s_enc, s_dec = _global_scales(tl.load(amax_ptr + rows, mask=rows < R, other=0.0))
+            else:
+                s_enc, s_dec = _global_scales(_row_amax(x))
             tl.store(gs_ptr + rows, s_dec, mask=rows < R)
             _quantize_tile(x, rows, 0, R, C, s_enc[:, None], s_dec[:, None], sixth, seed_mix,
                            data_ptr, scale_ptr, vals_ptr, scale_row0, 0, 0, C, BLOCK_R, G, BR, STOCHASTIC, WRITE_VALS, VEC2D)
         else:
-            amax = tl.zeros([BLOCK_R], tl.float32)
-            for c0 in range(0, C, BLOCK_C):
-                x = _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C, BLOCK_R, G, RHT, SIGN_MASK, VEC2D)
-                amax = tl.maximum(amax, _row_amax(x))
+            if GIVEN_AMAX:
+                amax = tl.load(amax_ptr + rows, mask=rows < R, other=0.0)
+            else:
+                amax = tl.zeros([BLOCK_R], tl.float32)
+                for c0 in range(0, C, BLOCK_C):
+                    x = _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C, BLOCK_R, G, RHT, SIGN_MASK, VEC2D)
+                    amax = tl.maximum(amax, _row_amax(x))
             s_enc, s_dec = _global_scales(amax)
             tl.store(gs_ptr + rows, s_dec, mask=rows < R)
             for c0 in range(0, C, BLOCK_C):
@@ -392,18 +400,21 @@ def _tile_shape(rows: int, cols: int, br: int, row_scope: bool, budget: int,
 
 
 def quantize_triton(x: torch.Tensor, block=(1, 16), scale_scope: str = "tensor", rounding: str = "nearest",
-                    seed: int | None = None, rht: bool = False) -> NVFP4Tensor:
+                    seed: int | None = None, rht: bool = False, global_amax: torch.Tensor | None = None) -> NVFP4Tensor:
     """Triton twin of minite.nvfp4.quantize_reference (inputs validated by minite.nvfp4.quantize)."""
-    q, _ = quantize_with_values_triton(x, block, scale_scope, rounding, seed, rht, values_dtype=None)
+    q, _ = quantize_with_values_triton(x, block, scale_scope, rounding, seed, rht, values_dtype=None,
+                                       global_amax=global_amax)
     return q
 
 
 def quantize_with_values_triton(x: torch.Tensor, block=(1, 16), scale_scope: str = "tensor",
                                 rounding: str = "nearest", seed: int | None = None, rht: bool = False,
-                                values_dtype: torch.dtype | None = torch.float16):
+                                values_dtype: torch.dtype | None = torch.float16,
+                                global_amax: torch.Tensor | None = None):
     """(NVFP4Tensor, block values or None): the quantisation plus, in the same pass, code x block scale in
     `values_dtype` (exact in fp16 and bf16), the operand a block-value GEMM reads without decoding nibbles.
-    x may be a strided view (e.g. the transpose of a contiguous tensor, for column-wise wgrad operands)."""
+    x may be a strided view (e.g. the transpose of a contiguous tensor, for column-wise wgrad operands).
+    global_amax: the amax of the global-scale scope given by the caller (fp32, [] or [rows]); no amax pass then."""
     ensure_interpreter_compat()
     block = tuple(block)
     rows, cols = x.shape
@@ -421,24 +432,27 @@ def quantize_with_values_triton(x: torch.Tensor, block=(1, 16), scale_scope: str
     block_r, block_c, single = _tile_shape(rows, cols, br, row_scope, tune["elems"], col_major)
     warps = tune["warps"] or (8 if block_r * block_c >= 8192 else 4)
     vec2d = tune["vec2d"]
+    given = global_amax.to(device=dev, dtype=torch.float32).contiguous() if global_amax is not None else None
     if row_scope:
         gs = torch.empty(rows, dtype=torch.float32, device=dev)
         senc = gs  # unused
         grid = (triton.cdiv(rows, block_r), 1)
     else:
         grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))
-        partial = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=dev)
-        _amax_kernel[grid](x, x.stride(0), x.stride(1), rows, cols, partial, BLOCK_R=block_r, BLOCK_C=block_c,
-                           RHT=rht, SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d, num_warps=warps)
-        s_enc = global_encode_scale(partial.amax())
+        if given is None:
+            partial = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=dev)
+            _amax_kernel[grid](x, x.stride(0), x.stride(1), rows, cols, partial, BLOCK_R=block_r, BLOCK_C=block_c,
+                               RHT=rht, SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d, num_warps=warps)
+        s_enc = global_encode_scale(partial.amax() if given is None else given.reshape(()))
         s_dec = torch.tensor(1.0, dtype=torch.float32) / s_enc
         senc = torch.stack([s_enc, s_dec])
         gs = s_dec
+    row_given = row_scope and given is not None
     _quant_kernel[grid](x, x.stride(0), x.stride(1), rows, cols, data, scale, gs, senc, vals,
-                        _as_int32_bits(seed_mix(seed)) if stochastic else 0, SIXTH,
+                        _as_int32_bits(seed_mix(seed)) if stochastic else 0, SIXTH, given if row_given else gs,
                         BLOCK_R=block_r, BLOCK_C=block_c, BR=br, ROW_SCOPE=row_scope, SINGLE=single,
                         STOCHASTIC=stochastic, RHT=rht, WRITE_VALS=values_dtype is not None,
-                        SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d, num_warps=warps)
+                        SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d, GIVEN_AMAX=row_given, num_warps=warps)
     q = NVFP4Tensor(data=data, scale=scale.view(torch.float8_e4m3fn), global_scale=gs, shape=(rows, cols),
                     block=block)
     return q, (vals if values_dtype is not None else None)

@@ -17,9 +17,8 @@ and a resumed run draws the same rounding as an uninterrupted one.
 Tensor parallelism. A global scale is the amax over its scope; when that scope spans a TP-sharded dim, each rank
 sees only a slice. `amax_group` all-reduces (MAX) the amax over the TP group so that a shard quantises to exactly
 the values of the same slice of the unsharded tensor (given 16-aligned shard boundaries): column-parallel layers
-(`sharded="out"`) sync W, dy and dy^T; row-parallel ones (`sharded="in"`) sync W, x (per row) and x^T. The
-quantiser takes no amax argument, so `_quantize_scoped` appends a pad row (or a pad 16-column block for per-row
-scales) whose only non-zero carries the group amax, then drops it: the pad changes no other block's scale.
+(`sharded="out"`) sync W, dy and dy^T; row-parallel ones (`sharded="in"`) sync W, x (per row) and x^T. The group
+amax goes to the quantiser as `quantize(..., global_amax=)`.
 Stochastic-rounding streams are indexed by element position in the *local* tensor, so backward values under TP
 match the unsharded run in distribution, not bitwise; the forward matches up to fp32 summation order.
 
@@ -42,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from minite.nvfp4 import (NVFP4Recipe, NVFP4Stack, NVFP4Tensor, OperandRecipe, apply_rht, gemm, grouped_gemm,
-                          quantize_column_segments, quantize_stack, rht_matrix, segmented_gemm)
+                          quantize_column_segments, quantize_stack, segmented_gemm)
 from minite.nvfp4.backend import resolve
 
 _M32 = 0xFFFFFFFF
@@ -79,32 +78,13 @@ def _quantize_scoped(x: torch.Tensor, op: OperandRecipe, *, seed: Optional[int],
     """`op.quantize(x)`, with the global-scale amax taken over `amax_group` (TP) when it has > 1 rank; block values
     kept when the kernels will read them; the NaN/Inf check only off the GPU (see the module docstring)."""
     vals, check = _on_kernels(backend, x), not x.is_cuda
-    if _group_size(amax_group) == 1:
-        return op.quantize(x, seed=seed, backend=backend, values=vals, check_finite=check)
-    rows, cols = x.shape
-    if op.scale_scope == "row":
-        if op.rht:
+    amax = None
+    if _group_size(amax_group) > 1:
+        if op.scale_scope == "row" and op.rht:
             raise ValueError("per-row scales with RHT are not supported under tensor parallelism")
-        g = _group_amax(x.float(), 1, amax_group)
-        pad = torch.zeros(rows, 16, dtype=torch.float32, device=x.device)
-        pad[:, 0] = g
-        q = op.quantize(torch.cat([x.float(), pad], dim=1), seed=seed, backend=backend, values=vals,
-                        check_finite=check)
-        return NVFP4Tensor(q.data[:, :cols // 2].contiguous(), q.scale[:, :cols // 16].contiguous(),
-                           q.global_scale, (rows, cols), q.block,
-                           None if q.values is None else q.values[:, :cols].contiguous())
-    seen = apply_rht(x) if op.rht else x.float()
-    g = _group_amax(seen, None, amax_group)
-    pad = torch.zeros(op.block[0], cols, dtype=torch.float32, device=x.device)
-    if op.rht:  # the pad row g * M[:, 0]: M is orthogonal, so the quantiser sees [g, 0, ..., 0] exactly
-        pad[0, :16] = g * rht_matrix(x.device)[:, 0]
-    else:
-        pad[0, 0] = g
-    padded = torch.cat([x.float(), pad], dim=0)  # fp32 holds bf16/fp16 inputs exactly
-    q = op.quantize(padded, seed=seed, backend=backend, values=vals, check_finite=check)
-    br = op.block[0]
-    return NVFP4Tensor(q.data[:rows].contiguous(), q.scale[:rows // br].contiguous(), q.global_scale,
-                       (rows, cols), q.block, None if q.values is None else q.values[:rows].contiguous())
+        seen = apply_rht(x) if op.rht else x
+        amax = _group_amax(seen, 1 if op.scale_scope == "row" else None, amax_group)
+    return op.quantize(x, seed=seed, backend=backend, values=vals, check_finite=check, global_amax=amax)
 
 
 def quantize_weight(weight: torch.Tensor, recipe: NVFP4Recipe, *, backend: str = "auto",

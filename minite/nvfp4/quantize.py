@@ -116,7 +116,7 @@ def _validate(x, block, scale_scope, rounding, check_finite: bool = True) -> tup
 
 def quantize(x: torch.Tensor, *, block=BLOCK_1D, scale_scope: str = "tensor", rounding: str = "nearest",
              seed: int | None = None, rht: bool = False, backend: str = "auto", values: bool = False,
-             check_finite: bool = True) -> NVFP4Tensor:
+             check_finite: bool = True, global_amax: torch.Tensor | None = None) -> NVFP4Tensor:
     """Quantise a 2-D float tensor along its last dim to NVFP4 (see the module docstring for the exact math).
 
     block: (1, 16) or (16, 16). scale_scope: "tensor" or "row" (row needs (1, 16) blocks).
@@ -126,9 +126,19 @@ def quantize(x: torch.Tensor, *, block=BLOCK_1D, scale_scope: str = "tensor", ro
     values: also keep the fp16 block values (`NVFP4Tensor.values`) for the GEMM kernels; the Triton kernel writes
     them in the same pass. check_finite=False skips the NaN/Inf check, a host synchronisation on a GPU (the learner's
     GPU path skips it; a non-finite input then shows as a non-finite loss).
+    global_amax: the amax of the global-scale scope (after the RHT when rht) as an fp32 tensor, 0-d for
+    scale_scope="tensor" or [R] for "row", used instead of x's own: a shard of a tensor-parallel tensor passes the
+    amax all-reduced over its group and quantises exactly as that slice of the whole tensor would. It must be at least
+    x's own amax (a smaller one saturates).
     """
     block = tuple(block)
     _validate(x, block, scale_scope, rounding, check_finite)
+    if global_amax is not None:
+        want = (x.shape[0],) if scale_scope == "row" else ()
+        if not torch.is_tensor(global_amax) or tuple(global_amax.shape) != want:
+            raise ValueError(f"global_amax must be a tensor of shape {want} for scale_scope={scale_scope!r}, got "
+                             f"{getattr(global_amax, 'shape', type(global_amax).__name__)}")
+        global_amax = global_amax.to(device=x.device, dtype=torch.float32)
     if rounding == "stochastic" and seed is None:
         seed = int(torch.randint(0, 2**32, ()).item())
     if seed is not None and not 0 <= int(seed) < 2**32:
@@ -137,23 +147,28 @@ def quantize(x: torch.Tensor, *, block=BLOCK_1D, scale_scope: str = "tensor", ro
     if name == "triton":
         from minite.kernels.nvfp4_quant import quantize_with_values_triton
         q, vals = quantize_with_values_triton(x, block, scale_scope, rounding, seed, rht,
-                                              values_dtype=torch.float16 if values else None)
+                                              values_dtype=torch.float16 if values else None,
+                                              global_amax=global_amax)
         q.values = vals
         return q
-    q = quantize_reference(x, block=block, scale_scope=scale_scope, rounding=rounding, seed=seed, rht=rht)
+    q = quantize_reference(x, block=block, scale_scope=scale_scope, rounding=rounding, seed=seed, rht=rht,
+                           global_amax=global_amax)
     if values:
         q.values = q.block_values(torch.float16)
     return q
 
 
 def quantize_reference(x: torch.Tensor, *, block, scale_scope: str, rounding: str, seed: int | None,
-                       rht: bool) -> NVFP4Tensor:
+                       rht: bool, global_amax: torch.Tensor | None = None) -> NVFP4Tensor:
     """The pure-PyTorch reference (inputs already validated)."""
     rows, cols = x.shape
     br = block[0]
     xf = apply_rht(x) if rht else x.float()
     ax = xf.abs()
-    amax = ax.amax(dim=1) if scale_scope == "row" else ax.amax()
+    if global_amax is not None:
+        amax = global_amax.float()
+    else:
+        amax = ax.amax(dim=1) if scale_scope == "row" else ax.amax()
     s_enc = global_encode_scale(amax)
     s_dec = torch.tensor(1.0, dtype=torch.float32) / s_enc
     # per-block amax over (br x 16) tiles -> [rows / br, cols / 16]

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from minite.nvfp4 import quantize, quantize_reference
+from minite.nvfp4 import apply_rht, quantize, quantize_reference
 from minite.kernels import nvfp4_quant
 from minite.kernels.nvfp4_quant import quantize_triton, quantize_with_values_triton
 
@@ -134,3 +134,22 @@ def test_addressing_variants_bitwise(monkeypatch, cfg, vec2d):
         monkeypatch.setitem(nvfp4_quant.TUNING, kind, {"elems": 256, "warps": 2, "vec2d": vec2d})
     torch.manual_seed(8)
     _check(torch.randn(16, 48, device=DEVICE), *cfg)
+
+
+@pytest.mark.parametrize("scope,cols,rht", [("row", 64, False), ("row", 64, True), ("row", 8208, False),
+                                            ("tensor", 64, False), ("tensor", 64, True)])
+def test_given_global_amax_bitwise_reference(scope, cols, rht):
+    """quantize(..., global_amax=g) (the tensor-parallel seam): the Triton kernel reads g instead of computing the
+    amax, bitwise equal to the reference; g = x's own amax reproduces the plain quantisation."""
+    torch.manual_seed(0)
+    x = torch.randn(3, cols) * 4
+    seen = apply_rht(x) if rht else x
+    own = seen.abs().amax(dim=1) if scope == "row" else seen.abs().amax()
+    for g in (own, own * 3.0):
+        ref = quantize(x, scale_scope=scope, rht=rht, global_amax=g, backend="reference")
+        tri = quantize(x, scale_scope=scope, rht=rht, global_amax=g, backend="triton")
+        assert tri.equal(ref)
+    assert quantize(x, scale_scope=scope, rht=rht, global_amax=own, backend="triton").equal(
+        quantize(x, scale_scope=scope, rht=rht, backend="triton"))
+    with pytest.raises(ValueError, match="global_amax"):
+        quantize(x, scale_scope=scope, global_amax=torch.ones(5))

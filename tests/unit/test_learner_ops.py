@@ -93,9 +93,10 @@ def test_empty_token_batch_dense_linear():
     assert y.shape == (2, 0, 16) and torch.equal(w.grad, torch.zeros_like(w)) and x.grad.shape == x.shape
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("role,shard", [("weight", "rows"), ("activation", "cols"), ("wgrad_input", "rows"),
                                         ("gradient", "cols")])
-def test_tp_amax_sync_reproduces_unsharded_quantisation(monkeypatch, role, shard):
+def test_tp_amax_sync_reproduces_unsharded_quantisation(monkeypatch, role, shard, backend):
     """A shard quantised with the group amax equals the same slice of the unsharded tensor, bit for bit."""
     op = getattr(R, role)
     full = torch.randn(32, 64, generator=torch.Generator().manual_seed(3)) * 3
@@ -104,7 +105,7 @@ def test_tp_amax_sync_reproduces_unsharded_quantisation(monkeypatch, role, shard
     monkeypatch.setattr(ops, "_group_size", lambda group: 2)
     monkeypatch.setattr(ops, "_group_amax", lambda values, dim, group: amax)
     part = full[16:] if shard == "rows" else full[:, 32:]
-    got = ops._quantize_scoped(part.contiguous(), op, seed=None if op.rounding == "nearest" else 1, backend="auto",
+    got = ops._quantize_scoped(part.contiguous(), op, seed=None if op.rounding == "nearest" else 1, backend=backend,
                                amax_group="fake")
     want = op.quantize(full, seed=1)
     if shard == "rows":
