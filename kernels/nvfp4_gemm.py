@@ -230,18 +230,18 @@ class ExpertWeights:
         return self.data.shape[0]
 
 
+def _from_stack(st: NVFP4Stack) -> ExpertWeights:
+    """The kernels' view of an NVFP4Stack (no copy): global scales as [E, 1] or [E, N]."""
+    gs = st.global_scale if st.global_scale.dim() == 2 else st.global_scale.reshape(-1, 1)
+    return ExpertWeights(st.data, st.scale.view(torch.uint8), gs, st.values, st.block[0], st.shape)
+
+
 def stack_expert_weights(weights: list[NVFP4Tensor], values: bool = False) -> ExpertWeights:
     """Stack per-expert NVFP4 weights [N, K]; with values=True also keep fp16 block values for large-M GEMMs."""
-    n, k = weights[0].shape
-    br = weights[0].block[0]
-    for e, w in enumerate(weights):
-        if w.shape != (n, k) or w.block[0] != br or w.per_row != weights[0].per_row:
-            raise ValueError(f"expert {e}: shape {w.shape} block {w.block}, expert 0: {(n, k)} {weights[0].block}")
-    data = torch.stack([w.data for w in weights])
-    scale = torch.stack([w.scale.view(torch.uint8) for w in weights])
-    gs = torch.stack([w.global_scale.reshape(-1) for w in weights]).to(torch.float32)
-    vals = torch.stack([w.block_values(VALUES_DTYPE) for w in weights]) if values else None
-    return ExpertWeights(data, scale, gs, vals, br, (n, k))
+    st = NVFP4Stack.from_tensors(weights)
+    if values:
+        st.values = torch.stack([w.block_values(VALUES_DTYPE) for w in weights])
+    return _from_stack(st)
 
 
 def _as_group_tensors(tokens_per_expert, experts: int, device) -> torch.Tensor:
@@ -277,10 +277,10 @@ def grouped_gemm_triton(a: NVFP4Tensor, weights, tokens_per_expert, out_dtype=to
             weights = weights.t() if isinstance(weights, NVFP4Stack) else [w.t() for w in weights]
     if isinstance(weights, ExpertWeights):
         w = weights
-    else:  # a list is stacked here (NVFP4Stack handles members with per-tensor and per-row scales together)
-        st = weights if isinstance(weights, NVFP4Stack) else NVFP4Stack.from_tensors(list(weights))
-        gs = st.global_scale if st.global_scale.dim() == 2 else st.global_scale.reshape(-1, 1)
-        w = ExpertWeights(st.data, st.scale.view(torch.uint8), gs, st.values, st.block[0], st.shape)
+    elif isinstance(weights, NVFP4Stack):
+        w = _from_stack(weights)
+    else:
+        w = stack_expert_weights(list(weights))
     a_values = a.values if a_values is None else a_values
     t_rows, k = a.shape
     kw, n = w.shape if b_trans else w.shape[::-1]

@@ -68,23 +68,23 @@ def _group_amax(values: torch.Tensor, dim: Optional[int], group) -> torch.Tensor
     return amax
 
 
-def _on_kernels(backend: str, t: torch.Tensor) -> bool:
-    """True when this op's GEMMs run on the Triton kernels (then operands carry fp16 block values)."""
-    return resolve(backend, t, op="gemm")[0] == "triton"
+def _quant_flags(backend: str, t: torch.Tensor) -> dict:
+    """Keyword arguments for quantising `t` here: fp16 block values when the GEMMs run on the Triton kernels (they
+    read them), and the NaN/Inf check only off the GPU (on it, a host synchronisation per call)."""
+    return {"values": resolve(backend, t, op="gemm")[0] == "triton", "check_finite": not t.is_cuda}
 
 
 def _quantize_scoped(x: torch.Tensor, op: OperandRecipe, *, seed: Optional[int], backend: str,
                      amax_group=None) -> NVFP4Tensor:
     """`op.quantize(x)`, with the global-scale amax taken over `amax_group` (TP) when it has > 1 rank; block values
     kept when the kernels will read them; the NaN/Inf check only off the GPU (see the module docstring)."""
-    vals, check = _on_kernels(backend, x), not x.is_cuda
     amax = None
     if _group_size(amax_group) > 1:
         if op.scale_scope == "row" and op.rht:
             raise ValueError("per-row scales with RHT are not supported under tensor parallelism")
         seen = apply_rht(x) if op.rht else x
         amax = _group_amax(seen, 1 if op.scale_scope == "row" else None, amax_group)
-    return op.quantize(x, seed=seed, backend=backend, values=vals, check_finite=check, global_amax=amax)
+    return op.quantize(x, seed=seed, backend=backend, global_amax=amax, **_quant_flags(backend, x))
 
 
 def quantize_weight(weight: torch.Tensor, recipe: NVFP4Recipe, *, backend: str = "auto",
@@ -107,20 +107,34 @@ def nvfp4_linear_forward(x: torch.Tensor, w_q: NVFP4Tensor, recipe: NVFP4Recipe,
     return y.reshape(*lead, w_q.shape[0])
 
 
-def _pad_tokens(t: torch.Tensor) -> torch.Tensor:
-    """[M, C] -> [Mp, C] with zero rows, Mp the next multiple of 16 (wgrad quantises along M)."""
-    extra = (-t.shape[0]) % 16
-    return torch.cat([t, t.new_zeros(extra, t.shape[1])], dim=0) if extra else t
+def _padded(rows: int) -> int:
+    """rows rounded up to a multiple of 16 (wgrad quantises along the tokens in 16-blocks)."""
+    return rows + (-rows) % 16
+
+
+def _pad_groups(t: torch.Tensor, counts: list[int], widths: list[int]) -> torch.Tensor:
+    """Rows of t grouped by expert -> each group zero-padded to its width (a multiple of 16); no host sync."""
+    if list(counts) == list(widths):
+        return t
+    dev = t.device
+    starts = torch.tensor([0] + counts[:-1], dtype=torch.long).cumsum(0)
+    pstarts = torch.tensor([0] + widths[:-1], dtype=torch.long).cumsum(0)
+    # small host tables go over with non_blocking=True: from pageable memory that is safe and skips a stream sync
+    shift = torch.repeat_interleave((pstarts - starts).to(dev, non_blocking=True),
+                                    torch.tensor(counts).to(dev, non_blocking=True), output_size=t.shape[0])
+    dest = torch.arange(t.shape[0], device=dev) + shift
+    return t.new_zeros(sum(widths), t.shape[1]).index_copy_(0, dest, t)
 
 
 def _wgrad(dy: torch.Tensor, x: torch.Tensor, recipe: NVFP4Recipe, seed: int, backend: str,
            dy_group=None, x_group=None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """dW [N, K] = Q(dy^T) @ Q(x^T)^T (fp32, rounded once to out_dtype), both operands quantised along tokens (RHT
     per recipe). The transposes are strided views: the quantisers read them in place."""
-    gq = _quantize_scoped(_pad_tokens(dy).t(), recipe.wgrad_gradient,
+    rows, padded = [dy.shape[0]], [_padded(dy.shape[0])]  # one group: all tokens
+    gq = _quantize_scoped(_pad_groups(dy, rows, padded).t(), recipe.wgrad_gradient,
                           seed=derive_seed(seed, _ROLES["wgrad_gradient"]), backend=backend, amax_group=dy_group)
-    xq = _quantize_scoped(_pad_tokens(x).t(), recipe.wgrad_input, seed=derive_seed(seed, _ROLES["wgrad_input"]),
-                          backend=backend, amax_group=x_group)
+    xq = _quantize_scoped(_pad_groups(x, rows, padded).t(), recipe.wgrad_input,
+                          seed=derive_seed(seed, _ROLES["wgrad_input"]), backend=backend, amax_group=x_group)
     return gemm(gq, xq, out_dtype=out_dtype, backend=backend)
 
 
@@ -200,8 +214,8 @@ def quantize_expert_weights(weight: torch.Tensor, recipe: NVFP4Recipe, *, backen
     seeds = None
     if op.rounding == "stochastic":  # as quantize(seed=None): drawn from torch's generator
         seeds = [int(torch.randint(0, 2**32, ()).item()) for _ in range(weight.shape[0])]
-    return quantize_stack(weight, block=op.block, rounding=op.rounding, seeds=seeds, rht=op.rht,
-                          values=_on_kernels(backend, weight), check_finite=not weight.is_cuda, backend=backend)
+    return quantize_stack(weight, block=op.block, rounding=op.rounding, seeds=seeds, rht=op.rht, backend=backend,
+                          **_quant_flags(backend, weight))
 
 
 def _as_stack(w_q) -> NVFP4Stack:
@@ -215,22 +229,8 @@ def nvfp4_grouped_linear_forward(x: torch.Tensor, w_q, tokens_per_expert, recipe
     counts = _counts(tokens_per_expert, len(w_q), x.shape[0])
     if x.shape[0] == 0:
         return x.new_zeros(0, w_q[0].shape[0], dtype=out_dtype or x.dtype)
-    xq = recipe.activation.quantize(x, backend=backend, values=_on_kernels(backend, x), check_finite=not x.is_cuda)
+    xq = recipe.activation.quantize(x, backend=backend, **_quant_flags(backend, x))
     return grouped_gemm(xq, w_q, counts, out_dtype=out_dtype or x.dtype, backend=backend)
-
-
-def _pad_groups(t: torch.Tensor, counts: list[int], widths: list[int]) -> torch.Tensor:
-    """Rows of t grouped by expert -> each group zero-padded to its width (a multiple of 16); no host sync."""
-    if list(counts) == list(widths):
-        return t
-    dev = t.device
-    starts = torch.tensor([0] + counts[:-1], dtype=torch.long).cumsum(0)
-    pstarts = torch.tensor([0] + widths[:-1], dtype=torch.long).cumsum(0)
-    # small host tables go over with non_blocking=True: from pageable memory that is safe and skips a stream sync
-    shift = torch.repeat_interleave((pstarts - starts).to(dev, non_blocking=True),
-                                    torch.tensor(counts).to(dev, non_blocking=True), output_size=t.shape[0])
-    dest = torch.arange(t.shape[0], device=dev) + shift
-    return t.new_zeros(sum(widths), t.shape[1]).index_copy_(0, dest, t)
 
 
 def _segmentable(op: OperandRecipe) -> bool:
@@ -253,13 +253,12 @@ def _grouped_wgrad(dy: torch.Tensor, x: torch.Tensor, counts: list[int], recipe:
                                out_dtype=out_dtype)
             start += c
         return dw
-    widths = [c + (-c) % 16 for c in counts]
-    vals, check = _on_kernels(backend, x), not x.is_cuda
+    widths = [_padded(c) for c in counts]
     segs = []
     for t, op, role in ((dy, recipe.wgrad_gradient, "wgrad_gradient"), (x, recipe.wgrad_input, "wgrad_input")):
         segs.append(quantize_column_segments(
-            _pad_groups(t, counts, widths).t(), widths, rounding=op.rounding, rht=op.rht, values=vals,
-            seeds=[derive_seed(s, _ROLES[role]) for s in seeds], check_finite=check, backend=backend))
+            _pad_groups(t, counts, widths).t(), widths, rounding=op.rounding, rht=op.rht,
+            seeds=[derive_seed(s, _ROLES[role]) for s in seeds], backend=backend, **_quant_flags(backend, x)))
     return segmented_gemm(segs[0], segs[1], out_dtype=out_dtype, backend=backend)
 
 
@@ -283,7 +282,7 @@ class _NVFP4GroupedLinear(torch.autograd.Function):
             dx = torch.zeros_like(x)
         elif ctx.needs_input_grad[0]:
             gq = recipe.gradient.quantize(dy, seed=derive_seed(seed, _ROLES["gradient"]), backend=backend,
-                                          values=_on_kernels(backend, dy), check_finite=not dy.is_cuda)
+                                          **_quant_flags(backend, dy))
             dx = grouped_gemm(gq, ctx.w_q, counts, out_dtype=x.dtype, backend=backend, transpose_weights=True)
         if ctx.needs_input_grad[1]:
             dw = _grouped_wgrad(dy, x, counts, recipe, seed, backend, ctx.w_dtype)

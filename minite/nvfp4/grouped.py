@@ -113,11 +113,7 @@ class NVFP4Segments:
 
     @property
     def starts(self) -> list[int]:
-        out, s = [], 0
-        for w in self.widths:
-            out.append(s)
-            s += w
-        return out
+        return _starts(self.widths)
 
     def segment(self, e: int) -> NVFP4Tensor:
         """Segment e as a standalone NVFP4Tensor [R, w_e] (copies)."""
@@ -126,6 +122,15 @@ class NVFP4Segments:
         return NVFP4Tensor(self.data[:, s // 2:(s + w) // 2].contiguous(),
                            self.scale[:, s // 16:(s + w) // 16].contiguous(), self.global_scale[e], (rows, w),
                            BLOCK_1D)
+
+
+def _starts(widths: Sequence[int]) -> list[int]:
+    """First column of each segment."""
+    out, s = [], 0
+    for w in widths:
+        out.append(s)
+        s += w
+    return out
 
 
 def _use_triton(backend: str, x: torch.Tensor) -> bool:
@@ -182,7 +187,7 @@ def quantize_column_segments(x: torch.Tensor, widths: Sequence[int], *, rounding
         _validate(x, BLOCK_1D, "tensor", rounding)
     _check_rounding(rounding, seeds, len(widths))
     rows, total = x.shape
-    starts = NVFP4Segments(x.new_empty(0), x.new_empty(0), x.new_empty(0), widths).starts
+    starts = _starts(widths)
     if _use_triton(backend, x):
         from minite.kernels.nvfp4_quant import quantize_segments_triton
         segs = [(0, s, rows, w, 0, s) for s, w in zip(starts, widths)]
