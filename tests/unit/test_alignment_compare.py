@@ -5,13 +5,40 @@ import torch
 
 from minite.alignment.capture import Capture
 from minite.alignment.compare import compare_ops, first_divergence, logprob_gap
+from minite.alignment import strict_ops
+
+
+class RMSNorm(torch.nn.Module):
+    """Row-wise RMSNorm whose result cannot depend on how many rows one call holds: a fixed-order tree sum
+    (strict_ops). torch.nn.RMSNorm/Linear make no such promise: on an AVX-512 CPU a full-batch fp32 Linear and
+    row-by-row calls differ by ~1.5e-7, which these tests would misread as a divergence."""
+
+    def __init__(self, width, eps):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x):
+        return strict_ops.rms_norm(x, self.weight, self.eps)
+
+
+class Linear(torch.nn.Module):
+    """x @ W^T + b with a fixed-order sum over K (strict_ops.linear): row-local by construction."""
+
+    def __init__(self, width):
+        super().__init__()
+        ref = torch.nn.Linear(width, width)
+        self.weight, self.bias = ref.weight, ref.bias
+
+    def forward(self, x):
+        return strict_ops.linear(x, self.weight) + self.bias
 
 
 class Block(torch.nn.Module):
     def __init__(self, eps=1e-6):
         super().__init__()
-        self.norm = torch.nn.RMSNorm(16, eps=eps)
-        self.fc = torch.nn.Linear(16, 16)
+        self.norm = RMSNorm(16, eps=eps)
+        self.fc = Linear(16)
 
     def forward(self, x):
         return x + self.fc(self.norm(x))
