@@ -10,8 +10,13 @@ PACKAGES = {
     "minite": "minite",
     "minite.nvfp4": "minite/nvfp4",
     "minite.learner": "minite/learner",
+    "minite.ops": "minite/ops",
+    "minite.strict": "minite/strict",
+    "minite.models": "minite/models",
     "minite.rollout": "minite/rollout",
+    "minite.rollout.sglang": "minite/rollout/sglang",
     "minite.rl": "minite/rl",
+    "minite.rl.tasks": "minite/rl/tasks",
     "minite.alignment": "minite/alignment",
     "minite.convert": "minite/convert",
     "minite.kernels": "kernels",
@@ -33,11 +38,11 @@ setup(
         "tensorboard": ["tensorboard"],
         "transformers": ["transformers"],
         # sglang==0.5.23 is installed with --no-deps (its CUDA-only pins); see README.
-        "dev": ["pytest", "hypothesis"],
+        "dev": ["pytest", "hypothesis", "import-linter==2.17"],
     },
     entry_points={
         "console_scripts": ["minite=minite.cli:main"],
-        # SGLang runs every entry point of this group in each of its processes (minite/rollout/sglang_plugin.py).
-        "sglang.srt.plugins": ["minite_nvfp4=minite.rollout.sglang_plugin:register"],
+        # SGLang runs every entry point of this group in each of its processes (minite/rollout/sglang/plugin.py).
+        "sglang.srt.plugins": ["minite_nvfp4=minite.rollout.sglang.plugin:register"],
     },
 )

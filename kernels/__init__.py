@@ -1,7 +1,20 @@
-"""Triton NVFP4 kernels (installed as minite.kernels), each beside its pure-PyTorch reference in minite.nvfp4.
+"""Triton NVFP4 kernels (installed as minite.kernels), each bitwise equal to its pure-PyTorch reference in
+minite.nvfp4 (docs/nvfp4.md).
 
 nvfp4_quant.py   fused quantisation (1x16 / 16x16 blocks, tensor / row scale, RNE / stochastic, RHT), bitwise = reference
 nvfp4_gemm.py    W4A4 GEMMs: dense, MoE grouped over tokens (fprop, dgrad), grouped over K (wgrad), small-M decode tiles
 nvfp4_swiglu.py  SwiGLU with its NVFP4 output quantisation fused in, and its backward
 _interpreter.py  a fix that lets triton 3.6's CPU interpreter run kernels with runtime loop bounds under numpy >= 2.4
+
+The folder is the top-level kernels/ of the repository, installed under the minite namespace (setup.py's
+package_dir): a global module named `kernels` would collide with Hugging Face's `kernels` package.
+Importing it needs Triton and registers the entry points with minite.nvfp4.backend, which the format's functions
+(quantize, gemm, grouped_gemm, quantize_stack, ...) dispatch to for backend "triton" / "auto" on CUDA tensors.
 """
+from minite.nvfp4.backend import register_kernels
+
+from .nvfp4_gemm import gemm_triton, grouped_gemm_triton, segmented_gemm_triton
+from .nvfp4_quant import quantize_segments_triton, quantize_with_values_triton
+
+register_kernels(quantize_with_values=quantize_with_values_triton, quantize_segments=quantize_segments_triton,
+                 gemm=gemm_triton, grouped_gemm=grouped_gemm_triton, segmented_gemm=segmented_gemm_triton)

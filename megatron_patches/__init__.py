@@ -1,1 +1,12 @@
-"""Megatron-Core modules and specs: NVFP4 linears and experts, CPU support (installed as minite.megatron_patches)."""
+"""Everything that plugs into or patches Megatron-Core 0.16.1 (installed as minite.megatron_patches).
+
+The folder is the top-level megatron_patches/ of the repository, installed under the minite namespace (setup.py's
+package_dir). Each module says at its top what it changes in Megatron-Core, why, and which version it targets;
+each patch has one idempotent entry point that logs what it patched.
+
+cpu.py           Megatron-Core on CPU with gloo (apply()), fixes needed on every device (apply_upstream_fixes()),
+                 and the CUDA no-ops of the static inference path (cpu_generate_shims())
+nvfp4_layers.py  NVFP4 column/row-parallel linears and grouped experts (BF16 or NVFP4), Megatron module subclasses
+qwen3_moe.py     the Qwen3-MoE GPTModel spec builder (from minite.models.qwen3_moe's shape), SDPA core attention
+strict.py        strict mode: switch a built model's ops to minite.strict's batch-invariant ops (apply_strict)
+"""

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import Any, Callable, List
 
 import torch
@@ -263,3 +264,37 @@ def apply(force: bool = False) -> List[str]:
     _run_patches(_PATCHES, _APPLIED, "megatron_patches.cpu")
     _APPLIED.append("cuda_as_cpu() context available for DDP/optimizer/clip_grads")
     return list(_APPLIED)
+
+
+class _WallClockEvent:
+    """Stand-in for torch.cuda.Event on CPU: Megatron only uses it to time tokens."""
+
+    def __init__(self, *args, **kwargs):
+        self.t = time.perf_counter()
+
+    def record(self, *args, **kwargs):
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, other: "_WallClockEvent") -> float:
+        return (other.t - self.t) * 1e3
+
+
+@contextlib.contextmanager
+def cpu_generate_shims():
+    """Megatron-Core 0.16.1's static generate path calls torch.cuda.current_device(), torch.cuda.Event (timing) and
+    Tensor.cuda() once: on a machine without a GPU, map those to the CPU while the context is open (a no-op when a
+    GPU is present)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    saved = (torch.cuda.current_device, torch.cuda.Event, torch.Tensor.cuda)
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.Event = _WallClockEvent
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    try:
+        yield
+    finally:
+        torch.cuda.current_device, torch.cuda.Event, torch.Tensor.cuda = saved

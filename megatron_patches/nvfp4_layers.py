@@ -1,7 +1,7 @@
 """NVFP4 W4A4 Megatron-Core layers: column/row-parallel linears and grouped MoE experts (no transformer-engine).
 
 The linears subclass Megatron's own ColumnParallelLinear / RowParallelLinear and replace only the local GEMM
-(`_forward_impl`, upstream's linear_with_grad_accumulation_and_async_allreduce) with `minite.learner.ops.nvfp4_linear`.
+(`_forward_impl`, upstream's linear_with_grad_accumulation_and_async_allreduce) with `minite.ops.nvfp4_linear`.
 Everything around the GEMM stays upstream's: parameter names, shapes, init, TP attributes, the identity/all-reduce
 regions (copy_to / reduce_from / gather_from_tensor_model_parallel_region), bias handling, checkpoint sharding. A BF16
 model and an NVFP4 model therefore have identical state dicts, and one loads into the other.
@@ -16,8 +16,9 @@ accumulation fusion (writing wgrad into main_grad inside the GEMM) is refused wi
     fc2_weight [E_local, H, F]
 [N, K] per expert is the layout a grouped GEMM and NVFP4's K-blocked quantisation want (no transposes) and the one
 Hugging Face uses (gate_proj/up_proj/down_proj.weight). Experts are sharded by expert parallelism only
-(expert_tensor_parallel_size must be 1). The router probability multiplies the activation in fp32 before fc2, as
-Megatron's GroupedMLP does.
+(expert_tensor_parallel_size must be 1). The arithmetic is `minite.ops.experts` (the one expert function every engine
+calls): the router probability multiplies the activation in fp32 before fc2, as Megatron's GroupedMLP does.
+`strict` (a field, set by megatron_patches.strict.apply_strict) selects strict SiLU and strict BF16 GEMMs.
 
 Stochastic-rounding seeds: every NVFP4 module gets `nvfp4_layer_id` (its order in the model, set by the builder),
 and its backward seed is derive_seed(run seed, ctx.step, layer id); the learner advances ctx.step per train step.
@@ -39,9 +40,9 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from minite.learner.ops import (_group_size, derive_seed, nvfp4_grouped_linear, nvfp4_linear, quantize_expert_weights,
-                                quantize_weight)
 from minite.nvfp4 import NVFP4Recipe
+from minite.ops import (derive_seed, group_size, grouped_linear_bf16, nvfp4_grouped_linear, nvfp4_linear,
+                        quantize_expert_weights, quantize_weight, swiglu_experts)
 
 
 @dataclass
@@ -90,7 +91,7 @@ def _check_linear(layer, name: str) -> None:
 
 def _linear(layer, x: torch.Tensor, weight: torch.Tensor, sharded: str) -> torch.Tensor:
     ctx = layer.nvfp4
-    group = layer.tp_group if _group_size(layer.tp_group) > 1 else None
+    group = layer.tp_group if group_size(layer.tp_group) > 1 else None
     w_q = cached_weight_q(layer, weight, lambda: quantize_weight(weight, ctx.recipe, backend=ctx.backend,
                                                                   amax_group=group))
     return nvfp4_linear(x, weight, ctx.recipe, seed=ctx.layer_seed(layer.nvfp4_layer_id), weight_q=w_q,
@@ -132,22 +133,6 @@ class NVFP4RowParallelLinear(RowParallelLinear):
         return y + bias if bias is not None else y
 
 
-def _bf16_grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """Per-expert x_e @ W_e^T in the input dtype (fp32 accumulation inside matmul), experts in order.
-
-    On a GPU with bf16 operands: one torch._grouped_mm (forward and both backward GEMMs grouped; no per-expert
-    Python loop, whose weight-gradient selects also zero-fill and add a full [E, N, K] buffer per expert).
-    Elsewhere (the CPU tests, fp32 compute): a loop of matmuls over the experts."""
-    if x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
-        offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(x.device, non_blocking=True)
-        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offs)
-    outs, start = [], 0
-    for e, c in enumerate(counts):
-        outs.append(x[start:start + c] @ weight[e].t())
-        start += c
-    return torch.cat(outs, dim=0) if outs else x.new_zeros(0, weight.shape[1])
-
-
 class GroupedExperts(MegatronModule):
     """MoE experts for MoELayer: BF16 (`nvfp4=None`) or NVFP4 W4A4 grouped GEMMs; layout in the module docstring."""
 
@@ -163,6 +148,7 @@ class GroupedExperts(MegatronModule):
         self.num_local_experts = num_local_experts
         self.nvfp4 = nvfp4
         self.nvfp4_layer_id = 0
+        self.strict = False
         ffn, hidden = config.moe_ffn_hidden_size, config.hidden_size
         dtype = config.params_dtype
         self.fc1_weight = torch.nn.Parameter(torch.empty(num_local_experts, 2 * ffn, hidden, dtype=dtype))
@@ -192,7 +178,7 @@ class GroupedExperts(MegatronModule):
 
     def _linear(self, x, weight, counts, salt: int):
         if self.nvfp4 is None:
-            return _bf16_grouped_linear(x, weight, counts)
+            return grouped_linear_bf16(x, weight, counts, strict=self.strict)
         ctx = self.nvfp4
         seed = derive_seed(ctx.layer_seed(self.nvfp4_layer_id), salt)
         w_q = cached_weight_q(self, weight, lambda: quantize_expert_weights(weight, ctx.recipe, backend=ctx.backend),
@@ -202,10 +188,9 @@ class GroupedExperts(MegatronModule):
     def forward(self, permuted_hidden: torch.Tensor, tokens_per_expert, permuted_probs: torch.Tensor):
         counts = [int(c) for c in (tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert)
                                    else tokens_per_expert)]
-        h = self._linear(permuted_hidden, self.fc1_weight, counts, 1)
-        gate, up = torch.chunk(h, 2, dim=-1)
-        act = (F.silu(gate.float()) * up.float() * permuted_probs.unsqueeze(-1).float()).to(h.dtype)
-        out = self._linear(act, self.fc2_weight, counts, 2)
+        weights = (self.fc1_weight, self.fc2_weight)
+        out = swiglu_experts(permuted_hidden, permuted_probs, lambda a, i: self._linear(a, weights[i], counts, i + 1),
+                             strict=self.strict)
         if permuted_hidden.shape[0] == 0:
             # keep every expert parameter in the graph (DDP expects a gradient, zero here)
             out = out + 0.0 * (self.fc1_weight.sum() + self.fc2_weight.sum()).to(out.dtype)

@@ -22,8 +22,6 @@ be a multiple of TP (the learner pads).
 """
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Optional, Union
 
@@ -43,50 +41,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
-from minite.hf_config import qwen3_moe_fields
+from minite.models.qwen3_moe import Qwen3MoeShape
 
 from .nvfp4_layers import GroupedExperts, NVFP4ColumnParallelLinear, NVFP4Context, NVFP4RowParallelLinear
-
-
-@dataclass(kw_only=True)
-class Qwen3MoeShape:
-    """The architecture numbers a Qwen3-MoE model needs (Hugging Face names in comments)."""
-
-    vocab_size: int
-    hidden_size: int
-    num_layers: int                       # num_hidden_layers
-    num_attention_heads: int
-    num_query_groups: int                 # num_key_value_heads
-    head_dim: int
-    moe_ffn_hidden_size: int              # moe_intermediate_size
-    num_experts: int
-    moe_router_topk: int                  # num_experts_per_tok
-    shared_expert_intermediate_size: int = 0
-    norm_topk_prob: bool = True
-    rope_theta: float = 1_000_000.0
-    rms_norm_eps: float = 1e-6
-    max_position_embeddings: int = 4096
-    tie_word_embeddings: bool = False
-
-    @classmethod
-    def from_any(cls, src) -> "Qwen3MoeShape":
-        """From a config.json path, a HF dict / PretrainedConfig, or an object with our field names."""
-        if isinstance(src, (str, Path)):
-            src = json.loads(Path(src).read_text())
-        if not isinstance(src, dict) and hasattr(src, "to_dict") and hasattr(src, "num_hidden_layers"):
-            src = src.to_dict()
-        if isinstance(src, dict) and "num_hidden_layers" in src:
-            return cls._from_hf(src)
-        names = [f.name for f in fields(cls)]
-        get = src.get if isinstance(src, dict) else (lambda k, d=None: getattr(src, k, d))
-        missing = [n for n in names[:9] if get(n) is None]
-        if missing:
-            raise ValueError(f"Qwen3-MoE shape: missing fields {missing}")
-        return cls(**{n: get(n) for n in names if get(n) is not None})
-
-    @classmethod
-    def _from_hf(cls, hf: dict) -> "Qwen3MoeShape":
-        return cls(**qwen3_moe_fields(hf, "Qwen3-MoE config"))
 
 
 def transformer_config(shape: Qwen3MoeShape, *, compute_dtype: torch.dtype = torch.bfloat16, tp: int = 1,

@@ -194,7 +194,7 @@ class AlignmentConfig:
     """Learner/rollout alignment (docs/alignment.md): strict mode, routing replay, the log-prob gap monitor."""
 
     strict: bool = False
-    """Strict mode: every forward op of learner and rollout computed batch-invariantly (minite.alignment.strict);
+    """Strict mode: every forward op of learner and rollout computed batch-invariantly (minite.megatron_patches.strict);
     the learner's full-sequence log-probs then equal the rollout's decode log-probs. Slower; needs tp = ep = 1."""
     routing_replay: bool = False
     """Default-mode mitigation: the learner replays the experts the rollout routed each token to

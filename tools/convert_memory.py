@@ -27,7 +27,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from minite.convert.hf_megatron import Shape, hf_shapes  # noqa: E402
+from minite.convert.hf_megatron import hf_shapes, read_shape  # noqa: E402
 from minite.convert.safetensors_stream import StreamWriter, view2d  # noqa: E402
 
 MIB = 1024 * 1024
@@ -60,11 +60,11 @@ print(json.dumps({"rss_before_bytes": rss0, "peak_rss_bytes": status("VmHWM"),
 
 def write_random_hf(d: Path, model_mib: int, shard_mib: int = 256, seed: int = 0) -> int:
     """A random checkpoint of >= model_mib; returns its tensor bytes."""
-    per_layer = Shape.from_hf({**BASE, "num_hidden_layers": 1, "moe_intermediate_size": BASE["moe_intermediate_size"]})
+    per_layer = read_shape({**BASE, "num_hidden_layers": 1, "moe_intermediate_size": BASE["moe_intermediate_size"]})
     one = sum(math.prod(s) for n, s in hf_shapes(per_layer).items() if n.startswith("model.layers.")) * 2
     rest = sum(math.prod(s) for n, s in hf_shapes(per_layer).items() if not n.startswith("model.layers.")) * 2
     cfg = {**BASE, "num_hidden_layers": max(1, math.ceil((model_mib * MIB - rest) / one))}
-    shapes = hf_shapes(Shape.from_hf(cfg))
+    shapes = hf_shapes(read_shape(cfg))
     shards, size = [[]], 0
     for name, shp in shapes.items():
         if shards[-1] and size + math.prod(shp) * 2 > shard_mib * MIB:

@@ -8,9 +8,10 @@ formula is written out next to its number in docs/scaling.md. Bandwidths are nom
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from minite.models.qwen3_moe import Qwen3MoeShape
 
 REPO = Path(__file__).resolve().parents[1]
 GB = 1e9
@@ -29,40 +30,45 @@ NVFP4_BITS_MODELOPT = 4 + 8 / 16   # the same values in ModelOpt's layout: one e
 
 @dataclass(frozen=True)
 class Model:
-    vocab: int
-    hidden: int
-    layers: int
-    heads: int
-    groups: int
-    head_dim: int
-    ffn: int
-    experts: int
-    topk: int
+    """Parameter and byte counts of a Qwen3-MoE shape (minite.models.qwen3_moe.Qwen3MoeShape, the one shape type)."""
+
+    shape: Qwen3MoeShape
 
     @classmethod
     def load(cls, path: Path) -> "Model":
-        c = json.loads(Path(path).read_text())
-        return cls(c["vocab_size"], c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"],
-                   c["num_key_value_heads"], c["head_dim"], c["moe_intermediate_size"], c["num_experts"],
-                   c["num_experts_per_tok"])
+        return cls(Qwen3MoeShape.from_any(Path(path)))
+
+    @property
+    def hidden(self) -> int:
+        return self.shape.hidden_size
+
+    @property
+    def layers(self) -> int:
+        return self.shape.num_layers
+
+    @property
+    def topk(self) -> int:
+        return self.shape.moe_router_topk
 
     @property
     def attention(self) -> int:  # q, k, v, o projections, all layers
-        d, h = self.head_dim, self.hidden
-        return self.layers * (2 * self.heads * d * h + 2 * self.groups * d * h)
+        s = self.shape
+        d, h = s.head_dim, s.hidden_size
+        return s.num_layers * (2 * s.num_attention_heads * d * h + 2 * s.num_query_groups * d * h)
 
     @property
     def expert(self) -> int:  # one expert: gate, up [F, H], down [H, F]
-        return 3 * self.ffn * self.hidden
+        return 3 * self.shape.moe_ffn_hidden_size * self.shape.hidden_size
 
     @property
     def experts_total(self) -> int:
-        return self.layers * self.experts * self.expert
+        return self.shape.num_layers * self.shape.num_experts * self.expert
 
     @property
     def bf16_always(self) -> int:  # embedding, lm_head, router, norms: BF16 in every recipe here
-        norms = self.layers * (2 * self.hidden + 2 * self.head_dim) + self.hidden
-        return 2 * self.vocab * self.hidden + self.layers * self.experts * self.hidden + norms
+        s = self.shape
+        norms = s.num_layers * (2 * s.hidden_size + 2 * s.head_dim) + s.hidden_size
+        return 2 * s.vocab_size * s.hidden_size + s.num_layers * s.num_experts * s.hidden_size + norms
 
     @property
     def total(self) -> int:
@@ -70,11 +76,13 @@ class Model:
 
     @property
     def active(self) -> int:  # parameters a token's forward touches (the lm_head counted, the embedding not)
-        return self.attention + self.layers * self.topk * self.expert + self.vocab * self.hidden
+        s = self.shape
+        return self.attention + s.num_layers * s.moe_router_topk * self.expert + s.vocab_size * s.hidden_size
 
     @property
     def kv_bytes_per_token(self) -> int:  # BF16 K and V
-        return self.layers * 2 * self.groups * self.head_dim * 2
+        s = self.shape
+        return s.num_layers * 2 * s.num_query_groups * s.head_dim * 2
 
 
 def sync_bytes(m: Model, bits: float) -> float:
@@ -142,7 +150,7 @@ def main() -> None:
                   f"{r['allreduce_net_gb']:.1f} GB | {r['allreduce_s']:.2f} s |")
     flops = 8 * m.active * tok_gpu  # 6 (train fwd+bwd) + 2 (log-prob forward) FLOP per active parameter and token
     print(f"\nper GPU per RL step: {flops / 1e15:.2f} PFLOP (8 x active x tokens): {flops / 75e12:.0f} s at the "
-          f"75 TFLOP/s per layer measured for Megatron BF16 on an H200 (NOTES.md section 3), "
+          f"75 TFLOP/s per layer measured for Megatron BF16 on an H200 (docs/upstream.md), "
           f"{flops / 500e12:.1f} s at 500 TFLOP/s\n")
     print("## Weight sync, learner -> rollout, per full copy\n")
     bf16, compact, modelopt = sync_bytes(m, 16), sync_bytes(m, NVFP4_BITS_COMPACT), sync_bytes(m, NVFP4_BITS_MODELOPT)

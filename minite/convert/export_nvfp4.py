@@ -3,7 +3,7 @@
     minite convert export-nvfp4 --hf DIR --out DIR          (a Hugging Face Qwen3-MoE BF16/FP32 checkpoint)
     minite convert export-nvfp4 --megatron DIR --out DIR    (a checkpoint of `minite convert hf-to-megatron`)
 
-What is written (the names stock SGLang/vLLM load as `modelopt_fp4`; shared/NOTES.md section 5):
+What is written (the names stock SGLang/vLLM load as `modelopt_fp4`; minite.nvfp4.modelopt):
     <linear>.weight          uint8 [N, K/2]           E2M1 codes, even element in the low nibble
     <linear>.weight_scale    float8_e4m3fn [N, K/16]  one E4M3 scale per 1x16 block
     <linear>.weight_scale_2  float32 []               the global decode scale (amax / (448 * 6))
@@ -14,7 +14,7 @@ lm_head stay in the source dtype and are listed in hf_quant_config.json's exclud
 activation recipe}}; config.json, tokenizer and other small files are copied.
 
 Which values: exactly those the learner computes with. The learner quantises each Megatron weight as one tensor
-(`minite.learner.ops.quantize_weight`: 16x16 blocks, one global scale): the fused QKV weight (Megatron's interleaved
+(`minite.ops.quantize_weight`: 16x16 blocks, one global scale): the fused QKV weight (Megatron's interleaved
 per-KV-group layout), each expert's fc1 = [gate; up] and fc2, the attention output projection. The export builds those
 same fused tensors, quantises them with the same function, then cuts the rows apart into q/k/v (gate/up): q, k and v
 therefore share one weight_scale_2, as do an expert's gate and up. ModelOpt uses 1x16 blocks; a 16x16 block's scale
@@ -35,7 +35,10 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
+from minite.convert.hf_megatron import megatron_to_hf
 from minite.nvfp4 import NVFP4Recipe, NVFP4Tensor
+from minite.nvfp4.modelopt import quant_config_dict
+from minite.ops import quantize_weight
 
 INDEX_FILE = "model.safetensors.index.json"
 SHARD_BYTES = 2 * 1024 ** 3
@@ -54,8 +57,6 @@ def scale_grid_1x16(q: NVFP4Tensor) -> torch.Tensor:
 
 def quantize_module(weight: torch.Tensor, recipe: NVFP4Recipe, backend: str = "auto"):
     """(codes uint8 [N, K/2], scales e4m3 [N, K/16], global fp32 []) of the learner's quantisation of weight [N, K]."""
-    from minite.learner.ops import quantize_weight
-
     q = quantize_weight(weight, recipe, backend=backend)
     return q.data, scale_grid_1x16(q), q.global_scale.reshape(()).float()
 
@@ -275,14 +276,10 @@ def export_nvfp4(*, out_dir, hf_dir=None, megatron_dir=None, recipe: Optional[NV
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ExportError(f"{out_dir} exists and is not empty")
     if megatron_dir is not None:
-        from minite.convert.hf_megatron import megatron_to_hf
-
         with tempfile.TemporaryDirectory(prefix="minite-export-") as tmp:
             megatron_to_hf(megatron_dir, Path(tmp) / "hf", progress=False)
             return export_nvfp4(out_dir=out_dir, hf_dir=Path(tmp) / "hf", recipe=recipe, input_scale=input_scale,
                                 backend=backend)
-    from minite.rollout.sglang_plugin import quant_config_dict
-
     hf_dir, recipe = Path(hf_dir), recipe or NVFP4Recipe()
     cfg_path = hf_dir / "config.json"
     if not cfg_path.exists():

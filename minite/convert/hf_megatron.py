@@ -55,7 +55,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from tqdm import tqdm
 
-from minite.hf_config import qwen3_moe_fields
+from minite.models.qwen3_moe import Qwen3MoeShape, qwen3_moe_fields
 from minite.convert.safetensors_stream import (
     DTYPES, ConversionError, RowReader, StreamWriter, TensorEntry, read_header, view2d,
 )
@@ -67,31 +67,15 @@ CHUNK_BYTES = 16 * 1024 * 1024  # rows of one target assembled at a time; peak ~
 HF_SHARD_BYTES = 4 * 1024 ** 3  # default HF shard size when the checkpoint carries no HF layout
 
 
-@dataclass(frozen=True)
-class Shape:
-    """The numbers the name map needs, read from a Hugging Face Qwen3-MoE config.json (v4 or v5 spelling)."""
-
-    vocab: int
-    hidden: int
-    layers: int
-    heads: int
-    groups: int
-    head_dim: int
-    ffn: int
-    experts: int
-    tied: bool
-
-    @classmethod
-    def from_hf(cls, hf: dict, where: str = "config.json") -> "Shape":
-        try:
-            f = qwen3_moe_fields(hf, where)
-        except ValueError as e:
-            raise ConversionError(str(e)) from None
-        if f["shared_expert_intermediate_size"]:
-            raise ConversionError(f"{where}: shared experts are not part of Qwen3-MoE and not converted")
-        return cls(vocab=f["vocab_size"], hidden=f["hidden_size"], layers=f["num_layers"],
-                   heads=f["num_attention_heads"], groups=f["num_query_groups"], head_dim=f["head_dim"],
-                   ffn=f["moe_ffn_hidden_size"], experts=f["num_experts"], tied=f["tie_word_embeddings"])
+def read_shape(hf: dict, where: str = "config.json") -> Qwen3MoeShape:
+    """The shape of a Hugging Face Qwen3-MoE config.json; ConversionError naming `where` for what is not converted."""
+    try:
+        shape = Qwen3MoeShape(**qwen3_moe_fields(hf, where))
+    except ValueError as e:
+        raise ConversionError(str(e)) from None
+    if shape.shared_expert_intermediate_size:
+        raise ConversionError(f"{where}: shared experts are not part of Qwen3-MoE and not converted")
+    return shape
 
 
 @dataclass(frozen=True)
@@ -100,12 +84,12 @@ class Layout:
     ep: int = 1
     pp: int = 1
 
-    def check(self, s: Shape) -> None:
-        for name, n, what in (("tp", self.tp, s.groups), ("tp", self.tp, s.vocab), ("ep", self.ep, s.experts),
-                              ("pp", self.pp, s.layers)):
+    def check(self, s: Qwen3MoeShape) -> None:
+        for name, n, what in (("tp", self.tp, s.num_query_groups), ("tp", self.tp, s.vocab_size), ("ep", self.ep, s.num_experts),
+                              ("pp", self.pp, s.num_layers)):
             if n < 1 or what % n:
                 raise ConversionError(f"--{name} {n} does not divide {what} (heads groups/vocab/experts/layers)")
-        if s.tied and self.pp > 1:
+        if s.tie_word_embeddings and self.pp > 1:
             raise ConversionError("tied embeddings with --pp > 1 are not supported")
 
 
@@ -142,24 +126,24 @@ def experts_file(p: int, e: int) -> str:
     return f"experts_pp{p:03d}_ep{e:03d}.safetensors"
 
 
-def hf_shapes(s: Shape) -> Dict[str, Tuple[int, ...]]:
+def hf_shapes(s: Qwen3MoeShape) -> Dict[str, Tuple[int, ...]]:
     """Every tensor a Hugging Face Qwen3-MoE checkpoint holds, with its shape, in canonical order."""
-    d, h = s.head_dim, s.hidden
-    out = {"model.embed_tokens.weight": (s.vocab, h)}
-    for L in range(s.layers):
+    d, h = s.head_dim, s.hidden_size
+    out = {"model.embed_tokens.weight": (s.vocab_size, h)}
+    for L in range(s.num_layers):
         p = f"model.layers.{L}."
-        out.update({p + "input_layernorm.weight": (h,), p + "self_attn.q_proj.weight": (s.heads * d, h),
-                    p + "self_attn.k_proj.weight": (s.groups * d, h), p + "self_attn.v_proj.weight": (s.groups * d, h),
-                    p + "self_attn.o_proj.weight": (h, s.heads * d), p + "self_attn.q_norm.weight": (d,),
+        out.update({p + "input_layernorm.weight": (h,), p + "self_attn.q_proj.weight": (s.num_attention_heads * d, h),
+                    p + "self_attn.k_proj.weight": (s.num_query_groups * d, h), p + "self_attn.v_proj.weight": (s.num_query_groups * d, h),
+                    p + "self_attn.o_proj.weight": (h, s.num_attention_heads * d), p + "self_attn.q_norm.weight": (d,),
                     p + "self_attn.k_norm.weight": (d,), p + "post_attention_layernorm.weight": (h,),
-                    p + "mlp.gate.weight": (s.experts, h)})
-        for x in range(s.experts):
-            out.update({f"{p}mlp.experts.{x}.gate_proj.weight": (s.ffn, h),
-                        f"{p}mlp.experts.{x}.up_proj.weight": (s.ffn, h),
-                        f"{p}mlp.experts.{x}.down_proj.weight": (h, s.ffn)})
+                    p + "mlp.gate.weight": (s.num_experts, h)})
+        for x in range(s.num_experts):
+            out.update({f"{p}mlp.experts.{x}.gate_proj.weight": (s.moe_ffn_hidden_size, h),
+                        f"{p}mlp.experts.{x}.up_proj.weight": (s.moe_ffn_hidden_size, h),
+                        f"{p}mlp.experts.{x}.down_proj.weight": (h, s.moe_ffn_hidden_size)})
     out["model.norm.weight"] = (h,)
-    if not s.tied:
-        out["lm_head.weight"] = (s.vocab, h)
+    if not s.tie_word_embeddings:
+        out["lm_head.weight"] = (s.vocab_size, h)
     return out
 
 
@@ -168,9 +152,9 @@ def _whole(src: str, shape: Tuple[int, ...], replica: bool = False, name: str = 
     return Target(name, shape, [Piece(src, 0, rows, 0, cols, 0)], replica)
 
 
-def _attention(s: Shape, hf: str, mg: str, t: int, tp: int) -> List[Target]:
-    d, h = s.head_dim, s.hidden
-    qpg, gpr = s.heads // s.groups, s.groups // tp
+def _attention(s: Qwen3MoeShape, hf: str, mg: str, t: int, tp: int) -> List[Target]:
+    d, h = s.head_dim, s.hidden_size
+    qpg, gpr = s.num_attention_heads // s.num_query_groups, s.num_query_groups // tp
     qkv = Target(mg + "linear_qkv.weight", (gpr * (qpg + 2) * d, h))
     row = 0
     for g in range(t * gpr, (t + 1) * gpr):
@@ -178,7 +162,7 @@ def _attention(s: Shape, hf: str, mg: str, t: int, tp: int) -> List[Target]:
                            (hf + "v_proj.weight", g * d, d)):
             qkv.pieces.append(Piece(src, r0, r0 + n, 0, h, row))
             row += n
-    width = s.heads * d // tp
+    width = s.num_attention_heads * d // tp
     proj = Target(mg + "linear_proj.weight", (h, width), [Piece(hf + "o_proj.weight", 0, h, t * width,
                                                                 (t + 1) * width, 0)])
     rep = t > 0
@@ -186,9 +170,9 @@ def _attention(s: Shape, hf: str, mg: str, t: int, tp: int) -> List[Target]:
             _whole(hf + "k_norm.weight", (d,), rep, mg + "k_layernorm.weight")]
 
 
-def _dense_targets(s: Shape, lay: Layout, t: int, p: int) -> List[Target]:
-    h, rep, per = s.hidden, t > 0, s.layers // lay.pp
-    vrows = s.vocab // lay.tp
+def _dense_targets(s: Qwen3MoeShape, lay: Layout, t: int, p: int) -> List[Target]:
+    h, rep, per = s.hidden_size, t > 0, s.num_layers // lay.pp
+    vrows = s.vocab_size // lay.tp
     out = []
     if p == 0:
         out.append(Target("embedding.word_embeddings.weight", (vrows, h),
@@ -198,17 +182,17 @@ def _dense_targets(s: Shape, lay: Layout, t: int, p: int) -> List[Target]:
         out.append(_whole(hf + "input_layernorm.weight", (h,), rep, mg + "input_layernorm.weight"))
         out += _attention(s, hf + "self_attn.", mg + "self_attention.", t, lay.tp)
         out.append(_whole(hf + "post_attention_layernorm.weight", (h,), rep, mg + "pre_mlp_layernorm.weight"))
-        out.append(_whole(hf + "mlp.gate.weight", (s.experts, h), rep, mg + "mlp.router.weight"))
+        out.append(_whole(hf + "mlp.gate.weight", (s.num_experts, h), rep, mg + "mlp.router.weight"))
     if p == lay.pp - 1:
         out.append(_whole("model.norm.weight", (h,), rep, "decoder.final_layernorm.weight"))
-        if not s.tied:
+        if not s.tie_word_embeddings:
             out.append(Target("output_layer.weight", (vrows, h),
                               [Piece("lm_head.weight", t * vrows, (t + 1) * vrows, 0, h, 0)]))
     return out
 
 
-def _expert_targets(s: Shape, lay: Layout, p: int, e: int) -> List[Target]:
-    h, f, per, local = s.hidden, s.ffn, s.layers // lay.pp, s.experts // lay.ep
+def _expert_targets(s: Qwen3MoeShape, lay: Layout, p: int, e: int) -> List[Target]:
+    h, f, per, local = s.hidden_size, s.moe_ffn_hidden_size, s.num_layers // lay.pp, s.num_experts // lay.ep
     out = []
     for l in range(per):
         hf, mg = f"model.layers.{p * per + l}.mlp.experts.", f"decoder.layers.{l}.mlp.experts."
@@ -223,7 +207,7 @@ def _expert_targets(s: Shape, lay: Layout, p: int, e: int) -> List[Target]:
     return out
 
 
-def plan_hf_to_megatron(s: Shape, lay: Layout) -> Dict[str, List[Target]]:
+def plan_hf_to_megatron(s: Qwen3MoeShape, lay: Layout) -> Dict[str, List[Target]]:
     """{megatron file: [targets in file order]} for the layout; sources are HF tensor names."""
     lay.check(s)
     plan = {}
@@ -276,11 +260,11 @@ def _read_config(directory: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def scan_hf(hf_dir: Path) -> Tuple[Shape, Dict[str, TensorEntry], Dict[str, List[str]], dict]:
+def scan_hf(hf_dir: Path) -> Tuple[Qwen3MoeShape, Dict[str, TensorEntry], Dict[str, List[str]], dict]:
     """(shape, entries by tensor name, {file: names in byte order}, index metadata) of a HF checkpoint."""
     hf_dir = Path(hf_dir)
     config = _read_config(hf_dir)
-    shape = Shape.from_hf(config, str(hf_dir / "config.json"))
+    shape = read_shape(config, str(hf_dir / "config.json"))
     index_path = hf_dir / INDEX_FILE
     if index_path.is_file():
         index = json.loads(index_path.read_text())
@@ -318,11 +302,11 @@ def read_meta(mg_dir: Path) -> dict:
     return meta
 
 
-def scan_megatron(mg_dir: Path) -> Tuple[dict, Shape, Dict[str, List[Target]], Dict[str, TensorEntry]]:
+def scan_megatron(mg_dir: Path) -> Tuple[dict, Qwen3MoeShape, Dict[str, List[Target]], Dict[str, TensorEntry]]:
     """(metadata, shape, the forward plan, entries keyed "file::tensor") of a converted Megatron checkpoint."""
     mg_dir = Path(mg_dir)
     meta = read_meta(mg_dir)
-    shape = Shape.from_hf(meta["hf_config"], str(mg_dir / META_FILE))
+    shape = read_shape(meta["hf_config"], str(mg_dir / META_FILE))
     plan = plan_hf_to_megatron(shape, Layout(meta["tp"], meta["ep"], meta["pp"]))
     expected, found = {}, {}
     for file, targets in plan.items():
@@ -431,7 +415,7 @@ def hf_to_megatron(hf_dir, out_dir, *, tp: int = 1, ep: int = 1, pp: int = 1, pr
     return out_dir
 
 
-def default_hf_layout(shape: Shape, shard_bytes: int = HF_SHARD_BYTES, itemsize: int = 2) -> Dict[str, List[str]]:
+def default_hf_layout(shape: Qwen3MoeShape, shard_bytes: int = HF_SHARD_BYTES, itemsize: int = 2) -> Dict[str, List[str]]:
     """Canonical tensor order cut into shards of about shard_bytes, named model-0000i-of-0000n.safetensors."""
     shards: List[List[str]] = [[]]
     size = 0

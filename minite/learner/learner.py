@@ -33,13 +33,15 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Callable, Dict, Iterator, Tuple
+from typing import Callable, Dict, Iterable, Iterator, Protocol, Tuple
 
 import torch
 
 from minite.config import Config
+from minite.convert.hf_megatron import load_into_model
 from minite.learner.model import build_model, compute_dtype, nvfp4_context
 from minite.megatron_patches.cpu import cuda_as_cpu
+from minite.strict import ops as strict_ops
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +61,7 @@ def _snapshot(obj):
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, strict: bool = False) -> torch.Tensor:
     """logits [B, T, V/tp] (vocab-parallel), tokens [B, T] -> logp [B, T-1] in fp32 (autograd-aware).
-    strict: the batch-invariant log-softmax of minite.alignment.strict_ops (alignment.strict; TP = 1)."""
+    strict: the batch-invariant log-softmax of minite.strict.ops (alignment.strict; TP = 1)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
@@ -67,8 +69,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, strict: bool =
     target = tokens[:, 1:].to(logits.device)
     if ps.get_tensor_model_parallel_world_size() == 1:
         if strict:
-            from minite.alignment.strict_ops import log_softmax
-            return log_softmax(logits, -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+            return strict_ops.log_softmax(logits, -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
         return torch.log_softmax(logits, dim=-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
     return -vocab_parallel_cross_entropy(logits, target)
 
@@ -101,17 +102,23 @@ class _GatherRows(torch.autograd.Function):
 class Learner:
     """Owns the model, its DDP wrapper and optimizer; see the module docstring for the step."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, *, frozen: bool = False):
+        """frozen: no DDP wrapper and no optimizer (the KL reference policy: log-probs and weight loads only)."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         self.cfg = cfg
-        self.model = build_model(cfg)
+        self.strict = bool(cfg.alignment.strict)
+        self.model = build_model(cfg, strict=self.strict)
         if cfg.model.init_from:
             # before the optimizer exists: it copies fp32 master weights from the model at construction
-            from minite.convert.hf_megatron import load_into_model
             load_into_model(self.model, cfg.model.init_from)
         self.nvfp4 = nvfp4_context(self.model)
         self.step = 0
+        self.ddp = self.optimizer = None
+        if frozen:
+            for p in self.model.parameters():
+                p.requires_grad_(False)
+            return
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=False, bucket_size=None)
         with cuda_as_cpu():
@@ -133,9 +140,6 @@ class Learner:
         return get_megatron_optimizer(config, [self.ddp])
 
     # ------------------------------------------------------------------ forward
-    def _strict(self) -> bool:
-        return bool(getattr(self.model.config, "minite_strict", False))  # set by alignment.strict's apply_strict
-
     def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.dim() != 2 or tokens.dtype != torch.long:
             raise ValueError(f"tokens must be a LongTensor [B, T], got {tokens.dtype} {tuple(tokens.shape)}")
@@ -147,7 +151,7 @@ class Learner:
         if pad:
             tokens = torch.cat([tokens, tokens.new_zeros(tokens.shape[0], pad)], dim=1)
         positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-        return self.ddp(tokens, positions, None)[:, :t]
+        return (self.ddp or self.model)(tokens, positions, None)[:, :t]
 
     def local_rows(self, batch_size: int) -> range:
         """The rows of a [batch_size, T] batch that this rank forwards: its data-parallel rank's contiguous block
@@ -168,7 +172,7 @@ class Learner:
             raise ValueError(f"tokens must be a LongTensor [B, T], got {tokens.dtype} {tuple(tokens.shape)}")
         rows = self.local_rows(tokens.shape[0])
         mine = tokens[rows.start:rows.stop]
-        logp = token_logprobs(self._logits(mine), mine, strict=self._strict())
+        logp = token_logprobs(self._logits(mine), mine, strict=self.strict)
         size = ps.get_data_parallel_world_size()
         if size == 1:
             return logp
@@ -245,6 +249,21 @@ class Learner:
         if "rng_cpu" in sd:
             torch.set_rng_state(sd["rng_cpu"])
 
+    @torch.no_grad()
+    def load_weights(self, named: Iterable[Tuple[str, torch.Tensor]]) -> None:
+        """Copy (Megatron parameter name, tensor) pairs, as `named_weights()` yields them, into this model; a clear
+        ValueError for an unknown name or a shape that does not match (nothing is half-copied: checked first)."""
+        params = dict(self.model.named_parameters())
+        pairs = list(named)
+        for name, t in pairs:
+            if name not in params or params[name].shape != t.shape:
+                have = tuple(params[name].shape) if name in params else "no such parameter"
+                raise ValueError(f"load_weights: {name} {tuple(t.shape)} does not fit this model ({have})")
+        for name, t in pairs:
+            params[name].copy_(t)
+        if self.nvfp4 is not None:
+            self.nvfp4.weights_updated()
+
     def named_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """(Megatron parameter name, tensor) for rollout weight sync: this rank's shard, compute dtype, no grad."""
         for name, p in self.model.named_parameters():
@@ -269,3 +288,19 @@ class Learner:
             elif not getattr(p, "allreduce", True) and ep > 1:
                 t = torch.cat(_all_gather(t, ep, ps.get_expert_model_parallel_group()), dim=0)
             yield name, t
+
+
+class ReferencePolicy(Protocol):
+    """The frozen policy of the KL penalty, whatever the rollout backend: log-probs of token rows as the learner
+    computes them, and weights from / to (Megatron name, tensor) pairs."""
+
+    def logprobs(self, tokens: torch.Tensor) -> torch.Tensor: ...
+
+    def load_weights(self, named: Iterable[Tuple[str, torch.Tensor]]) -> None: ...
+
+    def named_weights(self) -> Iterator[Tuple[str, torch.Tensor]]: ...
+
+
+def reference_policy(cfg: Config) -> ReferencePolicy:
+    """A frozen copy of the learner's model (same layers, parallel layout and log-prob computation)."""
+    return Learner(cfg, frozen=True)

@@ -25,7 +25,9 @@ import torch.distributed as dist
 from minite.config import Config
 from minite.megatron_patches import cpu as cpu_patches
 from minite.megatron_patches.nvfp4_layers import NVFP4Context
-from minite.megatron_patches.qwen3_moe import Qwen3MoeShape, build_gpt_model
+from minite.megatron_patches.qwen3_moe import build_gpt_model
+from minite.megatron_patches.strict import apply_strict
+from minite.models.qwen3_moe import Qwen3MoeShape
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +84,10 @@ def compute_dtype(cfg: Config) -> torch.dtype:
     return _DTYPES[prec.compute_dtype]
 
 
-def build_model(cfg: Config, *, init_parallel_state: bool = True):
-    """A Qwen3-MoE GPTModel in cfg.precision.mode ("bf16" or "nvfp4"); identical for identical cfg."""
+def build_model(cfg: Config, *, strict: bool, init_parallel_state: bool = True):
+    """A Qwen3-MoE GPTModel in cfg.precision.mode ("bf16" or "nvfp4"); identical for identical cfg.
+    strict: switch every forward op to its batch-invariant version (megatron_patches.strict); callers pass
+    cfg.alignment.strict, and say so."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     if init_parallel_state:
@@ -101,8 +105,7 @@ def build_model(cfg: Config, *, init_parallel_state: bool = True):
     # What Megatron's Float16Module does to its module: every float parameter (norms included) in the
     # compute dtype; fp32 master copies live in the optimizer.
     model = model.to(compute_dtype(cfg))
-    if cfg.alignment.strict:  # batch-invariant forward ops (minite.alignment.strict)
-        from minite.alignment.strict import apply_strict
+    if strict:
         apply_strict(model)
     return model.cuda() if cpu_patches.gpu_present() else model  # (GPU path: not exercised by the CPU tests)
 

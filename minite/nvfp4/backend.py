@@ -2,8 +2,14 @@
 
 One capability probe decides, and says why when it falls back:
 - "reference": always available (CPU and GPU), the specification every kernel is tested against.
-- "triton": a CUDA tensor with Triton importable and the kernel module present; or a CPU tensor when Triton's
+- "triton": a CUDA tensor with Triton importable and the kernels registered; or a CPU tensor when Triton's
   interpreter is on (TRITON_INTERPRET=1, which Triton itself reads), as the CPU tests use it.
+
+The kernels live a layer above the format (`minite.kernels` reads NVFP4Tensor and the scale formulas), so the format
+never imports them: importing `minite.kernels` registers its entry points here (`register_kernels`), and
+`minite.ops` imports it whenever Triton is installed. Code that calls minite.nvfp4 directly and wants the kernels
+imports `minite.kernels` (or `minite.ops`) first; until then "auto" computes on the reference (same quantisation bits,
+exact GEMM sums) and "triton" says what is missing.
 - "auto": Triton on a CUDA tensor when the probe passes, otherwise the reference.
 """
 from __future__ import annotations
@@ -12,12 +18,25 @@ import functools
 import importlib.util
 import logging
 import os
+from typing import Callable
 
 import torch
 
 log = logging.getLogger(__name__)
 BACKENDS = ("auto", "reference", "triton")
-_KERNEL_MODULES = {"quantize": "minite.kernels.nvfp4_quant", "gemm": "minite.kernels.nvfp4_gemm"}
+_KERNELS: dict[str, Callable] = {}
+_NEEDED = {"quantize": ("quantize_with_values", "quantize_segments"),
+           "gemm": ("gemm", "grouped_gemm", "segmented_gemm")}
+
+
+def register_kernels(**entry_points: Callable) -> None:
+    """Called by minite.kernels on import: name -> Triton entry point (see _NEEDED for the names)."""
+    _KERNELS.update(entry_points)
+
+
+def kernel(name: str) -> Callable:
+    """The registered Triton entry point `name` (only after `resolve` chose "triton")."""
+    return _KERNELS[name]
 
 
 @functools.cache
@@ -32,8 +51,9 @@ def triton_unavailable_reason(tensor: torch.Tensor, op: str) -> str | None:
     """None when the Triton path can run `op` on `tensor`, else the reason it cannot."""
     if not _module_present("triton"):
         return "triton is not installed"
-    if not _module_present(_KERNEL_MODULES[op]):
-        return f"{_KERNEL_MODULES[op]} is not available"
+    missing = [n for n in _NEEDED[op] if n not in _KERNELS]
+    if missing:
+        return f"the Triton kernels are not loaded (import minite.kernels first; missing {', '.join(missing)})"
     if tensor.is_cuda:
         return None
     if os.environ.get("TRITON_INTERPRET") == "1":

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .backend import resolve
+from .backend import kernel, resolve
 from .tensor import NVFP4Tensor
 
 
@@ -41,8 +41,7 @@ def gemm(a: NVFP4Tensor, b: NVFP4Tensor, *, out_dtype: torch.dtype = torch.float
     _check_pair(a, b)
     name, _ = resolve(backend, a.data, op="gemm")
     if name == "triton":
-        from minite.kernels.nvfp4_gemm import gemm_triton
-        return gemm_triton(a, b, out_dtype)
+        return kernel("gemm")(a, b, out_dtype)
     return gemm_reference(a, b, out_dtype)
 
 
@@ -90,8 +89,7 @@ def grouped_gemm(a: NVFP4Tensor, weights, tokens_per_expert, *, out_dtype: torch
         raise ValueError("grouped_gemm: no expert weights")
     name, _ = resolve(backend, a.data, op="gemm")
     if name == "triton":
-        from minite.kernels.nvfp4_gemm import grouped_gemm_triton
-        return grouped_gemm_triton(a, weights, tokens_per_expert, out_dtype, transpose_weights=transpose_weights)
+        return kernel("grouped_gemm")(a, weights, tokens_per_expert, out_dtype, transpose_weights=transpose_weights)
     if transpose_weights:
         weights = [w.t() for w in weights]
     return grouped_gemm_reference(a, weights, tokens_per_expert, out_dtype)

@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .backend import resolve
+from .backend import kernel, resolve
 from .gemm import gemm_reference
 from .quantize import _validate, quantize_reference
 from .tensor import BLOCK_1D, BLOCK_2D, NVFP4Tensor, pack_codes, unpack_codes
@@ -158,9 +158,8 @@ def quantize_stack(x: torch.Tensor, *, block=BLOCK_2D, rounding: str = "nearest"
         _validate(flat, block, "tensor", rounding)
     _check_rounding(rounding, seeds, e)
     if _use_triton(backend, x):
-        from minite.kernels.nvfp4_quant import quantize_segments_triton
         segs = [(i * rows, 0, rows, cols, i * rows, 0) for i in range(e)]
-        data, scale, gs, vals = quantize_segments_triton(flat, segs, (e * rows, cols), block, rounding, seeds, rht,
+        data, scale, gs, vals = kernel("quantize_segments")(flat, segs, (e * rows, cols), block, rounding, seeds, rht,
                                                          VALUES_DTYPE if values else None)
         br = block[0]
         return NVFP4Stack(data.view(e, rows, cols // 2), scale.view(e, rows // br, cols // 16), gs, (rows, cols),
@@ -189,9 +188,8 @@ def quantize_column_segments(x: torch.Tensor, widths: Sequence[int], *, rounding
     rows, total = x.shape
     starts = _starts(widths)
     if _use_triton(backend, x):
-        from minite.kernels.nvfp4_quant import quantize_segments_triton
         segs = [(0, s, rows, w, 0, s) for s, w in zip(starts, widths)]
-        data, scale, gs, vals = quantize_segments_triton(x, segs, (rows, total), BLOCK_1D, rounding, seeds, rht,
+        data, scale, gs, vals = kernel("quantize_segments")(x, segs, (rows, total), BLOCK_1D, rounding, seeds, rht,
                                                          VALUES_DTYPE if values else None)
         return NVFP4Segments(data, scale, gs, widths, vals)
     datas, scales, gss, vals = [], [], [], []
@@ -220,8 +218,7 @@ def segmented_gemm(a: NVFP4Segments, b: NVFP4Segments, *, out_dtype: torch.dtype
         raise ValueError(f"segmented_gemm: segment widths differ ({a.widths} vs {b.widths})")
     ra, rb = a.data.shape[0], b.data.shape[0]
     if resolve(backend, a.data, op="gemm")[0] == "triton":
-        from minite.kernels.nvfp4_gemm import segmented_gemm_triton
-        return segmented_gemm_triton(a, b, out_dtype)
+        return kernel("segmented_gemm")(a, b, out_dtype)
     out = torch.zeros(len(a.widths), ra, rb, dtype=out_dtype, device=a.data.device)
     for e, w in enumerate(a.widths):
         if w:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .backend import resolve
+from .backend import kernel, resolve
 from .hadamard import apply_rht
 from .tensor import BLOCK_1D, BLOCK_2D, E2M1_MAGNITUDES, NVFP4Tensor, SIGN_BIT, pack_codes
 
@@ -145,8 +145,7 @@ def quantize(x: torch.Tensor, *, block=BLOCK_1D, scale_scope: str = "tensor", ro
         raise ValueError(f"seed must be in [0, 2^32), got {seed}")
     name, _ = resolve(backend, x, op="quantize")
     if name == "triton":
-        from minite.kernels.nvfp4_quant import quantize_with_values_triton
-        q, vals = quantize_with_values_triton(x, block, scale_scope, rounding, seed, rht,
+        q, vals = kernel("quantize_with_values")(x, block, scale_scope, rounding, seed, rht,
                                               values_dtype=torch.float16 if values else None,
                                               global_amax=global_amax)
         q.values = vals

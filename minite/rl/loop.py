@@ -37,7 +37,9 @@ from minite.alignment.routing_replay import engine_recording, learner_replay
 from minite.rl import checkpoint as ckpt
 from minite.rl.grpo import GRPOParams, group_advantages, grpo_loss
 from minite.rl.metrics import MetricsLogger, mismatch_metrics, rollout_metrics
+from minite.learner.learner import Learner, ReferencePolicy, reference_policy
 from minite.rl.tasks import PAD, DigitTask, Problem, PromptStream, make_task, mix_seed
+from minite.rollout import make_engine
 from minite.rollout.base import RolloutEngine, RolloutResult, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -60,7 +62,7 @@ class Run:
     task: DigitTask
     stream: PromptStream
     grpo: GRPOParams
-    ref: Any = None  # a frozen engine with .logprobs(tokens) when rl.kl_coef > 0
+    ref: ReferencePolicy | None = None  # the frozen KL reference when rl.kl_coef > 0
     step: int = 0
     history: list[dict] = field(default_factory=list)
     logger: MetricsLogger | None = None
@@ -207,32 +209,29 @@ def maybe_checkpoint(run: Run) -> None:
 # --------------------------------------------------------------------------------------------
 # setup: build everything, then resume or warm up
 # --------------------------------------------------------------------------------------------
-def setup(cfg, *, learner_factory=None, engine_factory=None) -> Run:
-    """Build the run. `learner_factory(cfg)` / `engine_factory(cfg)` may be injected (tests); defaults are the real ones."""
+def setup(cfg, *, learner_factory=None, engine_factory=None, reference_factory=None) -> Run:
+    """Build the run. `learner_factory(cfg)` / `engine_factory(cfg)` / `reference_factory(cfg)` may be injected
+    (tests); defaults are the real ones."""
     task = make_task(cfg.rl.task, length=cfg.rl.task_length, num_digits=cfg.rl.task_digits)
     check_shapes(cfg, task)
     state = find_resume_state(cfg)  # before building anything: a bad checkpoint fails fast
     torch.manual_seed(cfg.rl.seed)  # model init and everything after it is a function of the config
-    if learner_factory is None:
-        from minite.learner.learner import Learner as learner_factory
+    learner_factory = learner_factory or Learner
     learner = learner_factory(cfg)
-    if engine_factory is None:
-        from minite.rollout import make_engine
-
-        engine_factory = lambda c: make_engine(c, pad_id=PAD)  # noqa: E731
+    engine_factory = engine_factory or (lambda c: make_engine(c, pad_id=PAD))
     run = Run(cfg=cfg, learner=learner, engine=engine_factory(cfg), task=task,
               stream=PromptStream(task, batch_size=cfg.rl.prompts_per_step, seed=cfg.rl.seed),
               grpo=GRPOParams(clip_eps_low=cfg.rl.clip_eps, clip_eps_high=cfg.rl.clip_eps, kl_coef=cfg.rl.kl_coef,
                               is_correction=cfg.rl.is_correction, is_cap=cfg.rl.is_threshold))
     if cfg.rl.kl_coef > 0:
-        run.ref = engine_factory(cfg)
+        run.ref = (reference_factory or reference_policy)(cfg)
     if state is not None:
         resume(run, state)
     else:
         _fresh_metrics_file(cfg)
         warmup(run)
         if run.ref is not None:
-            run.ref.update_weights(learner.named_weights())
+            run.ref.load_weights(learner.named_weights())
     sync_weights(run)
     if state is not None:
         ckpt.restore_rng(state["rng"])  # last: building models above consumed RNG
@@ -284,7 +283,7 @@ def resume(run: Run, state: dict) -> None:
     if run.ref is not None:
         if state.get("ref") is None:
             raise ckpt.CheckpointError("the checkpoint has no reference policy but rl.kl_coef > 0 needs one")
-        run.ref.update_weights(state["ref"].items())
+        run.ref.load_weights(state["ref"].items())
     log.info("resumed at step %d", run.step)
 
 

@@ -11,7 +11,7 @@ Fixed TensorBoard tags (acceptance checks read them; do not rename):
 
 The mismatch numbers compare the learner's log-probs of the sampled tokens, computed after the
 rollout with the same weights the engine sampled with, against the engine's own. They are the
-project's measure of a precision path (shared/NOTES.md section 6: about 5e-3 mean |dlogp| is
+project's measure of a precision path (docs/upstream.md: about 5e-3 mean |dlogp| is
 reported for an unaligned large MoE; 0 is the goal of strict alignment). The tokens were drawn by
 the rollout policy, so the K3 estimate is of KL(rollout || train).
 

@@ -19,20 +19,24 @@ Stopping: we pass no_early_termination and cut each response after its first sto
 ourselves, so the stop token itself (and its log-prob) is part of the response the learner trains
 on; Megatron's own EOD handling drops the EOD token from the generated tokens.
 
-CPU: besides the Megatron CPU patches the learner applies (minite.megatron_patches), the static
+CPU: besides the Megatron CPU patches the learner applies (minite.megatron_patches.cpu), the static
 generate path calls torch.cuda.current_device(), torch.cuda.Event (timing) and Tensor.cuda() once;
-`_cpu_generate_shims` maps those to the CPU for the duration of a generate call only, and only when
-no GPU is present (shared/NOTES.md section 4 saw the same: "after a few more cuda no-ops").
+`megatron_patches.cpu.cpu_generate_shims` maps those to the CPU for the duration of a generate call only,
+and only when no GPU is present.
+
+Strict mode is the engine's explicit setting (`strict`, from cfg.alignment.strict through build_model): the
+model's ops are switched at build time, and the controller's log-softmax while it generates.
 """
 from __future__ import annotations
 
-import contextlib
-import time
 from collections import OrderedDict
 from typing import Iterable
 
 import torch
 
+from minite.learner.model import build_model
+from minite.megatron_patches.cpu import cpu_generate_shims
+from minite.megatron_patches.strict import controller_log_softmax
 from minite.rollout.base import (
     RolloutEngine,
     RolloutResult,
@@ -41,37 +45,6 @@ from minite.rollout.base import (
     strip_wrapper_prefix,
     truncate_at_stop,
 )
-
-
-class _WallClockEvent:
-    """Stand-in for torch.cuda.Event on CPU: Megatron only uses it to time tokens."""
-
-    def __init__(self, *args, **kwargs):
-        self.t = time.perf_counter()
-
-    def record(self, *args, **kwargs):
-        self.t = time.perf_counter()
-
-    def synchronize(self):
-        pass
-
-    def elapsed_time(self, other: "_WallClockEvent") -> float:
-        return (other.t - self.t) * 1e3
-
-
-@contextlib.contextmanager
-def _cpu_generate_shims():
-    if torch.cuda.is_available():
-        yield
-        return
-    saved = (torch.cuda.current_device, torch.cuda.Event, torch.Tensor.cuda)
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.Event = _WallClockEvent
-    torch.Tensor.cuda = lambda self, *a, **k: self
-    try:
-        yield
-    finally:
-        torch.cuda.current_device, torch.cuda.Event, torch.Tensor.cuda = saved
 
 
 class _EngineTokenizer:
@@ -87,7 +60,7 @@ class _EngineTokenizer:
 class EmbeddedEngine(RolloutEngine):
     """Megatron-Core static inference over an in-process GPTModel (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, *, pad_id: int = 0):
+    def __init__(self, model: torch.nn.Module, *, pad_id: int = 0, strict: bool = False):
         from megatron.core.transformer.module import Float16Module
         from megatron.core.utils import get_model_config, unwrap_model
 
@@ -99,6 +72,7 @@ class EmbeddedEngine(RolloutEngine):
         self.config = get_model_config(model)
         self.vocab_size = unwrap_model(model).vocab_size
         self.pad_id = pad_id
+        self.strict = strict
         self._params = {strip_wrapper_prefix(n): p for n, p in model.named_parameters()}
         self.weight_version = 0
 
@@ -106,9 +80,7 @@ class EmbeddedEngine(RolloutEngine):
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs at least one prompt and no empty prompts")
         flat = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
-        from minite.alignment.strict import controller_log_softmax  # strict models: strict log-probs
-
-        with _cpu_generate_shims(), controller_log_softmax(self.model):
+        with cpu_generate_shims(), controller_log_softmax(self.strict):
             controller = self._controller(len(flat), max(len(p) for _, p in flat) + params.max_new_tokens)
             controller.sampling_rng.manual_seed(params.seed)
             done = controller.generate_all_output_tokens_static_batch(self._requests(flat, params))
@@ -169,23 +141,11 @@ class EmbeddedEngine(RolloutEngine):
         checked_weight_copy(self._params, named_tensors)
         self.weight_version += 1
 
-    @torch.no_grad()
-    def logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Full-sequence forward (no KV cache): [B, T] -> fp32 log p(tokens[:, t+1] | prefix), [B, T-1].
-
-        Used for the frozen reference policy of the KL penalty.
-        """
-        pos = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        logits = self.model(tokens, pos, None).float()
-        lp = torch.log_softmax(logits[:, :-1], dim=-1)
-        return lp.gather(-1, tokens[:, 1:, None]).squeeze(-1)
-
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         return list(self._params.items())
 
 
 def build_embedded(cfg, *, pad_id: int = 0) -> EmbeddedEngine:
     """An embedded engine over a fresh `build_model(cfg)` (the learner's layers, its own weights)."""
-    from minite.learner.model import build_model
-
-    return EmbeddedEngine(build_model(cfg), pad_id=pad_id)
+    strict = bool(cfg.alignment.strict)
+    return EmbeddedEngine(build_model(cfg, strict=strict), pad_id=pad_id, strict=strict)

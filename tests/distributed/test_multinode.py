@@ -82,7 +82,7 @@ def _converted_checkpoints(root: Path) -> Path:
     """A random FP32 Qwen3-MoE HF checkpoint (Hub spelling) and its conversions for ep1, ep2 and tp2."""
     import torch
 
-    from minite.convert.hf_megatron import Shape, hf_shapes, hf_to_megatron
+    from minite.convert.hf_megatron import hf_shapes, hf_to_megatron, read_shape
     from minite.convert.safetensors_stream import StreamWriter
 
     cfg = dict(model_type="qwen3_moe", vocab_size=32, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -90,7 +90,7 @@ def _converted_checkpoints(root: Path) -> Path:
                rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=64, norm_topk_prob=True)
     (root / "hf").mkdir(parents=True)
     (root / "hf" / "config.json").write_text(json.dumps(cfg))
-    shapes = hf_shapes(Shape.from_hf(cfg))
+    shapes = hf_shapes(read_shape(cfg))
     gen = torch.Generator().manual_seed(3)
     w = StreamWriter(root / "hf" / "model.safetensors", [(n, "F32", s) for n, s in shapes.items()])
     for n, s in shapes.items():

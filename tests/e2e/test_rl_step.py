@@ -124,7 +124,7 @@ def test_bad_checkpoint_is_named(tmp_path):
 
 def test_sglang_backend_dispatches_to_the_sglang_engine(tmp_path, monkeypatch):
     """rollout.backend=sglang builds the SGLang engine (stubbed here: tests/sglang starts the real one)."""
-    import minite.rollout.sglang_engine as sglang_engine
+    import minite.rollout.sglang.engine as sglang_engine
 
     calls = []
     monkeypatch.setattr(sglang_engine, "build_sglang", lambda cfg, pad_id=0: calls.append((cfg, pad_id)) or "engine")

@@ -56,7 +56,7 @@ def test_strict_mode_switched_the_ops(strict_pair):
 
     routers = [m for m in engine.model.modules() if isinstance(m, TopKRouter)]
     assert routers and all("strict" in m.forward.__func__.__module__ for m in routers)
-    assert getattr(learner.model, "minite_strict", False)
+    assert learner.strict and engine.strict and getattr(learner.model.config, "minite_strict", False)
 
 
 def test_strict_rollout_logprobs_do_not_depend_on_the_batch(strict_pair):
@@ -142,7 +142,7 @@ def test_rl_loop_stops_when_the_gap_crosses_stop_above(tmp_path):
 
 
 def test_strict_rollout_and_learner_take_the_strict_log_softmax(strict_pair, monkeypatch):
-    from minite.alignment import strict_ops
+    from minite.strict import ops as strict_ops
 
     cfg, learner, engine = strict_pair
     calls = []

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fixed_k_gemm_rows_do_not_depend_on_m(dtype):
-    from minite.alignment.strict_triton import matmul_fixed_k
+    from minite.strict.triton_gemm import matmul_fixed_k
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(512, 1024, device="cuda", generator=g).to(dtype)
@@ -28,7 +28,7 @@ def test_fixed_k_gemm_rows_do_not_depend_on_m(dtype):
 
 
 def test_strict_attention_and_transcendentals_on_cuda():
-    from minite.alignment import strict_ops as S
+    from minite.strict import ops as S
 
     q, k, v = (torch.randn(9, 2, 4, 64, device="cuda").bfloat16() for _ in range(3))
     full = S.attention(q, k, v, 0.125)

@@ -6,7 +6,7 @@ may differ only by the fp32 summation of the kernels against the reference's exa
 import pytest
 import torch
 
-from minite.learner.ops import nvfp4_grouped_linear, nvfp4_linear, quantize_expert_weights
+from minite.ops import nvfp4_grouped_linear, nvfp4_linear, quantize_expert_weights
 from minite.nvfp4 import NVFP4Recipe
 from tests.tolerances import TOLERANCES
 

@@ -1,5 +1,5 @@
 """`minite diagnose` against the SGLang backend on CPU: the per-token gap is measured (ops are not: SGLang runs its
-model in a scheduler process); in strict mode (minite.rollout.sglang_strict) it is exactly 0, NVFP4 and BF16, for
+model in a scheduler process); in strict mode (minite.rollout.sglang.strict) it is exactly 0, NVFP4 and BF16, for
 batches of different sizes and prompt lengths, with a cached prefix, and after a training step and a weight sync."""
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ def _learner_tensors(hf_dir):
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     from minite.nvfp4 import NVFP4Recipe
-    from minite.rollout.sglang_engine import start_from_learner_tensors
+    from minite.rollout.sglang.engine import start_from_learner_tensors
 
     cfg, w1 = _learner_tensors(tiny_hf_checkpoint(tmp_path_factory.mktemp("w1"), seed=1))
     _, w2 = _learner_tensors(tiny_hf_checkpoint(tmp_path_factory.mktemp("w2"), seed=2))

@@ -24,7 +24,7 @@ def _recipe():
 @pytest.mark.parametrize("shape", [(16, 16), (48, 64), (128, 32)])
 def test_16x16_scale_grid_expands_exactly_to_1x16(shape):
     from minite.convert.export_nvfp4 import scale_grid_1x16
-    from minite.learner.ops import quantize_weight
+    from minite.ops import quantize_weight
     from minite.nvfp4 import NVFP4Tensor, gemm
 
     g = torch.Generator().manual_seed(shape[0])
@@ -66,7 +66,7 @@ def exported(tmp_path_factory):
 
 def test_export_is_lossless_against_the_learner_quantisation(exported):
     from minite.convert.export_nvfp4 import _HFReader, megatron_view_of_hf, qkv_rows
-    from minite.learner.ops import quantize_weight
+    from minite.ops import quantize_weight
 
     hf, _out, t = exported
     cfg = json.loads((hf / "config.json").read_text())

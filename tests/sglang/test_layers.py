@@ -3,7 +3,7 @@
 Each test builds a real SGLang layer (QKVParallelLinear, RowParallelLinear, FusedMoE) with quantization config
 minite_nvfp4, fills it through SGLang's own weight loaders with the tensors `minite convert export-nvfp4` writes
 (`pack_megatron_weights`), runs it, and compares with the learner on the same inputs and weights:
-- linears: minite.learner.ops.nvfp4_linear (the function NVFP4Column/RowParallelLinear call) on the Megatron weight
+- linears: minite.ops.nvfp4_linear (the function NVFP4Column/RowParallelLinear call) on the Megatron weight
   (fused QKV in Megatron's interleaved layout; SGLang's [q; k; v] output columns are a permutation of it);
 - experts: megatron_patches' GroupedExperts between Megatron's own moe_utils.permute and unpermute.
 Exact comparison (atol=0, rtol=0): both sides run the same op functions on the same NVFP4 values.
@@ -26,7 +26,7 @@ HF_CFG = {"num_attention_heads": HEADS, "num_key_value_heads": GROUPS, "head_dim
 @pytest.fixture(scope="module")
 def sgl_world(tmp_path_factory):
     """SGLang's process context and a gloo world of size 1 (what its scheduler sets up before building a model)."""
-    from minite.rollout.sglang_plugin import register
+    from minite.rollout.sglang.common import register
 
     register()
     from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
@@ -44,7 +44,7 @@ def sgl_world(tmp_path_factory):
         init_distributed_environment(backend="gloo", world_size=1, rank=0, local_rank=0,
                                      distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
         initialize_model_parallel()
-    from minite.rollout.sglang_methods import MiniteNVFP4Config
+    from minite.rollout.sglang.methods import MiniteNVFP4Config
 
     return MiniteNVFP4Config()
 
@@ -76,7 +76,7 @@ def _recipe():
 
 
 def _learner_linear(x, w):
-    from minite.learner.ops import nvfp4_linear
+    from minite.ops import nvfp4_linear
 
     with torch.no_grad():
         return nvfp4_linear(x, w, _recipe(), backend="auto")

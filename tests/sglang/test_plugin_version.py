@@ -7,28 +7,28 @@ import pytest
 
 
 def test_other_sglang_version_fails_with_a_clear_message(monkeypatch):
-    from minite.rollout import sglang_plugin
+    from minite.rollout.sglang import common, plugin
 
-    monkeypatch.setattr(sglang_plugin, "_REGISTERED", False)
-    monkeypatch.setattr(sglang_plugin.importlib.metadata, "version", lambda name: "0.5.22")
-    with pytest.raises(sglang_plugin.SGLangVersionError, match=r"sglang==0\.5\.23 only.*found sglang==0\.5\.22"):
-        sglang_plugin.register()
+    monkeypatch.setattr(plugin, "_REGISTERED", False)
+    monkeypatch.setattr(common.importlib.metadata, "version", lambda name: "0.5.22")
+    with pytest.raises(common.SGLangVersionError, match=r"sglang==0\.5\.23 only.*found sglang==0\.5\.22"):
+        plugin.register()
 
 
 def test_missing_sglang_fails_with_a_clear_message(monkeypatch):
-    from minite.rollout import sglang_plugin
+    from minite.rollout.sglang import common
 
     def missing(name):
         raise importlib.metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(sglang_plugin.importlib.metadata, "version", missing)
-    with pytest.raises(sglang_plugin.SGLangVersionError, match="not installed.*tools/setup.sh"):
-        sglang_plugin.check_sglang_version()
+    monkeypatch.setattr(common.importlib.metadata, "version", missing)
+    with pytest.raises(common.SGLangVersionError, match="not installed.*tools/setup.sh"):
+        common.check_sglang_version()
 
 
 def test_recipe_round_trips_through_hf_quant_config():
     from minite.nvfp4 import NVFP4Recipe, OperandRecipe
-    from minite.rollout.sglang_plugin import quant_config_dict, recipe_from_json
+    from minite.nvfp4.modelopt import quant_config_dict, recipe_from_json
 
     r = NVFP4Recipe(activation=OperandRecipe(block=(1, 16), scale_scope="tensor"))
     back = recipe_from_json(quant_config_dict(r, ["lm_head"])["minite"])

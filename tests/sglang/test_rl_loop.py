@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
 def test_one_rl_step_with_the_sglang_backend(tmp_path):
     from minite.config import load_config
     from minite.rl.loop import rl_step, setup
-    from minite.rollout.sglang_engine import SGLangEngine, build_sglang
+    from minite.rollout.sglang.engine import SGLangEngine, build_sglang
 
     sets = {"rollout.backend": "sglang", "precision.mode": "nvfp4", "rl.steps": 1, "rl.warmup_steps": 0,
             "rl.prompts_per_step": 2, "rollout.group_size": 4, "rollout.max_new_tokens": 4, "rl.task_length": 3,

@@ -5,7 +5,7 @@ import torch
 
 from minite.alignment.capture import Capture
 from minite.alignment.compare import compare_ops, first_divergence, logprob_gap
-from minite.alignment import strict_ops
+from minite.strict import ops as strict_ops
 
 
 class RMSNorm(torch.nn.Module):

@@ -1,4 +1,4 @@
-"""Strict-mode ops (minite.alignment.strict_ops): exact batch invariance, and accuracy against torch.
+"""Strict-mode ops (minite.strict.ops): exact batch invariance, and accuracy against torch.
 
 Invariance checks are bitwise (torch.equal): a strict op's row must not depend on the other rows of the call, on
 the number of keys past a query, or on the tensor's size (which moves elements between vector and scalar paths).
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from minite.alignment import strict_ops as S
+from minite.strict import ops as S
 
 
 def test_exp_is_correctly_rounded_fp32_and_handles_specials():

@@ -62,6 +62,10 @@ class StandInLearner:
     def named_weights(self):
         return list(self.model.named_parameters())
 
+    def load_weights(self, named):  # as the KL reference policy (minite.learner.learner.ReferencePolicy)
+        with torch.no_grad():
+            checked_weight_copy(dict(self.model.named_parameters()), named)
+
 
 class StandInEngine(RolloutEngine):
     def __init__(self, cfg):
@@ -108,7 +112,8 @@ def _cfg(tmp_path, steps, **extra):
 
 
 def _train(cfg):
-    run = loop.setup(cfg, learner_factory=StandInLearner, engine_factory=StandInEngine)
+    run = loop.setup(cfg, learner_factory=StandInLearner, engine_factory=StandInEngine,
+                     reference_factory=StandInLearner)
     while run.step < cfg.rl.steps:
         loop.rl_step(run)
     return run

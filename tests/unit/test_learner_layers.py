@@ -72,8 +72,8 @@ def test_cpu_grouped_gemm_fallback_runs_upstream_grouped_mlp():
 @pytest.mark.parametrize("compute", ["float32", "bfloat16"])
 def test_nvfp4_model_close_to_bf16_model(tokens, compute):
     from minite.learner.model import build_model
-    mb = build_model(cfg("precision.mode=bf16", f"precision.compute_dtype={compute}"))
-    mn = build_model(cfg("precision.mode=nvfp4", f"precision.compute_dtype={compute}"))
+    mb = build_model(cfg("precision.mode=bf16", f"precision.compute_dtype={compute}"), strict=False)
+    mn = build_model(cfg("precision.mode=nvfp4", f"precision.compute_dtype={compute}"), strict=False)
     sb, sn = mb.state_dict(), mn.state_dict()
     assert sb.keys() == sn.keys() and all(torch.equal(sb[k], sn[k]) for k in sb if torch.is_tensor(sb[k]))
     lb, gb = _fwd_bwd(mb, tokens)
@@ -90,8 +90,8 @@ def test_nvfp4_layers_run_the_op_functions():
     import torch.nn.functional as F
 
     from minite.learner.model import build_model
-    from minite.learner.ops import derive_seed, nvfp4_grouped_linear, nvfp4_linear
-    model = build_model(cfg("precision.mode=nvfp4", "precision.compute_dtype=float32"))
+    from minite.ops import derive_seed, nvfp4_grouped_linear, nvfp4_linear
+    model = build_model(cfg("precision.mode=nvfp4", "precision.compute_dtype=float32"), strict=False)
     ctx, layer = model.nvfp4_context, model.decoder.layers[1]
     ctx.step = 5
     x = torch.randn(8, 2, 64)
@@ -132,7 +132,7 @@ def test_spec_from_hf_config_json(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(hf))
     c = cfg("precision.mode=nvfp4", f"model.hf_config={path}", "precision.recipe.bf16_first_layers=1")
-    model = build_model(c)
+    model = build_model(c, strict=False)
     shapes = {k: tuple(v.shape) for k, v in model.named_parameters()}
     assert shapes["embedding.word_embeddings.weight"] == (96, 32) and shapes["output_layer.weight"] == (96, 32)
     assert shapes["decoder.layers.2.self_attention.linear_qkv.weight"] == ((4 + 2 * 2) * 16, 32)

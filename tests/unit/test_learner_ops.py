@@ -1,13 +1,13 @@
-"""minite.learner.ops: the NVFP4 linear / grouped linear are exactly the recipe's quantised GEMMs (atol=0), their
+"""minite.ops: the NVFP4 linear / grouped linear are exactly the recipe's quantised GEMMs (atol=0), their
 stochastic rounding is reproducible from the seed, the TP amax sync reproduces the unsharded quantisation
 exactly, and the result stays within the NVFP4 error of the high-precision product (tolerances.py)."""
 import pytest
 import torch
 
-from minite.learner import ops
-from minite.learner.ops import (derive_seed, nvfp4_grouped_linear, nvfp4_grouped_linear_forward, nvfp4_linear,
-                                nvfp4_linear_forward, quantize_weight)
-from minite.nvfp4 import NVFP4Recipe, gemm
+from minite.nvfp4 import NVFP4Recipe, apply_rht, gemm
+from minite.ops import (derive_seed, nvfp4_grouped_linear, nvfp4_grouped_linear_forward, nvfp4_linear,
+                        nvfp4_linear_forward, quantize_weight)
+from minite.ops import common
 from tests.tolerances import TOLERANCES
 
 R = NVFP4Recipe()
@@ -100,12 +100,12 @@ def test_tp_amax_sync_reproduces_unsharded_quantisation(monkeypatch, role, shard
     """A shard quantised with the group amax equals the same slice of the unsharded tensor, bit for bit."""
     op = getattr(R, role)
     full = torch.randn(32, 64, generator=torch.Generator().manual_seed(3)) * 3
-    seen = ops.apply_rht(full) if op.rht else full
+    seen = apply_rht(full) if op.rht else full
     amax = seen.abs().amax(dim=1) if op.scale_scope == "row" else seen.abs().amax()
-    monkeypatch.setattr(ops, "_group_size", lambda group: 2)
-    monkeypatch.setattr(ops, "_group_amax", lambda values, dim, group: amax)
+    monkeypatch.setattr(common, "group_size", lambda group: 2)
+    monkeypatch.setattr(common, "group_amax", lambda values, dim, group: amax)
     part = full[16:] if shard == "rows" else full[:, 32:]
-    got = ops._quantize_scoped(part.contiguous(), op, seed=None if op.rounding == "nearest" else 1, backend=backend,
+    got = common.quantize_scoped(part.contiguous(), op, seed=None if op.rounding == "nearest" else 1, backend=backend,
                                amax_group="fake")
     want = op.quantize(full, seed=1)
     if shard == "rows":

@@ -1,10 +1,10 @@
-"""The SGLang plugin's view of FusedMoE weights (minite.rollout.sglang_plugin, no SGLang import needed): one
+"""The SGLang plugin's view of FusedMoE weights (minite.rollout.sglang.plugin, no SGLang import needed): one
 NVFP4Stack over the stacked ModelOpt tensors gives the same grouped GEMM as per-expert NVFP4Tensors, whether the
 gate/up shards of an expert share one global scale or not."""
 import torch
 
 from minite.nvfp4 import grouped_gemm, quantize_reference
-from minite.rollout.sglang_plugin import expert_stack, weight_tensor
+from minite.rollout.sglang.common import expert_stack, weight_tensor
 
 
 def _modelopt_experts(e, n, k, equal_shards):

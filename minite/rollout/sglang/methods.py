@@ -1,10 +1,10 @@
-"""The SGLang classes of the minite_nvfp4 plugin (imported only once SGLang is; see sglang_plugin.py for the design).
+"""The SGLang classes of the minite_nvfp4 plugin (imported only once SGLang is; see plugin.py for the design).
 
 - MiniteNVFP4Config     QuantizationConfig: names the method, reads hf_quant_config.json, picks a method per layer.
 - MiniteNVFP4LinearMethod  LinearMethodBase for QKVParallelLinear, RowParallelLinear (o_proj), dense MLP linears:
-                        ModelOpt-layout parameters, apply() = minite.learner.ops.nvfp4_linear_forward.
+                        ModelOpt-layout parameters, apply() = minite.ops.nvfp4_linear_forward.
 - MiniteNVFP4MoEMethod  FusedMoEMethodBase for FusedMoE: ModelOpt-layout expert parameters (w13_*, w2_*),
-                        apply() = sglang_plugin.grouped_forward (the learner's grouped op functions).
+                        apply() = common.grouped_forward (the learner's grouped op functions).
 Parameters keep the checkpoint layout after loading (process_weights_after_loading repacks nothing), so weight
 updates can reload them any number of times.
 """
@@ -24,10 +24,12 @@ from sglang.srt.layers.quantization.base_config import (
 )
 from sglang.srt.utils import set_weight_attrs
 
-from minite.learner.ops import nvfp4_linear_forward
 from minite.nvfp4 import NVFP4Recipe
-from minite.rollout.sglang_plugin import (GROUP, METHOD_NAME, expert_stack, grouped_forward, recipe_from_json,
-                                         weight_tensor)
+from minite.ops import nvfp4_linear_forward
+
+from minite.nvfp4.modelopt import GROUP, recipe_from_json
+
+from .common import METHOD_NAME, expert_stack, grouped_forward, weight_tensor
 
 
 def _scale_param(shape, weight_loader, fill: Optional[float] = None) -> PerTensorScaleParameter:
@@ -177,7 +179,7 @@ class MiniteNVFP4Config(QuantizationConfig):
 
     @classmethod
     def override_quantization_method(cls, hf_quant_config, user_quant) -> Optional[str]:
-        """Claim an NVFP4 checkpoint when the user asked for minite_nvfp4 (sglang_plugin's docstring says why)."""
+        """Claim an NVFP4 checkpoint when the user asked for minite_nvfp4 (plugin.py's docstring says why)."""
         if user_quant != METHOD_NAME or hf_quant_config is None:
             return None
         algo = str(hf_quant_config.get("quant_algo", "")).upper()

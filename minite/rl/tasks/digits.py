@@ -147,7 +147,3 @@ def mix_seed(seed: int, position: int) -> int:
     x = (x * 0x94D049BB133111EB) & (2**64 - 1)
     x ^= x >> 29
     return x & (2**63 - 1)
-
-
-def make_task(name: str, *, length: int, num_digits: int = 10) -> DigitTask:
-    return DigitTask(name, length=length, num_digits=num_digits)

@@ -43,7 +43,10 @@ import types
 
 import torch
 
-from . import strict_ops as S
+from minite.ops import combine_fixed_order
+from minite.strict import ops as S
+
+from .nvfp4_layers import GroupedExperts, NVFP4ColumnParallelLinear, NVFP4RowParallelLinear
 
 logger = logging.getLogger(__name__)
 
@@ -92,29 +95,6 @@ def _router_forward(self, input, padding_mask=None):
     return probs, routing_map
 
 
-def _experts_forward(self, permuted_hidden, tokens_per_expert, permuted_probs):
-    """GroupedExperts.forward with strict BF16 GEMMs and strict SiLU (NVFP4 GEMMs stay the module's own)."""
-    counts = [int(c) for c in (tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert)
-                               else tokens_per_expert)]
-
-    def grouped(x, weight, salt):
-        if self.nvfp4 is not None:
-            return self._linear(x, weight, counts, salt)
-        outs, start = [], 0
-        for e, c in enumerate(counts):
-            outs.append(S.linear(x[start:start + c], weight[e], out_dtype=x.dtype))
-            start += c
-        return torch.cat(outs, dim=0) if outs else x.new_zeros(0, weight.shape[1])
-
-    h = grouped(permuted_hidden, self.fc1_weight, 1)
-    gate, up = torch.chunk(h, 2, dim=-1)
-    act = ((S.silu(gate) * up.float()) * permuted_probs.unsqueeze(-1).float()).to(h.dtype)
-    out = grouped(act, self.fc2_weight, 2)
-    if permuted_hidden.shape[0] == 0:
-        out = out + 0.0 * (self.fc1_weight.sum() + self.fc2_weight.sum()).to(out.dtype)
-    return out, None
-
-
 def _combine_postprocess(self, permuted):
     """MoEAlltoAllTokenDispatcher.combine_postprocess (EP = 1): out[t] = sum over t's experts in ascending expert
     order, in fp32, from a gather (no scatter_add: its accumulation order is the kernel's choice)."""
@@ -123,47 +103,17 @@ def _combine_postprocess(self, permuted):
         self.shared_experts.post_forward_comm()
     tokens = self.hidden_shape_before_permute[0]
     rows = self.reversed_local_input_permutation_mapping      # permuted row -> token; rows are expert-major
-    order = torch.sort(rows, stable=True).indices             # per token: its rows in ascending expert order
-    k = rows.numel() // max(tokens, 1)
-    if k * tokens != rows.numel():
-        raise ValueError("strict combine: every token must have the same number of experts (no token dropping)")
-    gathered = permuted[order].float().reshape(tokens, k, -1)
-    acc = gathered[:, 0]
-    for j in range(1, k):
-        acc = acc + gathered[:, j]
-    output = acc.to(permuted.dtype).view(self.hidden_shape)
+    output = combine_fixed_order(permuted, rows, tokens).to(permuted.dtype).view(self.hidden_shape)
     if self.shared_experts is not None:
         output = output + self.shared_experts.get_output()
     return output
 
 
-_ROPE_CACHE: list = []  # (freqs copy, sin, cos), newest first
-
-
-def _rope_sincos(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """S.sincos(freqs), memoised over the last few tables: every layer of a forward rotates with the same angles.
-    A hit needs equal values (torch.equal), and S.sincos is a deterministic function, so the cache cannot change
-    a result, only skip recomputing it (~30 elementwise kernels per call)."""
-    for f, sin, cos in _ROPE_CACHE:
-        if f.shape == freqs.shape and f.device == freqs.device and torch.equal(f, freqs):
-            return sin, cos
-    sin, cos = S.sincos(freqs)
-    _ROPE_CACHE.insert(0, (freqs.detach().clone(), sin, cos))
-    del _ROPE_CACHE[4:]
-    return sin, cos
-
-
 def strict_rope(t, freqs, config, cu_seqlens=None, mscale: float = 1.0, cp_group=None):
-    """RoPE with strict sin/cos (non-interleaved bshd layout, as Qwen3 uses)."""
+    """Megatron's apply_rotary_pos_emb signature over minite.strict.ops.rope (bshd, non-interleaved, as Qwen3)."""
     if cu_seqlens is not None or config.rotary_interleaved or config.multi_latent_attention:
         raise ValueError("strict RoPE supports the bshd, non-interleaved layout only")
-    rot = freqs.shape[-1]
-    t_rot, t_pass = t[..., :rot], t[..., rot:]
-    sin, cos = _rope_sincos(freqs)
-    cos_, sin_ = (cos * mscale).to(t.dtype), (sin * mscale).to(t.dtype)
-    x1, x2 = torch.chunk(t_rot, 2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return torch.cat(((t_rot * cos_) + (rotated * sin_), t_pass), dim=-1)
+    return S.rope(t, freqs, mscale)
 
 
 def _install_rope_dispatch() -> None:
@@ -210,10 +160,6 @@ def apply_strict(model: torch.nn.Module) -> dict:
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
     from megatron.core.utils import get_model_config
 
-    from minite.megatron_patches.nvfp4_layers import (
-        GroupedExperts, NVFP4ColumnParallelLinear, NVFP4RowParallelLinear,
-    )
-
     config = get_model_config(model)
     _check_supported(config)
     _install_rope_dispatch()
@@ -239,7 +185,7 @@ def apply_strict(model: torch.nn.Module) -> dict:
             _bind(module, "forward", _router_forward)
             mark("router")
         elif isinstance(module, GroupedExperts):
-            _bind(module, "forward", _experts_forward)
+            module.strict = True
             mark("experts")
         if isinstance(getattr(module, "token_dispatcher", None), MoEAlltoAllTokenDispatcher):
             _bind(module.token_dispatcher, "combine_postprocess", _combine_postprocess)
@@ -250,13 +196,6 @@ def apply_strict(model: torch.nn.Module) -> dict:
     model.minite_strict = True
     logger.info("strict mode: %s", counts)
     return counts
-
-
-def is_strict(model: torch.nn.Module) -> bool:
-    """True for a model switched by `apply_strict` (also through Float16Module/DDP wrappers)."""
-    from megatron.core.utils import get_model_config
-
-    return bool(getattr(model, "minite_strict", False) or getattr(get_model_config(model), "minite_strict", False))
 
 
 class _StrictFunctional:
@@ -274,11 +213,11 @@ class _StrictFunctional:
 
 
 @contextlib.contextmanager
-def controller_log_softmax(model: torch.nn.Module):
-    """While a strict model generates, Megatron's TextGenerationController (which calls F.log_softmax on the step's
+def controller_log_softmax(strict: bool):
+    """While a strict model generates (strict=True), Megatron's TextGenerationController (which calls F.log_softmax on the step's
     logits) takes the strict log-softmax, the one the strict learner uses. A no-op for other models; the module
     global is restored on exit. Checked against Megatron-Core 0.16.1 (its only F.* calls are log_softmax)."""
-    if not is_strict(model):
+    if not strict:
         yield
         return
     import megatron.core.inference.text_generation_controllers.text_generation_controller as tgc

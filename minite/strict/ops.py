@@ -29,7 +29,7 @@ length, thread count and code path: guaranteed, not "almost surely", on any devi
 kernels are IEEE-conformant (CPU; CUDA without fast math). Nothing here assumes anything about library GEMMs,
 softmax or reduction kernels.
 
-On CUDA, BF16/FP16 GEMMs take one exception: `strict_triton.matmul_fixed_k`, a Triton kernel with one constant
+On CUDA, BF16/FP16 GEMMs take one exception: `minite.strict.triton_gemm.matmul_fixed_k`, a Triton kernel with one constant
 tile configuration and a sequential K loop, batch invariant because every row runs the same instruction sequence
 (measured bitwise on the H200, tests/gpu) rather than by IEEE rules alone; the tree GEMM below was 4.8x slower than
 cuBLAS per decode step there.
@@ -47,6 +47,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from . import triton_gemm
 
 _CHUNK_ELEMS = 1 << 24  # products held at once by `linear` and `attention` (64 MiB of fp32)
 
@@ -189,10 +191,8 @@ class _StrictLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w):
         ctx.save_for_backward(x, w)
-        from . import strict_triton  # CUDA bf16/fp16: the fixed-K tensor-core kernel (see strict_triton)
-
-        if strict_triton.available(x, w):
-            return strict_triton.matmul_fixed_k(x, w)
+        if triton_gemm.available(x, w):  # CUDA bf16/fp16: the fixed-K tensor-core kernel (see triton_gemm)
+            return triton_gemm.matmul_fixed_k(x, w)
         return _linear_fwd(x, w)
 
     @staticmethod
@@ -264,3 +264,31 @@ def topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k over the last dim by a stable descending sort: ties go to the lower index, on every device."""
     vals, idx = torch.sort(scores, dim=-1, descending=True, stable=True)
     return vals[..., :k], idx[..., :k]
+
+
+_ROPE_CACHE: list = []  # (freqs copy, sin, cos), newest first
+
+
+def _rope_sincos(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """sincos(freqs), memoised over the last few tables: every layer of a forward rotates with the same angles.
+    A hit needs equal values (torch.equal), and sincos is a deterministic function, so the cache cannot change a
+    result, only skip recomputing it (~30 elementwise kernels per call)."""
+    for f, sin, cos in _ROPE_CACHE:
+        if f.shape == freqs.shape and f.device == freqs.device and torch.equal(f, freqs):
+            return sin, cos
+    sin, cos = sincos(freqs)
+    _ROPE_CACHE.insert(0, (freqs.detach().clone(), sin, cos))
+    del _ROPE_CACHE[4:]
+    return sin, cos
+
+
+def rope(t: torch.Tensor, freqs: torch.Tensor, mscale: float = 1.0) -> torch.Tensor:
+    """Rotary embedding with strict sin/cos, non-interleaved halves (Megatron's and Qwen3's layout): the first
+    freqs.shape[-1] channels of t are rotated by the angles `freqs`, the rest pass through."""
+    rot = freqs.shape[-1]
+    t_rot, t_pass = t[..., :rot], t[..., rot:]
+    sin, cos = _rope_sincos(freqs)
+    cos_, sin_ = (cos * mscale).to(t.dtype), (sin * mscale).to(t.dtype)
+    x1, x2 = torch.chunk(t_rot, 2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return torch.cat(((t_rot * cos_) + (rotated * sin_), t_pass), dim=-1)

@@ -8,14 +8,14 @@ skip_tokenizer_init=True)`. SGLang runs the scheduler in a subprocess; the plugi
 point. Measured start-up on the 2-core CPU dev machine, tiny model: see docs/sglang.md. A BF16 learner
 (precision.mode "bf16") gets a BF16 checkpoint under Hugging Face names, loaded without quantization, and BF16
 weight updates. With cfg.alignment.strict, config.json carries `"minite_strict": true` and SGLang's Qwen3-MoE
-computes with the learner's strict ops (minite.rollout.sglang_strict; CPU engine only).
+computes with the learner's strict ops (minite.rollout.sglang.strict; CPU engine only).
 
 generate: one SGLang request per sample (n per prompt), token ids in, `return_logprob=True`; the per-token
 log-probs are meta_info["output_token_logprobs"] (logprob, token id, text). They are the untempered policy's
 (base.py's contract) because the engine runs with SGLANG_RETURN_ORIGINAL_LOGPROB=1: SGLang then takes
 log_softmax of the logits before temperature and top-p. Each sample gets `sampling_seed = derive_seed(seed, k)`.
 SGLang honours sampling seeds only in its deterministic-inference mode (enable_deterministic_inference, on by default
-here on GPU; SGLang measured it at about 34% slower, shared/NOTES.md section 6), which needs a GPU attention backend:
+here on GPU; SGLang measured it at about 34% slower, docs/upstream.md), which needs a GPU attention backend:
 on CPU, sampling at temperature > 0 is therefore NOT reproducible call to call (greedy decoding is). Either way our
 process's torch RNG is untouched (sampling happens in SGLang's scheduler process). The stop token ends a
 response and is kept (SGLang's finished_len includes it); the config.json we write has no eos_token_id, so nothing
@@ -47,6 +47,10 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from minite.convert.export_nvfp4 import exclude_modules, learner_to_hf, pack_megatron_weights, write_sharded
+from minite.learner.model import build_model, model_shape
+from minite.nvfp4.modelopt import quant_config_dict
+from minite.ops import derive_seed
 from minite.rollout.base import (
     RolloutEngine,
     RolloutResult,
@@ -56,27 +60,14 @@ from minite.rollout.base import (
     truncate_at_stop,
 )
 
+from .common import check_sglang_version
+from .plugin import register
+
 log = logging.getLogger(__name__)
 
 
-def hf_config_from_shape(shape) -> dict:
-    """A Hugging Face Qwen3-MoE config.json for a `Qwen3MoeShape` (no eos_token_id: see the module docstring)."""
-    return {
-        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "torch_dtype": "bfloat16",
-        "vocab_size": shape.vocab_size, "hidden_size": shape.hidden_size,
-        "intermediate_size": shape.moe_ffn_hidden_size, "moe_intermediate_size": shape.moe_ffn_hidden_size,
-        "num_hidden_layers": shape.num_layers, "num_attention_heads": shape.num_attention_heads,
-        "num_key_value_heads": shape.num_query_groups, "head_dim": shape.head_dim,
-        "num_experts": shape.num_experts, "num_experts_per_tok": shape.moe_router_topk,
-        "norm_topk_prob": shape.norm_topk_prob, "rope_theta": shape.rope_theta, "rms_norm_eps": shape.rms_norm_eps,
-        "max_position_embeddings": shape.max_position_embeddings, "tie_word_embeddings": shape.tie_word_embeddings,
-        "decoder_sparse_step": 1, "mlp_only_layers": [], "attention_bias": False, "hidden_act": "silu",
-        "bos_token_id": None, "eos_token_id": None, "use_sliding_window": False,
-    }
-
-
 def default_engine_args(device: str) -> dict:
-    """sglang.Engine arguments for `device`; on CPU those shared/NOTES.md section 5 found to work."""
+    """sglang.Engine arguments for `device`; on CPU the ones found to work (docs/upstream.md)."""
     args = {"skip_tokenizer_init": True, "dtype": "bfloat16", "log_level": "warning",
             "quantization": "minite_nvfp4", "random_seed": 0}
     if device == "cpu":
@@ -93,7 +84,6 @@ class SGLangEngine(RolloutEngine):
     def __init__(self, model_dir: str, *, hf_config: dict, recipe, expected: Dict[str, Tuple[int, ...]],
                  initial_packed: List[Tuple[str, torch.Tensor]], engine_args: Optional[dict] = None,
                  owns_dir: bool = False):
-        from minite.rollout.sglang_plugin import check_sglang_version, register
 
         check_sglang_version()
         register()  # in this process too: a failure here is raised, not just logged by SGLang's plugin loader
@@ -117,7 +107,6 @@ class SGLangEngine(RolloutEngine):
 
     # ---- generation ------------------------------------------------------------------------------------------
     def generate(self, prompts: List[List[int]], params: SamplingParams) -> List[RolloutResult]:
-        from minite.learner.ops import derive_seed
 
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs at least one prompt and no empty prompts")
@@ -201,7 +190,6 @@ def pack_for_sglang(named, hf_config: dict, recipe) -> List[Tuple[str, torch.Ten
     """Learner tensors -> SGLang-named CPU tensors: NVFP4 (uint8 codes, e4m3 scales, fp32 global scales) for the
     linears and experts, BF16 (the engine's dtype) for embeddings, norms, router and lm_head. recipe None (a BF16
     learner): every tensor BF16 under its Hugging Face name."""
-    from minite.convert.export_nvfp4 import learner_to_hf, pack_megatron_weights
 
     out = []
     tensors = pack_megatron_weights(named, hf_config, recipe) if recipe is not None else learner_to_hf(named, hf_config)
@@ -216,7 +204,7 @@ def start_from_learner_tensors(named, hf_config: dict, recipe, *, engine_args: O
                                strict: bool = False) -> "SGLangEngine":
     """Pack the learner's tensors into a temporary ModelOpt NVFP4 checkpoint (recipe None: a BF16 one, loaded
     without quantization) and start an engine on it (strict: config.json carries `minite_strict`, and SGLang computes
-    with the learner's strict ops, minite.rollout.sglang_strict)."""
+    with the learner's strict ops, minite.rollout.sglang.strict)."""
     hf_config = dict(hf_config)
     if strict:
         hf_config["minite_strict"] = True
@@ -256,8 +244,6 @@ def _start_engine(model_dir: str, args: dict):
 
 def write_checkpoint(out_dir: Path, hf_config: dict, packed: List[Tuple[str, torch.Tensor]], recipe) -> None:
     """config.json + hf_quant_config.json + safetensors of already packed tensors."""
-    from minite.convert.export_nvfp4 import exclude_modules, write_sharded
-    from minite.rollout.sglang_plugin import quant_config_dict
 
     out_dir.mkdir(parents=True, exist_ok=True)
     write_sharded(out_dir, packed)
@@ -270,15 +256,14 @@ def write_checkpoint(out_dir: Path, hf_config: dict, packed: List[Tuple[str, tor
 
 def build_sglang(cfg, *, pad_id: int = 0, engine_args: Optional[dict] = None) -> SGLangEngine:
     """An SGLang engine on the learner's initial weights (module docstring). pad_id is unused (no padding)."""
-    from minite.learner.model import build_model, model_shape
 
     if (cfg.parallel.tp, cfg.parallel.ep, cfg.parallel.pp) != (1, 1, 1):
         raise ValueError("rollout.backend='sglang' takes weight updates from a tp=ep=pp=1 learner for now")
     if cfg.alignment.strict and torch.cuda.is_available():
         raise ValueError("alignment.strict with rollout.backend='sglang' is implemented for the CPU engine only "
-                         "(torch_native attention, minite.rollout.sglang_strict); use the embedded backend on GPU")
-    model = build_model(cfg)
+                         "(torch_native attention, minite.rollout.sglang.strict); use the embedded backend on GPU")
+    model = build_model(cfg, strict=bool(cfg.alignment.strict))
     named = [(n, p.detach()) for n, p in model.named_parameters()]
     recipe = cfg.precision.recipe if cfg.precision.mode == "nvfp4" else None
-    return start_from_learner_tensors(named, hf_config_from_shape(model_shape(cfg)), recipe,
+    return start_from_learner_tensors(named, model_shape(cfg).to_hf(), recipe,
                                       engine_args=engine_args, strict=bool(cfg.alignment.strict))

@@ -1,7 +1,7 @@
 """Strict mode inside SGLang 0.5.23: its Qwen3-MoE forward computed with the learner's batch-invariant ops.
 
-Why. With `alignment.strict` the learner (minite.alignment.strict) computes every forward op with
-minite.alignment.strict_ops, whose outputs are fixed functions of their own inputs whatever the batch, row position
+Why. With `alignment.strict` the learner (megatron_patches.strict) computes every forward op with
+minite.strict.ops, whose outputs are fixed functions of their own inputs whatever the batch, row position
 or number of keys. SGLang computes the same model with its own kernels (RMSNorm with a fused residual add, torch's
 SDPA per request, its TopK, a vocab-sized torch log_softmax), which are not batch invariant and do not round like
 the learner's: measured default gap on the tiny CPU model, max 3.2e-2 / mean 4.9e-3 (docs/alignment.md). This
@@ -16,24 +16,24 @@ What is replaced (only while strict mode is active in the process; otherwise eve
 | RMSNorm, qk-norm + RoPE, TopK, FusedMoE, final norm)| adds in the activation dtype (Megatron's bias-dropout-add);|
 |                                                     | strict rms_norm (input, post-attention, q/k, final);      |
 |                                                     | RoPE: Megatron's inv_freq and position * inv_freq table,  |
-|                                                     | then minite.alignment.strict.strict_rope (strict sincos); |
+|                                                     | then minite.strict.ops.rope (strict sincos);             |
 |                                                     | router: fp32 strict linear, strict softmax/top-k (ties to |
 |                                                     | the lower index), as strict._router_forward;              |
 |                                                     | experts: the plugin's NVFP4 grouped GEMMs, strict SiLU,   |
 |                                                     | combine summed per token in ascending expert order, fp32  |
-| TorchNativeAttnBackend._run_sdpa_forward_extend /   | strict_ops.attention per request over the request's KV    |
+| TorchNativeAttnBackend._run_sdpa_forward_extend /   | S.attention per request over the request's KV    |
 | _run_sdpa_forward_decode (torch SDPA per request)   | cache, by absolute position (prefill = full = decode)     |
-| LogitsProcessor._compute_lm_head (F.linear/matmul)  | strict_ops.linear, output in the activation dtype         |
-| Sampler.forward's returned token log-probs          | strict_ops.log_softmax of the logits before temperature   |
+| LogitsProcessor._compute_lm_head (F.linear/matmul)  | S.linear, output in the activation dtype         |
+| Sampler.forward's returned token log-probs          | S.log_softmax of the logits before temperature   |
 |   (torch log_softmax)                               | (the learner's token_logprobs); sampling itself unchanged |
 
 NVFP4 linears (q/k/v/o) and expert GEMMs stay the plugin's (minite_nvfp4: the learner's own op functions, exact);
-BF16 linears (a BF16 checkpoint, or modules the NVFP4 export keeps BF16) become strict_ops.linear, BF16 experts a
-strict_ops.linear per expert (the learner's strict GroupedExperts in BF16).
+BF16 linears (a BF16 checkpoint, or modules the NVFP4 export keeps BF16) become S.linear, BF16 experts a
+S.linear per expert (the learner's strict GroupedExperts in BF16).
 
-How it is switched on. The plugin's entry point (`sglang_plugin.register`, run in every SGLang process) calls
+How it is switched on. The plugin's entry point (`plugin.register`, run in every SGLang process) calls
 `install()`, which puts dispatchers in place once (idempotent, logged). A Qwen3MoeModel whose config carries
-`minite_strict: true` (config.json, written by sglang_engine.build_sglang when cfg.alignment.strict; SGLang keeps
+`minite_strict: true` (config.json, written by engine.build_sglang when cfg.alignment.strict; SGLang keeps
 unknown config.json keys as config attributes) runs `_model_forward` and marks the process strict for the
 attention, lm_head and log-prob steps that follow it; any other model runs upstream's code and clears the mark. One
 model per SGLang scheduler process, so the mark is the model's. NVFP4 or BF16 checkpoint alike.
@@ -54,11 +54,13 @@ from __future__ import annotations
 
 import logging
 import math
-import types
 
 import torch
 
-from minite.alignment import strict_ops as S
+from minite.ops import grouped_linear_bf16, routed_experts
+from minite.strict import ops as S
+
+from .common import check_sglang_version, grouped_forward
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +86,7 @@ def set_active(active: bool) -> None:
 # --------------------------------------------------------------------------------------------------------------
 
 def _linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """An SGLang linear: the plugin's NVFP4 method as it is; an unquantized (BF16) one through strict_ops.linear."""
+    """An SGLang linear: the plugin's NVFP4 method as it is; an unquantized (BF16) one through S.linear."""
     from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 
     if isinstance(getattr(module, "quant_method", None), UnquantizedLinearMethod):
@@ -102,13 +104,8 @@ def _rope_table(positions: torch.Tensor, head_dim: int, base: float) -> torch.Te
     return torch.cat((freqs, freqs), dim=-1)[:, None, :]
 
 
-_ROPE_CONFIG = types.SimpleNamespace(rotary_interleaved=False, multi_latent_attention=False)
-
-
 def _attention_block(attn, x: torch.Tensor, positions: torch.Tensor, forward_batch) -> torch.Tensor:
     """Qwen3MoeAttention: qkv, per-head q/k strict RMSNorm, strict RoPE, RadixAttention (strict backend), o_proj."""
-    from minite.alignment.strict import strict_rope
-
     t = x.shape[0]
     qkv = _linear(attn.qkv_proj, x)
     q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
@@ -116,15 +113,15 @@ def _attention_block(attn, x: torch.Tensor, positions: torch.Tensor, forward_bat
     q = S.rms_norm(q.reshape(t, -1, d), attn.q_norm.weight, attn.q_norm.variance_epsilon)
     k = S.rms_norm(k.reshape(t, -1, d), attn.k_norm.weight, attn.k_norm.variance_epsilon)
     emb = _rope_table(positions.reshape(-1), d, float(attn.rope_theta))
-    q = strict_rope(q, emb, _ROPE_CONFIG).reshape(t, -1)
-    k = strict_rope(k, emb, _ROPE_CONFIG).reshape(t, -1)
+    q = S.rope(q, emb).reshape(t, -1)
+    k = S.rope(k, emb).reshape(t, -1)
     o = attn.attn(q, k, v.contiguous(), forward_batch, save_kv_cache=True)
     return _linear(attn.o_proj, o)
 
 
 def _moe_block(block, x: torch.Tensor, pre_softmax: bool) -> torch.Tensor:
-    """Qwen3MoeSparseMoeBlock as minite.alignment.strict's router + experts + combine compute it."""
-    from minite.rollout.sglang_methods import MiniteNVFP4MoEMethod
+    """Qwen3MoeSparseMoeBlock as minite.megatron_patches.strict's router + experts + combine compute it."""
+    from .methods import MiniteNVFP4MoEMethod  # imports SGLang
 
     method = block.experts.quant_method
     k = block.topk.topk_config.top_k
@@ -136,49 +133,12 @@ def _moe_block(block, x: torch.Tensor, pre_softmax: bool) -> torch.Tensor:
         probs_k = S.softmax(vals)
     if isinstance(method, MiniteNVFP4MoEMethod):
         w13, w2 = method.experts(block.experts)
-        return strict_grouped_forward(x, w13, w2, probs_k, idx, method.config.recipe, method.config.backend)
+        return grouped_forward(x, w13, w2, probs_k, idx, method.config.recipe, method.config.backend, strict=True)
     if type(method).__name__ != "UnquantizedFusedMoEMethod":
         raise ValueError(f"strict SGLang: experts must be minite_nvfp4 or BF16, got {type(method).__name__}")
-    return strict_grouped_forward(x, block.experts.w13_weight, block.experts.w2_weight, probs_k, idx, None)
-
-
-def strict_grouped_forward(x, w13, w2, probs_k, idx, recipe, backend="auto") -> torch.Tensor:
-    """Routed SwiGLU experts, the learner's strict GroupedExperts + combine: per expert (ascending) its tokens'
-    fc1 (NVFP4 with per-row activation scales, so a row's result does not depend on the other rows; or, recipe
-    None, BF16 weights [E, 2F, H] / [E, H, F] through strict_ops.linear), silu(gate) * up * prob in fp32 with strict
-    SiLU, fc2; each token's k outputs summed in ascending expert order in fp32."""
-    from minite.learner.ops import nvfp4_grouped_linear
-    from minite.rollout.sglang_plugin import _shape_only
-
-    t, h = x.shape
-    order = torch.sort(idx, dim=-1, stable=True)                    # a token's experts, ascending
-    experts_sorted, slot = order.values, order.indices
-    probs_sorted = probs_k.gather(1, slot)
-    flat_e = experts_sorted.reshape(-1)
-    perm = torch.sort(flat_e, stable=True).indices                   # rows grouped by expert, token order inside
-    counts = torch.bincount(flat_e, minlength=len(w13)).tolist()
-    tok = torch.arange(t, device=x.device).repeat_interleave(idx.shape[1])
-    xp = x.index_select(0, tok[perm])
-    def grouped(a, w):
-        if recipe is not None:
-            return nvfp4_grouped_linear(a, _shape_only(w, x), counts, recipe, weight_q=w, backend=backend)
-        outs, start = [], 0
-        for e, c in enumerate(counts):
-            outs.append(S.linear(a[start:start + c], w[e], out_dtype=a.dtype))
-            start += c
-        return torch.cat(outs, dim=0)
-
-    hidden = grouped(xp, w13)
-    gate, up = torch.chunk(hidden, 2, dim=-1)
-    act = ((S.silu(gate) * up.float()) * probs_sorted.reshape(-1)[perm].unsqueeze(-1).float()).to(hidden.dtype)
-    out = grouped(act, w2)
-    unperm = torch.empty_like(out)
-    unperm[perm] = out                                               # back to (token, ascending expert) order
-    gathered = unperm.float().reshape(t, idx.shape[1], h)
-    acc = gathered[:, 0]
-    for j in range(1, idx.shape[1]):
-        acc = acc + gathered[:, j]
-    return acc.to(x.dtype)
+    weights = (block.experts.w13_weight, block.experts.w2_weight)
+    return routed_experts(x, idx, probs_k, weights[0].shape[0],
+                          lambda a, i, counts: grouped_linear_bf16(a, weights[i], counts, strict=True), strict=True)
 
 
 def _model_forward(self, input_ids, positions, forward_batch, input_embeds=None, pp_proxy_tensors=None):
@@ -283,8 +243,6 @@ def install() -> None:
     global _INSTALLED
     if _INSTALLED:
         return
-    from minite.rollout.sglang_plugin import check_sglang_version
-
     check_sglang_version()
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
     from sglang.srt.layers.logits_processor import LogitsProcessor

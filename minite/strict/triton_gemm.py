@@ -3,7 +3,7 @@
 y[m, n] = sum over K blocks k0 = 0, 64, 128, ... (in that order) of tl.dot(x[m, k0:k0+64], w[n, k0:k0+64]) in fp32.
 The configuration is a constant (no autotuning, no split-K, no atomics), so every output element is produced by the
 same instruction sequence whatever M is: the program that holds row m differs between a decode step (M = batch)
-and a full forward (M = B*T), the arithmetic does not. shared/NOTES.md section 2 measured exactly this on the H200
+and a full forward (M = B*T), the arithmetic does not. docs/nvfp4.md records exactly this, measured on the H200
 (a sequential-K Triton bf16 matmul gave bitwise identical rows for M = 1, 7, 512 and for every tile shape tried);
 tests/gpu/test_strict_alignment_gpu.py checks it for this kernel at M = 1..512.
 

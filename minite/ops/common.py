@@ -1,0 +1,89 @@
+"""Pieces every NVFP4 op shares: derived stochastic-rounding seeds, tensor-parallel amax groups, the quantisation
+flags of the kernel path, and the zero-padding of token groups to 16-row blocks (wgrad quantises along tokens).
+
+Stochastic-rounding seeds are *derived*, never drawn: the caller passes one integer (the layers use
+hash(run seed, train step, layer index)) and each role gets `derive_seed(seed, ROLES[role])`. A run is then
+reproducible and a resumed run draws the same rounding as an uninterrupted one.
+
+Tensor parallelism: a global scale is the amax over its scope; when that scope spans a TP-sharded dim, each rank sees
+only a slice. `quantize_scoped` all-reduces (MAX) the amax over the TP group and hands it to the quantiser
+(`quantize(..., global_amax=)`), so a shard quantises to exactly the values of the same slice of the unsharded
+tensor (given 16-aligned shard boundaries).
+
+The kernel path: when the GEMMs run on the Triton kernels, operands also carry fp16 block values (written in the
+quantisation pass, read by the MMA without a nibble decode), and on a GPU the per-op NaN/Inf check (a host
+synchronisation each) is skipped: a non-finite input then shows as a non-finite loss / gradient norm, which the
+learner reports.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from minite.nvfp4 import NVFP4Tensor, OperandRecipe, apply_rht
+from minite.nvfp4.backend import resolve
+
+_M32 = 0xFFFFFFFF
+ROLES = {"gradient": 1, "wgrad_gradient": 2, "wgrad_input": 3}
+
+
+def derive_seed(*parts: int) -> int:
+    """A 32-bit seed from integers (splitmix-style mixing): reproducible, well spread, in [0, 2^32)."""
+    h = 0x243F6A88
+    for p in parts:
+        h = (h ^ (int(p) & 0xFFFFFFFFFFFFFFFF)) * 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 31
+    return h & _M32
+
+
+def group_size(group) -> int:
+    return 1 if group is None or not dist.is_initialized() else dist.get_world_size(group)
+
+
+def group_amax(values: torch.Tensor, dim: Optional[int], group) -> torch.Tensor:
+    amax = values.abs().amax() if dim is None else values.abs().amax(dim=dim)
+    amax = amax.float().contiguous()
+    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    return amax
+
+
+def quant_flags(backend: str, t: torch.Tensor) -> dict:
+    """Keyword arguments for quantising `t` here: fp16 block values when the GEMMs run on the Triton kernels (they
+    read them), and the NaN/Inf check only off the GPU (on it, a host synchronisation per call)."""
+    return {"values": resolve(backend, t, op="gemm")[0] == "triton", "check_finite": not t.is_cuda}
+
+
+def quantize_scoped(x: torch.Tensor, op: OperandRecipe, *, seed: Optional[int], backend: str,
+                     amax_group=None) -> NVFP4Tensor:
+    """`op.quantize(x)`, with the global-scale amax taken over `amax_group` (TP) when it has > 1 rank; block values
+    kept when the kernels will read them; the NaN/Inf check only off the GPU (see the module docstring)."""
+    amax = None
+    if group_size(amax_group) > 1:
+        if op.scale_scope == "row" and op.rht:
+            raise ValueError("per-row scales with RHT are not supported under tensor parallelism")
+        seen = apply_rht(x) if op.rht else x
+        amax = group_amax(seen, 1 if op.scale_scope == "row" else None, amax_group)
+    return op.quantize(x, seed=seed, backend=backend, global_amax=amax, **quant_flags(backend, x))
+
+
+
+def padded(rows: int) -> int:
+    """rows rounded up to a multiple of 16 (wgrad quantises along the tokens in 16-blocks)."""
+    return rows + (-rows) % 16
+
+
+def pad_groups(t: torch.Tensor, counts: list[int], widths: list[int]) -> torch.Tensor:
+    """Rows of t grouped by expert -> each group zero-padded to its width (a multiple of 16); no host sync."""
+    if list(counts) == list(widths):
+        return t
+    dev = t.device
+    starts = torch.tensor([0] + counts[:-1], dtype=torch.long).cumsum(0)
+    pstarts = torch.tensor([0] + widths[:-1], dtype=torch.long).cumsum(0)
+    # small host tables go over with non_blocking=True: from pageable memory that is safe and skips a stream sync
+    shift = torch.repeat_interleave((pstarts - starts).to(dev, non_blocking=True),
+                                    torch.tensor(counts).to(dev, non_blocking=True), output_size=t.shape[0])
+    dest = torch.arange(t.shape[0], device=dev) + shift
+    return t.new_zeros(sum(widths), t.shape[1]).index_copy_(0, dest, t)
+

@@ -1,0 +1,111 @@
+"""The MoE expert arithmetic, written once: routing rows to experts, the SwiGLU experts, and the combine.
+
+Every engine that computes Qwen3-MoE experts calls these functions (the learner's Megatron `GroupedExperts`, its
+strict switch in `megatron_patches.strict`, and SGLang's `minite_nvfp4` MoE method in default and strict mode), so
+the arithmetic that learner/rollout alignment depends on cannot drift between copies:
+
+    rows     a token's rows grouped by expert, ascending; inside an expert, ascending token order
+             (Megatron's moe_utils.permute; `route`)
+    experts  h = fc1(x_e); act = silu(gate) * up * router prob, in fp32, rounded once to h's dtype; out = fc2(act)
+             (`swiglu_experts`; fc1/fc2 are grouped GEMMs chosen by the caller: NVFP4, BF16, or strict BF16)
+    combine  default: scatter_add of each row into its token in row order, in the rows' dtype (Megatron's
+             unpermute); strict: each token's k rows summed in ascending expert order in fp32 from a gather, which
+             no kernel can reorder (`combine_fixed_order`)
+
+Strict mode (`strict=True`) changes two things only: SiLU is `minite.strict.ops.silu` (x / (1 + strict exp(-x)),
+fp32) instead of torch's, and the combine is the fixed-order sum. Both are explicit arguments.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from minite.strict import ops as S
+
+GroupedLinear = Callable[[torch.Tensor, int], torch.Tensor]
+"""fc(a, which): the grouped GEMM of fc1 (which=0) or fc2 (which=1) over rows grouped by expert."""
+
+
+def swiglu(h: torch.Tensor, probs: torch.Tensor, *, strict: bool) -> torch.Tensor:
+    """silu(gate) * up * prob for h = [gate | up] [R, 2F] and probs [R]: fp32 products, rounded once to h's dtype."""
+    gate, up = torch.chunk(h, 2, dim=-1)
+    silu = S.silu(gate) if strict else F.silu(gate.float())
+    return (silu * up.float() * probs.unsqueeze(-1).float()).to(h.dtype)
+
+
+def swiglu_experts(x: torch.Tensor, probs: torch.Tensor, fc: GroupedLinear, *, strict: bool) -> torch.Tensor:
+    """The experts on rows x [R, H] grouped by expert, with router probs [R]: fc2(swiglu(fc1(x), probs))."""
+    return fc(swiglu(fc(x, 0), probs, strict=strict), 1)
+
+
+def grouped_linear_bf16(x: torch.Tensor, weight: torch.Tensor, counts: list[int], *, strict: bool) -> torch.Tensor:
+    """Per-expert x_e @ W_e^T for weight [E, N, K] in the input dtype, experts in order.
+
+    strict: `minite.strict.ops.linear` per expert (fixed-order sums, batch invariant). Otherwise, on a GPU with bf16
+    operands, one torch._grouped_mm (forward and both backward GEMMs grouped; a per-expert Python loop's
+    weight-gradient selects would zero-fill and add a full [E, N, K] buffer per expert); elsewhere a loop of
+    matmuls (fp32 accumulation inside matmul)."""
+    if strict:
+        return _per_expert(x, weight, counts, lambda a, w: S.linear(a, w, out_dtype=a.dtype))
+    if x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+        offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(x.device, non_blocking=True)
+        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offs)
+    return _per_expert(x, weight, counts, lambda a, w: a @ w.t())
+
+
+def _per_expert(x: torch.Tensor, weight: torch.Tensor, counts: list[int], mm) -> torch.Tensor:
+    outs, start = [], 0
+    for e, c in enumerate(counts):
+        outs.append(mm(x[start:start + c], weight[e]))
+        start += c
+    return torch.cat(outs, dim=0) if outs else x.new_zeros(0, weight.shape[1])
+
+
+def route(topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: int):
+    """Rows for top-k routing [T, k]: (row_token [R], row_prob [R] fp32, counts [E] list), R = T * k, rows grouped
+    by ascending expert and, inside an expert, by ascending token (Megatron's permute)."""
+    t, k = topk_ids.shape
+    ids = topk_ids.long()
+    flat = ids.reshape(-1)                                             # token-major
+    perm = torch.sort(flat, stable=True).indices                       # expert-major, token order inside
+    row_token = torch.arange(t, device=ids.device).repeat_interleave(k)[perm]
+    row_prob = topk_weights.float().reshape(-1)[perm]
+    counts = torch.bincount(flat, minlength=experts).tolist()
+    return row_token, row_prob, counts
+
+
+def routed_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: int, fc,
+                   *, strict: bool) -> torch.Tensor:
+    """Routed SwiGLU experts on x [T, H] for top-k routing [T, k]: `route`, `swiglu_experts` with
+    fc(a, which, counts) as the grouped GEMMs, then the combine (default: scatter_add in x's dtype; strict: the
+    fixed-order fp32 sum, rounded once to x's dtype)."""
+    row_token, row_prob, counts = route(topk_ids, topk_weights, experts)
+    out = swiglu_experts(x.index_select(0, row_token), row_prob, lambda a, i: fc(a, i, counts), strict=strict)
+    if strict:
+        return combine_fixed_order(out, row_token, x.shape[0]).to(x.dtype)
+    return combine_scatter_add(out, row_token, x.shape[0])
+
+
+def combine_scatter_add(rows: torch.Tensor, row_token: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Default combine: each row added into its token in row order, in the rows' dtype (Megatron's unpermute)."""
+    out = torch.zeros(tokens, rows.shape[1], dtype=rows.dtype, device=rows.device)
+    return out.scatter_add_(0, row_token.unsqueeze(1).expand(-1, rows.shape[1]), rows)
+
+
+def combine_fixed_order(rows: torch.Tensor, row_token: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Strict combine: out[t] = sum of t's rows in ascending expert order, in fp32 (result fp32).
+
+    Rows are expert-major, so a stable sort by token lists each token's rows in ascending expert order; the sum is
+    a left-to-right loop over the k slots from a gather (no scatter_add, whose accumulation order is the kernel's).
+    Every token must have the same number k of rows (no token dropping)."""
+    k = rows.shape[0] // max(tokens, 1)
+    if k * tokens != rows.shape[0]:
+        raise ValueError("strict combine: every token must have the same number of experts (no token dropping)")
+    order = torch.sort(row_token, stable=True).indices
+    gathered = rows[order].float().reshape(tokens, k, -1)
+    acc = gathered[:, 0]
+    for j in range(1, k):
+        acc = acc + gathered[:, j]
+    return acc

@@ -1,0 +1,130 @@
+"""NVFP4 W4A4 grouped (per-expert) linear with autograd, for MoE experts.
+
+The weights are an `NVFP4Stack` (each expert its own global scale, quantised in one launch); fprop quantises the
+tokens with per-row scales, so a token's result does not depend on its expert group; dgrad reuses the weights' exact
+16x16 transpose (the kernels read the forward block values transposed); wgrad pads each expert's tokens to a
+multiple of 16 and quantises dy^T and x^T as column segments, one per expert (`quantize_column_segments`: per expert
+its own global scale and seed, bitwise what E separate wgrads would draw), then one segmented GEMM computes all dW_e.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from minite.nvfp4 import (NVFP4Recipe, NVFP4Stack, OperandRecipe, grouped_gemm, quantize_column_segments,
+                          quantize_stack, segmented_gemm)
+
+from .common import ROLES, derive_seed, pad_groups, padded, quant_flags
+from .linear import wgrad
+
+def _counts(tokens_per_expert, experts: int, rows: int) -> list[int]:
+    counts = [int(c) for c in (tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert)
+                               else tokens_per_expert)]
+    if len(counts) != experts or sum(counts) != rows or min(counts, default=0) < 0:
+        raise ValueError(f"tokens_per_expert {counts} must have {experts} non-negative entries "
+                         f"summing to the {rows} input rows")
+    return counts
+
+
+def quantize_expert_weights(weight: torch.Tensor, recipe: NVFP4Recipe, *, backend: str = "auto") -> NVFP4Stack:
+    """Expert weights [E, N, K] with the recipe's weight role, each expert its own tensor (16x16 blocks, one global
+    scale per expert): one launch on the kernels; fp16 block values kept when the kernels read them."""
+    op = recipe.weight
+    if weight.dim() != 3:
+        raise ValueError(f"quantize_expert_weights expects [E, N, K], got shape {tuple(weight.shape)}")
+    seeds = None
+    if op.rounding == "stochastic":  # as quantize(seed=None): drawn from torch's generator
+        seeds = [int(torch.randint(0, 2**32, ()).item()) for _ in range(weight.shape[0])]
+    return quantize_stack(weight, block=op.block, rounding=op.rounding, seeds=seeds, rht=op.rht, backend=backend,
+                          **quant_flags(backend, weight))
+
+
+def _as_stack(w_q) -> NVFP4Stack:
+    return w_q if isinstance(w_q, NVFP4Stack) else NVFP4Stack.from_tensors(list(w_q))
+
+
+def nvfp4_grouped_linear_forward(x: torch.Tensor, w_q, tokens_per_expert, recipe: NVFP4Recipe, *,
+                                 backend: str = "auto", out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Forward only (no autograd): per-expert Q_act(x_e) @ w_q[e]^T; the same math as `nvfp4_grouped_linear`.
+    w_q: an NVFP4Stack (`quantize_expert_weights`) or a list of per-expert NVFP4Tensors."""
+    counts = _counts(tokens_per_expert, len(w_q), x.shape[0])
+    if x.shape[0] == 0:
+        return x.new_zeros(0, w_q[0].shape[0], dtype=out_dtype or x.dtype)
+    xq = recipe.activation.quantize(x, backend=backend, **quant_flags(backend, x))
+    return grouped_gemm(xq, w_q, counts, out_dtype=out_dtype or x.dtype, backend=backend)
+
+
+def _segmentable(op: OperandRecipe) -> bool:
+    return op.block == (1, 16) and op.scale_scope == "tensor"
+
+
+def _grouped_wgrad(dy: torch.Tensor, x: torch.Tensor, counts: list[int], recipe: NVFP4Recipe, seed: int,
+                   backend: str, out_dtype: torch.dtype) -> torch.Tensor:
+    """dW [E, N, K]: per expert e, Q(dy_e^T) @ Q(x_e^T)^T with tokens padded to a multiple of 16 and seeds derived
+    from (seed, 1000 + e): exactly E separate `_wgrad` calls (the loop below), done as column segments in a
+    few launches when both wgrad roles use (1, 16) blocks with one global scale (the default recipe)."""
+    experts = len(counts)
+    seeds = [derive_seed(seed, 1000 + e) for e in range(experts)]
+    if not (_segmentable(recipe.wgrad_gradient) and _segmentable(recipe.wgrad_input)):
+        dw = torch.zeros(experts, dy.shape[1], x.shape[1], dtype=out_dtype, device=x.device)
+        start = 0
+        for e, c in enumerate(counts):
+            if c:  # an expert that saw no token has a zero gradient
+                dw[e] = wgrad(dy[start:start + c], x[start:start + c], recipe, seeds[e], backend,
+                               out_dtype=out_dtype)
+            start += c
+        return dw
+    widths = [padded(c) for c in counts]
+    segs = []
+    for t, op, role in ((dy, recipe.wgrad_gradient, "wgrad_gradient"), (x, recipe.wgrad_input, "wgrad_input")):
+        segs.append(quantize_column_segments(
+            pad_groups(t, counts, widths).t(), widths, rounding=op.rounding, rht=op.rht,
+            seeds=[derive_seed(s, ROLES[role]) for s in seeds], backend=backend, **quant_flags(backend, x)))
+    return segmented_gemm(segs[0], segs[1], out_dtype=out_dtype, backend=backend)
+
+
+class _NVFP4GroupedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, counts, recipe, seed, w_q, backend):
+        w_q = quantize_expert_weights(weight, recipe, backend=backend) if w_q is None else _as_stack(w_q)
+        y = nvfp4_grouped_linear_forward(x, w_q, counts, recipe, backend=backend)
+        ctx.save_for_backward(x)
+        ctx.w_q, ctx.counts, ctx.recipe, ctx.seed, ctx.backend = w_q, counts, recipe, seed, backend
+        ctx.w_shape, ctx.w_dtype = weight.shape, weight.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        recipe, seed, backend, counts = ctx.recipe, ctx.seed, ctx.backend, ctx.counts
+        dy = dy.contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0] and x.shape[0] == 0:
+            dx = torch.zeros_like(x)
+        elif ctx.needs_input_grad[0]:
+            gq = recipe.gradient.quantize(dy, seed=derive_seed(seed, ROLES["gradient"]), backend=backend,
+                                          **quant_flags(backend, dy))
+            dx = grouped_gemm(gq, ctx.w_q, counts, out_dtype=x.dtype, backend=backend, transpose_weights=True)
+        if ctx.needs_input_grad[1]:
+            dw = _grouped_wgrad(dy, x, counts, recipe, seed, backend, ctx.w_dtype)
+        return dx, dw, None, None, None, None, None
+
+
+def nvfp4_grouped_linear(x: torch.Tensor, weight, tokens_per_expert, recipe: NVFP4Recipe, *, seed: int = 0,
+                         weight_q=None, backend: str = "auto") -> torch.Tensor:
+    """Per-expert y_e = x_e @ W_e^T in NVFP4 W4A4 with autograd; rows of x [T, K] grouped by expert.
+
+    weight: a stacked tensor [E, N, K] or a list of E tensors [N, K]. tokens_per_expert: E counts (Megatron's
+    permuted layout). weight_q: a cached quantisation of `weight` (an NVFP4Stack from `quantize_expert_weights`, or
+    a list of per-expert NVFP4Tensors). Activations keep per-row scales, so a token's fprop does not depend on its
+    expert group.
+    """
+    if isinstance(weight, (list, tuple)):
+        weight = torch.stack(list(weight))
+    if weight.dim() != 3 or x.dim() != 2 or x.shape[1] != weight.shape[2]:
+        raise ValueError(f"nvfp4_grouped_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not "
+                         "match (expects x [T, K] and weight [E, N, K])")
+    counts = _counts(tokens_per_expert, weight.shape[0], x.shape[0])
+    return _NVFP4GroupedLinear.apply(x, weight, counts, recipe, int(seed), weight_q, backend)
+
