@@ -17,7 +17,7 @@ from tests.sglang.conftest import sglang_skip_reason, tiny_hf_checkpoint
 from tests.tolerances import TOLERANCES
 
 _REASON = sglang_skip_reason()
-pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
+pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7]]
 

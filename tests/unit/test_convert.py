@@ -205,6 +205,7 @@ def test_cli_round_trip(tiny_hf, tmp_path):
                  "--no-progress"]) == 1  # refuses to overwrite
 
 
+@pytest.mark.slow
 def test_peak_memory_below_a_limit_smaller_than_the_model(tmp_path):
     """tools/convert_memory.py: a 320 MiB random model converted both ways under a 160 MiB address-space budget.
 
