@@ -4,9 +4,9 @@ Exact arithmetic is compared exactly (atol=0, rtol=0) and needs no entry here: q
 transposes, and kernels whose reduction order is defined.
 """
 # Name: (atol, rtol). Scalars are relative to the quantity named in the comment.
-# "Measured" numbers in the entries added on 2026-11-30: this project's 2-core CPU machine (torch 2.13 CPU), commit
-# 0adbff5, by running the test's own computation (same shapes, distributions, dtypes) under torch.manual_seed(s) for
-# s in range(N), N the number of seeds named; the largest error over the seeds is quoted.
+# Where an entry quotes a measurement "over N seeds": this project's 2-core CPU machine (torch 2.13 CPU), 2026-11-30,
+# commit 0adbff5, running the test's own computation (same shapes, distributions, dtypes) under torch.manual_seed(s)
+# for s in range(N); the smallest and largest error over the seeds are quoted.
 FP32_EPS = 2.0 ** -23
 
 TOLERANCES = {
