@@ -105,8 +105,8 @@ TOLERANCES = {
     # the reciprocal) rounds by <= 1/2 ulp. atol in ulps of the fp32 global scale; measured 0 - 2 ulps over 300 seeds
     # x 3 block layouts of randn(32, 64).
     "requantised_global_scale_ulps": (4, 0.0),
-    # gemm(a, b) (float64 sum of exact block products, rounded once, then x fp32 global scales) vs the float64 product of
-    # the fp32-dequantised operands: dequantisation rounds each operand (u = 2^-24 each), gemm rounds its sum, the
+    # gemm(a, b) (float64 sum of exact block products, rounded once, then x fp32 global scales) vs the float64 product
+    # of the fp32-dequantised operands: dequantisation rounds each operand (u = 2^-24 each), gemm rounds its sum, the
     # product of the two global scales and the scaled result (3 u), the comparison rounds once more: the gap is
     # <= 6 u * sum_k |a_k b_k| (dequantised operands). atol is relative to that sum per output element; measured
     # <= 1.33 u over 2000 seeds (K = 64). A bound relative to |output| alone fails where the sum cancels.
@@ -122,7 +122,8 @@ TOLERANCES = {
     "nvfp4_gemm_rht_vs_exact": (0.0, 0.25),
     # Statistical checks with fixed seeds (stochastic rounding is unbiased, uniform_u24 fills its histogram evenly):
     # the deviation from the expectation may be this many standard deviations (atol, in sigmas). A false failure for
-    # a fresh seed would need a 6-sigma draw (p < 2e-9 each); a biased rounding or a non-uniform hash is off by far more.
+    # a fresh seed would need a 6-sigma draw (p < 2e-9 each); a biased rounding or a non-uniform hash is off by far
+    # more.
     "monte_carlo_sigmas": (6.0, 0.0),
     # --- Triton kernels (tests/kernels) ---
     # SwiGLU + fused quantisation, bf16 output vs torch's silu: silu is computed in fp32 with the kernel's exp (the
@@ -189,9 +190,10 @@ TOLERANCES = {
     "fp64_logp_metrics": (1e-12, 1e-9),
     # --- engines end to end (tests/e2e/test_strict_alignment.py, tests/sglang/test_engine.py) ---
     # Learner vs embedded engine in BF16 default mode with routing replay (not strict: nothing makes the two bitwise
-    # equal by construction). On this CPU the gap is 0 (measured on 3 prompt seeds; docs/alignment.md: 0 at 16 x 8);
-    # on a host whose kernels differ between prefill and decode shapes a flipped BF16 rounding (2^-8 relative) of an
-    # activation moves a log-prob by ~1e-3 (the H200 medium model: max 1.2e-2, docs/alignment.md). The bounds are
+    # equal by construction). On this CPU the gap is 0 (measured: diagnose on 3 prompt seeds, the RL step on 2 run
+    # seeds; docs/alignment.md: 0 at 16 x 8); on a host whose kernels differ between prefill and decode shapes a
+    # flipped BF16 rounding (2^-8 relative) of an activation moves a log-prob by ~1e-3 (the H200 medium model: max
+    # 1.2e-2, docs/alignment.md). The bounds are
     # chosen, not derived: 1e-3 for diagnose (4 prompts x 6 tokens), 1e-2 for one RL step (the RL-step metric over
     # 8 sequences x 4 tokens); both are looser than needed here. Without replay a route flip gives O(0.1).
     "routing_replay_bf16_diagnose_gap": (1e-3, 0.0),
