@@ -27,7 +27,7 @@ WORKER = Path(__file__).with_name("data_parallel_worker.py")
 CONFIGS = ["bf16_dp2", "bf16_ep2_dp2"]
 STEPS = 3
 TIMEOUT_S = 240
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # torchrun launches
 
 
 def _free_port() -> int:

@@ -22,7 +22,7 @@ from tests.tolerances import TOLERANCES
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("learner_parallel_worker.py")
 TIMEOUT_S = 300
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # torchrun launches
 
 
 def _free_port() -> int:

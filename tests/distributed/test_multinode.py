@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("multinode_worker.py")
 CONFIG = "examples/tiny/bf16.yaml"
 TIMEOUT_S = 240
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # torchrun launches
 sys.path.insert(0, str(ROOT / "tools" / "launch"))
 from slurm_env import SlurmEnvError, expand_hostlist, torchrun_args  # noqa: E402
 

@@ -32,6 +32,7 @@ def _scalars(logdir):
     return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
+@pytest.mark.slow
 def test_one_rl_step_nvfp4_end_to_end(tmp_path):
     cfg = _cfg(tmp_path, **{"rl.steps": 1, "precision.mode": "nvfp4", "rl.warmup_steps": 1, "rl.kl_coef": 0.05,
                             "rl.minibatches": 2, "rl.is_correction": "mis", "checkpoint.dir": str(tmp_path / "ck")})
@@ -90,6 +91,7 @@ def test_failed_weight_update_raises_and_keeps_old_weights(learner_and_engine):
             assert torch.equal(t, before[n]), n
 
 
+@pytest.mark.slow
 def test_resume_with_the_real_learner_is_bitwise(tmp_path):
     base = {"precision.mode": "nvfp4", "rl.minibatches": 2}
     straight = train(_cfg(tmp_path / "a", **base, **{"rl.steps": 3}))

@@ -11,7 +11,7 @@ import torch
 from tests.sglang.conftest import sglang_skip_reason
 
 _REASON = sglang_skip_reason()
-pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
+pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
 
 
 def test_diagnose_learner_vs_sglang_measures_the_gap():

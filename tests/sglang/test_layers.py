@@ -16,7 +16,7 @@ import torch
 from tests.sglang.conftest import free_port, sglang_skip_reason, tiny_hf_checkpoint
 
 _REASON = sglang_skip_reason()
-pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
+pytestmark = [pytest.mark.sglang, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
 
 H, HEADS, GROUPS, D, E, F, TOPK = 64, 4, 2, 16, 4, 32, 2
 HF_CFG = {"num_attention_heads": HEADS, "num_key_value_heads": GROUPS, "head_dim": D, "hidden_size": H,

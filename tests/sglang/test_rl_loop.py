@@ -13,7 +13,7 @@ import pytest
 from tests.sglang.conftest import sglang_skip_reason
 
 _REASON = sglang_skip_reason()
-pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
+pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
 
 
 def test_one_rl_step_with_the_sglang_backend(tmp_path):

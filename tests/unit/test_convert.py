@@ -4,7 +4,7 @@ What is checked, and how strictly:
 - round trip HF -> Megatron -> HF for several (tp, ep, pp) layouts: every safetensors file byte-identical (so every
   tensor bitwise), the index's weight_map equal;
 - the Megatron checkpoint loads into the learner's GPTModel with every parameter covered, and its logits equal the
-  Hugging Face Qwen3MoeForCausalLM's within TOLERANCES["hf_vs_megatron_logits_bf16"];
+  Hugging Face Qwen3MoeForCausalLM's within TOLERANCES["hf_vs_megatron_logits_bf16_vs_noise"];
 - missing / extra / misshapen tensors and truncated files fail before anything is written, naming tensor and file;
 - peak memory of a conversion stays under a hard address-space limit smaller than the model (tools/convert_memory.py).
 """
@@ -205,6 +205,7 @@ def test_cli_round_trip(tiny_hf, tmp_path):
                  "--no-progress"]) == 1  # refuses to overwrite
 
 
+@pytest.mark.slow
 def test_peak_memory_below_a_limit_smaller_than_the_model(tmp_path):
     """tools/convert_memory.py: a 320 MiB random model converted both ways under a 160 MiB address-space budget.
 
