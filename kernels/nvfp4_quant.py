@@ -2,7 +2,8 @@
 
 One program owns BLOCK_R rows x BLOCK_C columns (a whole row when the global scale is per row) and does, in fp32 and
 in Transformer Engine's order (shared/NOTES.md section 1; the reference module docstring has the formula):
-    [RHT]  y_j = (((x_0 m_0j) + x_1 m_1j) + ...) + x_15 m_15j  per 16-group, left to right (m_ij = +-1/4 exact)
+    [RHT]  y_j = ((s_0j x_0 + s_1j x_1) + ... + s_15j x_15) * 1/4 per 16-group, left to right (s_ij = +-1, exact),
+           rounded to the input dtype when it is bf16/fp16 (minite.nvfp4.hadamard; docs/nvfp4.md, "RHT")
     amax   per row (scale_scope="row", inside the same program) or per tensor (a first reduction pass)
     S_enc = min(2688 / amax, FLT_MAX) (1 when amax is 0), S_dec = 1 / S_enc          (IEEE division: tl.div_rn)
     block scale = e4m3_rne(min(block_amax * (S_enc * (1/6)), 448))                     (integer bit arithmetic)
@@ -17,7 +18,7 @@ truncates 20 mantissa bits (round to nearest even), and rounds subnormals (< 2^-
 add; E2M1 nearest-even rounds |v| with (|v| + M) - M, M = 2^22 / 2^23 / 2^24 for the grid steps 0.5 / 1 / 2 (an
 exact add, IEEE ties-to-even) and reads the index off the fp32 bits. All of it is exact on the GPU and in the
 interpreter. Every fp32 multiply/divide mirrors one in the reference; the
-possible fma contraction (x*m + acc in the RHT, v*512 + C in the subnormal rounding) changes nothing because each
+possible fma contraction (x*s + acc in the RHT, v*512 + C in the subnormal rounding) changes nothing because each
 product is exact.
 
 Tile layout: [BLOCK_R, G, 8, 2] (rows, 16-groups, byte, nibble), so block maxima reduce the last two axes and the
@@ -62,6 +63,20 @@ def _lowbias32(x):
 
 
 @triton.jit
+def _round_to_input(y, in_ty: tl.constexpr):
+    """fp32 y rounded to nearest even in the input dtype (bf16 / fp16) and back to fp32, as Transformer Engine rounds
+    its RHT output; fp32 inputs unchanged. bf16 in integer arithmetic (the interpreter's fp32 -> bf16 cast
+    truncates; finite values only, which quantize checks); fp16 with the cast (RNE in the interpreter and on the GPU)."""
+    if in_ty == tl.bfloat16:
+        bits = y.to(tl.uint32, bitcast=True)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    elif in_ty == tl.float16:
+        return y.to(tl.float16).to(tl.float32)
+    else:
+        return y
+
+
+@triton.jit
 def _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C,
                BLOCK_R: tl.constexpr, G: tl.constexpr, RHT: tl.constexpr, SIGN_MASK: tl.constexpr,
                VEC2D: tl.constexpr):
@@ -78,19 +93,20 @@ def _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C,
     m4 = rmask[:, None, None, None] & (gcol < C)[None, :, None, None]
     if RHT:
         j16 = jj[:, None] * 2 + pp[None, :]  # [8, 2]: position within the 16-group
-        # y_j = x_0 m_0j + x_1 m_1j + ... in this order; m_ij = sign_i * (-1)^popcount(i & j) / 4
+        # y_j = (s_0j x_0 + s_1j x_1 + ...) * 1/4 in this order; s_ij = sign_i * (-1)^popcount(i & j) = +-1, so each
+        # product is an exact sign flip (subnormal inputs included) and fma contraction cannot change the sum
         x0 = tl.load(x_ptr + r4 + g4, mask=m4, other=0.0).to(tl.float32)
         p0 = 0 & j16
         par0 = (p0 ^ (p0 >> 1) ^ (p0 >> 2) ^ (p0 >> 3)) & 1
-        mv0 = tl.where(par0 == 1, -0.25, 0.25) * (1.0 - 2.0 * ((SIGN_MASK >> 0) & 1))
+        mv0 = tl.where(par0 == 1, -1.0, 1.0) * (1.0 - 2.0 * ((SIGN_MASK >> 0) & 1))
         acc = x0 * mv0[None, None, :, :]
         for i in tl.static_range(1, 16):
             xi = tl.load(x_ptr + r4 + g4 + i * stride_c, mask=m4, other=0.0).to(tl.float32)
             pi = i & j16
             par = (pi ^ (pi >> 1) ^ (pi >> 2) ^ (pi >> 3)) & 1
-            mvi = tl.where(par == 1, -0.25, 0.25) * (1.0 - 2.0 * ((SIGN_MASK >> i) & 1))
+            mvi = tl.where(par == 1, -1.0, 1.0) * (1.0 - 2.0 * ((SIGN_MASK >> i) & 1))
             acc = acc + xi * mvi[None, None, :, :]
-        return acc
+        return _round_to_input(acc * 0.25, x_ptr.dtype.element_ty)
     elif VEC2D:
         # a 2-D load (16-byte vectors along the row), reshaped: the 4-D view needs no data movement
         cols = c0 + tl.arange(0, G * 16)
@@ -189,7 +205,7 @@ def _quantize_tile(x, rows, c0, R, C, s_enc, s_dec, sixth, seed_mix,
         idx = lo + (u < frac).to(tl.int32)
     else:
         idx = _e2m1_rne_index(mag)
-    neg = v.to(tl.int32, bitcast=True) < 0  # the sign bit, so -0 keeps code 8 as in torch.signbit
+    neg = v < 0.0  # TE's sign test: -0.0 gets code 0, a negative value rounding to zero code 8 (docs/nvfp4.md)
     code = idx | (neg.to(tl.int32) << 3)
     even, odd = tl.split(code)  # [BLOCK_R, G, 8] each: even element in the low nibble
     byte = (even | (odd << 4)).to(tl.uint8)

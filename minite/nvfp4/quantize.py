@@ -10,7 +10,8 @@ S_enc / s_b is *not* the same number as 1 / (s_b * S_dec): keeping TE's order is
 TE, and between our kernels and this file, possible.
 
 E2M1 rounding: round to nearest, ties to the even code (0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4),
-saturating at 6; a negative value that rounds to zero keeps its sign (code 8). Stochastic rounding rounds a magnitude
+saturating at 6; the sign bit is set for x < 0 as in TE's reference: a negative value that rounds to zero gets code 8,
+-0.0 gets code 0 (docs/nvfp4.md, "Zero and -0"). Stochastic rounding rounds a magnitude
 v between neighbours lo < hi up with probability (v - lo) / (hi - lo); the step hi - lo is a power of two, so the
 fraction is an exact fp32 product. Its random numbers come from a counter-based hash of (seed, flat element index) in
 uint32 arithmetic (`uniform_u24`), not from torch's RNG, so a GPU kernel can draw exactly the same stream.
@@ -185,6 +186,7 @@ def quantize_reference(x: torch.Tensor, *, block, scale_scope: str, rounding: st
         mag_idx = e2m1_round_stochastic(v.abs(), uniform_u24(int(seed), index))
     else:
         mag_idx = e2m1_round_nearest(v.abs())
-    codes = mag_idx | (torch.signbit(v).to(torch.uint8) * SIGN_BIT)
+    # x < 0, as TE's reference tests it: -0.0 gets code 0, a negative value that rounds to zero code 8 (docs/nvfp4.md)
+    codes = mag_idx | ((v < 0).to(torch.uint8) * SIGN_BIT)
     return NVFP4Tensor(data=pack_codes(codes), scale=scale, global_scale=s_dec.to(torch.float32),
                        shape=(rows, cols), block=block)
