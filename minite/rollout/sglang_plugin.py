@@ -18,11 +18,16 @@ plugin group `sglang.srt.plugins`; SGLang calls it early in every process it sta
 Weights are stored exactly as a ModelOpt NVFP4 checkpoint names them (minite.convert.export_nvfp4):
     weight        uint8 [N, K/2]       E2M1 codes, even element in the low nibble
     weight_scale  float8_e4m3fn [N, K/16]   one scale per 1x16 block
-    weight_scale_2  fp32, one per logical shard (q/k/v, gate/up)   the global decode scale
+    weight_scale_2  fp32, one per logical shard (q/k/v, gate/up)   ModelOpt's decode scale fl(amax / 2688)
+    weight_scale_amax  fp32, one per shard   the amax itself (minite's export; stock loaders skip the name)
     input_scale   fp32, one per shard   loaded for compatibility, ignored: see below
 The learner quantises weights in 16x16 blocks; a 16x16 scale grid repeated over its 16 rows *is* a 1x16 grid with
-the same values, so `NVFP4Tensor(weight, weight_scale, weight_scale_2, block=(1, 16))` has exactly the learner's block
-values, and the GEMM (`minite.nvfp4.gemm`, exact block products then fp32 global scales) gives the same bits.
+the same values, so `weight_tensor(weight, weight_scale, weight_scale_2, amax=weight_scale_amax)` has exactly the
+learner's block values and amax, and the GEMM (`minite.nvfp4.gemm`: exact block products, then TE's alpha
+(amax_x * amax_w) * fl(1/(6*6*448*448))) gives the same bits. Why the amax travels as its own tensor: the GEMM alpha
+needs the amax exactly and fl(amax / 2688) does not determine it (dividing by 21 * 2^7 maps some neighbouring fp32
+amaxes to one value). A checkpoint without it (a foreign ModelOpt export) gets amax = fl(weight_scale_2 * 2688),
+within an ulp or so of its producer's amax (docs/nvfp4.md, docs/sglang.md).
 
 Activations are quantised as the recipe says: 1x16 blocks with one global scale per row (token), computed on the fly
 by `minite.learner.ops.nvfp4_linear_forward` (the forward the learner's nvfp4_linear runs). A token's quantisation
@@ -124,33 +129,41 @@ def recipe_from_json(d: Optional[dict]) -> NVFP4Recipe:
                                                 rounding=a["rounding"], rht=a["rht"]))
 
 
-def _global_scales(scale_2: torch.Tensor, rows: int, shard_sizes: Optional[List[int]] = None) -> torch.Tensor:
-    """ModelOpt's per-shard global scales [..., S] -> [...] when every shard's scale agrees everywhere (every export of
-    ours: the learner's fused QKV / gate-up weight has one global scale), else per-row [..., rows], each shard's scale
-    repeated over its rows (exact as well: the GEMM multiplies by gs_a[m] * gs_b[n] after the block products)."""
+def _global_scales(scale_2: torch.Tensor, rows: int, shard_sizes: Optional[List[int]] = None,
+                   amax: Optional[torch.Tensor] = None) -> tuple:
+    """(decode scales, amaxes) from ModelOpt's per-shard weight_scale_2 [..., S] and our per-shard amax [..., S]
+    (NaN where the checkpoint had none: then fl(scale_2 * 2688)). Both [...] when every shard's pair agrees
+    everywhere (every export of ours: the learner's fused QKV / gate-up weight has one amax), else per-row
+    [..., rows], each shard's value repeated over its rows (exact as well: the GEMM's alpha is formed per output
+    column from amax_w[n])."""
     s2 = scale_2.float()
-    if s2.shape[-1] == 1 or bool((s2 == s2[..., :1]).all()):
-        return s2[..., 0].contiguous()
-    sizes = shard_sizes or [rows // s2.shape[-1]] * s2.shape[-1]
-    return torch.repeat_interleave(s2, torch.tensor(sizes, device=s2.device), dim=-1).contiguous()
+    am = s2 * 2688.0 if amax is None else torch.where(torch.isnan(amax.float()), s2 * 2688.0, amax.float())
+    pair = torch.stack([s2, am])
+    if s2.shape[-1] == 1 or bool((pair == pair[..., :1]).all()):
+        return s2[..., 0].contiguous(), am[..., 0].contiguous()
+    sizes = torch.tensor(shard_sizes or [rows // s2.shape[-1]] * s2.shape[-1], device=s2.device)
+    return (torch.repeat_interleave(s2, sizes, dim=-1).contiguous(),
+            torch.repeat_interleave(am, sizes, dim=-1).contiguous())
 
 
 def weight_tensor(data: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor,
-                  shard_sizes: Optional[List[int]] = None) -> NVFP4Tensor:
-    """An NVFP4Tensor [N, K] over ModelOpt-layout tensors (no copy of codes or scales); scale_2 holds one global
-    scale per logical shard (`_global_scales`)."""
+                  shard_sizes: Optional[List[int]] = None, amax: Optional[torch.Tensor] = None) -> NVFP4Tensor:
+    """An NVFP4Tensor [N, K] over ModelOpt-layout tensors (no copy of codes or scales); scale_2 and amax hold one
+    value per logical shard (`_global_scales`). Its global_scale is weight_scale_2 (a weight is never requantised
+    here; the GEMM and dequantize() read the amax)."""
     n, k = data.shape[0], data.shape[1] * 2
-    gs = _global_scales(scale_2.reshape(-1), n, shard_sizes)
-    return NVFP4Tensor(data, scale, gs, (n, k), (1, GROUP))
+    gs, am = _global_scales(scale_2.reshape(-1), n, shard_sizes, None if amax is None else amax.reshape(-1))
+    return NVFP4Tensor(data, scale, gs, (n, k), (1, GROUP), amax=am)
 
 
-def expert_stack(data: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor) -> NVFP4Stack:
+def expert_stack(data: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor,
+                 amax: Optional[torch.Tensor] = None) -> NVFP4Stack:
     """The experts of a FusedMoE layer as one NVFP4Stack over its stacked ModelOpt tensors (no copy of codes or
-    scales): data [E, N, K/2], scale [E, N, K/16], scale_2 [E] or [E, shards] (`_global_scales`, decided for all
-    experts at once). The grouped kernels read it directly instead of stacking E tensors per call."""
+    scales): data [E, N, K/2], scale [E, N, K/16], scale_2 and amax [E] or [E, shards] (`_global_scales`, decided
+    for all experts at once). The grouped kernels read it directly instead of stacking E tensors per call."""
     e, n = data.shape[0], data.shape[1]
-    gs = _global_scales(scale_2.reshape(e, -1), n)
-    return NVFP4Stack(data, scale, gs, (n, data.shape[2] * 2), (1, GROUP))
+    gs, am = _global_scales(scale_2.reshape(e, -1), n, None, None if amax is None else amax.reshape(e, -1))
+    return NVFP4Stack(data, scale, gs, (n, data.shape[2] * 2), (1, GROUP), amax=am)
 
 
 def _config_class():
