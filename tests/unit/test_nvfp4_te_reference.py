@@ -103,3 +103,16 @@ def test_saturated_global_scale_decodes_with_the_saturated_amax():
     out = gemm(q, w, backend="reference").double()
     exact = x.double() @ w.dequantize().double().t()
     assert float((out - exact).norm() / exact.norm()) < QUANT_REL
+
+
+def test_weight_scale_2_does_not_determine_the_amax():
+    """Why the export carries the amax (docs/nvfp4.md): over every fp32 amax in [1, 2), fl(amax / 2688) sends some
+    neighbours to one value (so the alpha cannot be recovered from it), fl(fl(amax / 2688) * 2688) is within 1 ulp
+    (the plugin's fallback for foreign checkpoints), and 1 / fl(2688 / amax) (S_dec) differs from fl(amax / 2688)
+    for some amaxes (so the dequantisation changed bits on purpose)."""
+    amax = torch.arange(0x3F800000, 0x40000000, dtype=torch.int32).view(torch.float32)
+    d = amax / torch.tensor(2688.0)
+    assert int((d[1:] == d[:-1]).sum()) > 0
+    back = d * torch.tensor(2688.0)
+    assert int((back.view(torch.int32) - amax.view(torch.int32)).abs().max()) == 1
+    assert bool((torch.tensor(1.0) / (torch.tensor(2688.0) / amax) != d).any())
