@@ -2,12 +2,13 @@
 
 Math (docs/CONTRACTS.md, minite.nvfp4.gemm): out = a @ b^T for a [M, K], b [N, K], both quantised along K:
     acc[m, n] = sum_k bv_a[m, k] * bv_b[n, k]          bv = E2M1 code x E4M3 block scale ("block value")
-    out[m, n] = acc[m, n] * (gs_a[m] * gs_b[n])        fp32, then cast to out_dtype
+    out[m, n] = acc[m, n] * ((amax_a[m] * amax_b[n]) * fl(1/(6*6*448*448)))   fp32 (TE's alpha), then out_dtype
 A block value has at most 6 significant bits (magnitudes 2^-10..2688), so it is exact in fp16, and a product of two
 is exact in fp32: an fp16 tensor-core MMA with fp32 accumulation computes every product exactly and only the fp32
 summation differs from the reference's once-rounded float64 sum (tests/tolerances.py). fp16 rather than bf16 operands:
-both are exact here, the H200 gave bitwise-equal fp32 results for the two (NOTES section 7), and the Triton
-interpreter computes fp16 dots correctly but bf16 dots not at all, so one dtype serves the CPU tests and the GPU.
+both are exact here, the H200 gave bitwise-equal fp32 results for the two (docs/nvfp4.md, "Exact emulation on
+Hopper"), and the Triton interpreter computes fp16 dots correctly but bf16 dots not at all, so one dtype serves the
+CPU tests and the GPU.
 
 Operands are read either packed (uint8 nibbles + E4M3 scale bytes, decoded in registers with bit arithmetic:
 fp16 bits (c & 7) << 9 times 2^14 is the E2M1 magnitude, fp16 bits (s << 7) times 2^8 is the E4M3 scale) or as
@@ -19,11 +20,13 @@ Batch invariance rules (what makes a row's output independent of M, of the tile 
 - one program owns a full [BLOCK_M, BLOCK_N] output tile and walks K from 0 to K in BLOCK_K steps, in order,
   accumulating with tl.dot into one fp32 accumulator: no split-K, no stream-K, no atomics, no reduction whose shape
   depends on M;
-- the epilogue is the same fp32 expression everywhere: acc * (gs_a[m] * gs_b[n]), then one cast;
+- the epilogue is the same fp32 expression everywhere: acc * ((amax_a[m] * amax_b[n]) * FACTOR_INV), then one cast
+  (no add, so no fma contraction can change it);
 - grouped GEMMs find their expert from a tile table on the device, so expert e's rows see exactly the dense kernel's
   arithmetic; the decode configuration (BLOCK_M=16) differs from the training one (BLOCK_M=128) only in tile shape.
 Tile shapes may differ per M bucket only because tests/gpu proves bitwise equality of rows across them on the H200
-(NOTES section 2 measured this for bf16 Triton matmuls with sequential K for BLOCK_M 16..128, BLOCK_K 32/64).
+(docs/nvfp4.md, "Exact emulation on Hopper": measured for bf16 Triton matmuls with sequential K for BLOCK_M 16..128,
+BLOCK_K 32/64).
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ import triton
 import triton.language as tl
 
 from minite.nvfp4.grouped import NVFP4Segments, NVFP4Stack
-from minite.nvfp4.tensor import NVFP4Tensor
+from minite.nvfp4.tensor import FACTOR_INV, NVFP4Tensor
 
 from ._interpreter import ensure_interpreter_compat, interpreting
 
@@ -91,9 +94,9 @@ def _cast_out(x, out_ty: tl.constexpr):
 
 
 @triton.jit
-def _grouped_gemm_kernel(a_data, a_scale, a_vals, a_gs, a_gs_stride,
-                         b_data, b_scale, b_vals, b_gs, b_gs_stride_e, b_gs_stride_n,
-                         c_ptr, count_ptr, E, N, K,
+def _grouped_gemm_kernel(a_data, a_scale, a_vals, a_amax, a_amax_stride,
+                         b_data, b_scale, b_vals, b_amax, b_amax_stride_e, b_amax_stride_n,
+                         c_ptr, count_ptr, E, N, K, factor_inv,
                          A_SBR: tl.constexpr, B_SBR: tl.constexpr, A_PACKED: tl.constexpr, B_PACKED: tl.constexpr,
                          BLOCK_E: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -141,17 +144,17 @@ def _grouped_gemm_kernel(a_data, a_scale, a_vals, a_gs, a_gs_stride,
                               A_SBR, A_PACKED, BLOCK_M, BLOCK_K)
             b = _b_tile(bd, bs, bv, cols, cmask, k0, N, K, B_SBR, B_PACKED, B_TRANS, BLOCK_N, BLOCK_K)
             acc = tl.dot(a, tl.trans(b), acc)
-    gsa = tl.load(a_gs + rows * a_gs_stride, mask=rmask, other=0.0)
-    gsb = tl.load(b_gs + e64 * b_gs_stride_e + cols * b_gs_stride_n, mask=cmask, other=0.0)
-    out = acc * (gsa[:, None] * gsb[None, :])
+    ama = tl.load(a_amax + rows * a_amax_stride, mask=rmask, other=0.0)
+    amb = tl.load(b_amax + e64 * b_amax_stride_e + cols * b_amax_stride_n, mask=cmask, other=0.0)
+    out = acc * ((ama[:, None] * amb[None, :]) * factor_inv)
     c_ptrs = c_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
     tl.store(c_ptrs, _cast_out(out, c_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
 @triton.jit
-def _kgrouped_gemm_kernel(a_data, a_scale, a_vals, a_gs, a_gs_stride, a_gs_stride_e,
-                          b_data, b_scale, b_vals, b_gs, b_gs_stride, b_gs_stride_e,
-                          c_ptr, k_start_ptr, k_count_ptr, M, N, KT,
+def _kgrouped_gemm_kernel(a_data, a_scale, a_vals, a_amax, a_amax_stride, a_amax_stride_e,
+                          b_data, b_scale, b_vals, b_amax, b_amax_stride, b_amax_stride_e,
+                          c_ptr, k_start_ptr, k_count_ptr, M, N, KT, factor_inv,
                           A_PACKED: tl.constexpr, B_PACKED: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """c[e] = a[:, K range of e] @ b[:, K range of e]^T (the MoE wgrad: K = tokens, grouped by expert)."""
@@ -173,9 +176,9 @@ def _kgrouped_gemm_kernel(a_data, a_scale, a_vals, a_gs, a_gs_stride, a_gs_strid
         b = _operand_tile(b_data, b_scale, b_vals, cols, cmask, k0, ke, KT // 2, KT // 16, KT, 1, B_PACKED,
                           BLOCK_N, BLOCK_K)
         acc = tl.dot(a, tl.trans(b), acc)
-    gsa = tl.load(a_gs + e * a_gs_stride_e + rows * a_gs_stride, mask=rmask, other=0.0)
-    gsb = tl.load(b_gs + e * b_gs_stride_e + cols * b_gs_stride, mask=cmask, other=0.0)
-    out = acc * (gsa[:, None] * gsb[None, :])
+    ama = tl.load(a_amax + e * a_amax_stride_e + rows * a_amax_stride, mask=rmask, other=0.0)
+    amb = tl.load(b_amax + e * b_amax_stride_e + cols * b_amax_stride, mask=cmask, other=0.0)
+    out = acc * ((ama[:, None] * amb[None, :]) * factor_inv)
     c_ptrs = c_ptr + e.to(tl.int64) * M * N + rows[:, None].to(tl.int64) * N + cols[None, :]
     tl.store(c_ptrs, _cast_out(out, c_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
@@ -214,13 +217,14 @@ def default_config(rows_per_group: int, interpreter: bool) -> GemmConfig:
 class ExpertWeights:
     """Expert weights stacked for the grouped kernels: done once per weight update, not per call.
 
-    data uint8 [E, N, K/2], scale uint8 [E, N/br, K/16], global_scale fp32 [E, N] (or [E, 1] broadcast),
-    values fp16 [E, N, K] block values or None (then the kernel decodes the packed nibbles).
+    data uint8 [E, N, K/2], scale uint8 [E, N/br, K/16], amax fp32 [E, N] (or [E, 1] broadcast: each expert's
+    decode amax, NVFP4Tensor.amax), values fp16 [E, N, K] block values or None (then the kernel decodes the packed
+    nibbles).
     """
 
     data: torch.Tensor
     scale: torch.Tensor
-    global_scale: torch.Tensor
+    amax: torch.Tensor
     values: torch.Tensor | None
     block_rows: int
     shape: tuple[int, int]
@@ -231,9 +235,12 @@ class ExpertWeights:
 
 
 def _from_stack(st: NVFP4Stack) -> ExpertWeights:
-    """The kernels' view of an NVFP4Stack (no copy): global scales as [E, 1] or [E, N]."""
-    gs = st.global_scale if st.global_scale.dim() == 2 else st.global_scale.reshape(-1, 1)
-    return ExpertWeights(st.data, st.scale.view(torch.uint8), gs, st.values, st.block[0], st.shape)
+    """The kernels' view of an NVFP4Stack (no copy): amaxes as [E, 1] or [E, N]."""
+    if st.amax is None:
+        raise ValueError("NVFP4Stack has no amax (the GEMM alpha needs it): build it with quantize_stack or "
+                         "NVFP4Stack.from_tensors of quantised tensors, or pass amax=")
+    am = st.amax if st.amax.dim() == 2 else st.amax.reshape(-1, 1)
+    return ExpertWeights(st.data, st.scale.view(torch.uint8), am, st.values, st.block[0], st.shape)
 
 
 def stack_expert_weights(weights: list[NVFP4Tensor], values: bool = False) -> ExpertWeights:
@@ -296,11 +303,11 @@ def grouped_gemm_triton(a: NVFP4Tensor, weights, tokens_per_expert, out_dtype=to
     a_packed = a_values is None
     b_packed = w.values is None
     _grouped_gemm_kernel[grid](
-        a.data, a.scale.view(torch.uint8), a.data if a_packed else a_values, a.global_scale,
+        a.data, a.scale.view(torch.uint8), a.data if a_packed else a_values, a.decode_amax(),
         1 if a.per_row else 0,
-        w.data, w.scale, w.data if b_packed else w.values, w.global_scale, w.global_scale.stride(0),
-        1 if w.global_scale.shape[1] > 1 else 0,
-        out, counts, experts, n, k,
+        w.data, w.scale, w.data if b_packed else w.values, w.amax, w.amax.stride(0),
+        1 if w.amax.shape[1] > 1 else 0,
+        out, counts, experts, n, k, FACTOR_INV,
         A_SBR=a.block[0], B_SBR=w.block_rows, A_PACKED=a_packed, B_PACKED=b_packed,
         BLOCK_E=max(16, triton.next_power_of_2(experts)),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SWAP_AB=cfg.swap_ab, B_TRANS=b_trans,
@@ -313,7 +320,7 @@ def gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype=torch.float32, *, a_va
     """a @ b^T for NVFP4 a [M, K], b [N, K]: the grouped kernel with one group (same arithmetic per row).
     Block values default to the operands' own (`NVFP4Tensor.values`) when they carry them."""
     b_values = b.values if b_values is None else b_values
-    w = ExpertWeights(b.data[None], b.scale.view(torch.uint8)[None], b.global_scale.reshape(1, -1).float(),
+    w = ExpertWeights(b.data[None], b.scale.view(torch.uint8)[None], b.decode_amax().reshape(1, -1).float(),
                       None if b_values is None else b_values[None], b.block[0], b.shape)
     m = a.shape[0]
     return grouped_gemm_triton(a, w, [m], out_dtype, a_values=a_values, config=config, rows_hint=m)
@@ -321,12 +328,12 @@ def gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype=torch.float32, *, a_va
 
 def kgrouped_gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, tokens_per_expert, out_dtype=torch.float32, *,
                          a_values=None, b_values=None, config: GemmConfig | None = None,
-                         a_expert_gs: torch.Tensor | None = None,
-                         b_expert_gs: torch.Tensor | None = None) -> torch.Tensor:
+                         a_expert_amax: torch.Tensor | None = None,
+                         b_expert_amax: torch.Tensor | None = None) -> torch.Tensor:
     """MoE wgrad: out[e] = a[:, T_e] @ b[:, T_e]^T for a [M, T], b [N, T] quantised along T (tokens grouped by expert).
 
     Each expert's token count must be a multiple of 16 (pad the permuted tokens per expert): a 16-element block must
-    not straddle two experts. a_expert_gs / b_expert_gs: fp32 [E] global scales, one per expert segment, used
+    not straddle two experts. a_expert_amax / b_expert_amax: fp32 [E] decode amaxes, one per expert segment, used
     instead of the operands' own (minite.nvfp4.NVFP4Segments). Returns [E, M, N] in out_dtype.
     """
     ensure_interpreter_compat()
@@ -346,12 +353,14 @@ def kgrouped_gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, tokens_per_expert, out_
     cfg = config or (GemmConfig(16, 32, 64, 4, 1) if interpreting() else GemmConfig(128, 128, 64, 8, 4))
     out = torch.empty(experts, m, n, dtype=out_dtype, device=dev)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), experts)
-    a_gs, a_rs, a_es = (a.global_scale, 1 if a.per_row else 0, 0) if a_expert_gs is None else (a_expert_gs, 0, 1)
-    b_gs, b_rs, b_es = (b.global_scale, 1 if b.per_row else 0, 0) if b_expert_gs is None else (b_expert_gs, 0, 1)
+    a_am, a_rs, a_es = ((a.decode_amax(), 1 if a.per_row else 0, 0) if a_expert_amax is None
+                        else (a_expert_amax, 0, 1))
+    b_am, b_rs, b_es = ((b.decode_amax(), 1 if b.per_row else 0, 0) if b_expert_amax is None
+                        else (b_expert_amax, 0, 1))
     _kgrouped_gemm_kernel[grid](
-        a.data, a.scale.view(torch.uint8), a.data if a_values is None else a_values, a_gs, a_rs, a_es,
-        b.data, b.scale.view(torch.uint8), b.data if b_values is None else b_values, b_gs, b_rs, b_es,
-        out, starts, counts, m, n, kt,
+        a.data, a.scale.view(torch.uint8), a.data if a_values is None else a_values, a_am, a_rs, a_es,
+        b.data, b.scale.view(torch.uint8), b.data if b_values is None else b_values, b_am, b_rs, b_es,
+        out, starts, counts, m, n, kt, FACTOR_INV,
         A_PACKED=a_values is None, B_PACKED=b_values is None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -360,12 +369,14 @@ def kgrouped_gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, tokens_per_expert, out_
 
 def segmented_gemm_triton(a: NVFP4Segments, b: NVFP4Segments, out_dtype=torch.float32) -> torch.Tensor:
     """out[e] = a_e @ b_e^T over matching column segments (minite.nvfp4.segmented_gemm): the K-grouped kernel with
-    one global scale per segment; reads the fp16 block values when both operands carry them."""
+    one decode amax per segment; reads the fp16 block values when both operands carry them."""
     ra, rb, total = a.data.shape[0], b.data.shape[0], sum(a.widths)
     one = torch.ones((), dtype=torch.float32, device=a.data.device)
-    qa = NVFP4Tensor(a.data, a.scale, one, (ra, total), (1, 16))
-    qb = NVFP4Tensor(b.data, b.scale, one, (rb, total), (1, 16))
+    if a.amax is None or b.amax is None:
+        raise ValueError("segmented_gemm: NVFP4Segments without amax; build them with quantize_column_segments")
+    qa = NVFP4Tensor(a.data, a.scale, one, (ra, total), (1, 16), amax=one)
+    qb = NVFP4Tensor(b.data, b.scale, one, (rb, total), (1, 16), amax=one)
     use_vals = a.values is not None and b.values is not None
     return kgrouped_gemm_triton(qa, qb, list(a.widths), out_dtype, a_values=a.values if use_vals else None,
-                                b_values=b.values if use_vals else None, a_expert_gs=a.global_scale,
-                                b_expert_gs=b.global_scale)
+                                b_values=b.values if use_vals else None, a_expert_amax=a.amax,
+                                b_expert_amax=b.amax)

@@ -1,8 +1,9 @@
 """Fused NVFP4 quantisation in Triton, bitwise equal to minite.nvfp4.quantize_reference.
 
 One program owns BLOCK_R rows x BLOCK_C columns (a whole row when the global scale is per row) and does, in fp32 and
-in Transformer Engine's order (shared/NOTES.md section 1; the reference module docstring has the formula):
-    [RHT]  y_j = (((x_0 m_0j) + x_1 m_1j) + ...) + x_15 m_15j  per 16-group, left to right (m_ij = +-1/4 exact)
+in Transformer Engine's order (docs/nvfp4.md, "Quantisation"; the reference module docstring has the formula):
+    [RHT]  y_j = ((s_0j x_0 + s_1j x_1) + ... + s_15j x_15) * 1/4 per 16-group, left to right (s_ij = +-1, exact),
+           rounded to the input dtype when it is bf16/fp16 (minite.nvfp4.hadamard; docs/nvfp4.md, "RHT")
     amax   per row (scale_scope="row", inside the same program) or per tensor (a first reduction pass)
     S_enc = min(2688 / amax, FLT_MAX) (1 when amax is 0), S_dec = 1 / S_enc          (IEEE division: tl.div_rn)
     block scale = e4m3_rne(min(block_amax * (S_enc * (1/6)), 448))                     (integer bit arithmetic)
@@ -12,12 +13,12 @@ and writes packed codes (even element in the low nibble), E4M3 scale bytes, the 
 request, the block values (code x block scale, exact in fp16/bf16) that feed an MMA directly.
 
 Why bit arithmetic for the casts: Hopper has no E2M1 convert, and Triton's interpreter gets fp32 -> float8e4nv wrong
-(carry, ties, saturation, subnormals; NOTES section 7). The E4M3 rounding here adds 0x7FFFF + lsb to the fp32 bits and
-truncates 20 mantissa bits (round to nearest even), and rounds subnormals (< 2^-6) with the 1.5 * 2^23 magic-number
-add; E2M1 nearest-even rounds |v| with (|v| + M) - M, M = 2^22 / 2^23 / 2^24 for the grid steps 0.5 / 1 / 2 (an
-exact add, IEEE ties-to-even) and reads the index off the fp32 bits. All of it is exact on the GPU and in the
-interpreter. Every fp32 multiply/divide mirrors one in the reference; the
-possible fma contraction (x*m + acc in the RHT, v*512 + C in the subnormal rounding) changes nothing because each
+(carry, ties, saturation, subnormals; docs/nvfp4.md, "Triton's CPU interpreter"). The E4M3 rounding here adds
+0x7FFFF + lsb to the fp32 bits and truncates 20 mantissa bits (round to nearest even), and rounds subnormals
+(< 2^-6) with the 1.5 * 2^23 magic-number add; E2M1 nearest-even rounds |v| with (|v| + M) - M, M = 2^22 / 2^23 /
+2^24 for the grid steps 0.5 / 1 / 2 (an exact add, IEEE ties-to-even) and reads the index off the fp32 bits. All of
+it is exact on the GPU and in the interpreter. Every fp32 multiply/divide mirrors one in the reference; the
+possible fma contraction (x*s + acc in the RHT, v*512 + C in the subnormal rounding) changes nothing because each
 product is exact.
 
 Tile layout: [BLOCK_R, G, 8, 2] (rows, 16-groups, byte, nibble), so block maxima reduce the last two axes and the
@@ -38,7 +39,7 @@ import triton
 import triton.language as tl
 
 from minite.nvfp4.hadamard import RHT_SIGNS
-from minite.nvfp4.quantize import global_encode_scale
+from minite.nvfp4.quantize import SATURATED_AMAX, decode_amax, global_encode_scale
 from minite.nvfp4.tensor import NVFP4Tensor
 
 from ._interpreter import ensure_interpreter_compat
@@ -48,6 +49,7 @@ SIXTH = float(np.float32(1.0) / np.float32(6.0))  # the reference's fp32 1/6, ex
 # bit i set when sign i of the RHT sign vector is -1
 RHT_SIGN_MASK = sum(1 << i for i, s in enumerate(RHT_SIGNS) if s < 0)
 MAX_SINGLE_PASS_COLS = 8192
+_SATURATED_AMAX = tl.constexpr(SATURATED_AMAX)  # an fp32 value, exact as a Python float
 
 
 @triton.jit
@@ -59,6 +61,21 @@ def _lowbias32(x):
     x = x * tl.full([], 0x846CA68B, tl.uint32)
     x = x ^ (x >> 16)
     return x
+
+
+@triton.jit
+def _round_to_input(y, in_ty: tl.constexpr):
+    """fp32 y rounded to nearest even in the input dtype (bf16 / fp16) and back to fp32, as Transformer Engine rounds
+    its RHT output; fp32 inputs unchanged. bf16 in integer arithmetic (the interpreter's fp32 -> bf16 cast
+    truncates; finite values only, which quantize checks); fp16 with the cast (RNE in the interpreter and on the
+    GPU)."""
+    if in_ty == tl.bfloat16:
+        bits = y.to(tl.uint32, bitcast=True)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    elif in_ty == tl.float16:
+        return y.to(tl.float16).to(tl.float32)
+    else:
+        return y
 
 
 @triton.jit
@@ -78,19 +95,20 @@ def _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C,
     m4 = rmask[:, None, None, None] & (gcol < C)[None, :, None, None]
     if RHT:
         j16 = jj[:, None] * 2 + pp[None, :]  # [8, 2]: position within the 16-group
-        # y_j = x_0 m_0j + x_1 m_1j + ... in this order; m_ij = sign_i * (-1)^popcount(i & j) / 4
+        # y_j = (s_0j x_0 + s_1j x_1 + ...) * 1/4 in this order; s_ij = sign_i * (-1)^popcount(i & j) = +-1, so each
+        # product is an exact sign flip (subnormal inputs included) and fma contraction cannot change the sum
         x0 = tl.load(x_ptr + r4 + g4, mask=m4, other=0.0).to(tl.float32)
         p0 = 0 & j16
         par0 = (p0 ^ (p0 >> 1) ^ (p0 >> 2) ^ (p0 >> 3)) & 1
-        mv0 = tl.where(par0 == 1, -0.25, 0.25) * (1.0 - 2.0 * ((SIGN_MASK >> 0) & 1))
+        mv0 = tl.where(par0 == 1, -1.0, 1.0) * (1.0 - 2.0 * ((SIGN_MASK >> 0) & 1))
         acc = x0 * mv0[None, None, :, :]
         for i in tl.static_range(1, 16):
             xi = tl.load(x_ptr + r4 + g4 + i * stride_c, mask=m4, other=0.0).to(tl.float32)
             pi = i & j16
             par = (pi ^ (pi >> 1) ^ (pi >> 2) ^ (pi >> 3)) & 1
-            mvi = tl.where(par == 1, -0.25, 0.25) * (1.0 - 2.0 * ((SIGN_MASK >> i) & 1))
+            mvi = tl.where(par == 1, -1.0, 1.0) * (1.0 - 2.0 * ((SIGN_MASK >> i) & 1))
             acc = acc + xi * mvi[None, None, :, :]
-        return acc
+        return _round_to_input(acc * 0.25, x_ptr.dtype.element_ty)
     elif VEC2D:
         # a 2-D load (16-byte vectors along the row), reshaped: the 4-D view needs no data movement
         cols = c0 + tl.arange(0, G * 16)
@@ -114,6 +132,12 @@ def _global_scales(amax):
     s = tl.minimum(tl.div_rn(tl.full(amax.shape, 2688.0, tl.float32), amax), 3.4028234663852886e38)
     s = tl.where((amax == 0.0) | (s == 0.0), 1.0, s)
     return s, tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+
+
+@triton.jit
+def _decode_amax(amax, s_enc):
+    """The amax the tensor carries (minite.nvfp4.quantize.decode_amax): SATURATED_AMAX where S_enc = FLT_MAX."""
+    return tl.where(s_enc == 3.4028234663852886e38, _SATURATED_AMAX, amax)
 
 
 @triton.jit
@@ -189,7 +213,7 @@ def _quantize_tile(x, rows, c0, R, C, s_enc, s_dec, sixth, seed_mix,
         idx = lo + (u < frac).to(tl.int32)
     else:
         idx = _e2m1_rne_index(mag)
-    neg = v.to(tl.int32, bitcast=True) < 0  # the sign bit, so -0 keeps code 8 as in torch.signbit
+    neg = v < 0.0  # TE's sign test: -0.0 gets code 0, a negative value rounding to zero code 8 (docs/nvfp4.md)
     code = idx | (neg.to(tl.int32) << 3)
     even, odd = tl.split(code)  # [BLOCK_R, G, 8] each: even element in the low nibble
     byte = (even | (odd << 4)).to(tl.uint8)
@@ -226,7 +250,7 @@ def _quantize_tile(x, rows, c0, R, C, s_enc, s_dec, sixth, seed_mix,
 
 @triton.jit(do_not_specialize=["seed_mix"])
 def _quant_kernel(x_ptr, stride_r, stride_c, R, C, data_ptr, scale_ptr, gs_ptr, senc_ptr, vals_ptr,
-                  seed_mix, sixth, amax_ptr,
+                  seed_mix, sixth, amax_ptr, amax_out_ptr,
                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BR: tl.constexpr, ROW_SCOPE: tl.constexpr,
                   SINGLE: tl.constexpr, STOCHASTIC: tl.constexpr, RHT: tl.constexpr, WRITE_VALS: tl.constexpr,
                   SIGN_MASK: tl.constexpr, VEC2D: tl.constexpr, GIVEN_AMAX: tl.constexpr = False):
@@ -241,10 +265,12 @@ def _quant_kernel(x_ptr, stride_r, stride_c, R, C, data_ptr, scale_ptr, gs_ptr, 
         if SINGLE:
             x = _load_tile(x_ptr, stride_r, stride_c, rows, 0, R, C, BLOCK_R, G, RHT, SIGN_MASK, VEC2D)
             if GIVEN_AMAX:
-                s_enc, s_dec = _global_scales(tl.load(amax_ptr + rows, mask=rows < R, other=0.0))
+                amax = tl.load(amax_ptr + rows, mask=rows < R, other=0.0)
             else:
-                s_enc, s_dec = _global_scales(_row_amax(x))
+                amax = _row_amax(x)
+            s_enc, s_dec = _global_scales(amax)
             tl.store(gs_ptr + rows, s_dec, mask=rows < R)
+            tl.store(amax_out_ptr + rows, _decode_amax(amax, s_enc), mask=rows < R)
             _quantize_tile(x, rows, 0, R, C, s_enc[:, None], s_dec[:, None], sixth, seed_mix,
                            data_ptr, scale_ptr, vals_ptr, scale_row0, 0, 0, C, BLOCK_R, G, BR, STOCHASTIC, WRITE_VALS, VEC2D)
         else:
@@ -257,6 +283,7 @@ def _quant_kernel(x_ptr, stride_r, stride_c, R, C, data_ptr, scale_ptr, gs_ptr, 
                     amax = tl.maximum(amax, _row_amax(x))
             s_enc, s_dec = _global_scales(amax)
             tl.store(gs_ptr + rows, s_dec, mask=rows < R)
+            tl.store(amax_out_ptr + rows, _decode_amax(amax, s_enc), mask=rows < R)
             for c0 in range(0, C, BLOCK_C):
                 x = _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C, BLOCK_R, G, RHT, SIGN_MASK, VEC2D)
                 _quantize_tile(x, rows, c0, R, C, s_enc[:, None], s_dec[:, None], sixth, seed_mix,
@@ -435,6 +462,7 @@ def quantize_with_values_triton(x: torch.Tensor, block=(1, 16), scale_scope: str
     given = global_amax.to(device=dev, dtype=torch.float32).contiguous() if global_amax is not None else None
     if row_scope:
         gs = torch.empty(rows, dtype=torch.float32, device=dev)
+        amax_out = torch.empty(rows, dtype=torch.float32, device=dev)
         senc = gs  # unused
         grid = (triton.cdiv(rows, block_r), 1)
     else:
@@ -443,18 +471,21 @@ def quantize_with_values_triton(x: torch.Tensor, block=(1, 16), scale_scope: str
             partial = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=dev)
             _amax_kernel[grid](x, x.stride(0), x.stride(1), rows, cols, partial, BLOCK_R=block_r, BLOCK_C=block_c,
                                RHT=rht, SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d, num_warps=warps)
-        s_enc = global_encode_scale(partial.amax() if given is None else given.reshape(()))
+        amax = partial.amax() if given is None else given.reshape(())
+        s_enc = global_encode_scale(amax)
         s_dec = torch.tensor(1.0, dtype=torch.float32) / s_enc
         senc = torch.stack([s_enc, s_dec])
         gs = s_dec
+        amax_out = decode_amax(amax, s_enc)
     row_given = row_scope and given is not None
     _quant_kernel[grid](x, x.stride(0), x.stride(1), rows, cols, data, scale, gs, senc, vals,
                         _as_int32_bits(seed_mix(seed)) if stochastic else 0, SIXTH, given if row_given else gs,
+                        amax_out,
                         BLOCK_R=block_r, BLOCK_C=block_c, BR=br, ROW_SCOPE=row_scope, SINGLE=single,
                         STOCHASTIC=stochastic, RHT=rht, WRITE_VALS=values_dtype is not None,
                         SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d, GIVEN_AMAX=row_given, num_warps=warps)
     q = NVFP4Tensor(data=data, scale=scale.view(torch.float8_e4m3fn), global_scale=gs, shape=(rows, cols),
-                    block=block)
+                    block=block, amax=amax_out)
     return q, (vals if values_dtype is not None else None)
 
 
@@ -468,7 +499,7 @@ def quantize_segments_triton(x: torch.Tensor, segments, out_shape: tuple[int, in
     scales [R_out/br, C_out/16], block values [R_out, C_out] if values_dtype). Columns and output columns are
     multiples of 16 (rows too for 16x16 blocks). seeds: B stochastic-rounding seeds. Every segment's bits equal
     `quantize_with_values_triton` (and the reference) on that rectangle alone. Returns (data, scale, global scales
-    fp32 [B], values or None); output positions no segment covers are left uninitialised.
+    fp32 [B], decode amaxes fp32 [B], values or None); output positions no segment covers are left uninitialised.
     One amax launch and one quantisation launch for all segments, no host synchronisation. tuning: a TUNING-style
     dict (elems, warps, vec2d) overriding the default tile for x's layout (same bits, speed only).
     """
@@ -489,7 +520,8 @@ def quantize_segments_triton(x: torch.Tensor, segments, out_shape: tuple[int, in
     vals = torch.empty(out_r, out_c, dtype=values_dtype, device=dev) if values_dtype is not None else data
     nseg = len(segments)
     if nseg == 0:
-        return data, scale.view(torch.float8_e4m3fn), torch.empty(0, device=dev), (vals if values_dtype else None)
+        empty = torch.empty(0, device=dev)
+        return data, scale.view(torch.float8_e4m3fn), empty, empty, (vals if values_dtype else None)
     max_r = max(s[2] for s in segments)
     max_c = max(s[3] for s in segments)
     table = torch.tensor([list(map(int, s)) for s in segments], dtype=torch.int64).to(dev, non_blocking=True)
@@ -502,7 +534,8 @@ def quantize_segments_triton(x: torch.Tensor, segments, out_shape: tuple[int, in
     partial = torch.empty(nseg * grid[0] * grid[1], dtype=torch.float32, device=dev)
     _segments_amax_kernel[grid](x, x.stride(0), x.stride(1), table, partial, BLOCK_R=block_r, BLOCK_C=block_c,
                                 RHT=rht, SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d, num_warps=warps)
-    s_enc = global_encode_scale(partial.view(nseg, -1).amax(dim=1))
+    amax = partial.view(nseg, -1).amax(dim=1)
+    s_enc = global_encode_scale(amax)
     s_dec = torch.tensor(1.0, dtype=torch.float32) / s_enc
     senc = torch.stack([s_enc, s_dec], dim=1).contiguous()
     mixes = torch.tensor([_as_int32_bits(seed_mix(sd)) for sd in seeds] if stochastic else [0] * nseg,
@@ -511,4 +544,5 @@ def quantize_segments_triton(x: torch.Tensor, segments, out_shape: tuple[int, in
                                  BLOCK_R=block_r, BLOCK_C=block_c, BR=br, STOCHASTIC=stochastic, RHT=rht,
                                  WRITE_VALS=values_dtype is not None, SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d,
                                  num_warps=warps)
-    return data, scale.view(torch.float8_e4m3fn), s_dec, (vals if values_dtype is not None else None)
+    return (data, scale.view(torch.float8_e4m3fn), s_dec, decode_amax(amax, s_enc),
+            vals if values_dtype is not None else None)

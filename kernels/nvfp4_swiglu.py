@@ -19,7 +19,7 @@ import triton.language as tl
 from minite.nvfp4.tensor import NVFP4Tensor
 
 from ._interpreter import ensure_interpreter_compat
-from .nvfp4_quant import SIXTH, _global_scales, _quantize_tile, _row_amax
+from .nvfp4_quant import SIXTH, _decode_amax, _global_scales, _quantize_tile, _row_amax
 
 
 @triton.jit
@@ -47,15 +47,17 @@ def _swiglu_tile(h_ptr, a_ptr, rows, R, F, BLOCK_R: tl.constexpr, G: tl.constexp
 
 
 @triton.jit
-def _swiglu_quant_kernel(h_ptr, a_ptr, data_ptr, scale_ptr, gs_ptr, vals_ptr, R, F, sixth,
+def _swiglu_quant_kernel(h_ptr, a_ptr, data_ptr, scale_ptr, gs_ptr, amax_ptr, vals_ptr, R, F, sixth,
                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, QUANT: tl.constexpr,
                          WRITE_VALS: tl.constexpr):
     G: tl.constexpr = BLOCK_C // 16
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     x = _swiglu_tile(h_ptr, a_ptr, rows, R, F, BLOCK_R, G)
     if QUANT:
-        s_enc, s_dec = _global_scales(_row_amax(x))
+        amax = _row_amax(x)
+        s_enc, s_dec = _global_scales(amax)
         tl.store(gs_ptr + rows, s_dec, mask=rows < R)
+        tl.store(amax_ptr + rows, _decode_amax(amax, s_enc), mask=rows < R)
         _quantize_tile(x, rows, 0, R, F, s_enc[:, None], s_dec[:, None], sixth, 0,
                        data_ptr, scale_ptr, vals_ptr, 0, 0, 0, F, BLOCK_R, G, 1, False, WRITE_VALS, False)
 
@@ -96,15 +98,16 @@ def swiglu_quant_triton(h: torch.Tensor, quantize: bool = True, values_dtype: to
     data = torch.empty(rows, f // 2, dtype=torch.uint8, device=dev)
     scale = torch.empty(rows, f // 16, dtype=torch.uint8, device=dev)
     gs = torch.empty(rows, dtype=torch.float32, device=dev)
+    amax = torch.empty(rows, dtype=torch.float32, device=dev)
     vals = torch.empty(rows, f, dtype=values_dtype, device=dev) if (quantize and values_dtype) else data
     block_r, block_c = _tile(f)
     _swiglu_quant_kernel[(triton.cdiv(rows, block_r),)](
-        h, a, data, scale, gs, vals, rows, f, SIXTH, BLOCK_R=block_r, BLOCK_C=block_c, QUANT=quantize,
+        h, a, data, scale, gs, amax, vals, rows, f, SIXTH, BLOCK_R=block_r, BLOCK_C=block_c, QUANT=quantize,
         WRITE_VALS=bool(quantize and values_dtype), num_warps=2)
     if not quantize:
         return a, None, None
     q = NVFP4Tensor(data=data, scale=scale.view(torch.float8_e4m3fn), global_scale=gs, shape=(rows, f),
-                    block=(1, 16))
+                    block=(1, 16), amax=amax)
     return a, q, (vals if values_dtype else None)
 
 

@@ -6,7 +6,9 @@
 What is written (the names stock SGLang/vLLM load as `modelopt_fp4`; minite.nvfp4.modelopt):
     <linear>.weight          uint8 [N, K/2]           E2M1 codes, even element in the low nibble
     <linear>.weight_scale    float8_e4m3fn [N, K/16]  one E4M3 scale per 1x16 block
-    <linear>.weight_scale_2  float32 []               the global decode scale (amax / (448 * 6))
+    <linear>.weight_scale_2  float32 []               the global decode scale fl(amax / 2688), as ModelOpt writes it
+    <linear>.weight_scale_amax  float32 []            the amax itself (TE's GEMM alpha needs it exactly; stock
+                                                      SGLang skips names its method has no parameter for)
     <linear>.input_scale     float32 []               a static activation decode scale (--input-scale, default 1)
 for every q/k/v/o projection and every expert's gate/up/down projection; embeddings, norms, router (mlp.gate) and
 lm_head stay in the source dtype and are listed in hf_quant_config.json's exclude_modules. hf_quant_config.json:
@@ -37,7 +39,7 @@ import torch
 
 from minite.convert.hf_megatron import megatron_to_hf
 from minite.nvfp4 import NVFP4Recipe, NVFP4Tensor
-from minite.nvfp4.modelopt import quant_config_dict
+from minite.nvfp4.modelopt import quant_config_dict, scale_grid_1x16
 from minite.ops import quantize_weight
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -48,33 +50,30 @@ class ExportError(ValueError):
     """The source checkpoint cannot be exported (names the tensor or file)."""
 
 
-def scale_grid_1x16(q: NVFP4Tensor) -> torch.Tensor:
-    """The block scales of q as a 1x16 grid [N, K/16] (a 16x16 grid's rows repeated; exact: same e4m3 bits)."""
-    br = q.block[0]
-    s = q.scale.view(torch.uint8)
-    return s.repeat_interleave(br, dim=0).view(torch.float8_e4m3fn).contiguous() if br > 1 else q.scale
-
-
 def quantize_module(weight: torch.Tensor, recipe: NVFP4Recipe, backend: str = "auto"):
-    """(codes uint8 [N, K/2], scales e4m3 [N, K/16], global fp32 []) of the learner's quantisation of weight [N, K]."""
+    """(codes uint8 [N, K/2], scales e4m3 [N, K/16], weight_scale_2 fp32 [], amax fp32 []) of the learner's
+    quantisation of weight [N, K]; weight_scale_2 = fl(amax / 2688) (NVFP4Tensor.decode_scale), so a ModelOpt
+    loader's e2m1 * scale * weight_scale_2 is the learner's dequantize(), bit for bit."""
     q = quantize_weight(weight, recipe, backend=backend)
-    return q.data, scale_grid_1x16(q), q.global_scale.reshape(()).float()
+    return q.data, scale_grid_1x16(q), q.decode_scale().reshape(()).float(), q.decode_amax().reshape(()).float()
 
 
 def _emit(prefix: str, parts: List[Tuple[str, object]], w, input_scale: Optional[float]):
     """HF tensors for row selections (hf name, slice or index) of one fused weight, one linear each.
 
-    `w` is the BF16 tensor itself (written as it is) or a packed NVFP4 triple (data, scale grid, global scale),
-    written in ModelOpt naming: weight, weight_scale, weight_scale_2 (and input_scale when asked for).
+    `w` is the BF16 tensor itself (written as it is) or a packed NVFP4 tuple (data, scale grid, weight_scale_2,
+    amax), written in ModelOpt naming: weight, weight_scale, weight_scale_2, plus weight_scale_amax (and input_scale
+    when asked for).
     """
     for name, sel in parts:
         if not isinstance(w, tuple):
             yield f"{prefix}{name}.weight", w[sel]
             continue
-        data, scale, gs = w
+        data, scale, gs, amax = w
         yield f"{prefix}{name}.weight", data[sel].contiguous()
         yield f"{prefix}{name}.weight_scale", scale[sel].contiguous()
         yield f"{prefix}{name}.weight_scale_2", gs.clone()
+        yield f"{prefix}{name}.weight_scale_amax", amax.clone()
         if input_scale is not None:
             yield f"{prefix}{name}.input_scale", torch.tensor(float(input_scale), dtype=torch.float32)
 

@@ -1,8 +1,12 @@
-"""NVFP4 x NVFP4 GEMMs, the reference: exact block products, then the FP32 global scales.
+"""NVFP4 x NVFP4 GEMMs, the reference: exact block products, then Transformer Engine's alpha from the two amaxes.
 
 out = a @ b^T for a [M, K] and b [N, K], both quantised along K:
-    acc[m, n] = sum_k block_values(a)[m, k] * block_values(b)[n, k]
-    out[m, n] = fp32(acc[m, n]) * (gs_a[m] * gs_b[n])           (fp32; a per-tensor scale broadcasts)
+    acc[m, n]   = sum_k block_values(a)[m, k] * block_values(b)[n, k]
+    alpha[m, n] = (amax_a[m] * amax_b[n]) * fl(1/(6*6*448*448))   (fp32, TE's per-tensor-scale kernel with alpha_in = 1;
+                                                                    a per-tensor amax broadcasts)
+    out[m, n]   = fp32(acc[m, n]) * alpha[m, n]                   (fp32, then cast to out_dtype)
+With per-row activation amaxes, alpha[m, n] is TE's per-tensor formula applied to row m's amax (TE's row-scaled
+reference does the same): row m's output depends on row m alone, so the GEMM stays batch invariant (docs/nvfp4.md).
 The reference accumulates in float64: every product of two block values is exact there (<= 12 significant bits), and
 the sum of K of them is exact whenever they span fewer than 53 bits, which always holds for K <= 1024 (products are
 multiples of 2^-20 below 2^23) and beyond that unless one row mixes products ~2^(53 - log2 K) apart. The fp32 result
@@ -14,14 +18,14 @@ from __future__ import annotations
 import torch
 
 from .backend import kernel, resolve
-from .tensor import NVFP4Tensor
+from .tensor import FACTOR_INV, NVFP4Tensor
 
 
 def _alpha(a: NVFP4Tensor, b: NVFP4Tensor) -> torch.Tensor:
-    """gs_a[m] * gs_b[n] in fp32, shaped to broadcast over [M, N]."""
-    ga = a.global_scale[:, None] if a.per_row else a.global_scale
-    gb = b.global_scale[None, :] if b.per_row else b.global_scale
-    return ga * gb
+    """(amax_a[m] * amax_b[n]) * FACTOR_INV in fp32, shaped to broadcast over [M, N]."""
+    ga = a.decode_amax()[:, None] if a.per_row else a.decode_amax()
+    gb = b.decode_amax()[None, :] if b.per_row else b.decode_amax()
+    return (ga * gb) * FACTOR_INV
 
 
 def _check_pair(a: NVFP4Tensor, b: NVFP4Tensor) -> None:
@@ -50,7 +54,8 @@ def row_slice(t: NVFP4Tensor, start: int, end: int) -> NVFP4Tensor:
     if t.block != (1, 16):
         raise ValueError(f"row_slice needs (1, 16) blocks, got {t.block}")
     gs = t.global_scale[start:end] if t.per_row else t.global_scale
-    return NVFP4Tensor(t.data[start:end], t.scale[start:end], gs, (end - start, t.shape[1]), t.block)
+    am = t.amax if t.amax is None or not t.per_row else t.amax[start:end]
+    return NVFP4Tensor(t.data[start:end], t.scale[start:end], gs, (end - start, t.shape[1]), t.block, amax=am)
 
 
 def _split_points(tokens_per_expert, rows: int, experts: int) -> list[int]:

@@ -33,7 +33,8 @@ VALUES_DTYPE = torch.float16
 class NVFP4Stack:
     """E NVFP4 tensors of one shape, stored stacked: data uint8 [E, R, C/2], scale e4m3 [E, R/br, C/16],
     global_scale fp32 [E] (one per member) or [E, R] (per row, (1, 16) blocks: e.g. a ModelOpt gate/up weight whose
-    two halves carry different scales), values fp16 [E, R, C] block values or None."""
+    two halves carry different scales), values fp16 [E, R, C] block values or None, amax fp32 of global_scale's
+    shape (each member's decode amax, NVFP4Tensor.amax)."""
 
     data: torch.Tensor
     scale: torch.Tensor
@@ -41,6 +42,7 @@ class NVFP4Stack:
     shape: tuple[int, int]
     block: tuple[int, int]
     values: Optional[torch.Tensor] = None
+    amax: Optional[torch.Tensor] = None
     _transposed: Optional["NVFP4Stack"] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
@@ -54,6 +56,8 @@ class NVFP4Stack:
             raise ValueError("NVFP4Stack: per-row global scales need (1, 16) blocks")
         if self.values is not None:
             want["values"] = (self.values, VALUES_DTYPE, (e, rows, cols))
+        if self.amax is not None:
+            want["amax"] = (self.amax, torch.float32, tuple(self.global_scale.shape))
         for name, (t, dtype, shape) in want.items():
             if t.dtype != dtype or tuple(t.shape) != shape:
                 raise ValueError(f"NVFP4Stack.{name}: expected {dtype} {shape}, got {t.dtype} {tuple(t.shape)}")
@@ -63,7 +67,8 @@ class NVFP4Stack:
 
     def __getitem__(self, e: int) -> NVFP4Tensor:
         return NVFP4Tensor(self.data[e], self.scale[e], self.global_scale[e], self.shape, self.block,
-                           None if self.values is None else self.values[e])
+                           None if self.values is None else self.values[e],
+                           None if self.amax is None else self.amax[e])
 
     def __iter__(self):
         return (self[e] for e in range(len(self)))
@@ -77,13 +82,16 @@ class NVFP4Stack:
             if t.shape != first.shape or t.block != first.block:
                 raise ValueError(f"member {e}: shape {t.shape} block {t.block}; all members need shape "
                                  f"{first.shape} and block {first.block}")
-        if any(t.per_row for t in tensors):
-            gs = torch.stack([t.global_scale if t.per_row else t.global_scale.reshape(()).expand(first.shape[0])
-                              for t in tensors])
-        else:
-            gs = torch.stack([t.global_scale.reshape(()) for t in tensors])
-        return cls(torch.stack([t.data for t in tensors]), torch.stack([t.scale for t in tensors]), gs,
-                   first.shape, first.block)
+        per_row = any(t.per_row for t in tensors)
+
+        def stacked(vals):
+            if per_row:
+                return torch.stack([v if v.dim() else v.expand(first.shape[0]) for v in vals])
+            return torch.stack([v.reshape(()) for v in vals])
+
+        amax = None if any(t.amax is None for t in tensors) else stacked([t.amax for t in tensors])
+        return cls(torch.stack([t.data for t in tensors]), torch.stack([t.scale for t in tensors]),
+                   stacked([t.global_scale for t in tensors]), first.shape, first.block, amax=amax)
 
     def t(self) -> "NVFP4Stack":
         """Every member transposed exactly (16x16 blocks; see NVFP4Tensor.t), computed once per stack."""
@@ -95,7 +103,7 @@ class NVFP4Stack:
             data = pack_codes(codes.transpose(1, 2).reshape(e * cols, rows)).reshape(e, cols, rows // 2)
             vals = None if self.values is None else self.values.transpose(1, 2).contiguous()
             self._transposed = NVFP4Stack(data, self.scale.transpose(1, 2).contiguous(), self.global_scale,
-                                          (cols, rows), self.block, vals)
+                                          (cols, rows), self.block, vals, self.amax)
         return self._transposed
 
 
@@ -103,13 +111,14 @@ class NVFP4Stack:
 class NVFP4Segments:
     """Column segments of one [R, T] tensor, each quantised along T as its own tensor (1x16 blocks):
     data uint8 [R, T/2], scale e4m3 [R, T/16], global_scale fp32 [E], widths (multiples of 16, summing to T),
-    values fp16 [R, T] or None."""
+    values fp16 [R, T] or None, amax fp32 [E] (each segment's decode amax; 0 for an empty one)."""
 
     data: torch.Tensor
     scale: torch.Tensor
     global_scale: torch.Tensor
     widths: tuple[int, ...]
     values: Optional[torch.Tensor] = None
+    amax: Optional[torch.Tensor] = None
 
     @property
     def starts(self) -> list[int]:
@@ -121,7 +130,7 @@ class NVFP4Segments:
         rows = self.data.shape[0]
         return NVFP4Tensor(self.data[:, s // 2:(s + w) // 2].contiguous(),
                            self.scale[:, s // 16:(s + w) // 16].contiguous(), self.global_scale[e], (rows, w),
-                           BLOCK_1D)
+                           BLOCK_1D, amax=None if self.amax is None else self.amax[e])
 
 
 def _starts(widths: Sequence[int]) -> list[int]:
@@ -159,11 +168,11 @@ def quantize_stack(x: torch.Tensor, *, block=BLOCK_2D, rounding: str = "nearest"
     _check_rounding(rounding, seeds, e)
     if _use_triton(backend, x):
         segs = [(i * rows, 0, rows, cols, i * rows, 0) for i in range(e)]
-        data, scale, gs, vals = kernel("quantize_segments")(flat, segs, (e * rows, cols), block, rounding, seeds, rht,
-                                                         VALUES_DTYPE if values else None)
+        data, scale, gs, amax, vals = kernel("quantize_segments")(flat, segs, (e * rows, cols), block, rounding, seeds,
+                                                               rht, VALUES_DTYPE if values else None)
         br = block[0]
         return NVFP4Stack(data.view(e, rows, cols // 2), scale.view(e, rows // br, cols // 16), gs, (rows, cols),
-                          block, None if vals is None else vals.view(e, rows, cols))
+                          block, None if vals is None else vals.view(e, rows, cols), amax)
     qs = [quantize_reference(x[i], block=block, scale_scope="tensor", rounding=rounding,
                              seed=None if seeds is None else int(seeds[i]), rht=rht) for i in range(e)]
     st = NVFP4Stack.from_tensors(qs)
@@ -189,26 +198,28 @@ def quantize_column_segments(x: torch.Tensor, widths: Sequence[int], *, rounding
     starts = _starts(widths)
     if _use_triton(backend, x):
         segs = [(0, s, rows, w, 0, s) for s, w in zip(starts, widths)]
-        data, scale, gs, vals = kernel("quantize_segments")(x, segs, (rows, total), BLOCK_1D, rounding, seeds, rht,
-                                                         VALUES_DTYPE if values else None)
-        return NVFP4Segments(data, scale, gs, widths, vals)
-    datas, scales, gss, vals = [], [], [], []
+        data, scale, gs, amax, vals = kernel("quantize_segments")(x, segs, (rows, total), BLOCK_1D, rounding, seeds,
+                                                               rht, VALUES_DTYPE if values else None)
+        return NVFP4Segments(data, scale, gs, widths, vals, amax)
+    datas, scales, gss, amaxes, vals = [], [], [], [], []
     for e, (s, w) in enumerate(zip(starts, widths)):
         if w == 0:
             gss.append(torch.ones((), dtype=torch.float32, device=x.device))
+            amaxes.append(torch.zeros((), dtype=torch.float32, device=x.device))
             continue
         q = quantize_reference(x[:, s:s + w], block=BLOCK_1D, scale_scope="tensor", rounding=rounding,
                                seed=None if seeds is None else int(seeds[e]), rht=rht)
         datas.append(q.data)
         scales.append(q.scale)
         gss.append(q.global_scale.reshape(()))
+        amaxes.append(q.amax.reshape(()))
         if values:
             vals.append(q.block_values(VALUES_DTYPE))
     empty = torch.empty(rows, 0, dtype=torch.uint8, device=x.device)
     data = torch.cat(datas, dim=1) if datas else empty
     scale = torch.cat(scales, dim=1) if scales else empty.view(torch.float8_e4m3fn)
     val = (torch.cat(vals, dim=1) if vals else x.new_zeros(rows, 0, dtype=VALUES_DTYPE)) if values else None
-    return NVFP4Segments(data, scale, torch.stack(gss), widths, val)
+    return NVFP4Segments(data, scale, torch.stack(gss), widths, val, torch.stack(amaxes))
 
 
 def segmented_gemm(a: NVFP4Segments, b: NVFP4Segments, *, out_dtype: torch.dtype = torch.float32,

@@ -1,6 +1,6 @@
 """NVFP4 quantisation, the pure-PyTorch reference: Transformer Engine's formula in TE's operation order.
 
-All arithmetic is fp32, in this order (shared/NOTES.md section 1):
+All arithmetic is fp32, in this order (docs/nvfp4.md, "Quantisation"):
     S_enc = min(2688 / amax, FLT_MAX), 1 when amax == 0          (2688 = 448 * 6; amax over the global-scale scope)
     S_dec = 1 / S_enc
     block scale s_b = e4m3_rne(clamp(block_amax * (S_enc * (1/6)), -448, 448))
@@ -8,18 +8,23 @@ All arithmetic is fp32, in this order (shared/NOTES.md section 1):
     code          = e2m1(clamp(x * multiplier, -6, 6))
 S_enc / s_b is *not* the same number as 1 / (s_b * S_dec): keeping TE's order is what makes bitwise agreement with
 TE, and between our kernels and this file, possible.
+The result also carries the amax (`NVFP4Tensor.amax`; `decode_amax`: SATURATED_AMAX where S_enc saturated), which
+TE's GEMM alpha and dequantisation read instead of S_dec. With rht=True, x is first transformed along K
+(`apply_rht`, rounded to x's dtype when it is bf16/fp16) and the amax is the transformed values'.
 
 E2M1 rounding: round to nearest, ties to the even code (0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4),
-saturating at 6; a negative value that rounds to zero keeps its sign (code 8). Stochastic rounding rounds a magnitude
+saturating at 6; the sign bit is set for x < 0 as in TE's reference: a negative value that rounds to zero gets code 8,
+-0.0 gets code 0 (docs/nvfp4.md, "Zero and -0"). Stochastic rounding rounds a magnitude
 v between neighbours lo < hi up with probability (v - lo) / (hi - lo); the step hi - lo is a power of two, so the
 fraction is an exact fp32 product. Its random numbers come from a counter-based hash of (seed, flat element index) in
 uint32 arithmetic (`uniform_u24`), not from torch's RNG, so a GPU kernel can draw exactly the same stream.
 
 Scopes: scale_scope="tensor" gives one global scale; "row" one per row, which makes a token's quantisation independent
-of the other tokens in the batch (the batch-invariant choice for activations; NOTES section 2).
+of the other tokens in the batch (the batch-invariant choice for activations; docs/nvfp4.md, "Roles").
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .backend import kernel, resolve
@@ -63,6 +68,17 @@ def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
     """S_enc = min(2688 / amax, FLT_MAX), and 1 where amax is 0 (fp32)."""
     s = torch.clamp(torch.tensor(E4M3_MAX * E2M1_MAX, dtype=torch.float32) / amax, max=FP32_MAX)
     return torch.where((amax == 0) | (s == 0), torch.ones_like(s), s)
+
+
+# fl(2688 / FLT_MAX): the amax whose S_enc is FLT_MAX; where S_enc saturates (amax below it) the tensor's decode amax
+# is this value, so that (s * amax) * fl(1/2688) decodes with ~1/FLT_MAX, the scale the codes were made with
+SATURATED_AMAX = float(np.float32(np.float32(E4M3_MAX * E2M1_MAX) / np.float32(FP32_MAX)))
+
+
+def decode_amax(amax: torch.Tensor, s_enc: torch.Tensor) -> torch.Tensor:
+    """The amax a tensor carries for its GEMM alpha and dequantisation: amax itself, or SATURATED_AMAX where
+    S_enc = FLT_MAX (docs/nvfp4.md, "Saturated S_enc"); fp32, amax's shape."""
+    return torch.where(s_enc == FP32_MAX, torch.full_like(amax, SATURATED_AMAX), amax.float())
 
 
 def e2m1_round_nearest(mag: torch.Tensor) -> torch.Tensor:
@@ -184,6 +200,7 @@ def quantize_reference(x: torch.Tensor, *, block, scale_scope: str, rounding: st
         mag_idx = e2m1_round_stochastic(v.abs(), uniform_u24(int(seed), index))
     else:
         mag_idx = e2m1_round_nearest(v.abs())
-    codes = mag_idx | (torch.signbit(v).to(torch.uint8) * SIGN_BIT)
+    # x < 0, as TE's reference tests it: -0.0 gets code 0, a negative value that rounds to zero code 8 (docs/nvfp4.md)
+    codes = mag_idx | ((v < 0).to(torch.uint8) * SIGN_BIT)
     return NVFP4Tensor(data=pack_codes(codes), scale=scale, global_scale=s_dec.to(torch.float32),
-                       shape=(rows, cols), block=block)
+                       shape=(rows, cols), block=block, amax=decode_amax(amax, s_enc))

@@ -7,7 +7,7 @@ A linear layer y = x W^T runs three GEMMs, each with two NVFP4 operands:
 Defaults follow Transformer Engine's NVFP4BlockScaling roles with one change, per-row activation scales:
 - weights: 16x16 blocks, one global scale, so W and W^T quantise to the same values (fprop and dgrad share it);
 - activations: 1x16 blocks with one global scale per row (token), which keeps a token's quantisation independent of
-  the batch around it (shared/NOTES.md section 2: the only way rollout and training can agree bitwise);
+  the batch around it (docs/nvfp4.md, "Roles": the only way rollout and training can agree bitwise);
 - gradients: stochastic rounding (unbiased in expectation), one global scale;
 - wgrad operands: the 16-point random Hadamard transform along K before quantisation.
 """

@@ -4,11 +4,19 @@ Bit layout (the same one Transformer Engine and ModelOpt checkpoints use):
 - `data` uint8 [R, C/2]: two 4-bit codes per byte, the even-indexed element in the low nibble.
   A code is sign bit (8) | magnitude index 0..7 for 0, 0.5, 1, 1.5, 2, 3, 4, 6. Code 8 is "-0".
 - `scale` float8_e4m3fn [R/br, C/16]: one block scale per (br x 16) block, row-major block order.
-- `global_scale` float32: the decode scale S_dec = 1/S_enc, a 0-d tensor (one per tensor) or [R] (one per row).
+- `global_scale` float32: the decode scale S_dec = 1/S_enc, a 0-d tensor (one per tensor) or [R] (one per row); the
+  quantiser's element multipliers use it.
+- `amax` float32, the shape of `global_scale`: the amax the global scale was computed from (the "decode amax"; where
+  S_enc saturated at FLT_MAX, fl(2688 / FLT_MAX) instead, docs/nvfp4.md). Transformer Engine's GEMM and
+  dequantisation use the amax, not S_dec: GEMM alpha = (amax_a * amax_b) * fl(1/(6*6*448*448)), dequantised value =
+  (e2m1 * block scale) * fl(amax / 2688); so the tensor carries it.
 - `values` (optional, derived): fp16 [R, C] block values, code x block scale, kept for GEMM kernels that read
   them instead of decoding nibbles (`quantize(..., values=True)`); not part of the format, ignored by `equal`.
 
-Value of element (i, j) = e2m1(code) x float(scale[i // br, j // 16]) x global_scale[(i)].
+Value of element (i, j) = (e2m1(code) x float(scale[i // br, j // 16])) x fl(amax[(i)] / 2688) in fp32: TE's NVFP4
+test formula and ModelOpt's (its weight_scale_2 is fl(amax / 2688)), so a ModelOpt loader decodes our export to these
+bits. TE's CUDA dequantisation kernel multiplies in another order, (scale x amax) x fl(1/2688), which overflows for
+amax near FLT_MAX (docs/nvfp4.md, "Dequantisation").
 The product e2m1 x e4m3 has at most 6 significant bits (magnitudes 2^-10 .. 2688), so the block-dequantised
 value without the global scale is exact in bf16, fp16 and fp32: `block_values()` is lossless, and an MMA on those
 values with fp32 accumulation computes the NVFP4 product exactly up to summation order.
@@ -18,12 +26,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 SIGN_BIT = 8
 BLOCK_1D = (1, 16)
 BLOCK_2D = (16, 16)
+# fp32 constants of TE's arithmetic, each the fp32 rounding of the exact rational (docs/nvfp4.md)
+FACTOR_INV = float(np.float32(1.0 / (6.0 * 6.0 * 448.0 * 448.0)))  # GEMM: alpha = (amax_a * amax_b) * FACTOR_INV
 
 
 def e2m1_table(device=None) -> torch.Tensor:
@@ -53,6 +64,7 @@ class NVFP4Tensor:
     shape: tuple[int, int]
     block: tuple[int, int]
     values: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
+    amax: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
     _transposed: Optional["NVFP4Tensor"] = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -71,6 +83,10 @@ class NVFP4Tensor:
                              f"got {gs.dtype} {tuple(gs.shape)}")
         if gs.dim() == 1 and br != 1:
             raise ValueError("per-row global scales need (1, 16) blocks")
+        am = self.amax
+        if am is not None and (am.dtype != torch.float32 or am.shape != gs.shape):
+            raise ValueError(f"NVFP4Tensor.amax: expected float32 of shape {tuple(gs.shape)} (the global scale's), "
+                             f"got {am.dtype} {tuple(am.shape)}")
         v = self.values
         if v is not None and (v.dtype != torch.float16 or tuple(v.shape) != (rows, cols)):
             raise ValueError(f"NVFP4Tensor.values: expected float16 {(rows, cols)}, got {v.dtype} {tuple(v.shape)}")
@@ -98,10 +114,21 @@ class NVFP4Tensor:
         vals = e2m1_table(self.device)[self.codes().long()] * self.expanded_scale()
         return vals.to(dtype)
 
+    def decode_amax(self) -> torch.Tensor:
+        """`amax`, or a one-line error naming the fix when a hand-built tensor lacks it."""
+        if self.amax is None:
+            raise ValueError("NVFP4Tensor has no amax (the GEMM alpha and dequantize() need it): build it with "
+                             "quantize(), or pass amax= (fp32, the global scale's shape)")
+        return self.amax
+
+    def decode_scale(self) -> torch.Tensor:
+        """fl(amax / 2688) in fp32, the global scale of the dequantisation (ModelOpt's weight_scale_2)."""
+        return self.decode_amax() / torch.tensor(2688.0, dtype=torch.float32)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """(code x block scale) x global scale in fp32, rounded once to `dtype`."""
-        gs = self.global_scale[:, None] if self.per_row else self.global_scale
-        return (self.block_values(torch.float32) * gs).to(dtype)
+        """(e2m1 x block scale) x fl(amax / 2688) in fp32, rounded once to `dtype` (module docstring)."""
+        d = self.decode_scale()
+        return (self.block_values(torch.float32) * (d[:, None] if self.per_row else d)).to(dtype)
 
     def t(self) -> "NVFP4Tensor":
         """Transpose of a (16, 16)-block tensor with one global scale: exact, no requantisation.
@@ -122,16 +149,20 @@ class NVFP4Tensor:
                 shape=(cols, rows),
                 block=self.block,
                 values=None if self.values is None else self.values.t().contiguous(),
+                amax=self.amax,
             )
         return self._transposed
 
     def to(self, device) -> "NVFP4Tensor":
         return NVFP4Tensor(self.data.to(device), self.scale.to(device), self.global_scale.to(device),
-                           self.shape, self.block, None if self.values is None else self.values.to(device))
+                           self.shape, self.block, None if self.values is None else self.values.to(device),
+                           None if self.amax is None else self.amax.to(device))
 
     def equal(self, other: "NVFP4Tensor") -> bool:
-        """Bitwise equality of every field (scales compared as bits, so -0 and NaN patterns count)."""
-        return (self.shape == other.shape and self.block == other.block
+        """Bitwise equality of every field but `values` (scales compared as bits, so -0 and NaN patterns count)."""
+        same_amax = (self.amax is None) == (other.amax is None) and (
+            self.amax is None or torch.equal(self.amax.view(torch.int32), other.amax.view(torch.int32)))
+        return (self.shape == other.shape and self.block == other.block and same_amax
                 and torch.equal(self.data, other.data)
                 and torch.equal(self.scale.view(torch.uint8), other.scale.view(torch.uint8))
                 and torch.equal(self.global_scale.view(torch.int32), other.global_scale.view(torch.int32)))

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from minite.nvfp4 import gemm_reference, quantize_reference, row_slice
+from minite.nvfp4.tensor import FACTOR_INV
 from minite.kernels.nvfp4_gemm import (GemmConfig, gemm_triton, grouped_gemm_triton, kgrouped_gemm_triton,
                                        stack_expert_weights)
 from minite.kernels.nvfp4_quant import quantize_triton, quantize_with_values_triton
@@ -57,7 +58,7 @@ def test_gemm_within_tensorcore_bound():
     out = gemm_triton(a, b, config=TRAIN)
     ref = gemm_reference(a, b)
     bound = (a.block_values(torch.float64).abs() @ b.block_values(torch.float64).abs().t()) \
-        * (a.global_scale.double()[:, None] * b.global_scale.double()).abs()
+        * ((a.amax[:, None] * b.amax) * FACTOR_INV).double().abs()
     assert torch.all((out.double() - ref.double()).abs() <= ATOL * bound + TINY)
 
 
@@ -113,8 +114,8 @@ def test_wgrad_real_shape_within_bound():
     assert torch.equal(out, kgrouped_gemm_triton(a, b, counts, torch.float32))
     s = 0
     for e, c in enumerate(counts):
-        ref = (av[:, s:s + c].double() @ bv[:, s:s + c].double().t()) * float(a.global_scale * b.global_scale)
+        ref = (av[:, s:s + c].double() @ bv[:, s:s + c].double().t()) * float((a.amax * b.amax) * FACTOR_INV)
         bound = (av[:, s:s + c].double().abs() @ bv[:, s:s + c].double().abs().t()) \
-            * float(a.global_scale * b.global_scale)
+            * float((a.amax * b.amax) * FACTOR_INV)
         assert torch.all((out[e].double() - ref).abs() <= ATOL * bound + TINY)
         s += c

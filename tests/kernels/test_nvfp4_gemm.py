@@ -22,11 +22,11 @@ def _q(x, block=(1, 16), scope="row", rounding="nearest", rht=False, seed=11):
 
 
 def _bound(a, b):
-    """sum_k |a_k b_k| * |gs_a gs_b| per output element, in float64."""
+    """sum_k |a_k b_k| * |alpha| per output element (alpha = amax_a amax_b / 2688^2), in float64."""
     mag = a.block_values(torch.float64).abs() @ b.block_values(torch.float64).abs().t()
-    ga = a.global_scale.double()[:, None] if a.per_row else a.global_scale.double()
-    gb = b.global_scale.double()[None, :] if b.per_row else b.global_scale.double()
-    return mag * (ga * gb).abs()
+    ga = a.amax.double()[:, None] if a.per_row else a.amax.double()
+    gb = b.amax.double()[None, :] if b.per_row else b.amax.double()
+    return mag * (ga * gb).abs() / 2688.0 ** 2
 
 
 def _assert_close_to_reference(out, ref, bound):
@@ -142,7 +142,7 @@ def test_wgrad_grouped_over_k_matches_reference(tokens):
 def _q_slice_cols(t, s, e):
     from minite.nvfp4 import NVFP4Tensor
     return NVFP4Tensor(t.data[:, s // 2:e // 2].contiguous(), t.scale[:, s // 16:e // 16].contiguous(),
-                       t.global_scale, (t.shape[0], e - s), t.block)
+                       t.global_scale, (t.shape[0], e - s), t.block, amax=t.amax)
 
 
 def test_public_gemm_dispatches_to_triton():

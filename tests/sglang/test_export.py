@@ -23,7 +23,7 @@ def _recipe():
 
 @pytest.mark.parametrize("shape", [(16, 16), (48, 64), (128, 32)])
 def test_16x16_scale_grid_expands_exactly_to_1x16(shape):
-    from minite.convert.export_nvfp4 import scale_grid_1x16
+    from minite.nvfp4.modelopt import scale_grid_1x16
     from minite.ops import quantize_weight
     from minite.nvfp4 import NVFP4Tensor, gemm
 
@@ -32,19 +32,25 @@ def test_16x16_scale_grid_expands_exactly_to_1x16(shape):
     w[0, :3] = 0
     q = quantize_weight(w, _recipe(), backend="reference")
     assert q.block == (16, 16)
-    q1 = NVFP4Tensor(q.data, scale_grid_1x16(q), q.global_scale, q.shape, (1, 16))
+    q1 = NVFP4Tensor(q.data, scale_grid_1x16(q), q.global_scale, q.shape, (1, 16), amax=q.amax)
     assert torch.equal(q1.dequantize().view(torch.int32), q.dequantize().view(torch.int32))
     x = _recipe().activation.quantize(torch.randn(5, shape[1], generator=g), backend="reference")
     assert torch.equal(gemm(x, q1).view(torch.int32), gemm(x, q).view(torch.int32))
 
 
-def _modelopt_dequant(t, prefix):
-    from minite.nvfp4 import NVFP4Tensor
+_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
+
+def _modelopt_dequant(t, prefix):
+    """A ModelOpt-style loader, written here without minite: e2m1(code) * scale * weight_scale_2 in fp32; also
+    checks that weight_scale_2 is fl(amax / 2688) of the exported amax."""
     data, scale, s2 = t[prefix + ".weight"], t[prefix + ".weight_scale"], t[prefix + ".weight_scale_2"]
+    amax = t[prefix + ".weight_scale_amax"]
     assert data.dtype == torch.uint8 and scale.dtype == torch.float8_e4m3fn and s2.dtype == torch.float32
     assert s2.shape == () and scale.shape == (data.shape[0], data.shape[1] * 2 // 16)
-    return NVFP4Tensor(data, scale, s2, (data.shape[0], data.shape[1] * 2), (1, 16)).dequantize()
+    assert amax.dtype == torch.float32 and torch.equal(s2.view(torch.int32), (amax / 2688.0).view(torch.int32))
+    codes = torch.stack([data & 15, data >> 4], dim=-1).reshape(data.shape[0], -1).long()
+    return _E2M1[codes] * scale.float().repeat_interleave(16, dim=1) * s2
 
 
 def _bits_equal(a, b):

@@ -65,7 +65,7 @@ def quantize_scalar(x: np.ndarray, block_rows: int, per_row: bool):
                     v = F(blk[r, c] * F(mult))
                     v = min(max(v, F(-6)), F(6))
                     code = e2m1_index(abs(float(v)))
-                    if math.copysign(1.0, float(v)) < 0:
+                    if v < 0:  # TE's sign test: -0.0 keeps code 0
                         code |= 8
                     codes[bi * block_rows + r, bj * 16 + c] = code
     return codes, scales, (s_dec if per_row else s_dec[0])

@@ -23,8 +23,9 @@ def _data(m=37, k=64, n=48, dtype=torch.bfloat16, seed=0):
 
 def _wgrad_reference(dy, x, seed):
     pad = (-x.shape[0]) % 16
-    dyt = torch.cat([dy.float(), dy.new_zeros(pad, dy.shape[1]).float()]).t().contiguous()
-    xt = torch.cat([x.float(), x.new_zeros(pad, x.shape[1]).float()]).t().contiguous()
+    # in the operands' own dtype: the RHT rounds its output to it (bf16 here), as TE does (docs/nvfp4.md)
+    dyt = torch.cat([dy, dy.new_zeros(pad, dy.shape[1])]).t().contiguous()
+    xt = torch.cat([x, x.new_zeros(pad, x.shape[1])]).t().contiguous()
     gq = R.wgrad_gradient.quantize(dyt, seed=derive_seed(seed, 2))
     xq = R.wgrad_input.quantize(xt, seed=derive_seed(seed, 3))
     return gemm(gq, xq)

@@ -49,17 +49,20 @@ def test_block_values_are_exact_in_bf16_and_fp16():
     assert torch.equal(q.block_values(torch.float16).float(), v)
 
 
-def test_dequantize_applies_the_global_scale_in_fp32():
+def test_dequantize_applies_amax_over_2688_in_fp32():
+    # (e2m1 x block scale) x fl(amax / 2688): ModelOpt's formula with its weight_scale_2 (docs/nvfp4.md)
     q = quantize(torch.randn(4, 32), scale_scope="row")
-    assert torch.equal(q.dequantize(), q.block_values() * q.global_scale[:, None])
-    assert torch.equal(q.dequantize(torch.bfloat16), (q.block_values() * q.global_scale[:, None]).bfloat16())
+    d = q.amax / torch.tensor(2688.0)
+    assert torch.equal(q.dequantize(), q.block_values() * d[:, None])
+    assert torch.equal(q.dequantize(torch.bfloat16), (q.block_values() * d[:, None]).bfloat16())
 
 
 def test_gemm_reference_definition():
     a = quantize(torch.randn(8, 64), scale_scope="row")
     b = quantize(torch.randn(16, 64), block=(16, 16))
     acc = (a.block_values(torch.float64) @ b.block_values(torch.float64).t()).float()
-    assert torch.equal(gemm(a, b), acc * (a.global_scale[:, None] * b.global_scale))
+    factor_inv = torch.tensor(1.0 / (6 * 6 * 448 * 448), dtype=torch.float32)  # TE's fp32 constant
+    assert torch.equal(gemm(a, b), acc * ((a.amax[:, None] * b.amax) * factor_inv))
     close = (a.dequantize().double() @ b.dequantize().double().t()).float()
     magnitude = a.dequantize().double().abs() @ b.dequantize().double().abs().t()  # sum_k |a_k b_k|
     err = (gemm(a, b).double() - close.double()).abs()

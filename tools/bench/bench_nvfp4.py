@@ -337,7 +337,7 @@ def section_decode(res: dict, decode_cfg: GemmConfig | None) -> None:
         t_g = bench_graph(w4_gemm_only, sets)
         if m == 1:  # same kernel and tiles, weights as fp16 block values (4x the bytes, no nibble decode)
             # (values of bf16 random weights, not of the quantised ones: same bytes and timing, bits unused)
-            wv = [ExpertWeights(w.data, w.scale, w.global_scale, wb[s_].transpose(1, 2).contiguous().half(),
+            wv = [ExpertWeights(w.data, w.scale, w.amax, wb[s_].transpose(1, 2).contiguous().half(),
                                 w.block_rows, w.shape) for s_, w in enumerate(wq)]
             t_v = bench_graph(lambda: [grouped_gemm_triton(qpre[s], wv[s], counts, torch.bfloat16, config=cfg_m)
                                        for s in range(sets)], sets)

@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
-from typing import List, Optional
-
 import torch
 
 from minite.ops import nvfp4_grouped_linear, routed_experts
-from minite.nvfp4 import NVFP4Recipe, NVFP4Stack, NVFP4Tensor
-from minite.nvfp4.modelopt import GROUP
+from minite.nvfp4 import NVFP4Recipe
 
 log = logging.getLogger(__name__)
 
@@ -43,35 +40,6 @@ def check_sglang_version() -> str:
 # --------------------------------------------------------------------------------------------------------------
 # Recipe <-> quantization config
 # --------------------------------------------------------------------------------------------------------------
-
-def _global_scales(scale_2: torch.Tensor, rows: int, shard_sizes: Optional[List[int]] = None) -> torch.Tensor:
-    """ModelOpt's per-shard global scales [..., S] -> [...] when every shard's scale agrees everywhere (every export of
-    ours: the learner's fused QKV / gate-up weight has one global scale), else per-row [..., rows], each shard's scale
-    repeated over its rows (exact as well: the GEMM multiplies by gs_a[m] * gs_b[n] after the block products)."""
-    s2 = scale_2.float()
-    if s2.shape[-1] == 1 or bool((s2 == s2[..., :1]).all()):
-        return s2[..., 0].contiguous()
-    sizes = shard_sizes or [rows // s2.shape[-1]] * s2.shape[-1]
-    return torch.repeat_interleave(s2, torch.tensor(sizes, device=s2.device), dim=-1).contiguous()
-
-
-def weight_tensor(data: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor,
-                  shard_sizes: Optional[List[int]] = None) -> NVFP4Tensor:
-    """An NVFP4Tensor [N, K] over ModelOpt-layout tensors (no copy of codes or scales); scale_2 holds one global
-    scale per logical shard (`_global_scales`)."""
-    n, k = data.shape[0], data.shape[1] * 2
-    gs = _global_scales(scale_2.reshape(-1), n, shard_sizes)
-    return NVFP4Tensor(data, scale, gs, (n, k), (1, GROUP))
-
-
-def expert_stack(data: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor) -> NVFP4Stack:
-    """The experts of a FusedMoE layer as one NVFP4Stack over its stacked ModelOpt tensors (no copy of codes or
-    scales): data [E, N, K/2], scale [E, N, K/16], scale_2 [E] or [E, shards] (`_global_scales`, decided for all
-    experts at once). The grouped kernels read it directly instead of stacking E tensors per call."""
-    e, n = data.shape[0], data.shape[1]
-    gs = _global_scales(scale_2.reshape(e, -1), n)
-    return NVFP4Stack(data, scale, gs, (n, data.shape[2] * 2), (1, GROUP))
-
 
 def grouped_forward(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor, recipe: NVFP4Recipe, backend: str = "auto", *,

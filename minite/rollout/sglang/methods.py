@@ -25,11 +25,10 @@ from sglang.srt.layers.quantization.base_config import (
 from sglang.srt.utils import set_weight_attrs
 
 from minite.nvfp4 import NVFP4Recipe
+from minite.nvfp4.modelopt import GROUP, expert_stack, recipe_from_json, weight_tensor
 from minite.ops import nvfp4_linear_forward
 
-from minite.nvfp4.modelopt import GROUP, recipe_from_json
-
-from .common import METHOD_NAME, expert_stack, grouped_forward, weight_tensor
+from .common import METHOD_NAME, grouped_forward
 
 
 def _scale_param(shape, weight_loader, fill: Optional[float] = None) -> PerTensorScaleParameter:
@@ -60,6 +59,8 @@ class MiniteNVFP4LinearMethod(LinearMethodBase):
             weight_loader=loader))
         shards = (len(output_partition_sizes),)
         layer.register_parameter("weight_scale_2", _scale_param(shards, loader))
+        # the amax per shard (sglang_plugin docstring); NaN until loaded, so a checkpoint without it is detectable
+        layer.register_parameter("weight_scale_amax", _scale_param(shards, loader, fill=float("nan")))
         layer.register_parameter("input_scale", _scale_param(shards, loader, fill=1.0))
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
@@ -71,7 +72,7 @@ class MiniteNVFP4LinearMethod(LinearMethodBase):
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         w = weight_tensor(layer.weight.data, layer.weight_scale.data, layer.weight_scale_2.data,
-                          layer.logical_widths)
+                          layer.logical_widths, layer.weight_scale_amax.data)
         y = nvfp4_linear_forward(x, w, self.config.recipe, backend=self.config.backend)
         return y + bias if bias is not None else y
 
@@ -104,6 +105,9 @@ class MiniteNVFP4MoEMethod(FusedMoEMethodBase):
             "w2_weight_scale": (torch.empty(e, h, f // GROUP, dtype=torch.float8_e4m3fn), block),
             "w13_weight_scale_2": (torch.empty(e, 2, dtype=torch.float32), tensor),
             "w2_weight_scale_2": (torch.empty(e, dtype=torch.float32), tensor),
+            # the amaxes (sglang_plugin docstring), NaN until loaded
+            "w13_weight_scale_amax": (torch.full((e, 2), float("nan")), tensor),
+            "w2_weight_scale_amax": (torch.full((e,), float("nan")), tensor),
             # ModelOpt's static activation scales, loaded and ignored (per-row scales are computed per token)
             "w13_input_scale": (torch.ones(e, dtype=torch.float32), tensor),
             "w2_input_scale": (torch.ones(e, dtype=torch.float32), tensor),
@@ -123,8 +127,10 @@ class MiniteNVFP4MoEMethod(FusedMoEMethodBase):
 
     def experts(self, layer: torch.nn.Module):
         """(w13, w2): NVFP4Stacks over the loaded parameters (no copy)."""
-        return (expert_stack(layer.w13_weight.data, layer.w13_weight_scale.data, layer.w13_weight_scale_2.data),
-                expert_stack(layer.w2_weight.data, layer.w2_weight_scale.data, layer.w2_weight_scale_2.data))
+        return (expert_stack(layer.w13_weight.data, layer.w13_weight_scale.data, layer.w13_weight_scale_2.data,
+                             layer.w13_weight_scale_amax.data),
+                expert_stack(layer.w2_weight.data, layer.w2_weight_scale.data, layer.w2_weight_scale_2.data,
+                             layer.w2_weight_scale_amax.data))
 
     def apply(self, layer: torch.nn.Module, dispatch_output):
         from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput

@@ -18,11 +18,16 @@ plugin group `sglang.srt.plugins`; SGLang calls it early in every process it sta
 Weights are stored exactly as a ModelOpt NVFP4 checkpoint names them (minite.convert.export_nvfp4):
     weight        uint8 [N, K/2]       E2M1 codes, even element in the low nibble
     weight_scale  float8_e4m3fn [N, K/16]   one scale per 1x16 block
-    weight_scale_2  fp32, one per logical shard (q/k/v, gate/up)   the global decode scale
+    weight_scale_2  fp32, one per logical shard (q/k/v, gate/up)   ModelOpt's decode scale fl(amax / 2688)
+    weight_scale_amax  fp32, one per shard   the amax itself (minite's export; stock loaders skip the name)
     input_scale   fp32, one per shard   loaded for compatibility, ignored: see below
 The learner quantises weights in 16x16 blocks; a 16x16 scale grid repeated over its 16 rows *is* a 1x16 grid with
-the same values, so `NVFP4Tensor(weight, weight_scale, weight_scale_2, block=(1, 16))` has exactly the learner's block
-values, and the GEMM (`minite.nvfp4.gemm`, exact block products then fp32 global scales) gives the same bits.
+the same values, so `minite.nvfp4.modelopt.weight_tensor(weight, weight_scale, weight_scale_2, amax=weight_scale_amax)` has exactly the
+learner's block values and amax, and the GEMM (`minite.nvfp4.gemm`: exact block products, then TE's alpha
+(amax_x * amax_w) * fl(1/(6*6*448*448))) gives the same bits. Why the amax travels as its own tensor: the GEMM alpha
+needs the amax exactly and fl(amax / 2688) does not determine it (dividing by 21 * 2^7 maps some neighbouring fp32
+amaxes to one value). A checkpoint without it (a foreign ModelOpt export) gets amax = fl(weight_scale_2 * 2688),
+within an ulp or so of its producer's amax (docs/nvfp4.md, docs/sglang.md).
 
 Activations are quantised as the recipe says: 1x16 blocks with one global scale per row (token), computed on the fly
 by `minite.ops.nvfp4_linear_forward` (the forward the learner's nvfp4_linear runs). A token's quantisation
