@@ -38,7 +38,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 import torch
 
 from minite.convert.hf_megatron import megatron_to_hf
-from minite.nvfp4 import NVFP4Recipe, NVFP4Tensor
+from minite.nvfp4 import NVFP4Recipe
 from minite.nvfp4.modelopt import quant_config_dict, scale_grid_1x16
 from minite.ops import quantize_weight
 
