@@ -25,23 +25,26 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from minite.alignment.monitor import check_gap
 from minite.alignment.routing_replay import engine_recording, learner_replay
 from minite.rl import checkpoint as ckpt
 from minite.rl.grpo import GRPOParams, group_advantages, grpo_loss
-from minite.rl.metrics import MetricsLogger, mismatch_metrics, rollout_metrics
+from minite.rl.metrics import WARMUP_RUN, MetricsLogger, check_finite, mismatch_metrics, rollout_metrics
 from minite.rl.tasks import PAD, DigitTask, Problem, PromptStream, make_task, mix_seed
 from minite.rollout.base import RolloutEngine, RolloutResult, SamplingParams
 
 log = logging.getLogger(__name__)
 WARMUP_SEED_OFFSET = 1_000_003  # the warm-up stream must not replay the RL prompts
+WARMUP_LOG = "warmup.jsonl"  # beside metrics.jsonl: the warm-up steps' rows
 
 
 @dataclass
@@ -177,16 +180,33 @@ def sync_weights(run: Run) -> None:
 
 
 def log_step(run: Run, metrics: dict) -> None:
+    """Every rank keeps the history (and stops on a diverged run); rank 0 alone writes metrics.jsonl,
+    TensorBoard and the progress bar (the metrics are global: the learner gathers the whole batch's log-probs)."""
     metrics = {"step": run.step, **metrics}
     run.history.append(metrics)
     scalars = {k: v for k, v in metrics.items() if k != "step"}
+    check_finite(run.step, scalars)
     if run.logger is not None:
         run.logger.log(run.step, scalars)
     path = _metrics_path(run.cfg)
-    if path is not None:
+    if path is not None and is_writer():
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
+
+
+def log_warmup(run: Run, i: int, out: dict) -> None:
+    """Warm-up step i (1-based) under its own tags (warmup/*, TensorBoard run dir/warmup) and in warmup.jsonl, so
+    it never mixes with the RL steps' rows and a resume's purge of RL steps cannot touch it."""
+    scalars = {(k if k.startswith("warmup/") else f"warmup/{k}"): float(v) for k, v in (out or {}).items()}
+    check_finite(i, scalars)
+    if run.logger is not None:
+        run.logger.log_warmup(i, scalars)
+    path = _metrics_path(run.cfg)
+    if path is not None and is_writer():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_name(WARMUP_LOG), "a") as f:
+            f.write(json.dumps({"warmup_step": i, **scalars}) + "\n")
 
 
 def maybe_checkpoint(run: Run) -> None:
@@ -200,8 +220,18 @@ def maybe_checkpoint(run: Run) -> None:
             "rng": ckpt.capture_rng(),
             "data": run.stream.state_dict(),
         }
-        path = ckpt.save_checkpoint(c.dir, run.step, state, keep=c.keep)
-        log.info("saved checkpoint %s", path)
+        path = ckpt.save_checkpoint(c.dir, run.step, state, keep=c.keep, layout=layout(run.cfg))
+        if is_writer():
+            log.info("saved checkpoint %s", path)
+
+
+def layout(cfg) -> dict[str, int]:
+    return {"tp": cfg.parallel.tp, "ep": cfg.parallel.ep, "pp": cfg.parallel.pp}
+
+
+def is_writer() -> bool:
+    """Rank 0 writes the run's shared files (metrics, TensorBoard, progress bar); every rank writes its shard."""
+    return ckpt.rank_and_world()[0] == 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -211,8 +241,13 @@ def setup(cfg, *, learner_factory=None, engine_factory=None) -> Run:
     """Build the run. `learner_factory(cfg)` / `engine_factory(cfg)` may be injected (tests); defaults are the real ones."""
     task = make_task(cfg.rl.task, length=cfg.rl.task_length, num_digits=cfg.rl.task_digits)
     check_shapes(cfg, task)
-    state = find_resume_state(cfg)  # before building anything: a bad checkpoint fails fast
-    torch.manual_seed(cfg.rl.seed)  # model init and everything after it is a function of the config
+    if cfg.checkpoint.resume_from:  # before building anything: a missing or incomplete checkpoint fails fast
+        ckpt.read_manifest(cfg.checkpoint.resume_from)
+    # Model init and everything after it is a function of the config; NumPy and Python are seeded too, so the
+    # RNG states a checkpoint saves do not depend on the process that happened to start the run.
+    torch.manual_seed(cfg.rl.seed)
+    random.seed(cfg.rl.seed)
+    np.random.seed(cfg.rl.seed % 2**32)
     if learner_factory is None:
         from minite.learner.learner import Learner as learner_factory
     learner = learner_factory(cfg)
@@ -226,18 +261,21 @@ def setup(cfg, *, learner_factory=None, engine_factory=None) -> Run:
                               is_correction=cfg.rl.is_correction, is_cap=cfg.rl.is_threshold))
     if cfg.rl.kl_coef > 0:
         run.ref = engine_factory(cfg)
+    state = find_resume_state(cfg)  # after the learner: it starts torch.distributed, and each rank loads its shard
+    start = 0 if state is None else int(state["step"])
+    if is_writer():
+        start_logs(cfg, start)
+        run.logger = MetricsLogger(cfg.logging.dir if cfg.logging.tensorboard else None, total_steps=cfg.rl.steps,
+                                   start_step=start, progress=cfg.logging.progress_bar)
     if state is not None:
         resume(run, state)
     else:
-        _fresh_metrics_file(cfg)
         warmup(run)
         if run.ref is not None:
             run.ref.update_weights(learner.named_weights())
     sync_weights(run)
     if state is not None:
         ckpt.restore_rng(state["rng"])  # last: building models above consumed RNG
-    run.logger = MetricsLogger(cfg.logging.dir if cfg.logging.tensorboard else None, total_steps=cfg.rl.steps,
-                               start_step=run.step, progress=cfg.logging.progress_bar)
     return run
 
 
@@ -245,11 +283,23 @@ def _metrics_path(cfg) -> Path | None:
     return Path(cfg.logging.dir) / "metrics.jsonl" if cfg.logging.dir else None
 
 
-def _fresh_metrics_file(cfg) -> None:
-    """A fresh run starts a fresh metrics.jsonl; a resumed one appends to its own."""
+def start_logs(cfg, step: int) -> None:
+    """A fresh run (step 0) starts a fresh metrics.jsonl and warm-up log and drops old TensorBoard event files; a run
+    resumed at `step` keeps the rows of steps <= step and drops the later ones (written after the checkpoint
+    by the run that stopped), so the file never holds a step twice. TensorBoard: MetricsLogger's purge_step."""
     path = _metrics_path(cfg)
-    if path is not None and path.exists():
-        path.unlink()
+    if path is None:
+        return
+    if step == 0:
+        for old in [path, path.with_name(WARMUP_LOG), *path.parent.glob("events.out.tfevents.*"),
+                    *(path.parent / WARMUP_RUN).glob("events.out.tfevents.*")]:
+            old.unlink(missing_ok=True)
+        return
+    if path.exists():
+        rows = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(row + "\n" for row in rows))
+        tmp.replace(path)
 
 
 def check_shapes(cfg, task: DigitTask) -> None:
@@ -267,13 +317,27 @@ def check_shapes(cfg, task: DigitTask) -> None:
 
 
 def find_resume_state(cfg) -> dict | None:
-    c = cfg.checkpoint
+    """This rank's shard of the checkpoint to resume from, or None. checkpoint.resume_from must be intact
+    (CheckpointError otherwise); in checkpoint.dir the newest intact checkpoint wins, a corrupt newer one is named
+    in a warning. A checkpoint of another world size or layout stops the run (it cannot be resumed here).
+    Collective: every rank reaches the same decision (ckpt.agree_load)."""
+    c, world = cfg.checkpoint, ckpt.rank_and_world()[1]
     if c.resume_from:
-        return ckpt.load_checkpoint(c.resume_from)
-    if c.dir and c.resume:
-        path = ckpt.latest_checkpoint(c.dir)
-        if path is not None:
-            return ckpt.load_checkpoint(path)
+        ckpt.check_layout(c.resume_from, ckpt.read_manifest(c.resume_from), world, layout(cfg))
+        return ckpt.agree_load(c.resume_from)
+    if not (c.dir and c.resume):
+        return None
+    for path in ckpt.checkpoints_newest_first(c.dir):
+        try:
+            manifest = ckpt.read_manifest(path)
+        except ckpt.CheckpointError as e:
+            log.warning("skipping checkpoint %s: %s; falling back to an older one", path, e)
+            continue
+        ckpt.check_layout(path, manifest, world, layout(cfg))
+        try:
+            return ckpt.agree_load(path)
+        except ckpt.CheckpointError as e:
+            log.warning("skipping checkpoint %s: %s; falling back to an older one", path, e)
     return None
 
 
@@ -300,9 +364,11 @@ def warmup(run: Run) -> None:
         batch = make_batch(rows)
 
         def loss_fn(logp, mask=batch.mask):
+            mask = mask.to(logp.device)  # the batch is built on the host, the learner's log-probs on its device
             nll = -(logp * mask).sum() / mask.sum()
             return nll, {"warmup/nll": nll.item()}
 
         out = run.learner.train_step(batch.tokens, loss_fn)
+        log_warmup(run, i + 1, out)
         if i == 0 or i + 1 == cfg.rl.warmup_steps:
             log.info("warm-up step %d/%d: %s", i + 1, cfg.rl.warmup_steps, out)
