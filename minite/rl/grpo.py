@@ -112,7 +112,7 @@ def grpo_loss(
     """
     dev = logp.device  # the learner's device; the loop builds its batch tensors on the host
     old_logp, mask = old_logp.to(dev), mask.to(dev, logp.dtype)
-    adv = advantages.to(dev, logp.dtype)[:, None]
+    adv = advantages.to(dev, logp.dtype).unsqueeze(1)
     ratio = torch.exp(logp - old_logp.detach())
     clipped = ratio.clamp(1 - params.clip_eps_low, 1 + params.clip_eps_high)
     pg = -torch.minimum(ratio * adv, clipped * adv)

@@ -143,7 +143,7 @@ def train_on_batch(run: Run, batch: Batch, advantages: torch.Tensor, routes=None
     cfg, seq_len = run.cfg, batch.tokens.shape[1]
     with _replay(run.learner, routes, seq_len, list(range(batch.tokens.shape[0]))):
         learner_logp = run.learner.logprobs(batch.tokens).float()
-    metrics = mismatch_metrics(learner_logp, batch.rollout_logp, batch.mask)
+    metrics = mismatch_metrics(learner_logp.cpu(), batch.rollout_logp, batch.mask)  # host metrics, [N, T-1]
     check_gap(metrics, cfg.alignment, run.step)
     old_logp = learner_logp if cfg.rl.old_logp_source == "learner" else batch.rollout_logp
     ref_logp = run.ref.logprobs(batch.tokens).float() if run.ref is not None else None
@@ -151,9 +151,9 @@ def train_on_batch(run: Run, batch: Batch, advantages: torch.Tensor, routes=None
     for rows in torch.arange(batch.tokens.shape[0]).chunk(cfg.rl.minibatches):
         def loss_fn(logp, rows=rows):
             return grpo_loss(
-                logp, old_logp[rows], advantages[rows], batch.mask[rows], run.grpo,
+                logp, old_logp.index_select(0, rows.to(old_logp.device)), advantages[rows], batch.mask[rows], run.grpo,
                 rollout_logp=batch.rollout_logp[rows],
-                ref_logp=None if ref_logp is None else ref_logp[rows],
+                ref_logp=None if ref_logp is None else ref_logp.index_select(0, rows.to(ref_logp.device)),
             )
         with _replay(run.learner, routes, seq_len, rows.tolist()):
             out = run.learner.train_step(batch.tokens[rows], loss_fn)
