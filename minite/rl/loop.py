@@ -85,7 +85,7 @@ def train(cfg) -> list[dict]:
 
 
 def rl_step(run: Run) -> dict:
-    cfg, t0 = run.cfg, time.perf_counter()
+    cfg, t0 = run.cfg, _device_time()
     problems = run.stream.next_batch()
     with engine_recording(run.engine, cfg.alignment.routing_replay) as rec:  # expert routes, to replay
         rollouts = run.engine.generate([p.prompt for p in problems], sampling_params(cfg, run.step, run.task))
@@ -93,16 +93,27 @@ def rl_step(run: Run) -> dict:
     rewards = score(run.task, problems, rollouts, cfg.rollout.group_size)
     advantages = group_advantages(rewards, cfg.rollout.group_size)
     batch = make_batch(rollouts)
+    t_train = time.perf_counter()
     metrics = train_on_batch(run, batch, advantages, None if rec is None else rec.routes(len(rollouts)))
+    t_sync = _device_time()
     sync_weights(run)
     run.step += 1
-    elapsed = time.perf_counter() - t0
+    t_end = _device_time()
+    elapsed = t_end - t0
     metrics.update(rollout_metrics(rewards, batch.rollout_logp, batch.mask))
     metrics.update({"throughput/tokens_per_s": batch.num_tokens / elapsed,
-                    "time/step_s": elapsed, "time/rollout_s": t_rollout})
+                    "time/step_s": elapsed, "time/rollout_s": t_rollout, "time/train_s": t_sync - t_train,
+                    "time/sync_s": t_end - t_sync})
     log_step(run, metrics)
     maybe_checkpoint(run)
     return metrics
+
+
+def _device_time() -> float:
+    """perf_counter after the GPU's queued work (weight copies are asynchronous): the step's time split is real."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 def sampling_params(cfg, step: int, task: DigitTask) -> SamplingParams:
