@@ -34,3 +34,7 @@ def test_bench_rl_step_writes_the_documented_rows(tmp_path):
         parts = [r[k] for k in ("rollout_s", "train_s", "sync_s")]
         assert all(p >= 0 for p in parts) and sum(parts) <= r["step_s"], r
         assert r["tokens_per_s"] > 0
+    table = subprocess.run([sys.executable, str(BENCH), "--render", str(out)], capture_output=True, text=True,
+                           check=True).stdout.splitlines()
+    assert table[2].startswith("| gpus | layout | precision | strict |") and len(table) == 4 + 2
+    assert table[4].startswith("| 0 | single | bf16 | no | ") and table[5].startswith("| 0 | single | nvfp4 | no | ")

@@ -11,6 +11,9 @@ the median over the timed steps of the loop's own time/* metrics (the loop synch
 sync, so its copies are counted where they happen). Rank 0 merges one row into --out (the JSON keys `device`,
 `date`, `commit`, `command`, `rows`; a row with the same gpus/layout/precision/strict is replaced), so one file
 collects BF16/NVFP4, default/strict, one GPU and EP=2 from separate invocations.
+
+    python tools/bench/bench_rl_step.py --render docs/benchmarks/rl-step-h200.json     (the Markdown table for
+                                                                                       docs/benchmarks.md)
 """
 from __future__ import annotations
 
@@ -36,12 +39,29 @@ ROW_KEYS = ("gpus", "layout", "precision", "strict")
 
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("config", help="YAML config, e.g. examples/h200/moe-nvfp4.yaml")
+    p.add_argument("config", nargs="?", help="YAML config, e.g. examples/h200/moe-nvfp4.yaml")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--steps", type=int, default=5, help="timed RL steps (default 5)")
     p.add_argument("--skip", type=int, default=1, help="untimed RL steps first (default 1)")
-    p.add_argument("--out", required=True, help="JSON file to merge the row into")
-    return p.parse_args(argv)
+    p.add_argument("--out", help="JSON file to merge the row into")
+    p.add_argument("--render", metavar="JSON", help="print the Markdown table of a results file and exit")
+    args = p.parse_args(argv)
+    if args.render is None and (args.config is None or args.out is None):
+        p.error("give CONFIG and --out (a measurement) or --render JSON (the table)")
+    return args
+
+
+def render(doc: dict) -> str:
+    """docs/benchmarks.md's table of one results file (numbers are never typed by hand)."""
+    out = [f"Device {doc['device']}, {doc['date']}, commit {doc['commit']}, command `{doc['command']}` (the last "
+           "invocation; each row is one invocation's medians over its timed steps).", "",
+           "| gpus | layout | precision | strict | rollout s | learner s | sync s | step s | tokens/s |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(doc["rows"], key=lambda r: (r["gpus"], r["layout"], r["precision"], r["strict"])):
+        out.append(f"| {r['gpus']} | {r['layout']} | {r['precision']} | {'yes' if r['strict'] else 'no'} | "
+                   f"{r['rollout_s']:.3f} | {r['train_s']:.3f} | {r['sync_s']:.3f} | {r['step_s']:.3f} | "
+                   f"{r['tokens_per_s']:.0f} |")
+    return "\n".join(out) + "\n"
 
 
 def device_name() -> str:
@@ -93,6 +113,9 @@ def merge(out: Path, row: dict, command: str) -> dict:
 
 def main(argv=None) -> int:
     args = parse(argv)
+    if args.render:
+        print(render(json.loads(Path(args.render).read_text())), end="")
+        return 0
     off = ["checkpoint.dir=null", "logging.tensorboard=false", "logging.progress_bar=false", "logging.dir=''"]
     cfg = load_config(args.config, off + args.overrides)
     row = measure(cfg, args.steps, args.skip)
