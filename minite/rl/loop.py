@@ -307,10 +307,18 @@ def start_logs(cfg, step: int) -> None:
             old.unlink(missing_ok=True)
         return
     if path.exists():
-        rows = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        rows = [line for line in path.read_text().splitlines() if _row_step(line) <= step]
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(row + "\n" for row in rows))
         tmp.replace(path)
+
+
+def _row_step(line: str) -> float:
+    """A metrics.jsonl row's step; a line cut short by a killed run counts as past any checkpoint (dropped)."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
 
 
 def check_shapes(cfg, task: DigitTask) -> None:

@@ -102,6 +102,8 @@ def test_metrics_and_tensorboard_hold_each_step_once_after_a_resume(tmp_path):
     ck = {"checkpoint.dir": str(tmp_path / "ck"), "checkpoint.every": 2, "checkpoint.keep": 0}
     _train(_cfg(tmp_path / "b", 4, **ck, **logs))
     shutil.rmtree(tmp_path / "ck" / "step_000004")  # the run "died" after logging steps 3, 4 but before saving 4
+    with open(tmp_path / "b" / "logs" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "rew')  # ... and was killed in the middle of writing a row
     _scramble_global_rng(4321)
     _train(_cfg(tmp_path / "b", 4, **ck, **logs))
     _train(_cfg(tmp_path / "b", 4, **ck, **logs))  # nothing to do: adds neither rows nor an event file
