@@ -2,6 +2,8 @@
 run with the learner on the GPU and finite metrics; a run interrupted after its checkpoint and resumed (CUDA RNG
 states included) equals the uninterrupted run bitwise, metrics and saved state; strict mode gives a learner/rollout
 gap of exactly 0 on every step."""
+import os
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ from minite.rl import checkpoint as ckpt
 from minite.rl.loop import train
 
 pytestmark = pytest.mark.gpu
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's deterministic mode (read at its first use)
 STEPS = 4
 
 
@@ -34,10 +37,22 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def test_rl_steps_on_one_gpu_and_resume_bitwise(tmp_path):
+@pytest.fixture
+def deterministic():
+    """Deterministic CUDA kernels where torch has them (scatter/index adds of the MoE combine and the embedding
+    backward use atomics otherwise), so two runs can be compared bit for bit."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+def test_rl_steps_on_one_gpu_and_resume_bitwise(tmp_path, deterministic):
     every = {"checkpoint.every": 1, "checkpoint.keep": 0}
     straight = train(_cfg(tmp_path, "a", STEPS, **{"checkpoint.dir": str(tmp_path / "cka"), **every}))
     assert len(straight) == STEPS
+    again = train(_cfg(tmp_path, "a2", STEPS))
+    assert _untimed(again) == _untimed(straight), "two uninterrupted GPU runs differ: a nondeterministic kernel, " \
+                                                  "not the resume, would break the comparison below"
     state = ckpt.load_checkpoint(tmp_path / "cka" / f"step_{STEPS:06d}")
     assert "cuda" in state["rng"]  # the CUDA generators are saved
     assert all(torch.isfinite(torch.tensor(h["loss/policy"])) for h in straight)
