@@ -162,8 +162,8 @@ def train_on_batch(run: Run, batch: Batch, advantages: torch.Tensor, routes=None
     for rows in torch.arange(batch.tokens.shape[0]).chunk(cfg.rl.minibatches):
         def loss_fn(logp, rows=rows):
             return grpo_loss(
-                logp, old_logp.index_select(0, rows.to(old_logp.device)), advantages[rows], batch.mask[rows], run.grpo,
-                rollout_logp=batch.rollout_logp[rows],
+                logp, old_logp.index_select(0, rows.to(old_logp.device)), advantages[rows], batch.mask[rows],
+                run.grpo, rollout_logp=batch.rollout_logp[rows],
                 ref_logp=None if ref_logp is None else ref_logp.index_select(0, rows.to(ref_logp.device)),
             )
         with _replay(run.learner, routes, seq_len, rows.tolist()):
@@ -272,7 +272,7 @@ def setup(cfg, *, learner_factory=None, engine_factory=None) -> Run:
                               is_correction=cfg.rl.is_correction, is_cap=cfg.rl.is_threshold))
     if cfg.rl.kl_coef > 0:
         run.ref = engine_factory(cfg)
-    state = find_resume_state(cfg)  # after the learner: it starts torch.distributed, and each rank loads its shard
+    state = find_resume_state(cfg)  # after the learner (it starts torch.distributed): each rank loads its shard
     start = 0 if state is None else int(state["step"])
     if is_writer():
         start_logs(cfg, start)
@@ -346,7 +346,8 @@ def find_resume_state(cfg) -> dict | None:
         return ckpt.agree_load(c.resume_from)
     if not (c.dir and c.resume):
         return None
-    for path in ckpt.checkpoints_newest_first(c.dir):
+    skipped = ckpt.checkpoints_newest_first(c.dir)
+    for path in skipped:
         try:
             manifest = ckpt.read_manifest(path)
         except ckpt.CheckpointError as e:
@@ -357,6 +358,9 @@ def find_resume_state(cfg) -> dict | None:
             return ckpt.agree_load(path)
         except ckpt.CheckpointError as e:
             log.warning("skipping checkpoint %s: %s; falling back to an older one", path, e)
+    if skipped:  # never restart from scratch (and overwrite the logs) over checkpoints the user may want back
+        raise ckpt.CheckpointError(f"no intact checkpoint in {c.dir} ({len(skipped)} corrupt or incomplete): "
+                                   "move them away, or start fresh with checkpoint.resume=false")
     return None
 
 

@@ -80,7 +80,11 @@ def test_corrupt_newest_checkpoint_falls_back_with_a_warning(tmp_path, caplog):
     assert "step_000002" in caplog.text and "corrupt" in caplog.text
     assert [h["step"] for h in resumed.history] == [2, 3]  # from step_000001, the newest intact one
     assert [h["loss/policy"] for h in straight.history[1:]] == [h["loss/policy"] for h in resumed.history]
+    shutil.rmtree(tmp_path / "ck" / "step_000003")  # the resumed run re-saved steps 2 and 3 intact
+    _flip_byte(tmp_path / "ck" / "step_000002" / "state.pt")
     _flip_byte(tmp_path / "ck" / "step_000001" / "state.pt")
+    with pytest.raises(ckpt.CheckpointError, match=r"no intact checkpoint in .*ck \(2 corrupt or incomplete\)"):
+        _train(_cfg(tmp_path / "c", 3, **ck))
     explicit = {**ck, "checkpoint.resume_from": str(tmp_path / "ck" / "step_000001")}
     with pytest.raises(ckpt.CheckpointError, match="step_000001/state.pt is corrupt"):
         _train(_cfg(tmp_path / "d", 3, **explicit))
