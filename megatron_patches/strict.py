@@ -26,9 +26,12 @@ multiple of 2^-20 below K * 2^22.8: exactly representable in fp64 (53 bits) for 
 beyond (the bound needs every element at the maximum). Exact sums do not depend on order. The fp32 global scales
 are then applied elementwise.
 
-Scope: tensor and expert parallelism must be 1 (strict mode is for the rollout-sized engine and the tiny CPU
-tests; a TP-sharded reduction would need a fixed cross-rank order). Training works (backward uses ordinary
-matmuls), at the cost of the strict forward.
+Scope: tensor parallelism must be 1 (a TP-sharded reduction would need a fixed cross-rank order). Expert
+parallelism needs nothing more: the all-to-all moves whole rows and its chunk sorts are permutations, an expert's
+output row depends on that row alone, and the combine runs on the token's own rank over rows that come back in
+the local permutation's expert-major layout, so it sums each token's k outputs in ascending global expert order
+as with EP = 1 (tests/distributed/test_strict_ep.py: gap exactly 0, equal to the EP = 1 run). Training works
+(backward uses ordinary matmuls), at the cost of the strict forward.
 
 Upstream patch: RoPE is a module-level function in megatron.core.transformer.attention, called with the layer's
 TransformerConfig. `apply_strict` installs once (idempotent, logged) a dispatcher in its place that runs the strict
@@ -96,7 +99,7 @@ def _router_forward(self, input, padding_mask=None):
 
 
 def _combine_postprocess(self, permuted):
-    """MoEAlltoAllTokenDispatcher.combine_postprocess (EP = 1): out[t] = sum over t's experts in ascending expert
+    """MoEAlltoAllTokenDispatcher.combine_postprocess (any EP): out[t] = sum over t's experts in ascending expert
     order, in fp32, from a gather (no scatter_add: its accumulation order is the kernel's choice)."""
     if self.shared_experts is not None:
         self.shared_experts.linear_fc2_forward(permuted)
@@ -134,9 +137,8 @@ def _install_rope_dispatch() -> None:
 
 
 def _check_supported(cfg) -> None:
-    if cfg.tensor_model_parallel_size != 1 or cfg.expert_model_parallel_size != 1:
-        raise ValueError("strict mode needs tensor and expert parallel size 1 "
-                         f"(got tp={cfg.tensor_model_parallel_size}, ep={cfg.expert_model_parallel_size})")
+    if cfg.tensor_model_parallel_size != 1:
+        raise ValueError(f"strict mode needs tensor parallel size 1 (got tp={cfg.tensor_model_parallel_size})")
     if cfg.apply_rope_fusion or cfg.moe_router_fusion or cfg.moe_permute_fusion:
         raise ValueError("strict mode replaces fused RoPE/router/permute kernels: turn those fusions off")
     if cfg.moe_router_score_function != "softmax" or cfg.moe_router_num_groups or cfg.moe_expert_capacity_factor:

@@ -195,7 +195,7 @@ class AlignmentConfig:
 
     strict: bool = False
     """Strict mode: every forward op of learner and rollout computed batch-invariantly (minite.megatron_patches.strict);
-    the learner's full-sequence log-probs then equal the rollout's decode log-probs. Slower; needs tp = ep = 1."""
+    the learner's full-sequence log-probs then equal the rollout's decode log-probs. Slower; needs tp = 1."""
     routing_replay: bool = False
     """Default-mode mitigation: the learner replays the experts the rollout routed each token to
     (minite.alignment.routing_replay), so MoE routing flips stop feeding the mismatch."""
@@ -230,8 +230,8 @@ class Config:
     """The YAML file this was loaded from (set by load_config)."""
 
     def __post_init__(self):
-        if self.alignment.strict and (self.parallel.tp != 1 or self.parallel.ep != 1):
-            raise ValueError("alignment.strict needs parallel.tp = parallel.ep = 1")
+        if self.alignment.strict and self.parallel.tp != 1:
+            raise ValueError("alignment.strict needs parallel.tp = 1 (expert parallelism is fine)")
 
 
 def _type_name(tp) -> str:

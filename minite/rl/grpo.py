@@ -110,20 +110,21 @@ def grpo_loss(
 
     Returns (loss with grad, metrics): loss/policy, kl/ref, clip_frac, is_weight_mean, is_masked_frac.
     """
-    mask = mask.to(logp.dtype)
-    adv = advantages.to(logp.dtype)[:, None]
+    dev = logp.device  # the learner's device; the loop builds its batch tensors on the host
+    old_logp, mask = old_logp.to(dev), mask.to(dev, logp.dtype)
+    adv = advantages.to(dev, logp.dtype).unsqueeze(1)
     ratio = torch.exp(logp - old_logp.detach())
     clipped = ratio.clamp(1 - params.clip_eps_low, 1 + params.clip_eps_high)
     pg = -torch.minimum(ratio * adv, clipped * adv)
     if rollout_logp is not None:
-        w = is_weights(old_logp.detach(), rollout_logp, params)
+        w = is_weights(old_logp.detach(), rollout_logp.to(dev), params)
     else:
         w = torch.ones_like(pg)
     policy = _masked_mean(w * pg, mask)
     loss = policy
-    kl = torch.zeros((), dtype=logp.dtype)
+    kl = torch.zeros((), dtype=logp.dtype, device=dev)
     if ref_logp is not None:
-        kl = _masked_mean(k3(ref_logp.detach() - logp), mask)
+        kl = _masked_mean(k3(ref_logp.detach().to(dev) - logp), mask)
         if params.kl_coef > 0:
             loss = loss + params.kl_coef * kl
     with torch.no_grad():

@@ -25,25 +25,28 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from minite.alignment.monitor import check_gap
 from minite.alignment.routing_replay import engine_recording, learner_replay
+from minite.learner.learner import Learner, ReferencePolicy, reference_policy
 from minite.rl import checkpoint as ckpt
 from minite.rl.grpo import GRPOParams, group_advantages, grpo_loss
-from minite.rl.metrics import MetricsLogger, mismatch_metrics, rollout_metrics
-from minite.learner.learner import Learner, ReferencePolicy, reference_policy
+from minite.rl.metrics import WARMUP_RUN, MetricsLogger, check_finite, mismatch_metrics, rollout_metrics
 from minite.rl.tasks import PAD, DigitTask, Problem, PromptStream, make_task, mix_seed
 from minite.rollout import make_engine
 from minite.rollout.base import RolloutEngine, RolloutResult, SamplingParams
 
 log = logging.getLogger(__name__)
 WARMUP_SEED_OFFSET = 1_000_003  # the warm-up stream must not replay the RL prompts
+WARMUP_LOG = "warmup.jsonl"  # beside metrics.jsonl: the warm-up steps' rows
 
 
 @dataclass
@@ -84,7 +87,7 @@ def train(cfg) -> list[dict]:
 
 
 def rl_step(run: Run) -> dict:
-    cfg, t0 = run.cfg, time.perf_counter()
+    cfg, t0 = run.cfg, _device_time()
     problems = run.stream.next_batch()
     with engine_recording(run.engine, cfg.alignment.routing_replay) as rec:  # expert routes, to replay
         rollouts = run.engine.generate([p.prompt for p in problems], sampling_params(cfg, run.step, run.task))
@@ -92,16 +95,27 @@ def rl_step(run: Run) -> dict:
     rewards = score(run.task, problems, rollouts, cfg.rollout.group_size)
     advantages = group_advantages(rewards, cfg.rollout.group_size)
     batch = make_batch(rollouts)
+    t_train = time.perf_counter()
     metrics = train_on_batch(run, batch, advantages, None if rec is None else rec.routes(len(rollouts)))
+    t_sync = _device_time()
     sync_weights(run)
     run.step += 1
-    elapsed = time.perf_counter() - t0
+    t_end = _device_time()
+    elapsed = t_end - t0
     metrics.update(rollout_metrics(rewards, batch.rollout_logp, batch.mask))
     metrics.update({"throughput/tokens_per_s": batch.num_tokens / elapsed,
-                    "time/step_s": elapsed, "time/rollout_s": t_rollout})
+                    "time/step_s": elapsed, "time/rollout_s": t_rollout, "time/train_s": t_sync - t_train,
+                    "time/sync_s": t_end - t_sync})
     log_step(run, metrics)
     maybe_checkpoint(run)
     return metrics
+
+
+def _device_time() -> float:
+    """perf_counter after the GPU's queued work (weight copies are asynchronous): the step's time split is real."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 def sampling_params(cfg, step: int, task: DigitTask) -> SamplingParams:
@@ -142,7 +156,7 @@ def train_on_batch(run: Run, batch: Batch, advantages: torch.Tensor, routes=None
     cfg, seq_len = run.cfg, batch.tokens.shape[1]
     with _replay(run.learner, routes, seq_len, list(range(batch.tokens.shape[0]))):
         learner_logp = run.learner.logprobs(batch.tokens).float()
-    metrics = mismatch_metrics(learner_logp, batch.rollout_logp, batch.mask)
+    metrics = mismatch_metrics(learner_logp.cpu(), batch.rollout_logp, batch.mask)  # host metrics, [N, T-1]
     check_gap(metrics, cfg.alignment, run.step)
     old_logp = learner_logp if cfg.rl.old_logp_source == "learner" else batch.rollout_logp
     ref_logp = run.ref.logprobs(batch.tokens).float() if run.ref is not None else None
@@ -150,9 +164,9 @@ def train_on_batch(run: Run, batch: Batch, advantages: torch.Tensor, routes=None
     for rows in torch.arange(batch.tokens.shape[0]).chunk(cfg.rl.minibatches):
         def loss_fn(logp, rows=rows):
             return grpo_loss(
-                logp, old_logp[rows], advantages[rows], batch.mask[rows], run.grpo,
-                rollout_logp=batch.rollout_logp[rows],
-                ref_logp=None if ref_logp is None else ref_logp[rows],
+                logp, old_logp.index_select(0, rows.to(old_logp.device)), advantages[rows], batch.mask[rows],
+                run.grpo, rollout_logp=batch.rollout_logp[rows],
+                ref_logp=None if ref_logp is None else ref_logp.index_select(0, rows.to(ref_logp.device)),
             )
         with _replay(run.learner, routes, seq_len, rows.tolist()):
             out = run.learner.train_step(batch.tokens[rows], loss_fn)
@@ -179,16 +193,33 @@ def sync_weights(run: Run) -> None:
 
 
 def log_step(run: Run, metrics: dict) -> None:
+    """Every rank keeps the history (and stops on a diverged run); rank 0 alone writes metrics.jsonl,
+    TensorBoard and the progress bar (the metrics are global: the learner gathers the whole batch's log-probs)."""
     metrics = {"step": run.step, **metrics}
     run.history.append(metrics)
     scalars = {k: v for k, v in metrics.items() if k != "step"}
+    check_finite(run.step, scalars)
     if run.logger is not None:
         run.logger.log(run.step, scalars)
     path = _metrics_path(run.cfg)
-    if path is not None:
+    if path is not None and is_writer():
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
+
+
+def log_warmup(run: Run, i: int, out: dict) -> None:
+    """Warm-up step i (1-based) under its own tags (warmup/*, TensorBoard run dir/warmup) and in warmup.jsonl, so
+    it never mixes with the RL steps' rows and a resume's purge of RL steps cannot touch it."""
+    scalars = {(k if k.startswith("warmup/") else f"warmup/{k}"): float(v) for k, v in (out or {}).items()}
+    check_finite(i, scalars)
+    if run.logger is not None:
+        run.logger.log_warmup(i, scalars)
+    path = _metrics_path(run.cfg)
+    if path is not None and is_writer():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_name(WARMUP_LOG), "a") as f:
+            f.write(json.dumps({"warmup_step": i, **scalars}) + "\n")
 
 
 def maybe_checkpoint(run: Run) -> None:
@@ -202,8 +233,18 @@ def maybe_checkpoint(run: Run) -> None:
             "rng": ckpt.capture_rng(),
             "data": run.stream.state_dict(),
         }
-        path = ckpt.save_checkpoint(c.dir, run.step, state, keep=c.keep)
-        log.info("saved checkpoint %s", path)
+        path = ckpt.save_checkpoint(c.dir, run.step, state, keep=c.keep, layout=layout(run.cfg))
+        if is_writer():
+            log.info("saved checkpoint %s", path)
+
+
+def layout(cfg) -> dict[str, int]:
+    return {"tp": cfg.parallel.tp, "ep": cfg.parallel.ep, "pp": cfg.parallel.pp}
+
+
+def is_writer() -> bool:
+    """Rank 0 writes the run's shared files (metrics, TensorBoard, progress bar); every rank writes its shard."""
+    return ckpt.rank_and_world()[0] == 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -214,8 +255,13 @@ def setup(cfg, *, learner_factory=None, engine_factory=None, reference_factory=N
     (tests); defaults are the real ones."""
     task = make_task(cfg.rl.task, length=cfg.rl.task_length, num_digits=cfg.rl.task_digits)
     check_shapes(cfg, task)
-    state = find_resume_state(cfg)  # before building anything: a bad checkpoint fails fast
-    torch.manual_seed(cfg.rl.seed)  # model init and everything after it is a function of the config
+    if cfg.checkpoint.resume_from:  # before building anything: a missing or incomplete checkpoint fails fast
+        ckpt.read_manifest(cfg.checkpoint.resume_from)
+    # Model init and everything after it is a function of the config; NumPy and Python are seeded too, so the
+    # RNG states a checkpoint saves do not depend on the process that happened to start the run.
+    torch.manual_seed(cfg.rl.seed)
+    random.seed(cfg.rl.seed)
+    np.random.seed(cfg.rl.seed % 2**32)
     learner_factory = learner_factory or Learner
     learner = learner_factory(cfg)
     engine_factory = engine_factory or (lambda c: make_engine(c, pad_id=PAD))
@@ -225,18 +271,21 @@ def setup(cfg, *, learner_factory=None, engine_factory=None, reference_factory=N
                               is_correction=cfg.rl.is_correction, is_cap=cfg.rl.is_threshold))
     if cfg.rl.kl_coef > 0:
         run.ref = (reference_factory or reference_policy)(cfg)
+    state = find_resume_state(cfg)  # after the learner (it starts torch.distributed): each rank loads its shard
+    start = 0 if state is None else int(state["step"])
+    if is_writer():
+        start_logs(cfg, start)
+        run.logger = MetricsLogger(cfg.logging.dir if cfg.logging.tensorboard else None, total_steps=cfg.rl.steps,
+                                   start_step=start, progress=cfg.logging.progress_bar)
     if state is not None:
         resume(run, state)
     else:
-        _fresh_metrics_file(cfg)
         warmup(run)
         if run.ref is not None:
             run.ref.load_weights(learner.named_weights())
     sync_weights(run)
     if state is not None:
         ckpt.restore_rng(state["rng"])  # last: building models above consumed RNG
-    run.logger = MetricsLogger(cfg.logging.dir if cfg.logging.tensorboard else None, total_steps=cfg.rl.steps,
-                               start_step=run.step, progress=cfg.logging.progress_bar)
     return run
 
 
@@ -244,11 +293,31 @@ def _metrics_path(cfg) -> Path | None:
     return Path(cfg.logging.dir) / "metrics.jsonl" if cfg.logging.dir else None
 
 
-def _fresh_metrics_file(cfg) -> None:
-    """A fresh run starts a fresh metrics.jsonl; a resumed one appends to its own."""
+def start_logs(cfg, step: int) -> None:
+    """A fresh run (step 0) starts a fresh metrics.jsonl and warm-up log and drops old TensorBoard event files; a run
+    resumed at `step` keeps the rows of steps <= step and drops the later ones (written after the checkpoint
+    by the run that stopped), so the file never holds a step twice. TensorBoard: MetricsLogger's purge_step."""
     path = _metrics_path(cfg)
-    if path is not None and path.exists():
-        path.unlink()
+    if path is None:
+        return
+    if step == 0:
+        for old in [path, path.with_name(WARMUP_LOG), *path.parent.glob("events.out.tfevents.*"),
+                    *(path.parent / WARMUP_RUN).glob("events.out.tfevents.*")]:
+            old.unlink(missing_ok=True)
+        return
+    if path.exists():
+        rows = [line for line in path.read_text().splitlines() if _row_step(line) <= step]
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(row + "\n" for row in rows))
+        tmp.replace(path)
+
+
+def _row_step(line: str) -> float:
+    """A metrics.jsonl row's step; a line cut short by a killed run counts as past any checkpoint (dropped)."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
 
 
 def check_shapes(cfg, task: DigitTask) -> None:
@@ -266,13 +335,31 @@ def check_shapes(cfg, task: DigitTask) -> None:
 
 
 def find_resume_state(cfg) -> dict | None:
-    c = cfg.checkpoint
+    """This rank's shard of the checkpoint to resume from, or None. checkpoint.resume_from must be intact
+    (CheckpointError otherwise); in checkpoint.dir the newest intact checkpoint wins, a corrupt newer one is named
+    in a warning. A checkpoint of another world size or layout stops the run (it cannot be resumed here).
+    Collective: every rank reaches the same decision (ckpt.agree_load)."""
+    c, world = cfg.checkpoint, ckpt.rank_and_world()[1]
     if c.resume_from:
-        return ckpt.load_checkpoint(c.resume_from)
-    if c.dir and c.resume:
-        path = ckpt.latest_checkpoint(c.dir)
-        if path is not None:
-            return ckpt.load_checkpoint(path)
+        ckpt.check_layout(c.resume_from, ckpt.read_manifest(c.resume_from), world, layout(cfg))
+        return ckpt.agree_load(c.resume_from)
+    if not (c.dir and c.resume):
+        return None
+    skipped = ckpt.checkpoints_newest_first(c.dir)
+    for path in skipped:
+        try:
+            manifest = ckpt.read_manifest(path)
+        except ckpt.CheckpointError as e:
+            log.warning("skipping checkpoint %s: %s; falling back to an older one", path, e)
+            continue
+        ckpt.check_layout(path, manifest, world, layout(cfg))
+        try:
+            return ckpt.agree_load(path)
+        except ckpt.CheckpointError as e:
+            log.warning("skipping checkpoint %s: %s; falling back to an older one", path, e)
+    if skipped:  # never restart from scratch (and overwrite the logs) over checkpoints the user may want back
+        raise ckpt.CheckpointError(f"no intact checkpoint in {c.dir} ({len(skipped)} corrupt or incomplete): "
+                                   "move them away, or start fresh with checkpoint.resume=false")
     return None
 
 
@@ -299,9 +386,11 @@ def warmup(run: Run) -> None:
         batch = make_batch(rows)
 
         def loss_fn(logp, mask=batch.mask):
+            mask = mask.to(logp.device)  # the batch is built on the host, the learner's log-probs on its device
             nll = -(logp * mask).sum() / mask.sum()
             return nll, {"warmup/nll": nll.item()}
 
         out = run.learner.train_step(batch.tokens, loss_fn)
+        log_warmup(run, i + 1, out)
         if i == 0 or i + 1 == cfg.rl.warmup_steps:
             log.info("warm-up step %d/%d: %s", i + 1, cfg.rl.warmup_steps, out)

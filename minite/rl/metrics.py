@@ -39,8 +39,8 @@ TAGS = (
 
 
 def mismatch_metrics(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> dict:
-    """Train/rollout log-prob gap over masked (response) tokens; tensors [B, T-1]."""
-    m = mask.bool()
+    """Train/rollout log-prob gap over masked (response) tokens; tensors [B, T-1], on train_logp's device."""
+    rollout_logp, m = rollout_logp.to(train_logp.device), mask.to(train_logp.device).bool()
     if not m.any():
         return {"mismatch/logp_abs_mean": 0.0, "mismatch/logp_abs_max": 0.0, "mismatch/k3_kl": 0.0}
     d = (train_logp.double() - rollout_logp.double())[m]
@@ -63,29 +63,46 @@ def rollout_metrics(rewards: torch.Tensor, rollout_logp: torch.Tensor, mask: tor
     }
 
 
+def check_finite(step: int, scalars: dict[str, float]) -> None:
+    bad = [k for k, v in scalars.items() if not math.isfinite(v)]
+    if bad:
+        raise FloatingPointError(f"step {step}: non-finite metrics {bad}: the run has diverged")
+
+
+WARMUP_RUN = "warmup"  # the TensorBoard run (a subdirectory of the log dir) of the warm-up scalars
+
+
 class MetricsLogger:
-    """Writes scalars to TensorBoard (if a log dir is given) and drives a tqdm bar over RL steps."""
+    """Writes scalars to TensorBoard (if a log dir is given) and drives a tqdm bar over RL steps (one process only:
+    the loop makes it on rank 0). The event files and the bar appear with the first scalar, so an invocation that
+    has nothing to do leaves no empty event file. A run resumed at `start_step` opens its writer with
+    purge_step=start_step + 1: TensorBoard drops the stopped run's events of the steps that are logged again.
+    Warm-up scalars go to their own TensorBoard run (logdir/warmup) with the warm-up step as x."""
 
     def __init__(self, logdir: str | None, *, total_steps: int, start_step: int = 0, progress: bool = True):
-        self.writer = None
-        if logdir:
-            from torch.utils.tensorboard import SummaryWriter
+        self.logdir, self.total_steps, self.start_step, self.progress = logdir, total_steps, start_step, progress
+        self.writer = self.warmup_writer = self.bar = None
 
-            self.writer = SummaryWriter(log_dir=logdir)
-        self.bar = None
-        if progress:
-            from tqdm import tqdm
+    def _writer(self, sub: str | None = None):
+        from torch.utils.tensorboard import SummaryWriter
 
-            self.bar = tqdm(total=total_steps, initial=start_step, desc="rl", unit="step", dynamic_ncols=True)
+        if sub is not None:
+            return SummaryWriter(log_dir=f"{self.logdir}/{sub}")
+        return SummaryWriter(log_dir=self.logdir, purge_step=self.start_step + 1 if self.start_step else None)
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
-        bad = [k for k, v in scalars.items() if not math.isfinite(v)]
-        if bad:
-            raise FloatingPointError(f"step {step}: non-finite metrics {bad}: the run has diverged")
+        check_finite(step, scalars)
+        if self.logdir and self.writer is None:
+            self.writer = self._writer()
         if self.writer is not None:
             for tag, value in scalars.items():
                 self.writer.add_scalar(tag, value, step)
             self.writer.flush()
+        if self.progress and self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.total_steps, initial=self.start_step, desc="rl", unit="step",
+                            dynamic_ncols=True)
         if self.bar is not None:
             self.bar.set_postfix(
                 reward=f"{scalars.get('reward/mean', 0):.3f}",
@@ -94,8 +111,18 @@ class MetricsLogger:
             )
             self.bar.update(1)
 
+    def log_warmup(self, step: int, scalars: dict[str, float]) -> None:
+        if not self.logdir:
+            return
+        if self.warmup_writer is None:
+            self.warmup_writer = self._writer(WARMUP_RUN)
+        for tag, value in scalars.items():
+            self.warmup_writer.add_scalar(tag, value, step)
+        self.warmup_writer.flush()
+
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        for w in (self.writer, self.warmup_writer):
+            if w is not None:
+                w.close()
         if self.bar is not None:
             self.bar.close()

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from minite.config import load_config
 from minite.learner.learner import Learner
 from minite.rl.grpo import GRPOParams, grpo_loss
+from tests.distributed import backend
 
 CONFIGS = {"bf16_dp2": (1, 1), "bf16_ep2_dp2": (1, 2)}  # name: (tp, ep); world size 2, so DP = 2 for dense params
 STEPS = 3
@@ -88,8 +89,10 @@ def run(tp, ep):
     tokens, mask, adv = make_batch()
     seen, handle = record_rows(learner)
     old = learner.logprobs(tokens)
+    mask, adv = mask.to(old.device), adv.to(old.device)  # the batch is made on the host, log-probs on the learner's
     gen = torch.Generator().manual_seed(5)
-    rollout = old + 0.3 * torch.randn(old.shape, generator=gen) * mask  # engine-vs-learner mismatch for TIS
+    noise = torch.randn(old.shape, generator=gen).to(old.device)
+    rollout = old + 0.3 * noise * mask  # engine-vs-learner mismatch for TIS
     ref = old - 0.1 * mask
 
     def loss_fn(logp):
@@ -105,7 +108,7 @@ def run(tp, ep):
             odd_rows_error = str(e)
     rows = learner.local_rows(tokens.shape[0])
     replay_gaps = replay_check(learner, tokens) if tp == ep == 1 and ps.get_data_parallel_world_size() > 1 else None
-    out = {"steps": steps, "logp0": old.tolist(), "rows": [rows.start, rows.stop], "forwards": len(seen),
+    out = {"steps": steps, "logp0": old.cpu().tolist(), "rows": [rows.start, rows.stop], "forwards": len(seen),
            "saw_only_its_rows": all(torch.equal(t, tokens[rows.start:rows.stop]) for t in seen),
            "odd_rows_error": odd_rows_error, "replay_gaps": replay_gaps, "dp": ps.get_data_parallel_world_size(),
            "local_experts": learner.model.decoder.layers[0].mlp.experts.num_local_experts}
@@ -120,7 +123,7 @@ def main():
     out_dir = Path(sys.argv[1])
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
-        dist.init_process_group("gloo")
+        backend.init()
     configs = CONFIGS if world > 1 else {"single": (1, 1)}
     failed = False
     for name, (tp, ep) in configs.items():

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from minite.config import load_config
 from minite.learner.learner import Learner
+from tests.distributed import backend
 
 CONFIGS = [  # (precision, tp, ep)
     ("bf16", 2, 1),
@@ -123,7 +124,7 @@ def shared_expert_tp(tokens):
 
 
 def main():
-    dist.init_process_group("gloo")
+    backend.init()
     torch.manual_seed(0)
     tokens = torch.randint(0, 64, (2, 32))
     report = {}

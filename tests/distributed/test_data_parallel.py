@@ -54,7 +54,9 @@ def runs(tmp_path_factory):
         env.pop(k, None)
     single = subprocess.Popen([sys.executable, str(WORKER), str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
-    cmd = ["torchrun", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+    # torchrun's module under this interpreter: a copied virtual environment's torchrun script may name another one
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(_free_port()),
            str(WORKER), str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     single_log = single.communicate(timeout=TIMEOUT_S)[0]

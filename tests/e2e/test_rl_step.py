@@ -118,7 +118,7 @@ def test_bad_checkpoint_is_named(tmp_path):
     broken = tmp_path / "step_000001"
     broken.mkdir()
     (broken / "state.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(ckpt.CheckpointError, match="step_000001/state.pt is corrupt"):
+    with pytest.raises(ckpt.CheckpointError, match="step_000001 has no manifest.json: it is incomplete"):
         train(_cfg(tmp_path, **{"checkpoint.resume_from": str(broken)}))
     with pytest.raises(ckpt.CheckpointError, match="checkpoint not found: .*missing"):
         train(_cfg(tmp_path, **{"checkpoint.resume_from": str(tmp_path / "missing")}))

@@ -4,6 +4,7 @@ The loop runs here over a tiny stand-in policy (a causal bag-of-embeddings LM wi
 KV-cache-free sampler) so the test exercises the loop's own state (RNG, prompt stream, step,
 reference policy, optimizer) in seconds; tests/e2e/test_rl_step.py runs the real Learner.
 """
+import json
 import os
 import subprocess
 import sys
@@ -174,17 +175,22 @@ def test_keep_prunes_old_checkpoints(tmp_path):
 
 def test_corrupt_and_missing_checkpoints_name_the_file(tmp_path):
     d = ckpt.save_checkpoint(tmp_path, 1, {"learner": {}, "rng": {}, "data": {}})
-    (d / "state.pt").write_bytes(b"\x00garbage")
-    with pytest.raises(ckpt.CheckpointError, match=r"step_000001/state.pt is corrupt"):
+    manifest = json.loads((d / "manifest.json").read_text())
+    assert manifest["world_size"] == 1 and [s["file"] for s in manifest["shards"]] == ["state.pt"]
+    data = bytearray((d / "state.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte that torch.load alone might not notice
+    (d / "state.pt").write_bytes(bytes(data))
+    with pytest.raises(ckpt.CheckpointError, match=r"step_000001/state.pt is corrupt \(its sha256 differs"):
         ckpt.load_checkpoint(d)
     with pytest.raises(ckpt.CheckpointError, match="checkpoint not found: .*nowhere"):
         ckpt.load_checkpoint(tmp_path / "nowhere")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ckpt.CheckpointError, match="checkpoint file not found: .*empty/state.pt"):
         ckpt.load_checkpoint(tmp_path / "empty")
-    torch.save({"hello": 1}, tmp_path / "other.pt")
-    with pytest.raises(ckpt.CheckpointError, match="is not a minite-rl-checkpoint"):
-        ckpt.load_checkpoint(tmp_path / "other.pt")
+    (tmp_path / "bare").mkdir()
+    torch.save({"hello": 1}, tmp_path / "bare" / "state.pt")
+    with pytest.raises(ckpt.CheckpointError, match="bare has no manifest.json: it is incomplete"):
+        ckpt.load_checkpoint(tmp_path / "bare" / "state.pt")
 
 
 def test_rng_capture_restore_round_trip():
