@@ -453,10 +453,12 @@ def to_dict(cfg) -> dict:
     return plain(dataclasses.asdict(cfg))
 
 
-def load_config_for_cli(prog: str, path, overrides: list[str]) -> Config | None:
-    """load_config for a command: on a ConfigError print "<prog>: <message>" and return None (the caller exits 2)."""
-    try:
-        return load_config(path, overrides)
-    except ConfigError as e:
-        print(f"{prog}: {e}")
-        return None
+def config_from_args(args) -> Config:
+    """load_config for a command's parsed arguments (minite.cli_args.add_config_arguments); ConfigError for a
+    missing or doubled config argument."""
+    given = [p for p in (args.config, args.config_option) if p is not None]
+    if not given:
+        raise ConfigError("no config given: name a YAML file, e.g. examples/tiny/nvfp4.yaml")
+    if len(given) == 2 and given[0] != given[1]:
+        raise ConfigError(f"two configs given ({given[0]} and --config {given[1]}): give one")
+    return load_config(given[0], args.overrides)

@@ -37,6 +37,7 @@ from minite.alignment.routing_replay import engine_recording, learner_replay
 from minite.rl import checkpoint as ckpt
 from minite.rl.grpo import GRPOParams, group_advantages, grpo_loss
 from minite.rl.metrics import MetricsLogger, mismatch_metrics, rollout_metrics
+from minite.rl.resume_policy import check_resume, config_for_checkpoint
 from minite.rl.tasks import PAD, DigitTask, Problem, PromptStream, make_task, mix_seed
 from minite.rollout.base import RolloutEngine, RolloutResult, SamplingParams
 
@@ -78,7 +79,15 @@ def train(cfg) -> list[dict]:
     finally:
         if run.logger is not None:
             run.logger.close()
+        shutdown_engines(run)
     return run.history
+
+
+def shutdown_engines(run: Run) -> None:
+    """Stop engines that run outside this process (SGLang's scheduler) and remove their files; idempotent."""
+    for engine in (run.engine, run.ref):
+        if hasattr(engine, "shutdown"):
+            engine.shutdown()
 
 
 def rl_step(run: Run) -> dict:
@@ -199,6 +208,7 @@ def maybe_checkpoint(run: Run) -> None:
             "ref": None if run.ref is None else {n: t.detach().clone() for n, t in run.ref.named_weights()},
             "rng": ckpt.capture_rng(),
             "data": run.stream.state_dict(),
+            "config": config_for_checkpoint(run.cfg),  # the resume policy compares against it
         }
         path = ckpt.save_checkpoint(c.dir, run.step, state, keep=c.keep)
         log.info("saved checkpoint %s", path)
@@ -212,6 +222,8 @@ def setup(cfg, *, learner_factory=None, engine_factory=None) -> Run:
     task = make_task(cfg.rl.task, length=cfg.rl.task_length, num_digits=cfg.rl.task_digits)
     check_shapes(cfg, task)
     state = find_resume_state(cfg)  # before building anything: a bad checkpoint fails fast
+    if state is not None:
+        check_resume(state, cfg)  # the command line wins where it can; shape/precision/layout must match
     torch.manual_seed(cfg.rl.seed)  # model init and everything after it is a function of the config
     if learner_factory is None:
         from minite.learner.learner import Learner as learner_factory

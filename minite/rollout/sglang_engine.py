@@ -36,6 +36,7 @@ they are test tooling and are not shipped.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -59,6 +60,23 @@ from minite.rollout.base import (
 log = logging.getLogger(__name__)
 
 
+class SGLangUnavailableError(RuntimeError):
+    """SGLang (or a module it imports) cannot be imported; the message says how to install it."""
+
+
+def import_sglang() -> None:
+    """Import SGLang and the layer modules the plugin patches, or raise SGLangUnavailableError: run before the
+    plugin registers (it imports them) so that a missing SGLang or dependency is one clear message."""
+    try:
+        import sglang  # noqa: F401
+        import sglang.srt.layers.quantization  # noqa: F401
+    except ImportError as e:
+        raise SGLangUnavailableError(
+            f"rollout.backend=sglang cannot import sglang ({e}): install it with `bash tools/setup.sh` "
+            "(sglang==0.5.23 --no-deps plus tools/sglang_requirements.txt); on a CPU-only machine also put "
+            "tests/sglang/stubs on PYTHONPATH (stand-ins for torchvision and sgl_kernel)") from e
+
+
 def hf_config_from_shape(shape) -> dict:
     """A Hugging Face Qwen3-MoE config.json for a `Qwen3MoeShape` (no eos_token_id: see the module docstring)."""
     return {
@@ -77,7 +95,7 @@ def hf_config_from_shape(shape) -> dict:
 
 def default_engine_args(device: str) -> dict:
     """sglang.Engine arguments for `device`; on CPU those shared/NOTES.md section 5 found to work."""
-    args = {"skip_tokenizer_init": True, "dtype": "bfloat16", "log_level": "warning",
+    args = {"skip_tokenizer_init": True, "dtype": "bfloat16", "log_level": "error",  # its warnings are start-up noise
             "quantization": "minite_nvfp4", "random_seed": 0}
     if device == "cpu":
         args.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
@@ -95,6 +113,7 @@ class SGLangEngine(RolloutEngine):
                  owns_dir: bool = False):
         from minite.rollout.sglang_plugin import check_sglang_version, register
 
+        import_sglang()
         check_sglang_version()
         register()  # in this process too: a failure here is raised, not just logged by SGLang's plugin loader
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -108,6 +127,7 @@ class SGLangEngine(RolloutEngine):
         args = {**default_engine_args(device), **(engine_args or {})}
         t0 = time.perf_counter()
         self.engine = _start_engine(model_dir, args)
+        atexit.register(self.shutdown)  # the scheduler process and the temporary checkpoint go even after an error
         self.startup_seconds = time.perf_counter() - t0
         log.info("sglang engine ready in %.1f s (%s, quantization=%s)", self.startup_seconds, device,
                  args.get("quantization"))
@@ -190,6 +210,7 @@ class SGLangEngine(RolloutEngine):
             return False, f"{type(e).__name__}: {e}"
 
     def shutdown(self) -> None:
+        atexit.unregister(self.shutdown)
         eng, self.engine = getattr(self, "engine", None), None
         if eng is not None:
             eng.shutdown()
@@ -244,14 +265,22 @@ def _result(r) -> Tuple[bool, str]:
 
 
 def _start_engine(model_dir: str, args: dict):
+    """sglang.Engine, keeping this process's logging: the Engine calls logging.basicConfig(force=True), which would
+    replace the root handlers (the command's terminal filter and its log file, minite.console)."""
+    import sglang
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
     try:
-        import sglang
-    except ImportError as e:
-        raise RuntimeError(
-            f"rollout.backend='sglang' cannot import sglang ({e}). Install it with tools/setup.sh "
-            "(sglang==0.5.23 --no-deps plus tools/sglang_requirements.txt); on a CPU-only machine also put "
-            "tests/sglang/stubs on PYTHONPATH (stand-ins for torchvision and sgl_kernel)") from e
-    return sglang.Engine(model_path=model_dir, **args)
+        return sglang.Engine(model_path=model_dir, **args)
+    finally:
+        for h in list(root.handlers):
+            if h not in handlers:
+                root.removeHandler(h)
+        for h in handlers:
+            if h not in root.handlers:
+                root.addHandler(h)
+        root.setLevel(level)
 
 
 def write_checkpoint(out_dir: Path, hf_config: dict, packed: List[Tuple[str, torch.Tensor]], recipe) -> None:
@@ -272,6 +301,7 @@ def build_sglang(cfg, *, pad_id: int = 0, engine_args: Optional[dict] = None) ->
     """An SGLang engine on the learner's initial weights (module docstring). pad_id is unused (no padding)."""
     from minite.learner.model import build_model, model_shape
 
+    import_sglang()  # before the model is built: a missing SGLang fails fast
     if (cfg.parallel.tp, cfg.parallel.ep, cfg.parallel.pp) != (1, 1, 1):
         raise ValueError("rollout.backend='sglang' takes weight updates from a tp=ep=pp=1 learner for now")
     if cfg.alignment.strict and torch.cuda.is_available():
