@@ -15,7 +15,7 @@ log-probs are meta_info["output_token_logprobs"] (logprob, token id, text). They
 (base.py's contract) because the engine runs with SGLANG_RETURN_ORIGINAL_LOGPROB=1: SGLang then takes
 log_softmax of the logits before temperature and top-p. Each sample gets `sampling_seed = derive_seed(seed, k)`.
 SGLang honours sampling seeds only in its deterministic-inference mode (enable_deterministic_inference, on by default
-here on GPU; SGLang measured it at about 34% slower, shared/NOTES.md section 6), which needs a GPU attention backend:
+here on GPU; SGLang reports it about 34% slower), which needs a GPU attention backend:
 on CPU, sampling at temperature > 0 is therefore NOT reproducible call to call (greedy decoding is). Either way our
 process's torch RNG is untouched (sampling happens in SGLang's scheduler process). The stop token ends a
 response and is kept (SGLang's finished_len includes it); the config.json we write has no eos_token_id, so nothing
@@ -94,7 +94,7 @@ def hf_config_from_shape(shape) -> dict:
 
 
 def default_engine_args(device: str) -> dict:
-    """sglang.Engine arguments for `device`; on CPU those shared/NOTES.md section 5 found to work."""
+    """sglang.Engine arguments for `device`; on CPU the ones found to work there (docs/sglang.md)."""
     args = {"skip_tokenizer_init": True, "dtype": "bfloat16", "log_level": "error",  # its warnings are start-up noise
             "quantization": "minite_nvfp4", "random_seed": 0}
     if device == "cpu":
