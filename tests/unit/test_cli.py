@@ -174,3 +174,24 @@ def test_bench_out_never_defaults_to_the_tracked_file(tmp_path, monkeypatch):
     assert argv == ["--out", str(tmp_path / "x.json")]
     argv, out = driver_arguments(["--out=y.json"])
     assert argv == [f"--out={tmp_path / 'y.json'}"] and out == tmp_path / "y.json"
+
+
+def test_train_from_a_converted_checkpoint(tmp_path):
+    """The README's recipe: convert a Hugging Face checkpoint, name it as model.init_from; one line confirms it."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    shape = dict(vocab_size=64, hidden_size=64, intermediate_size=32, moe_intermediate_size=32, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                 max_position_embeddings=32, norm_topk_prob=True, tie_word_embeddings=False)
+    Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape)).to(torch.bfloat16).save_pretrained(tmp_path / "hf")
+    out = minite("convert", "hf-to-megatron", "--hf", "hf", "--out", "mg", "--no-progress", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    tiny_config(tmp_path)
+    sets = [a for s in TINY + ["rl.steps=1", "model.hf_config=hf/config.json", "model.init_from=mg"]
+            for a in ("--set", s)]
+    out = minite("train", "tiny.yaml", *sets, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("minite train: Qwen3-MoE from hf/config.json | NVFP4 W4A4 |")
+    assert out.stderr.splitlines() == ["initial weights loaded from mg"]
