@@ -45,7 +45,8 @@ EXIT_USER, EXIT_INTERRUPTED = 2, 130
 def _add_common(parser: argparse.ArgumentParser, default) -> None:
     """-v and --debug, accepted before and after the subcommand (a subcommand's default must not undo the top's)."""
     parser.add_argument("-v", "--verbose", action="store_true", default=default,
-                        help="show every log record (upstream warnings, INFO) on the terminal, not only in the log file")
+                        help="show every log record (upstream warnings, INFO) on the terminal, not only in the log "
+                             "file")
     parser.add_argument("--debug", action="store_true", default=default,
                         help="print the traceback of a failure (also MINITE_DEBUG=1)")
 

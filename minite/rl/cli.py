@@ -97,8 +97,8 @@ def header(cfg, world: int, log_path: Path) -> str:
     import torch
 
     m = cfg.model
-    model = (f"Qwen3-MoE from {m.hf_config}" if m.hf_config else
-             f"Qwen3-MoE {m.num_layers} layers, hidden {m.hidden_size}, {m.num_experts} experts top-{m.moe_router_topk}")
+    model = (f"Qwen3-MoE from {m.hf_config}" if m.hf_config else f"Qwen3-MoE {m.num_layers} layers, hidden "
+             f"{m.hidden_size}, {m.num_experts} experts top-{m.moe_router_topk}")
     precision = "NVFP4 W4A4" if cfg.precision.mode == "nvfp4" else "BF16"
     if cfg.alignment.strict:
         precision += ", strict"

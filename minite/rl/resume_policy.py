@@ -67,6 +67,6 @@ def check_resume(state: dict, cfg: Config) -> dict[str, tuple[Any, Any]]:
                           "model shape, precision or parallel layout; put it back, or start over with --fresh "
                           "(or another checkpoint.dir)")
     text = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
-    log.info("resuming from the checkpoint %s at step %d%s", where, step, f"; changed since then: {text}" if text else "",
-             extra=CONSOLE)
+    log.info("resuming from the checkpoint %s at step %d%s", where, step,
+             f"; changed since then: {text}" if text else "", extra=CONSOLE)
     return changes

@@ -169,7 +169,8 @@ def test_flags(tmp_path):
 def test_bench_out_never_defaults_to_the_tracked_file(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     argv, out = driver_arguments(["--sections", "quant,decode"])
-    assert argv == ["--sections", "quant,decode", "--out", str(tmp_path / DEFAULT_OUT)] and out == tmp_path / DEFAULT_OUT
+    assert argv == ["--sections", "quant,decode", "--out", str(tmp_path / DEFAULT_OUT)]
+    assert out == tmp_path / DEFAULT_OUT
     argv, out = driver_arguments(["--out", "x.json"])
     assert argv == ["--out", str(tmp_path / "x.json")]
     argv, out = driver_arguments(["--out=y.json"])
