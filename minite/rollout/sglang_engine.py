@@ -37,8 +37,10 @@ they are test tooling and are not shipped.
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import logging
+import multiprocessing.resource_tracker
 import os
 import shutil
 import tempfile
@@ -120,6 +122,9 @@ class SGLangEngine(RolloutEngine):
         os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
         if device == "cpu":
             os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+        # the scheduler process imports Megatron-Core and SGLang's CUDA-only quantization modules, whose import-time
+        # UserWarnings would print on the terminal (this process sends its own to the run's log file)
+        os.environ.setdefault("PYTHONWARNINGS", "ignore::UserWarning")
         self.model_dir, self._owns_dir = model_dir, owns_dir
         self.hf_config, self.recipe, self._expected = hf_config, recipe, dict(expected)
         self._last_good = initial_packed
@@ -213,9 +218,26 @@ class SGLangEngine(RolloutEngine):
         atexit.unregister(self.shutdown)
         eng, self.engine = getattr(self, "engine", None), None
         if eng is not None:
-            eng.shutdown()
+            _shutdown_sparing_the_resource_tracker(eng)
         if self._owns_dir and self.model_dir and Path(self.model_dir).exists():
             shutil.rmtree(self.model_dir, ignore_errors=True)
+
+
+def _shutdown_sparing_the_resource_tracker(eng) -> None:
+    """eng.shutdown(), except that Python's multiprocessing resource tracker survives it. SGLang's shutdown SIGKILLs
+    every child process of this one, the tracker included; the semaphores this process still holds then unregister
+    at exit with a fresh tracker that never saw them, which prints a KeyError traceback after a successful run.
+    SGLang's own atexit shutdown is dropped too: it would kill the tracker at exit."""
+    import sglang.srt.entrypoints.engine as sgl_engine
+
+    atexit.unregister(eng.shutdown)
+    tracker = getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)
+    kill = sgl_engine.kill_process_tree
+    sgl_engine.kill_process_tree = functools.partial(kill, skip_pid=tracker)
+    try:
+        eng.shutdown()
+    finally:
+        sgl_engine.kill_process_tree = kill
 
 
 def pack_for_sglang(named, hf_config: dict, recipe) -> List[Tuple[str, torch.Tensor]]:
