@@ -2,11 +2,20 @@
 
 A YAML file is a mapping of section -> mapping of field -> value, mirroring `Config`. Loading is strict: an unknown key
 or a value of the wrong type is a `ConfigError` naming the key and the file; each dataclass checks its own values in
-__post_init__. Command-line overrides (`--set rl.steps=5`) are parsed as YAML scalars and go through the same checks.
+__post_init__. Command-line overrides (`--set rl.steps=5`) are parsed as YAML scalars and go through the same checks;
+an error in one names the `--set` item, not the file.
+
+Paths (PATH_FIELDS), one rule: a relative path resolves from where it was written. Written in the YAML file, it is
+relative to that file's directory (a config and the files it names move together); given with --set, or left at its
+default, it is relative to the current directory (like any command-line path).
+
+Shape constraints are checked at load time (`check_model_shape`): NVFP4 quantises weights in 16x16 blocks, so every
+dimension a quantised GEMM sees is a multiple of 16, and tensor/expert parallelism must split heads and experts evenly.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -21,6 +30,8 @@ from minite.nvfp4.recipe import NVFP4Recipe
 
 
 _FLOAT_LITERAL = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+PATH_FIELDS = (("model", "hf_config"), ("model", "init_from"), ("checkpoint", "dir"), ("checkpoint", "resume_from"),
+               ("logging", "dir"))
 
 
 class ConfigError(ValueError):
@@ -32,10 +43,11 @@ class ModelConfig:
     """A Qwen3-MoE-shaped model: from a Hugging Face config.json or from the fields below."""
 
     hf_config: str | None = None
-    """Path to a Hugging Face Qwen3-MoE config.json (relative to the YAML file); overrides the shape fields."""
+    """Path to a Hugging Face Qwen3-MoE config.json (relative to the YAML file, module docstring); overrides the
+    shape fields."""
     init_from: str | None = None
     """Initial weights: a directory written by `minite convert hf-to-megatron` for this run's TP/EP/PP layout
-    (relative to the YAML file). None: random initialisation from rl.seed."""
+    (relative to the YAML file, module docstring). None: random initialisation from rl.seed."""
     vocab_size: int = 64
     hidden_size: int = 64
     num_layers: int = 2
@@ -166,7 +178,7 @@ class RLConfig:
 @dataclass(kw_only=True)
 class CheckpointConfig:
     dir: str | None = None
-    """Where checkpoints go (None: no checkpoints)."""
+    """Where checkpoints go (None: no checkpoints); relative to the YAML file (module docstring)."""
     every: int = 0
     """Save every N steps (0: only at the end)."""
     resume: bool = True
@@ -184,7 +196,8 @@ class CheckpointConfig:
 @dataclass(kw_only=True)
 class LoggingConfig:
     dir: str = "runs/tiny"
-    """TensorBoard event files and the metrics JSONL go here."""
+    """TensorBoard event files, the metrics JSONL and the log file go here; relative to the YAML file (module
+    docstring)."""
     tensorboard: bool = True
     progress_bar: bool = True
 
@@ -232,6 +245,54 @@ class Config:
     def __post_init__(self):
         if self.alignment.strict and self.parallel.tp != 1:
             raise ValueError("alignment.strict needs parallel.tp = 1 (expert parallelism is fine)")
+        if self.model.hf_config is None:  # otherwise the shape is in that file: check_model_shape(model_shape(cfg))
+            check_model_shape(self.model, self)
+
+
+def check_model_shape(shape, cfg: "Config") -> None:
+    """ValueError unless `shape` (ModelConfig fields, or a Qwen3MoeShape read from model.hf_config) fits cfg's
+    precision and parallel layout: heads and query groups split over tp, experts over ep, and in NVFP4 every dimension
+    of a quantised weight a multiple of 16 (its 16x16 blocks) on each tensor-parallel rank."""
+    tp, ep = cfg.parallel.tp, cfg.parallel.ep
+    for name, n, by, what in (("num_attention_heads", shape.num_attention_heads, tp, "parallel.tp"),
+                              ("num_query_groups", shape.num_query_groups, tp, "parallel.tp"),
+                              ("num_experts", shape.num_experts, ep, "parallel.ep")):
+        if n % by:
+            raise ValueError(f"model.{name}={n} is not divisible by {what}={by}: choose a {what} that divides it")
+    if cfg.precision.mode != "nvfp4":
+        return
+    bf16 = set(cfg.precision.recipe.bf16_modules)
+    dims = [("hidden_size", shape.hidden_size)]
+    if "attention_linears" not in bf16:
+        dims += [("num_attention_heads x head_dim / parallel.tp", shape.num_attention_heads * shape.head_dim // tp),
+                 ("num_query_groups x head_dim / parallel.tp", shape.num_query_groups * shape.head_dim // tp)]
+    if "experts" not in bf16:
+        dims.append(("moe_ffn_hidden_size", shape.moe_ffn_hidden_size))
+    if "mlp" not in bf16 and shape.shared_expert_intermediate_size:
+        dims.append(("shared_expert_intermediate_size", shape.shared_expert_intermediate_size))
+    for name, n in dims:
+        if n % 16:
+            raise ValueError(f"model {name} = {n} is not a multiple of 16, which NVFP4's 16x16 weight blocks need: "
+                             f"change it, or use precision.mode=bf16")
+
+
+def check_world_size(cfg: Config, world_size: int) -> None:
+    """ConfigError unless parallel.tp x parallel.pp and parallel.ep divide the number of processes."""
+    par = cfg.parallel
+    if world_size % (par.tp * par.pp) or world_size % par.ep:
+        raise ConfigError(f"parallel.tp={par.tp} x parallel.pp={par.pp} and parallel.ep={par.ep} must divide the "
+                          f"{world_size} process(es) started: launch a multiple of them (tools/launch/torchrun.sh) "
+                          "or lower them with --set")
+
+
+def check_paths(cfg: Config) -> None:
+    """ConfigError when a file the config names as input does not exist (before anything is built)."""
+    for key, value, want in (("model.hf_config", cfg.model.hf_config, Path.is_file),
+                             ("model.init_from", cfg.model.init_from, Path.is_dir),
+                             ("checkpoint.resume_from", cfg.checkpoint.resume_from, Path.exists)):
+        if value and not want(Path(value)):
+            raise ConfigError(f"{key}: {value} does not exist (a relative path in a YAML file is relative to that "
+                              "file's directory, one given with --set to the current directory)")
 
 
 def _type_name(tp) -> str:
@@ -304,19 +365,43 @@ def from_dict(cls, data: Any, where: str):
 
 
 def apply_overrides(raw: dict, overrides: list[str], where: str) -> dict:
-    """Apply `a.b.c=value` overrides (values parsed as YAML) to a raw nested mapping."""
+    """Apply `a.b.c=value` overrides (values parsed as YAML) to a raw nested mapping. Each is checked on its own
+    against Config's fields and types first, so an error names the `--set` item rather than the file."""
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"override {item!r}: expected key=value")
+            raise ConfigError(f"--set {item}: expected key=value, e.g. --set rl.steps=5")
         key, text = item.split("=", 1)
-        node = raw
         parts = key.strip().split(".")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            raise ConfigError(f"--set {item}: the value is not a valid YAML scalar") from None
+        _check_override(item, parts, value)
+        node = raw
         for part in parts[:-1]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"override {item!r}: {part!r} in {where} is not a section")
-        node[parts[-1]] = yaml.safe_load(text)
+                raise ConfigError(f"--set {item}: {part!r} in {where} is not a section")
+        node[parts[-1]] = value
     return raw
+
+
+def _check_override(item: str, parts: list[str], value) -> None:
+    """Walk Config's dataclasses along `parts`; ConfigError (naming the --set item) for an unknown key or a value of
+    the wrong type. A section given whole (a mapping) is checked by from_dict with the rest of the config."""
+    cls = Config
+    for i, part in enumerate(parts):
+        if not dataclasses.is_dataclass(cls):
+            raise ConfigError(f"--set {item}: {'.'.join(parts[:i])} is not a section")
+        names = [f.name for f in dataclasses.fields(cls) if f.init and f.name != "source"]
+        if part not in names:
+            raise ConfigError(f"--set {item}: unknown key {part!r} (known: {', '.join(names)})")
+        cls = typing.get_type_hints(cls)[part]
+    if not dataclasses.is_dataclass(cls):
+        _convert(cls, value, f"--set {item}")
+    elif not isinstance(value, dict):
+        raise ConfigError(f"--set {item}: {'.'.join(parts)} is a section: set one of its keys, e.g. "
+                          f"{'.'.join(parts)}.{dataclasses.fields(cls)[0].name}=...")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
@@ -328,19 +413,33 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raw = yaml.safe_load(Path(path).read_text()) or {}
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
+        except IsADirectoryError:
+            raise ConfigError(f"{path} is a directory: give a YAML file, e.g. examples/tiny/nvfp4.yaml") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {e}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
+        _resolve_yaml_paths(raw, Path(path).parent)
     raw = apply_overrides(raw, overrides or [], where)
     raw.pop("source", None)
-    cfg = from_dict(Config, raw, where)
+    try:
+        cfg = from_dict(Config, raw, where)
+    except ConfigError as e:  # a value check of a section: name the overrides that touched it
+        message = str(e)[len(where):]
+        touched = [o for o in overrides or [] if o.split(".", 1)[0] in message]
+        raise ConfigError(f"{e} (with --set {' --set '.join(touched)})" if touched else str(e)) from None
     cfg.source = str(path) if path is not None else None
-    for name in ("hf_config", "init_from"):
-        value = getattr(cfg.model, name)
-        if value and path is not None and not Path(value).is_absolute():
-            setattr(cfg.model, name, str((Path(path).parent / value).resolve()))
     return cfg
+
+
+def _resolve_yaml_paths(raw: dict, base: Path) -> None:
+    """Relative PATH_FIELDS written in the YAML file -> relative to its directory (module docstring). normpath keeps
+    a path relative to the current directory readable (examples/tiny/../../runs -> runs)."""
+    for section, key in PATH_FIELDS:
+        node = raw.get(section)
+        value = node.get(key) if isinstance(node, dict) else None
+        if isinstance(value, str) and value and not Path(value).is_absolute():
+            node[key] = os.path.normpath(base / value)
 
 
 def to_dict(cfg) -> dict:
@@ -354,10 +453,12 @@ def to_dict(cfg) -> dict:
     return plain(dataclasses.asdict(cfg))
 
 
-def load_config_for_cli(prog: str, path, overrides: list[str]) -> Config | None:
-    """load_config for a command: on a ConfigError print "<prog>: <message>" and return None (the caller exits 2)."""
-    try:
-        return load_config(path, overrides)
-    except ConfigError as e:
-        print(f"{prog}: {e}")
-        return None
+def config_from_args(args) -> Config:
+    """load_config for a command's parsed arguments (minite.cli_args.add_config_arguments); ConfigError for a
+    missing or doubled config argument."""
+    given = [p for p in (args.config, args.config_option) if p is not None]
+    if not given:
+        raise ConfigError("no config given: name a YAML file, e.g. examples/tiny/nvfp4.yaml")
+    if len(given) == 2 and given[0] != given[1]:
+        raise ConfigError(f"two configs given ({given[0]} and --config {given[1]}): give one")
+    return load_config(given[0], args.overrides)

@@ -39,6 +39,7 @@ import torch
 
 from minite.config import Config
 from minite.convert.hf_megatron import load_into_model
+from minite.console import CONSOLE
 from minite.learner.model import build_model, compute_dtype, nvfp4_context
 from minite.megatron_patches.cpu import cuda_as_cpu
 from minite.strict import ops as strict_ops
@@ -112,6 +113,8 @@ class Learner:
         if cfg.model.init_from:
             # before the optimizer exists: it copies fp32 master weights from the model at construction
             load_into_model(self.model, cfg.model.init_from)
+            if torch.distributed.get_rank() == 0:  # one confirmation on the terminal, not one per rank
+                logger.info("initial weights loaded from %s", cfg.model.init_from, extra=CONSOLE)
         self.nvfp4 = nvfp4_context(self.model)
         self.step = 0
         self.ddp = self.optimizer = None
@@ -242,6 +245,7 @@ class Learner:
             raise ValueError(f"checkpoint does not match the model: {e}") from e
         with cuda_as_cpu():
             self.optimizer.load_state_dict(_snapshot(sd["optimizer"]))
+        self._apply_optim_config()
         self.step = int(sd["step"])
         if self.nvfp4 is not None:
             self.nvfp4.step = self.step
@@ -263,6 +267,16 @@ class Learner:
             params[name].copy_(t)
         if self.nvfp4 is not None:
             self.nvfp4.weights_updated()
+
+    def _apply_optim_config(self) -> None:
+        """cfg.optim's hyperparameters into every param group: a loaded optimizer state carries the groups of the
+        run that saved it, and a resumed run follows its current config (minite.rl.resume_policy). Clipping is read
+        from the optimizer's config, which is already the current one."""
+        o = self.cfg.optim
+        for g in self.optimizer.param_groups:
+            g.update(lr=o.lr * g.get("lr_mult", 1.0), max_lr=o.lr, min_lr=o.lr,
+                     weight_decay=o.weight_decay * g.get("wd_mult", 1.0), betas=(o.adam_beta1, o.adam_beta2),
+                     eps=o.adam_eps)
 
     def named_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """(Megatron parameter name, tensor) for rollout weight sync: this rank's shard, compute dtype, no grad."""

@@ -155,6 +155,9 @@ def quantize(x: torch.Tensor, *, block=BLOCK_1D, scale_scope: str = "tensor", ro
             raise ValueError(f"global_amax must be a tensor of shape {want} for scale_scope={scale_scope!r}, got "
                              f"{getattr(global_amax, 'shape', type(global_amax).__name__)}")
         global_amax = global_amax.to(device=x.device, dtype=torch.float32)
+    elif x.numel() == 0 and (scale_scope == "tensor" or x.shape[1] == 0):  # no element to take an amax of
+        raise ValueError(f"quantize got an empty tensor of shape {tuple(x.shape)}: its global scale needs at least "
+                         "one element (pass global_amax, or skip the empty operand)")
     if rounding == "stochastic" and seed is None:
         seed = int(torch.randint(0, 2**32, ()).item())
     if seed is not None and not 0 <= int(seed) < 2**32:

@@ -40,6 +40,7 @@ from minite.learner.learner import Learner, ReferencePolicy, reference_policy
 from minite.rl import checkpoint as ckpt
 from minite.rl.grpo import GRPOParams, group_advantages, grpo_loss
 from minite.rl.metrics import WARMUP_RUN, MetricsLogger, check_finite, mismatch_metrics, rollout_metrics
+from minite.rl.resume_policy import check_resume, config_for_checkpoint
 from minite.rl.tasks import PAD, DigitTask, Problem, PromptStream, make_task, mix_seed
 from minite.rollout import make_engine
 from minite.rollout.base import RolloutEngine, RolloutResult, SamplingParams
@@ -83,7 +84,15 @@ def train(cfg) -> list[dict]:
     finally:
         if run.logger is not None:
             run.logger.close()
+        shutdown_engines(run)
     return run.history
+
+
+def shutdown_engines(run: Run) -> None:
+    """Stop engines that run outside this process (SGLang's scheduler) and remove their files; idempotent."""
+    for engine in (run.engine, run.ref):
+        if hasattr(engine, "shutdown"):
+            engine.shutdown()
 
 
 def rl_step(run: Run) -> dict:
@@ -232,6 +241,7 @@ def maybe_checkpoint(run: Run) -> None:
             "ref": None if run.ref is None else {n: t.detach().clone() for n, t in run.ref.named_weights()},
             "rng": ckpt.capture_rng(),
             "data": run.stream.state_dict(),
+            "config": config_for_checkpoint(run.cfg),  # the resume policy compares against it
         }
         path = ckpt.save_checkpoint(c.dir, run.step, state, keep=c.keep, layout=layout(run.cfg))
         if is_writer():
@@ -272,6 +282,8 @@ def setup(cfg, *, learner_factory=None, engine_factory=None, reference_factory=N
     if cfg.rl.kl_coef > 0:
         run.ref = (reference_factory or reference_policy)(cfg)
     state = find_resume_state(cfg)  # after the learner (it starts torch.distributed): each rank loads its shard
+    if state is not None:
+        check_resume(state, cfg)  # the command line wins where it can; shape/precision/layout must match
     start = 0 if state is None else int(state["step"])
     if is_writer():
         start_logs(cfg, start)

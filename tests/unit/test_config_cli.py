@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from minite.config import Config, ConfigError, from_dict, load_config, to_dict
+from minite.config import (Config, ConfigError, check_paths, check_world_size, from_dict, load_config,
+                           to_dict)
 
 EXAMPLES = sorted(Path(__file__).resolve().parents[2].glob("examples/**/*.yaml"))
 
@@ -74,6 +75,61 @@ def test_round_trip_through_yaml(tmp_path):
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_shipped_examples_load(path):
     load_config(path)
+
+
+def test_override_errors_blame_the_command_line(tmp_path):
+    p = _write(tmp_path, {"rl": {"steps": 3}})
+    for item, match in [("rl.steps=five", r"^--set rl.steps=five: expected int, got str 'five'$"),
+                        ("rl.stepz=1", r"^--set rl.stepz=1: unknown key 'stepz'"),
+                        ("rl=3", r"^--set rl=3: rl is a section"),
+                        ("rl.steps", r"^--set rl.steps: expected key=value")]:
+        with pytest.raises(ConfigError, match=match):
+            load_config(p, [item])
+    with pytest.raises(ConfigError, match=r"steps must be >= 0.*\(with --set rl.steps=-1\)$"):
+        load_config(p, ["rl.steps=-1", "optim.lr=1e-3"])
+
+
+def test_shape_constraints_are_checked_at_load():
+    for sets, match in [(["model.hidden_size=40"], "hidden_size = 40 is not a multiple of 16"),
+                        (["model.head_dim=12", "model.num_attention_heads=4"], "head_dim.* = 48|= 24"),
+                        (["model.moe_ffn_hidden_size=24"], "moe_ffn_hidden_size = 24"),
+                        (["parallel.tp=3"], r"num_attention_heads=4 is not divisible by parallel.tp=3"),
+                        (["parallel.ep=3"], r"num_experts=4 is not divisible by parallel.ep=3")]:
+        with pytest.raises(ConfigError, match=match):
+            load_config(None, sets)
+    assert load_config(None, ["model.hidden_size=40", "precision.mode=bf16"]).model.hidden_size == 40
+    assert load_config(None, ["model.moe_ffn_hidden_size=24", "precision.recipe.bf16_modules=[experts]"])
+
+
+def test_world_size_must_split_into_tp_and_ep():
+    check_world_size(load_config(None, ["parallel.ep=2"]), 4)
+    with pytest.raises(ConfigError, match=r"parallel.ep=2 must divide the 1 process\(es\) started"):
+        check_world_size(load_config(None, ["parallel.ep=2"]), 1)
+
+
+def test_a_directory_is_not_a_config(tmp_path):
+    with pytest.raises(ConfigError, match=rf"^{tmp_path} is a directory: give a YAML file"):
+        load_config(tmp_path)
+
+
+def test_paths_resolve_from_where_they_were_written(tmp_path):
+    (tmp_path / "cfgs").mkdir()
+    p = tmp_path / "cfgs" / "run.yaml"
+    p.write_text(yaml.safe_dump({"logging": {"dir": "../out"}, "checkpoint": {"dir": "ck"},
+                                 "model": {"init_from": "/abs/init"}}))
+    cfg = load_config(p)
+    assert cfg.logging.dir == str(tmp_path / "out") and cfg.checkpoint.dir == str(tmp_path / "cfgs" / "ck")
+    assert cfg.model.init_from == "/abs/init"
+    cfg = load_config(p, ["checkpoint.dir=mine", "model.hf_config=c.json"])  # --set: the current directory
+    assert cfg.checkpoint.dir == "mine" and cfg.model.hf_config == "c.json"
+    assert load_config(None).logging.dir == "runs/tiny"
+
+
+def test_missing_input_paths_are_named(tmp_path):
+    check_paths(load_config(None))
+    for key in ("model.hf_config", "model.init_from", "checkpoint.resume_from"):
+        with pytest.raises(ConfigError, match=rf"^{key}: {tmp_path}/nope does not exist"):
+            check_paths(load_config(None, [f"{key}={tmp_path}/nope"]))
 
 
 def test_cli_help_lists_subcommands():

@@ -36,8 +36,11 @@ they are test tooling and are not shipped.
 """
 from __future__ import annotations
 
+import atexit
+import functools
 import json
 import logging
+import multiprocessing.resource_tracker
 import os
 import shutil
 import tempfile
@@ -66,9 +69,26 @@ from .plugin import register
 log = logging.getLogger(__name__)
 
 
+class SGLangUnavailableError(RuntimeError):
+    """SGLang (or a module it imports) cannot be imported; the message says how to install it."""
+
+
+def import_sglang() -> None:
+    """Import SGLang and the layer modules the plugin patches, or raise SGLangUnavailableError: run before the
+    plugin registers (it imports them) so that a missing SGLang or dependency is one clear message."""
+    try:
+        import sglang  # noqa: F401
+        import sglang.srt.layers.quantization  # noqa: F401
+    except ImportError as e:
+        raise SGLangUnavailableError(
+            f"rollout.backend=sglang cannot import sglang ({e}): install it with `bash tools/setup.sh` "
+            "(sglang==0.5.23 --no-deps plus tools/sglang_requirements.txt); on a CPU-only machine also put "
+            "tests/sglang/stubs on PYTHONPATH (stand-ins for torchvision and sgl_kernel)") from e
+
+
 def default_engine_args(device: str) -> dict:
-    """sglang.Engine arguments for `device`; on CPU the ones found to work (docs/upstream.md)."""
-    args = {"skip_tokenizer_init": True, "dtype": "bfloat16", "log_level": "warning",
+    """sglang.Engine arguments for `device`; on CPU the ones found to work there (docs/upstream.md)."""
+    args = {"skip_tokenizer_init": True, "dtype": "bfloat16", "log_level": "error",  # its warnings are start-up noise
             "quantization": "minite_nvfp4", "random_seed": 0}
     if device == "cpu":
         args.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
@@ -85,12 +105,16 @@ class SGLangEngine(RolloutEngine):
                  initial_packed: List[Tuple[str, torch.Tensor]], engine_args: Optional[dict] = None,
                  owns_dir: bool = False):
 
+        import_sglang()
         check_sglang_version()
         register()  # in this process too: a failure here is raised, not just logged by SGLang's plugin loader
         device = "cuda" if torch.cuda.is_available() else "cpu"
         os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
         if device == "cpu":
             os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+        # the scheduler process imports Megatron-Core and SGLang's CUDA-only quantization modules, whose import-time
+        # UserWarnings would print on the terminal (this process sends its own to the run's log file)
+        os.environ.setdefault("PYTHONWARNINGS", "ignore::UserWarning")
         self.model_dir, self._owns_dir = model_dir, owns_dir
         self.hf_config, self.recipe, self._expected = hf_config, recipe, dict(expected)
         self._last_good = initial_packed
@@ -98,6 +122,7 @@ class SGLangEngine(RolloutEngine):
         args = {**default_engine_args(device), **(engine_args or {})}
         t0 = time.perf_counter()
         self.engine = _start_engine(model_dir, args)
+        atexit.register(self.shutdown)  # the scheduler process and the temporary checkpoint go even after an error
         self.startup_seconds = time.perf_counter() - t0
         log.info("sglang engine ready in %.1f s (%s, quantization=%s)", self.startup_seconds, device,
                  args.get("quantization"))
@@ -179,11 +204,29 @@ class SGLangEngine(RolloutEngine):
             return False, f"{type(e).__name__}: {e}"
 
     def shutdown(self) -> None:
+        atexit.unregister(self.shutdown)
         eng, self.engine = getattr(self, "engine", None), None
         if eng is not None:
-            eng.shutdown()
+            _shutdown_sparing_the_resource_tracker(eng)
         if self._owns_dir and self.model_dir and Path(self.model_dir).exists():
             shutil.rmtree(self.model_dir, ignore_errors=True)
+
+
+def _shutdown_sparing_the_resource_tracker(eng) -> None:
+    """eng.shutdown(), except that Python's multiprocessing resource tracker survives it. SGLang's shutdown SIGKILLs
+    every child process of this one, the tracker included; the semaphores this process still holds then unregister
+    at exit with a fresh tracker that never saw them, which prints a KeyError traceback after a successful run.
+    SGLang's own atexit shutdown is dropped too: it would kill the tracker at exit."""
+    import sglang.srt.entrypoints.engine as sgl_engine
+
+    atexit.unregister(eng.shutdown)
+    tracker = getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)
+    kill = sgl_engine.kill_process_tree
+    sgl_engine.kill_process_tree = functools.partial(kill, skip_pid=tracker)
+    try:
+        eng.shutdown()
+    finally:
+        sgl_engine.kill_process_tree = kill
 
 
 def pack_for_sglang(named, hf_config: dict, recipe) -> List[Tuple[str, torch.Tensor]]:
@@ -232,14 +275,22 @@ def _result(r) -> Tuple[bool, str]:
 
 
 def _start_engine(model_dir: str, args: dict):
+    """sglang.Engine, keeping this process's logging: the Engine calls logging.basicConfig(force=True), which would
+    replace the root handlers (the command's terminal filter and its log file, minite.console)."""
+    import sglang
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
     try:
-        import sglang
-    except ImportError as e:
-        raise RuntimeError(
-            f"rollout.backend='sglang' cannot import sglang ({e}). Install it with tools/setup.sh "
-            "(sglang==0.5.23 --no-deps plus tools/sglang_requirements.txt); on a CPU-only machine also put "
-            "tests/sglang/stubs on PYTHONPATH (stand-ins for torchvision and sgl_kernel)") from e
-    return sglang.Engine(model_path=model_dir, **args)
+        return sglang.Engine(model_path=model_dir, **args)
+    finally:
+        for h in list(root.handlers):
+            if h not in handlers:
+                root.removeHandler(h)
+        for h in handlers:
+            if h not in root.handlers:
+                root.addHandler(h)
+        root.setLevel(level)
 
 
 def write_checkpoint(out_dir: Path, hf_config: dict, packed: List[Tuple[str, torch.Tensor]], recipe) -> None:
@@ -257,6 +308,7 @@ def write_checkpoint(out_dir: Path, hf_config: dict, packed: List[Tuple[str, tor
 def build_sglang(cfg, *, pad_id: int = 0, engine_args: Optional[dict] = None) -> SGLangEngine:
     """An SGLang engine on the learner's initial weights (module docstring). pad_id is unused (no padding)."""
 
+    import_sglang()  # before the model is built: a missing SGLang fails fast
     if (cfg.parallel.tp, cfg.parallel.ep, cfg.parallel.pp) != (1, 1, 1):
         raise ValueError("rollout.backend='sglang' takes weight updates from a tp=ep=pp=1 learner for now")
     if cfg.alignment.strict and torch.cuda.is_available():

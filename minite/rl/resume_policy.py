@@ -1,0 +1,72 @@
+"""What a resumed run takes from its checkpoint and what from the command line.
+
+The checkpoint holds the run's state (weights, optimizer moments, RNG, data position) and the config it was saved
+with (`config_for_checkpoint`, stored under "config"). On resume the current config wins for everything that can
+change mid-run (learning rate and the other optimizer hyperparameters, rl.steps, clipping, the KL coefficient,
+logging, checkpointing, alignment thresholds), and the log names every value that differs from the checkpoint's.
+What the saved state cannot follow (FROZEN: the model's shape, the precision, the parallel layout) stops the run
+with a ConfigError naming the key, the two values and the way out.
+
+The learner applies the optimizer hyperparameters after loading the optimizer state (Learner.load_state_dict), since
+the state's param groups carry the old learning rate.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from minite.config import Config, ConfigError, to_dict
+from minite.console import CONSOLE
+
+log = logging.getLogger(__name__)
+
+FROZEN = ("model.", "precision.", "parallel.")
+IGNORED = ("source", "model.init_from", "model.hf_config", "checkpoint.resume", "checkpoint.resume_from")
+"""Not compared: where the config came from, the initial weights and the shape file (the checkpoint's weights
+replace them; a path may be spelled differently from another directory), and how the checkpoint was found."""
+
+
+def config_for_checkpoint(cfg: Config) -> dict:
+    """The config as plain data (lists, numbers, strings): loadable with torch.load(weights_only=True)."""
+    return to_dict(cfg)
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_changes(saved: dict, cfg: Config) -> dict[str, tuple[Any, Any]]:
+    """{dotted key: (checkpoint's value, current value)} for every compared key that differs."""
+    old, new = _flatten(saved), _flatten(to_dict(cfg))
+    keys = (set(old) | set(new)) - set(IGNORED)
+    return {k: (old.get(k), new.get(k)) for k in sorted(keys) if old.get(k) != new.get(k)}
+
+
+def check_resume(state: dict, cfg: Config) -> dict[str, tuple[Any, Any]]:
+    """Apply the policy (module docstring) to a loaded checkpoint `state`; returns the changes."""
+    step = int(state["step"])
+    where = cfg.checkpoint.resume_from or f"in {cfg.checkpoint.dir}"
+    if step > cfg.rl.steps:
+        raise ConfigError(f"the checkpoint {where} is at step {step}, past rl.steps={cfg.rl.steps}: raise rl.steps to "
+                          "continue it, or start over with `minite train CONFIG --fresh` (or another checkpoint.dir)")
+    saved = state.get("config")
+    if not isinstance(saved, dict):
+        log.warning("the checkpoint %s carries no config: the current one is used as is", where)
+        return {}
+    changes = config_changes(saved, cfg)
+    frozen = {k: v for k, v in changes.items() if k.startswith(FROZEN)}
+    if frozen:
+        k, (a, b) = next(iter(frozen.items()))
+        raise ConfigError(f"{k} is {a!r} in the checkpoint {where} but {b!r} now: a resumed run cannot change the "
+                          "model shape, precision or parallel layout; put it back, or start over with --fresh "
+                          "(or another checkpoint.dir)")
+    text = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
+    log.info("resuming from the checkpoint %s at step %d%s", where, step,
+             f"; changed since then: {text}" if text else "", extra=CONSOLE)
+    return changes

@@ -1,0 +1,198 @@
+"""The `minite` command as a user meets it, run as a real subprocess: one-line failures with exit status 2 (130 for
+Ctrl-C) and no traceback unless --debug, the quiet header/summary output, the resume policy, the flags.
+
+Runs are tiny (2 prompts x 2 samples, 1-2 RL steps, no warm-up) so the file stays fast on a 2-core machine."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from minite.bench_cli import DEFAULT_OUT, driver_arguments
+from minite.convert.hf_megatron import FORMAT as MG_FORMAT, META_FILE
+
+REPO = Path(__file__).resolve().parents[2]
+MINITE = str(Path(sys.executable).parent / "minite")
+TINY = ["rl.prompts_per_step=2", "rollout.group_size=2", "rl.warmup_steps=0", "rl.minibatches=1",
+        "model.max_position_embeddings=16", "checkpoint.every=1"]
+
+
+def minite(*args, cwd, env=None, timeout=300):
+    full_env = {k: v for k, v in os.environ.items() if k != "MINITE_DEBUG"}
+    full_env.update({"OMP_NUM_THREADS": "1", **(env or {})})
+    return subprocess.run([MINITE, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def tiny_config(tmp_path, **sections) -> Path:
+    """examples/tiny/nvfp4.yaml with the run directories under tmp_path (relative: they resolve from the YAML)."""
+    data = yaml.safe_load((REPO / "examples/tiny/nvfp4.yaml").read_text())
+    data["logging"] = {"dir": "run", "progress_bar": False}
+    data["checkpoint"] = {"dir": "run/ck", "every": 1}
+    for k, v in sections.items():
+        data.setdefault(k, {}).update(v)
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def assert_one_line_failure(out, pattern: str, status: int = 2) -> None:
+    assert out.returncode == status, (out.returncode, out.stderr[-3000:])
+    assert "Traceback" not in out.stderr + out.stdout, out.stderr[-3000:]
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, out.stderr[-3000:]
+    assert re.search(pattern, lines[0]), lines[0]
+
+
+@pytest.mark.parametrize("args,pattern", [
+    (["--set", "rl.steps=five"], r"^minite train: --set rl.steps=five: expected int, got str 'five'$"),
+    (["--set", "model.hidden_size=40"], r"^minite train: .*tiny.yaml: model hidden_size = 40 is not a multiple of 16"),
+    (["--set", "parallel.ep=2"], r"^minite train: parallel.tp=1 x parallel.pp=1 and parallel.ep=2 must divide the 1 "),
+    (["--set", "model.hf_config=nope.json"], r"^minite train: model.hf_config: nope.json does not exist"),
+    (["--set", "rollout.max_new_tokens=40"], r"^minite train: .*tiny.yaml: prompt .* exceeds model.max_position"),
+])
+def test_config_failures_are_one_line(tmp_path, args, pattern):
+    assert_one_line_failure(minite("train", str(tiny_config(tmp_path)), *args, cwd=tmp_path), pattern)
+
+
+def test_a_directory_as_config_in_both_forms(tmp_path):
+    assert_one_line_failure(minite("train", "--config", str(tmp_path), cwd=tmp_path),
+                            rf"^minite train: {tmp_path} is a directory: give a YAML file")
+    assert_one_line_failure(minite("diagnose", str(tmp_path), cwd=tmp_path),
+                            rf"^minite diagnose: {tmp_path} is a directory")
+    assert_one_line_failure(minite("diagnose", "a.yaml", "--config", "b.yaml", cwd=tmp_path),
+                            r"^minite diagnose: two configs given \(a.yaml and --config b.yaml\): give one$")
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    for out in (minite("train", str(tmp_path), "--debug", cwd=tmp_path),
+                minite("--debug", "train", str(tmp_path), cwd=tmp_path),
+                minite("train", str(tmp_path), cwd=tmp_path, env={"MINITE_DEBUG": "1"})):
+        assert out.returncode == 2 and "Traceback" in out.stderr and "ConfigError" in out.stderr
+        assert out.stderr.strip().splitlines()[-1].startswith("minite train: ")
+
+
+def test_init_from_for_another_layout(tmp_path):
+    mg = tmp_path / "mg"
+    mg.mkdir()
+    (mg / META_FILE).write_text(json.dumps({"format": MG_FORMAT, "tp": 1, "ep": 2, "pp": 1}))
+    out = minite("train", str(tiny_config(tmp_path, model={"init_from": "mg"})), "--set", "rl.steps=1", cwd=tmp_path)
+    assert_one_line_failure(out, r"^minite train: .*mg: written for \(tp, ep, pp\)=\(1, 2, 1\), the model runs "
+                                 r"\(1, 1, 1\); convert again with matching --tp/--ep/--pp$")
+
+
+def test_train_resume_policy_and_output(tmp_path):
+    tiny_config(tmp_path)
+    cfg = "tiny.yaml"  # relative, so that the run directories print as run/...
+    first = minite("train", cfg, *[a for s in TINY for a in ("--set", s)], "--set", "rl.steps=1", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    lines = first.stdout.splitlines()
+    assert lines[0].startswith("minite train: Qwen3-MoE 2 layers, hidden 64, 4 experts top-2 | NVFP4 W4A4 | "
+                               "rollout embedded | CPU, 1 process | output run (log train.log)")
+    assert lines[1].startswith("minite train: done, 1 RL steps in ")
+    assert lines[2] == (f"  output: log run/train.log, metrics run/metrics.jsonl, TensorBoard run, "
+                        f"checkpoint run/ck/step_000001")
+    assert first.stderr == ""  # quiet: no upstream warnings, INFO dumps or "saved checkpoint" lines
+    log = (tmp_path / "run" / "train.log").read_text()
+    for upstream in ("Transformer Engine and Apex are not installed", "Params for bucket", "saved checkpoint"):
+        assert upstream in log
+
+    sets = [a for s in TINY for a in ("--set", s)]
+    resumed = minite("train", cfg, *sets, "--set", "rl.steps=2", "--set", "optim.lr=0.01", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.stderr.splitlines() == [
+        f"resuming from the checkpoint in run/ck at step 1; changed since then: optim.lr 0.002 -> 0.01, "
+        f"rl.steps 1 -> 2"]
+    assert "done, 1 RL steps" in resumed.stdout
+
+    assert_one_line_failure(minite("train", cfg, *sets, "--set", "precision.mode=bf16", cwd=tmp_path),
+                            r"^minite train: precision.mode is 'nvfp4' in the checkpoint in run/ck but 'bf16' now: "
+                            r"a resumed run cannot change the model shape, precision or parallel layout")
+    assert_one_line_failure(minite("train", cfg, *sets, "--set", "rl.steps=1", cwd=tmp_path),
+                            r"^minite train: the checkpoint in run/ck is at step 2, past rl.steps=1: raise rl.steps "
+                            r"to continue it, or start over with `minite train CONFIG --fresh`")
+
+    fresh = minite("train", cfg, *sets, "--set", "rl.steps=1", "--fresh", cwd=tmp_path)
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    assert fresh.stderr.startswith("--fresh: removed step_000001, step_000002, metrics.jsonl, events.out.tfevents.")
+    assert sorted(p.name for p in (tmp_path / "run" / "ck").iterdir()) == ["step_000001"]
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 1
+
+    (tmp_path / "run" / "ck" / "step_000001" / "state.pt").write_bytes(b"\xff" * 64)
+    assert_one_line_failure(minite("train", cfg, *sets, "--set", "rl.steps=2", cwd=tmp_path),
+                            r"^minite train: .*step_000001.* (corrupt|unreadable|checksum)")
+
+
+def test_ctrl_c_is_one_line_and_status_130(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([MINITE, "train", str(tiny_config(tmp_path)), *[a for s in TINY for a in ("--set", s)],
+                             "--set", "rl.steps=50"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    header = proc.stdout.readline()  # printed once the config is checked: the run is under way
+    assert header.startswith("minite train: Qwen3-MoE"), header
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err
+    assert err.strip().splitlines() == ["minite train: interrupted (Ctrl-C); run the same command again to resume "
+                                        "from the newest checkpoint"]
+
+
+def test_sglang_that_cannot_be_imported_is_one_line(tmp_path):
+    fake = tmp_path / "fake" / "sglang"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("import sgl_kernel_missing_for_this_test\n")
+    out = minite("train", str(tiny_config(tmp_path)), "--set", "rl.steps=1", "--set", "rollout.backend=sglang",
+                 cwd=tmp_path, env={"PYTHONPATH": str(tmp_path / "fake")})
+    assert_one_line_failure(out, r"^minite train: rollout.backend=sglang cannot import sglang \(No module named "
+                                 r"'sgl_kernel_missing_for_this_test'\): install it with `bash tools/setup.sh`")
+
+
+def test_flags(tmp_path):
+    out = minite("--version", cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout.strip() == "minite 0.1.0"
+    out = minite("bench", "--sections", "quant,decode", cwd=tmp_path)  # the example of its own --help
+    assert "unrecognized arguments" not in out.stderr
+    if out.returncode == 2:  # no GPU here: the one-line reason, not an argument error
+        assert_one_line_failure(out, r"^minite bench: the kernel benchmarks need a CUDA GPU")
+    help_text = minite("diagnose", "--help", cwd=tmp_path).stdout
+    for flag in ("--max-new-tokens", "--seed"):
+        assert re.search(rf"{flag} [A-Z_]+\s+[a-z]", help_text), flag  # a metavar, then help text (not "--next")
+    out = minite("train", "--fresh", "--set", "rl.steps=1", cwd=tmp_path)
+    assert_one_line_failure(out, r"^minite train: no config given: name a YAML file")
+
+
+def test_bench_out_never_defaults_to_the_tracked_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    argv, out = driver_arguments(["--sections", "quant,decode"])
+    assert argv == ["--sections", "quant,decode", "--out", str(tmp_path / DEFAULT_OUT)]
+    assert out == tmp_path / DEFAULT_OUT
+    argv, out = driver_arguments(["--out", "x.json"])
+    assert argv == ["--out", str(tmp_path / "x.json")]
+    argv, out = driver_arguments(["--out=y.json"])
+    assert argv == [f"--out={tmp_path / 'y.json'}"] and out == tmp_path / "y.json"
+
+
+def test_train_from_a_converted_checkpoint(tmp_path):
+    """The README's recipe: convert a Hugging Face checkpoint, name it as model.init_from; one line confirms it."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    shape = dict(vocab_size=64, hidden_size=64, intermediate_size=32, moe_intermediate_size=32, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                 max_position_embeddings=32, norm_topk_prob=True, tie_word_embeddings=False)
+    Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape)).to(torch.bfloat16).save_pretrained(tmp_path / "hf")
+    out = minite("convert", "hf-to-megatron", "--hf", "hf", "--out", "mg", "--no-progress", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    tiny_config(tmp_path)
+    sets = [a for s in TINY + ["rl.steps=1", "model.hf_config=hf/config.json", "model.init_from=mg"]
+            for a in ("--set", s)]
+    out = minite("train", "tiny.yaml", *sets, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("minite train: Qwen3-MoE from hf/config.json | NVFP4 W4A4 |")
+    assert out.stderr.splitlines() == ["initial weights loaded from mg"]
