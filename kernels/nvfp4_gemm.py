@@ -24,7 +24,7 @@ Batch invariance rules (what makes a row's output independent of M, of the tile 
   (no add, so no fma contraction can change it);
 - grouped GEMMs find their expert from a tile table on the device, so expert e's rows see exactly the dense kernel's
   arithmetic; the decode configuration (BLOCK_M=16) differs from the training one (BLOCK_M=128) only in tile shape.
-Tile shapes may differ per M bucket only because tests/gpu proves bitwise equality of rows across them on the H200
+Tile shapes may differ per M bucket only because the GPU tests prove bitwise equality of rows across them on the H200
 (docs/nvfp4.md, "Exact emulation on Hopper": measured for bf16 Triton matmuls with sequential K for BLOCK_M 16..128,
 BLOCK_K 32/64).
 """
@@ -193,7 +193,7 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     swap_ab: bool = False
-    """Compute out^T = b @ a^T (weights as the first MMA operand); used only where tests/gpu proves it bitwise."""
+    """Compute out^T = b @ a^T (weights as the first MMA operand); used only where the GPU tests prove it bitwise."""
 
 
 def default_config(rows_per_group: int, interpreter: bool) -> GemmConfig:
@@ -203,7 +203,7 @@ def default_config(rows_per_group: int, interpreter: bool) -> GemmConfig:
     # measured on the H200 (docs/benchmarks.md): FC1 of the expert block, 131072 rows, 128x256x64: 525 TFLOP/s
     # (128x128x64: 453); decode of 8 experts' FC1 with 1..16 tokens each: 16x64x128 with swapped operands 22.6 us
     # (unswapped 29.4-30.7 us), 32 tokens: 32x64x128 swapped 28.6 us (unswapped 44.0 us); all bitwise equal to the
-    # training tile in the same run and in tests/gpu.
+    # training tile in the same run and in the GPU tests (marker gpu).
     if rows_per_group <= 16:
         return GemmConfig(16, 64, 128, 4, 4, swap_ab=True)
     if rows_per_group <= 32:

@@ -6,7 +6,7 @@ Supported upstream: megatron-core 0.16.1 exactly (the version setup.py pins; the
 Megatron-Core assumes a GPU in a handful of places. Each patch below replaces one such place with
 its CPU meaning and nothing more; numerics are untouched. Apply with `apply()`: it is idempotent,
 does nothing when a GPU is present (unless `force=True`), and logs each patch it makes. Each patch is
-exercised against the real upstream classes by tests/unit/test_learner_*.py and tests/distributed/
+exercised against the real upstream classes by tests/learner/ and tests/megatron_patches/ and the distributed tests (marker distributed)
 (the dispatcher patch by EP=2 under torchrun).
 
 | upstream place (0.16.1)                                     | on CPU it ...                       | patch                                         |

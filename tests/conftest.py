@@ -9,12 +9,35 @@ is set here, at the root, before any test module is collected. The library itsel
 
 TORCHDYNAMO_DISABLE=1 on a machine without CUDA, as `minite` (cli.py) sets it: Megatron's jit_fuser is torch.compile,
 whose fused bf16 SwiGLU rounds differently from eager ops, so tests of upstream modules would otherwise depend on
-whether an earlier test folder (tests/sglang sets it too) already switched it off.
+whether an earlier test folder (tests/rollout/sglang sets it too) already switched it off.
+
+GPU tests live beside the CPU tests of the same code, marked `gpu`; the capability probe below skips them, saying why,
+where no CUDA device of compute capability >= 9.0 is present.
 """
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+
+def cuda_sm90_reason() -> str | None:
+    """None when a CUDA device of compute capability >= 9.0 is present, else why the GPU tests cannot run."""
+    if not torch.cuda.is_available():
+        return "needs CUDA sm_90 (no CUDA device)"
+    major, minor = torch.cuda.get_device_capability()
+    if major < 9:
+        return f"needs CUDA sm_90 (found sm_{major}{minor})"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = cuda_sm90_reason()
+    if reason is None:
+        return
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=reason))

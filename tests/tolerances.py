@@ -17,11 +17,11 @@ TOLERANCES = {
     # NVFP4 GEMM, fp32 sequential-K accumulation vs the float64 reference: the fp32 sum of K exact products has error
     # <= K * 2^-24 * sum_k |a_k b_k|; atol is relative to sum_k |a_k b_k| * |alpha| per output element, for K <= 4096.
     "nvfp4_gemm_fp32_acc": (4096 * 2.0 ** -24, 0.0),
-    # The same GEMM on Hopper tensor cores (tests/gpu): the MMA adds a K-chunk of exact products after aligning them to
+    # The same GEMM on Hopper tensor cores (the GPU tests, marker gpu): the MMA adds a K-chunk of exact products after aligning them to
     # the largest exponent and truncating, so each accumulation step can lose up to 1 ulp (2^-23) instead of half.
     # Bound K * 2^-23 relative to sum_k |a_k b_k| * |alpha|, for K <= 4096.
     "nvfp4_gemm_tensorcore_acc": (4096 * 2.0 ** -23, 0.0),
-    # HF Qwen3MoeForCausalLM vs the learner's Megatron GPTModel on the same converted weights (tests/unit/test_convert.py).
+    # HF Qwen3MoeForCausalLM vs the learner's Megatron GPTModel on the same converted weights (tests/convert/test_convert.py).
     # FP32: same math, different summation orders and op fusion (fused QKV GEMM, fp32 router either way); fp32 rounding
     # (u = 2^-24) through 4 layers of width 64 stays far below 2^-16 of max|logit| (measured 4.1e-7 - 4.6e-7). atol is
     # relative to max|logit|. A wrong name map, QKV interleave or RoPE base gives O(1) gaps.
@@ -33,16 +33,16 @@ TOLERANCES = {
     # (measured on two weight draws: 0.87x, 1.09x on the max; 0.85x, 0.58x on the mean). A mapping error is >> e_hf.
     "hf_vs_megatron_logits_bf16_vs_noise": (2.0, 0.0),
     # The learner's NVFP4 ops and grouped GEMMs on the Triton kernels vs the reference backend, K <= 64 at
-    # the test shapes (tests/kernels/test_learner_ops_kernels.py): the quantised operands are bitwise equal, so only
+    # the test shapes (tests/ops/test_ops_kernels.py): the quantised operands are bitwise equal, so only
     # fp32 vs exact summation differs, <= K * 2^-24 * sum_k |a_k b_k| per element; sum_k |a_k b_k| stays within ~10x
     # of max |output| for these Gaussian operands, so the error is < 64 * 6e-8 * 10 ~ 4e-5 of max |output|. rtol is
     # relative to max |reference output|; a wrong scale, seed, padding or transpose gives O(1).
     "nvfp4_op_kernels_vs_reference": (0.0, 1e-4),
-    # torch SDPA vs Megatron's unfused attention, fp32, 9 keys, head dim 16 (tests/unit/test_learner_layers.py):
+    # torch SDPA vs Megatron's unfused attention, fp32, 9 keys, head dim 16 (tests/megatron_patches/test_layers.py):
     # the same softmax(QK^T * scale) V with other summation orders and a fused softmax; outputs are convex
     # combinations of values of size ~1, so the gap is a few fp32 ulps of 1. A wrong mask, scale or GQA mapping is O(0.1).
     "sdpa_vs_unfused_fp32": (1e-5, 0.0),
-    # --- GPU paths of the learner (tests/gpu/test_learner_gpu.py) ---
+    # --- GPU paths of the learner (tests/learner/test_learner_gpu.py) ---
     # BF16 experts on torch._grouped_mm vs a loop of per-expert matmuls (forward, dgrad, wgrad): both accumulate in
     # fp32 and round once to bf16, in other orders, so an element differs by at most ~1 bf16 ulp (2^-8 relative)
     # plus fp32 noise; normwise (relative Frobenius) that is < 2^-8. Bound 2^-7; a wrong expert offset is O(1).
@@ -57,18 +57,18 @@ TOLERANCES = {
     # to the other neighbour (one E2M1 step, up to 1/3 relative for that element), so loss and gradient norm differ
     # by a few such flips averaged over ~1e5 elements. Bound 2% relative; a wrong scale/seed/transpose is O(1).
     "nvfp4_learner_kernels_vs_reference": (0.0, 0.02),
-    # NVFP4 quantisation error itself, relative Frobenius, Gaussian data (tests/unit/test_nvfp4_te_reference.py, the
+    # NVFP4 quantisation error itself, relative Frobenius, Gaussian data (tests/nvfp4/test_te_reference.py, the
     # saturated-S_enc case): rounding to E2M1 costs up to half a grid step, 1/6 of a block's amax at the top, and the
     # E4M3 block scale up to 1/16 more; measured 0.096-0.099 for normal and saturated-scale tensors and 0.093 for a
     # GEMM with one such operand. Bound 0.2; a decode factor off by the unsaturated amax is off by > 1e30.
     "nvfp4_quantisation_rel_error": (0.0, 0.2),
-    # --- learner (tests/unit/test_learner_*.py, tests/distributed/) ---
+    # --- learner (tests/learner/ and tests/megatron_patches/, the distributed tests) ---
     # TP=2 / EP=2 vs the unsharded learner, fp32 compute: the sharded run sums the same fp32 products in another order
     # across ranks (row-parallel partial sums, the vocab-parallel log-softmax), a few fp32 ulps per op; measured
     # 5e-7 (log-probs, abs) and 6e-7 (per-parameter gradient, relative Frobenius). Bound 1e-5 for both.
     "learner_parallel_fp32": (1e-5, 1e-5),
     # Weights after 3 GRPO steps (Adam, lr 1e-3) of the learner with the batch's rows split over DP=2 (and EP=2) vs
-    # the single-process run, fp32 compute (tests/distributed/test_data_parallel.py): the gradients differ only by
+    # the single-process run, fp32 compute (tests/learner/test_data_parallel.py): the gradients differ only by
     # the order of fp32 sums (DDP's cross-rank sum, the all-to-all'd expert tokens), a few ulps; Adam's update
     # lr * m / (sqrt(v) + eps) passes a relative gradient error through at about its size (more only where |g| is
     # near eps), so the weights move apart by ~lr * 1e-6 per step; measured 2.1e-7 (DP=2) and 4.3e-7 (EP=2) abs.
@@ -95,8 +95,8 @@ TOLERANCES = {
     # Same models, all gradients concatenated (relative Frobenius): measured 0.22 (router and q/k-norm gradients,
     # which go through softmaxes, are the noisiest, up to 0.65 alone). Bound 0.5 ~ cosine similarity > 0.87.
     "nvfp4_model_vs_bf16_grads": (0.0, 0.5),
-    # --- NVFP4 format (tests/unit/test_nvfp4_*.py) ---
-    # Floor of every bound relative to a magnitude (tests/kernels, tests/gpu, the dequantisation fuzz): below 2^-126
+    # --- NVFP4 format (tests/nvfp4/) ---
+    # Floor of every bound relative to a magnitude (tests/kernels, the GPU tests, the dequantisation fuzz): below 2^-126
     # fp32 results are spaced 2^-149 apart, so one rounding of a subnormal result is off by up to 2^-150 ~ 7e-46 in
     # absolute terms however small the bound's magnitude; 1e-45 admits that one rounding and nothing more.
     "fp32_subnormal_floor": (1e-45, 0.0),
@@ -138,7 +138,7 @@ TOLERANCES = {
     # SwiGLU backward on the kernel vs torch autograd, fp32: the same formula with another exp and order of a few
     # fp32 operations, a few ulps of values of size ~1-10; measured <= 0.013 of this allowance (20 seeds, interpreter).
     "swiglu_bwd_kernel_vs_autograd_fp32": (1e-5, 1e-5),
-    # --- strict ops vs torch (tests/unit/test_alignment_strict.py, tests/gpu/test_strict_alignment_gpu.py) ---
+    # --- strict ops vs torch (tests/strict/test_strict_ops.py, tests/alignment/test_strict_alignment_gpu.py) ---
     # strict linear (pairwise fp32 sums, K = 96) vs float64: error <= (log2 K + 2) u * sum_k |a_k b_k| ~ 9 u * 61
     # against max|ref| >= ~20 for these randn operands, ~1.6e-6 of max|ref|; measured 4.5e-8 - 1.4e-7 over 600 draws
     # (bf16 and fp32 operands). rtol is relative to max|ref|.
@@ -171,7 +171,7 @@ TOLERANCES = {
     # sum_k |a_k b_k| ~ 1.2e-4 * 650 against max|ref| >= ~150 for randn operands, ~5e-4 of max|ref|. rtol is
     # relative to max|ref|; a wrong tile offset or K step is O(1).
     "fixed_k_gemm_vs_fp32": (0.0, 1e-3),
-    # --- RL maths and alignment statistics (tests/unit/test_grpo.py, test_alignment_compare.py) ---
+    # --- RL maths and alignment statistics (tests/rl/test_grpo.py, tests/alignment/test_compare.py) ---
     # group_advantages divides by std + 1e-6, so a group's advantages are scaled by std / (std + 1e-6) = 1 - 1e-6 /
     # std: measured 2.0e-6 off +-1 for a group of (1, 0) (std 0.5) and 8.3e-7 off unit std for (0, 1, 2, 3).
     "grpo_advantage_eps": (1e-5, 1e-5),
@@ -193,7 +193,7 @@ TOLERANCES = {
     # carry one fp64 rounding (-1.1, -0.5 + 1e-3), the outputs a few more, ~1e-16 absolute on values ~0.005 - 0.1,
     # i.e. <= ~1e-13 relative; both bounds are looser than needed, and far below an fp32 cast (~1e-8).
     "fp64_logp_metrics": (1e-12, 1e-9),
-    # --- engines end to end (tests/e2e/test_strict_alignment.py, tests/sglang/test_engine.py) ---
+    # --- engines end to end (tests/alignment/test_strict_alignment.py, tests/rollout/sglang/test_engine.py) ---
     # Learner vs embedded engine in BF16 default mode with routing replay (not strict: nothing makes the two bitwise
     # equal by construction). On this CPU the gap is 0 (measured: diagnose on 3 prompt seeds, the RL step on 2 run
     # seeds; docs/alignment.md: 0 at 16 x 8); on a host whose kernels differ between prefill and decode shapes a

@@ -21,7 +21,7 @@ per-KV-group layout), each expert's fc1 = [gate; up] and fc2, the attention outp
 same fused tensors, quantises them with the same function, then cuts the rows apart into q/k/v (gate/up): q, k and v
 therefore share one weight_scale_2, as do an expert's gate and up. ModelOpt uses 1x16 blocks; a 16x16 block's scale
 repeated over its 16 rows is a 1x16 scale grid describing the same values, so the export is lossless: dequantising
-the export equals dequantising the learner's weight, bit for bit (tests/sglang/test_export.py).
+the export equals dequantising the learner's weight, bit for bit (tests/rollout/sglang/test_export.py).
 
 Static input_scale vs per-row activation scales: see docs/sglang.md. The minite_nvfp4 plugin ignores input_scale.
 `pack_megatron_weights` is the same conversion for in-memory learner weights (the SGLang backend's weight updates).

@@ -11,7 +11,7 @@ The format (https://github.com/huggingface/safetensors, "Format"):
               padded with spaces to a multiple of 8 (what the reference writer does)
     rest      the tensors' bytes, row-major, little-endian; offsets are relative to the end of the header and
               must tile the data region without holes or overlaps.
-Files written here are read by `safetensors.safe_open` and by transformers (tests/unit/test_convert.py checks).
+Files written here are read by `safetensors.safe_open` and by transformers (tests/convert/test_convert.py checks).
 
 Every error is a `ConversionError` naming the file and, where one is involved, the tensor.
 """

@@ -27,7 +27,7 @@ What is saved, everything the next step reads:
     step        RL steps completed
 Rollout sampling is seeded from (rl.seed, step) and the engine never touches the global RNG, so
 with these the resumed run draws the same prompts, samples the same tokens and takes the same
-optimizer steps as an uninterrupted run (tests/unit/test_checkpoint.py checks it bitwise).
+optimizer steps as an uninterrupted run (tests/rl/test_checkpoint.py checks it bitwise).
 """
 from __future__ import annotations
 

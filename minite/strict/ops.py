@@ -31,12 +31,12 @@ softmax or reduction kernels.
 
 On CUDA, BF16/FP16 GEMMs take one exception: `minite.strict.triton_gemm.matmul_fixed_k`, a Triton kernel with one constant
 tile configuration and a sequential K loop, batch invariant because every row runs the same instruction sequence
-(measured bitwise on the H200, tests/gpu) rather than by IEEE rules alone; the tree GEMM below was 4.8x slower than
+(measured bitwise on the H200 by the GPU tests) rather than by IEEE rules alone; the tree GEMM below was 4.8x slower than
 cuBLAS per decode step there.
 
 Measured on this CPU (AVX512, torch 2.13): torch's own silu on the first n elements of a tensor differed from the
 same elements computed inside the whole tensor in 29 places over n = 1..63 (vector body vs scalar tail); the
-strict versions never differ (tests/unit/test_alignment_strict.py).
+strict versions never differ (tests/strict/test_strict_ops.py).
 
 Cost. The GEMM materialises x_i * w_j products [rows, cols, K] (chunked to bounded memory) and reduces them in
 log2(K) elementwise passes: K times the memory traffic of a GEMM, fine for the tiny CPU model and for decode-size

@@ -5,7 +5,7 @@ The configuration is a constant (no autotuning, no split-K, no atomics), so ever
 same instruction sequence whatever M is: the program that holds row m differs between a decode step (M = batch)
 and a full forward (M = B*T), the arithmetic does not. docs/nvfp4.md records exactly this, measured on the H200
 (a sequential-K Triton bf16 matmul gave bitwise identical rows for M = 1, 7, 512 and for every tile shape tried);
-tests/gpu/test_strict_alignment_gpu.py checks it for this kernel at M = 1..512.
+tests/alignment/test_strict_alignment_gpu.py checks it for this kernel at M = 1..512.
 
 Why not the CPU strict GEMM on the GPU: `strict_ops.linear` materialises [M, N, K] products; at decode sizes it
 was 4.8x slower than cuBLAS per step on the H200 (docs/alignment.md), while a fixed-order tensor-core kernel costs

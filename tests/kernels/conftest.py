@@ -1,9 +1,9 @@
 """Kernel tests run the Triton kernels on the CPU through Triton's interpreter.
 
 triton.jit reads TRITON_INTERPRET when a kernel is decorated, i.e. when its module is imported; it is set here before
-this folder's test modules import minite.kernels. If an earlier test folder (tests/gpu, collected first) already
+this folder's test modules import minite.kernels. If an earlier test folder (collected first) already
 imported the kernel modules without it, they are reloaded so that their kernels are interpreted. On a machine with a
-GPU nothing changes: the same tests run compiled (tests/gpu has the real-shape versions).
+GPU nothing changes: the same tests run compiled (test_kernels_gpu.py has the real-shape versions).
 """
 import importlib
 import os

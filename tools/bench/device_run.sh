@@ -11,7 +11,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv | tee $OUT/device.txt
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" | tee -a $OUT/device.txt
 if [ "${SKIP_TESTS:-0}" != "1" ]; then
-  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/gpu tests/kernels} -rs 2>&1 | tee $OUT/tests.log | grep -E "passed|failed|FAILED|Error" | tail -25
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider ${TESTS:--m gpu tests} -rs 2>&1 | tee $OUT/tests.log | grep -E "passed|failed|FAILED|Error" | tail -25
 fi
 if [ "${SKIP_BENCH:-0}" != "1" ]; then
   timeout ${BENCH_TIMEOUT:-330} python3 tools/bench/bench_nvfp4.py --out $OUT/kernels-h200.json "$@" 2>&1 | tee $OUT/bench.log | grep -v "^  File\|^    " | tail -70

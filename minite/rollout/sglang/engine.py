@@ -31,7 +31,7 @@ reloads the last good packed weights (kept on the host) and WeightUpdateError is
 
 Environment: the engine sets SGLANG_RETURN_ORIGINAL_LOGPROB=1 (and SGLANG_USE_CPU_ENGINE=1 without a GPU) for the
 processes it starts; this is the launcher's job, done here because this class is the launcher. On a CPU-only
-machine SGLang also needs stand-ins for two CUDA-only modules it imports (tests/sglang/stubs, put on PYTHONPATH);
+machine SGLang also needs stand-ins for two CUDA-only modules it imports (tests/rollout/sglang/stubs, put on PYTHONPATH);
 they are test tooling and are not shipped.
 """
 from __future__ import annotations
@@ -83,7 +83,7 @@ def import_sglang() -> None:
         raise SGLangUnavailableError(
             f"rollout.backend=sglang cannot import sglang ({e}): install it with `bash tools/setup.sh` "
             "(sglang==0.5.23 --no-deps plus tools/sglang_requirements.txt); on a CPU-only machine also put "
-            "tests/sglang/stubs on PYTHONPATH (stand-ins for torchvision and sgl_kernel)") from e
+            "tests/rollout/sglang/stubs on PYTHONPATH (stand-ins for torchvision and sgl_kernel)") from e
 
 
 def default_engine_args(device: str) -> dict:

@@ -1,0 +1,152 @@
+"""Triton W4A4 GEMMs vs the reference (within the fp32-accumulation bound), and bitwise among kernel paths.
+
+Runs under TRITON_INTERPRET=1 on the CPU (conftest.py) at small shapes; tests/kernels/test_kernels_gpu.py repeats it at real shapes.
+Bitwise among paths: packed vs block-value operands, M=1 vs a batch, grouped vs dense, tile shapes at fixed BLOCK_K.
+"""
+import pytest
+import torch
+
+from minite.nvfp4 import gemm, grouped_gemm_reference, gemm_reference, quantize_reference, row_slice
+from minite.kernels.nvfp4_gemm import (GemmConfig, gemm_triton, grouped_gemm_triton, kgrouped_gemm_triton,
+                                       stack_expert_weights)
+from minite.kernels.nvfp4_quant import quantize_with_values_triton
+from tests.tolerances import TOLERANCES
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ATOL = TOLERANCES["nvfp4_gemm_fp32_acc"][0] if DEVICE == "cpu" else TOLERANCES["nvfp4_gemm_tensorcore_acc"][0]
+TINY = TOLERANCES["fp32_subnormal_floor"][0]
+
+
+def _q(x, block=(1, 16), scope="row", rounding="nearest", rht=False, seed=11):
+    return quantize_reference(x, block=block, scale_scope=scope, rounding=rounding, seed=seed, rht=rht)
+
+
+def _bound(a, b):
+    """sum_k |a_k b_k| * |alpha| per output element (alpha = amax_a amax_b / 2688^2), in float64."""
+    mag = a.block_values(torch.float64).abs() @ b.block_values(torch.float64).abs().t()
+    ga = a.amax.double()[:, None] if a.per_row else a.amax.double()
+    gb = b.amax.double()[None, :] if b.per_row else b.amax.double()
+    return mag * (ga * gb).abs() / 2688.0 ** 2
+
+
+def _assert_close_to_reference(out, ref, bound):
+    err = (out.double() - ref.double()).abs()
+    assert torch.all(err <= ATOL * bound + TINY), f"max err/bound {(err / (bound + TINY)).max().item()}"
+
+
+def _weights(n, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    return _q(torch.randn(n, k, generator=g).to(DEVICE), block=(16, 16), scope="tensor")
+
+
+@pytest.mark.parametrize("a_scope", ["row", "tensor"])
+@pytest.mark.parametrize("m,n,k", [(1, 32, 64), (20, 48, 96), (33, 16, 160)])
+def test_dense_matches_reference(m, n, k, a_scope):
+    torch.manual_seed(m + n + k)
+    a = _q((torch.randn(m, k) * 3).to(DEVICE), scope=a_scope)
+    b = _weights(n, k, 0)
+    out = gemm_triton(a, b, torch.float32)
+    _assert_close_to_reference(out, gemm_reference(a, b), _bound(a, b))
+    assert torch.equal(gemm_triton(a, b, torch.bfloat16), out.to(torch.bfloat16))
+
+
+def test_packed_and_block_value_operands_bitwise():
+    torch.manual_seed(1)
+    x = torch.randn(20, 96, device=DEVICE)
+    a, a_vals = quantize_with_values_triton(x, (1, 16), "row", "nearest", None, False)
+    b = _weights(48, 96, 1)
+    packed = gemm_triton(a, b)
+    assert torch.equal(packed, gemm_triton(a, b, a_values=a_vals))
+    assert torch.equal(packed, gemm_triton(a, b, a_values=a_vals, b_values=b.block_values(torch.float16)))
+
+
+def test_row_output_is_batch_invariant():
+    torch.manual_seed(2)
+    x = torch.randn(40, 128, device=DEVICE)
+    b = _weights(32, 128, 2)
+    full = gemm_triton(_q(x), b)
+    for i in (0, 17, 39):
+        assert torch.equal(gemm_triton(_q(x[i:i + 1]), b), full[i:i + 1])
+    assert torch.equal(gemm_triton(_q(x[5:12]), b), full[5:12])
+
+
+def test_tile_shapes_at_fixed_block_k_bitwise():
+    torch.manual_seed(3)
+    a = _q(torch.randn(40, 128, device=DEVICE))
+    b = _weights(64, 128, 3)
+    base = gemm_triton(a, b, config=GemmConfig(16, 32, 64, 4, 1))
+    for cfg in (GemmConfig(32, 16, 64, 4, 1), GemmConfig(64, 64, 64, 4, 1)):
+        assert torch.equal(gemm_triton(a, b, config=cfg), base)
+
+
+def test_swapped_operands_match_reference():
+    """swap_ab computes out^T = b @ a^T; on the CPU only closeness is checked (bitwise is a question for the GPU tests)."""
+    torch.manual_seed(9)
+    a = _q(torch.randn(5, 128, device=DEVICE))
+    b = _weights(64, 128, 9)
+    out = gemm_triton(a, b, config=GemmConfig(16, 32, 64, 4, 1, swap_ab=True))
+    _assert_close_to_reference(out, gemm_reference(a, b), _bound(a, b))
+
+
+@pytest.mark.parametrize("tokens", [[7, 0, 13], [0, 0, 5], [16, 16, 16], [1, 2, 0]])
+def test_grouped_matches_reference_and_dense(tokens):
+    torch.manual_seed(sum(tokens))
+    t, n, k = sum(tokens), 32, 64
+    a = _q(torch.randn(t, k, device=DEVICE))
+    ws = [_weights(n, k, 10 + e) for e in range(len(tokens))]
+    out = grouped_gemm_triton(a, ws, tokens)
+    ref = grouped_gemm_reference(a, ws, tokens)
+    start = 0
+    for e, c in enumerate(tokens):
+        if c:
+            sl = row_slice(a, start, start + c)
+            _assert_close_to_reference(out[start:start + c], ref[start:start + c], _bound(sl, ws[e]))
+            assert torch.equal(out[start:start + c], gemm_triton(sl, ws[e]))
+        start += c
+    stacked = stack_expert_weights(ws, values=True)
+    assert torch.equal(grouped_gemm_triton(a, stacked, torch.tensor(tokens)), out)
+
+
+def test_grouped_decode_rows_match_training_batch():
+    """One token per expert (decode) gives the rows the same tokens get inside a larger grouped batch."""
+    torch.manual_seed(4)
+    e, n, k = 4, 32, 64
+    ws = stack_expert_weights([_weights(n, k, 20 + i) for i in range(e)])
+    tokens = [5, 3, 6, 2]
+    x = torch.randn(sum(tokens), k, device=DEVICE)
+    big = grouped_gemm_triton(_q(x), ws, tokens)
+    firsts = [0, 5, 8, 14]
+    small = grouped_gemm_triton(_q(x[firsts]), ws, [1, 1, 1, 1])
+    assert torch.equal(small, big[firsts])
+
+
+@pytest.mark.parametrize("tokens", [[16, 0, 48], [32, 32]])
+def test_wgrad_grouped_over_k_matches_reference(tokens):
+    torch.manual_seed(5)
+    t, n, k = sum(tokens), 32, 48
+    dy, x = torch.randn(t, n, device=DEVICE), torch.randn(t, k, device=DEVICE)
+    a = _q(dy.t().contiguous(), scope="tensor", rounding="stochastic", rht=True)
+    b = _q(x.t().contiguous(), scope="tensor", rht=True)
+    out = kgrouped_gemm_triton(a, b, tokens)
+    start = 0
+    for e, c in enumerate(tokens):
+        ae = _q_slice_cols(a, start, start + c)
+        be = _q_slice_cols(b, start, start + c)
+        if c:
+            _assert_close_to_reference(out[e], gemm_reference(ae, be), _bound(ae, be))
+        else:
+            assert torch.equal(out[e], torch.zeros_like(out[e]))
+        start += c
+
+
+def _q_slice_cols(t, s, e):
+    from minite.nvfp4 import NVFP4Tensor
+    return NVFP4Tensor(t.data[:, s // 2:e // 2].contiguous(), t.scale[:, s // 16:e // 16].contiguous(),
+                       t.global_scale, (t.shape[0], e - s), t.block, amax=t.amax)
+
+
+def test_public_gemm_dispatches_to_triton():
+    torch.manual_seed(6)
+    a = _q(torch.randn(8, 64, device=DEVICE))
+    b = _weights(16, 64, 6)
+    assert torch.equal(gemm(a, b, backend="triton"), gemm_triton(a, b))

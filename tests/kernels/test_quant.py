@@ -1,0 +1,155 @@
+"""Triton NVFP4 quantisation vs the reference: bitwise (atol=0) on random, boundary, zero and max inputs.
+
+Runs under TRITON_INTERPRET=1 on the CPU (conftest.py) at small shapes; tests/kernels/test_kernels_gpu.py repeats it at real shapes.
+"""
+import itertools
+
+import pytest
+import torch
+
+from minite.nvfp4 import apply_rht, quantize, quantize_reference
+from minite.kernels import nvfp4_quant
+from minite.kernels.nvfp4_quant import quantize_triton, quantize_with_values_triton
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CONFIGS = [
+    (block, scope, rounding, rht)
+    for block, scope, rounding, rht in itertools.product(
+        [(1, 16), (16, 16)], ["tensor", "row"], ["nearest", "stochastic"], [False, True])
+    if not (scope == "row" and block == (16, 16))
+]
+
+
+def _ids(cfg):
+    block, scope, rounding, rht = cfg
+    return f"{block[0]}x{block[1]}-{scope}-{rounding}-{'rht' if rht else 'plain'}"
+
+
+def _check(x, block, scope, rounding, rht, seed=1234):
+    ref = quantize_reference(x, block=block, scale_scope=scope, rounding=rounding, seed=seed, rht=rht)
+    out = quantize_triton(x, block, scope, rounding, seed, rht)
+    assert out.shape == ref.shape and out.block == ref.block
+    assert torch.equal(out.data, ref.data), f"codes differ at {(out.data != ref.data).nonzero()[:5].tolist()}"
+    assert torch.equal(out.scale.view(torch.uint8), ref.scale.view(torch.uint8)), "block scales differ"
+    assert torch.equal(out.global_scale.view(torch.int32), ref.global_scale.view(torch.int32)), "global scales"
+    assert out.equal(ref)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=_ids)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_random_inputs_bitwise(cfg, dtype):
+    torch.manual_seed(0)
+    x = (torch.randn(32, 80) * torch.logspace(-3, 3, 80)).to(dtype).to(DEVICE)
+    _check(x, *cfg)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=_ids)
+def test_boundary_zero_and_signed_zero_bitwise(cfg):
+    """Exact E2M1 ties (multiplier 1), saturation, a zero block, -0.0 and E4M3-subnormal block scales."""
+    vals = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, -6.0]
+    x = torch.zeros(16, 64)
+    x[:, 0] = 10.5  # block 0: amax 10.5 -> S_enc = 256, S_dec = 2^-8 exactly; block 1: multiplier 1, exact ties
+    x[:, 16:32] = torch.tensor(vals)
+    x[:, 32:48] = 0.0
+    x[::2, 33] = -0.0
+    x[:, 48:64] = torch.linspace(-1e-3, 1e-3, 16)  # tiny next to 10.5: E4M3 subnormal block scales
+    x[3] = 0.0  # an all-zero row (row scope: amax 0 -> S_enc 1)
+    x[5] = -0.0
+    _check(x.to(DEVICE), *cfg)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=_ids)
+def test_extreme_magnitudes_bitwise(cfg):
+    torch.manual_seed(1)
+    x = torch.randn(16, 32)
+    x[0, 0] = 3.0e38  # near FLT_MAX: S_enc ~ 9e-36
+    x[1] = torch.randn(32) * 1e-40  # subnormal fp32 amax: S_enc clamps to FLT_MAX
+    x[2] = 448.0 * 6
+    _check(x.to(DEVICE), *cfg)
+
+
+def test_all_zero_tensor_bitwise():
+    for cfg in CONFIGS:
+        _check(torch.zeros(16, 32, device=DEVICE), *cfg)
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("rht", [False, True])
+def test_row_scope_two_pass_path(monkeypatch, rounding, rht):
+    """Rows longer than one program's tile: amax loop, then quantisation loop."""
+    monkeypatch.setattr(nvfp4_quant, "MAX_SINGLE_PASS_COLS", 32)
+    torch.manual_seed(2)
+    _check(torch.randn(5, 96, device=DEVICE), (1, 16), "row", rounding, rht)
+
+
+def test_strided_input_columnwise():
+    """wgrad operands quantise x^T, a transposed view, without a copy."""
+    torch.manual_seed(3)
+    x = torch.randn(48, 32, device=DEVICE)
+    for rounding, rht in [("nearest", True), ("stochastic", True), ("nearest", False)]:
+        ref = quantize_reference(x.t().contiguous(), block=(1, 16), scale_scope="tensor", rounding=rounding,
+                                 seed=7, rht=rht)
+        assert quantize_triton(x.t(), (1, 16), "tensor", rounding, 7, rht).equal(ref)
+
+
+def test_stochastic_rounding_depends_on_seed_only():
+    torch.manual_seed(4)
+    x = torch.randn(16, 64, device=DEVICE)
+    a = quantize_triton(x, (1, 16), "tensor", "stochastic", 1, False)
+    b = quantize_triton(x, (1, 16), "tensor", "stochastic", 1, False)
+    c = quantize_triton(x, (1, 16), "tensor", "stochastic", 2, False)
+    assert a.equal(b) and not torch.equal(a.data, c.data)
+    _check(x, (1, 16), "tensor", "stochastic", False, seed=2**32 - 1)
+
+
+@pytest.mark.parametrize("values_dtype", [torch.float16, torch.bfloat16])
+def test_block_values_output_is_exact(values_dtype):
+    torch.manual_seed(5)
+    x = torch.randn(8, 48, device=DEVICE).to(torch.bfloat16)
+    q, vals = quantize_with_values_triton(x, (1, 16), "row", "nearest", None, False, values_dtype=values_dtype)
+    assert q.equal(quantize_reference(x, block=(1, 16), scale_scope="row", rounding="nearest", seed=None, rht=False))
+    assert torch.equal(vals, q.block_values(values_dtype))
+
+
+def test_row_quantisation_is_batch_invariant():
+    torch.manual_seed(6)
+    x = torch.randn(24, 64, device=DEVICE)
+    full = quantize_triton(x, (1, 16), "row", "nearest", None, False)
+    one = quantize_triton(x[7:8], (1, 16), "row", "nearest", None, False)
+    assert torch.equal(one.data, full.data[7:8]) and torch.equal(one.global_scale, full.global_scale[7:8])
+
+
+def test_public_quantize_dispatches_to_triton():
+    torch.manual_seed(7)
+    x = torch.randn(16, 32, device=DEVICE)
+    got = quantize(x, block=(16, 16), scale_scope="tensor", backend="triton")
+    assert got.equal(quantize(x, block=(16, 16), scale_scope="tensor", backend="reference"))
+
+
+@pytest.mark.parametrize("vec2d", [True, False])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=_ids)
+def test_addressing_variants_bitwise(monkeypatch, cfg, vec2d):
+    """2-D loads + reshape vs 4-D addressing, and the tile size, are speed knobs only: same bits."""
+    for kind in ("plain", "values", "rht"):
+        monkeypatch.setitem(nvfp4_quant.TUNING, kind, {"elems": 256, "warps": 2, "vec2d": vec2d})
+    torch.manual_seed(8)
+    _check(torch.randn(16, 48, device=DEVICE), *cfg)
+
+
+@pytest.mark.parametrize("scope,cols,rht", [("row", 64, False), ("row", 64, True), ("row", 8208, False),
+                                            ("tensor", 64, False), ("tensor", 64, True)])
+def test_given_global_amax_bitwise_reference(scope, cols, rht):
+    """quantize(..., global_amax=g) (the tensor-parallel seam): the Triton kernel reads g instead of computing the
+    amax, bitwise equal to the reference; g = x's own amax reproduces the plain quantisation."""
+    torch.manual_seed(0)
+    x = torch.randn(3, cols) * 4
+    seen = apply_rht(x) if rht else x
+    own = seen.abs().amax(dim=1) if scope == "row" else seen.abs().amax()
+    for g in (own, own * 3.0):
+        ref = quantize(x, scale_scope=scope, rht=rht, global_amax=g, backend="reference")
+        tri = quantize(x, scale_scope=scope, rht=rht, global_amax=g, backend="triton")
+        assert tri.equal(ref)
+    assert quantize(x, scale_scope=scope, rht=rht, global_amax=own, backend="triton").equal(
+        quantize(x, scale_scope=scope, rht=rht, backend="triton"))
+    with pytest.raises(ValueError, match="global_amax"):
+        quantize(x, scale_scope=scope, global_amax=torch.ones(5))

@@ -1,0 +1,147 @@
+"""Resume as a user sees it: a corrupt newest checkpoint is named and skipped (or stops the run when asked for by
+name), metrics.jsonl and TensorBoard hold each step once after a resume, warm-up steps have their own tags, and a
+resumed run saves exactly the bytes-for-bytes state of an uninterrupted one (RNG states included).
+
+The loop runs over the stand-in policy of test_checkpoint.py (seconds per run); tests/rl/test_rl_step.py and tests/rl/test_checkpoint_resume.py
+run the real Learner."""
+import json
+import logging
+import random
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from minite.rl import checkpoint as ckpt
+from minite.rl import loop
+from tests.rl.test_checkpoint import StandInEngine, StandInLearner, _cfg
+
+
+def _train(cfg):
+    run = loop.setup(cfg, learner_factory=StandInLearner, engine_factory=StandInEngine)
+    try:
+        while run.step < cfg.rl.steps:
+            loop.rl_step(run)
+    finally:
+        if run.logger is not None:
+            run.logger.close()
+    return run
+
+
+def _rows(logdir):
+    return [json.loads(line) for line in (logdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _tb(logdir, tag):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(logdir))
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def _flip_byte(file):
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+def _same(a, b, where="state"):
+    """Exact equality of two nested checkpoint states (tensors bitwise)."""
+    assert type(a) is type(b), where
+    if torch.is_tensor(a):
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def _scramble_global_rng(seed):
+    """A later process starts from unrelated global generators."""
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def test_corrupt_newest_checkpoint_falls_back_with_a_warning(tmp_path, caplog):
+    ck = {"checkpoint.dir": str(tmp_path / "ck"), "checkpoint.every": 1, "checkpoint.keep": 0}
+    straight = _train(_cfg(tmp_path / "a", 3))
+    _train(_cfg(tmp_path / "b", 2, **ck))
+    _flip_byte(tmp_path / "ck" / "step_000002" / "state.pt")
+    with caplog.at_level(logging.WARNING, logger="minite.rl.loop"):
+        resumed = _train(_cfg(tmp_path / "c", 3, **ck))
+    assert "step_000002" in caplog.text and "corrupt" in caplog.text
+    assert [h["step"] for h in resumed.history] == [2, 3]  # from step_000001, the newest intact one
+    assert [h["loss/policy"] for h in straight.history[1:]] == [h["loss/policy"] for h in resumed.history]
+    shutil.rmtree(tmp_path / "ck" / "step_000003")  # the resumed run re-saved steps 2 and 3 intact
+    _flip_byte(tmp_path / "ck" / "step_000002" / "state.pt")
+    _flip_byte(tmp_path / "ck" / "step_000001" / "state.pt")
+    with pytest.raises(ckpt.CheckpointError, match=r"no intact checkpoint in .*ck \(2 corrupt or incomplete\)"):
+        _train(_cfg(tmp_path / "c", 3, **ck))
+    explicit = {**ck, "checkpoint.resume_from": str(tmp_path / "ck" / "step_000001")}
+    with pytest.raises(ckpt.CheckpointError, match="step_000001/state.pt is corrupt"):
+        _train(_cfg(tmp_path / "d", 3, **explicit))
+
+
+def test_half_written_checkpoint_is_never_taken(tmp_path):
+    ck = {"checkpoint.dir": str(tmp_path / "ck"), "checkpoint.every": 1, "checkpoint.keep": 0}
+    _train(_cfg(tmp_path / "b", 1, **ck))
+    partial = tmp_path / "ck" / "step_000002"  # as if renamed by hand without its manifest
+    partial.mkdir()
+    shutil.copy(tmp_path / "ck" / "step_000001" / "state.pt", partial / "state.pt")
+    resumed = _train(_cfg(tmp_path / "c", 2, **ck))
+    assert [h["step"] for h in resumed.history] == [2]
+
+
+def test_metrics_and_tensorboard_hold_each_step_once_after_a_resume(tmp_path):
+    logs = {"logging.tensorboard": True}
+    straight = _train(_cfg(tmp_path / "a", 4, **logs))
+    ck = {"checkpoint.dir": str(tmp_path / "ck"), "checkpoint.every": 2, "checkpoint.keep": 0}
+    _train(_cfg(tmp_path / "b", 4, **ck, **logs))
+    shutil.rmtree(tmp_path / "ck" / "step_000004")  # the run "died" after logging steps 3, 4 but before saving 4
+    with open(tmp_path / "b" / "logs" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "rew')  # ... and was killed in the middle of writing a row
+    _scramble_global_rng(4321)
+    _train(_cfg(tmp_path / "b", 4, **ck, **logs))
+    _train(_cfg(tmp_path / "b", 4, **ck, **logs))  # nothing to do: adds neither rows nor an event file
+    a, b = _rows(tmp_path / "a" / "logs"), _rows(tmp_path / "b" / "logs")
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    keys = ("reward/mean", "loss/policy", "kl/ref", "mismatch/logp_abs_mean")
+    assert [[r[k] for k in keys] for r in a] == [[r[k] for k in keys] for r in b]
+    assert [h["reward/mean"] for h in straight.history] == [r["reward/mean"] for r in b]
+    events = sorted((tmp_path / "b" / "logs").glob("events.out.tfevents.*"))
+    assert len(events) == 2  # the first run's and the resumed run's; the no-op run wrote none
+    tb = _tb(tmp_path / "b" / "logs", "reward/mean")
+    assert [s for s, _ in tb] == [1, 2, 3, 4]  # purge_step dropped the first run's steps 3, 4
+    assert [v for _, v in tb] == [v for _, v in _tb(tmp_path / "a" / "logs", "reward/mean")]
+
+
+def test_warmup_steps_are_logged_under_their_own_tags(tmp_path):
+    _train(_cfg(tmp_path / "a", 1, **{"logging.tensorboard": True, "rl.warmup_steps": 3}))
+    logdir = tmp_path / "a" / "logs"
+    rows = [json.loads(line) for line in (logdir / "warmup.jsonl").read_text().splitlines()]
+    assert [r["warmup_step"] for r in rows] == [1, 2, 3] and all("warmup/nll" in r for r in rows)
+    assert [s for s, _ in _tb(logdir / "warmup", "warmup/nll")] == [1, 2, 3]
+    # TensorBoard stores float32: the same values, rounded once
+    assert [v for _, v in _tb(logdir / "warmup", "warmup/nll")] == [float(np.float32(r["warmup/nll"])) for r in rows]
+    assert [r["step"] for r in _rows(logdir)] == [1]
+
+
+def test_resumed_run_saves_exactly_what_the_uninterrupted_run_saves(tmp_path):
+    every = {"checkpoint.every": 2, "checkpoint.keep": 0}
+    _scramble_global_rng(1)
+    _train(_cfg(tmp_path / "a", 4, **{"checkpoint.dir": str(tmp_path / "cka"), **every}))
+    _scramble_global_rng(2)
+    _train(_cfg(tmp_path / "b", 2, **{"checkpoint.dir": str(tmp_path / "ckb"), **every}))
+    _scramble_global_rng(3)
+    _train(_cfg(tmp_path / "b", 4, **{"checkpoint.dir": str(tmp_path / "ckb"), **every}))
+    a = ckpt.load_checkpoint(tmp_path / "cka" / "step_000004")
+    b = ckpt.load_checkpoint(tmp_path / "ckb" / "step_000004")
+    _same(a, b)

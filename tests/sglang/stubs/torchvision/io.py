@@ -1,4 +1,0 @@
-"""CPU TEST STAND-IN (tests/sglang/stubs/README.md)."""
-from torchvision import make_getattr
-
-__getattr__ = make_getattr(__name__)
