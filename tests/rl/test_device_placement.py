@@ -1,7 +1,8 @@
-"""The RL loop's tensors meet the learner's on the learner's device (an H200 run failed with cuda:0 vs cpu in the
-warm-up loss). No GPU here: the learner's log-probs are FakeTensors on a fake cuda:0 (torch's FakeTensorMode
-checks device propagation exactly as CUDA does and raises the same "Expected all tensors to be on the same device"
-error), while the loop builds its batch on the host as it does on a real machine."""
+"""The RL loop's tensors meet the learner's on the learner's device: on a GPU the learner's log-probs live on cuda:0
+while the loop builds its batch on the host, and an op mixing the two raises. No GPU here: the learner's log-probs
+are FakeTensors on a fake cuda:0 (torch's FakeTensorMode checks device propagation as CUDA does and raises the same
+"Expected all tensors to be on the same device" error), while the loop builds its batch on the host as it does on a
+real machine."""
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -26,7 +27,7 @@ def fake_cuda():
 def test_fake_cuda_catches_a_host_tensor(fake_cuda):
     logp = torch.zeros(2, 3, device="cuda")
     with pytest.raises(RuntimeError, match="same device"):
-        (logp * torch.ones(2, 3)).sum()  # the trap works: the unfixed warm-up loss failed exactly so
+        (logp * torch.ones(2, 3)).sum()  # the trap raises what CUDA raises for a host tensor in the loss
 
 
 def test_grpo_loss_runs_on_the_log_probs_device(fake_cuda):
