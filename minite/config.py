@@ -457,7 +457,7 @@ def to_dict(cfg) -> dict:
 def config_from_args(args) -> Config:
     """load_config for a command's parsed arguments (minite.cli_args.add_config_arguments); ConfigError for a
     missing or doubled config argument."""
-    given = [p for p in (args.config, args.config_option) if p is not None]
+    given = [p for p in (args.config, getattr(args, "config_option", None)) if p is not None]  # callers' namespaces
     if not given:
         raise ConfigError("no config given: name a YAML file, e.g. examples/tiny/nvfp4.yaml")
     if len(given) == 2 and given[0] != given[1]:
