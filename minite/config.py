@@ -264,8 +264,9 @@ def check_model_shape(shape, cfg: "Config") -> None:
     bf16 = set(cfg.precision.recipe.bf16_modules)
     dims = [("hidden_size", shape.hidden_size)]
     if "attention_linears" not in bf16:
-        dims += [("num_attention_heads x head_dim / parallel.tp", shape.num_attention_heads * shape.head_dim // tp),
-                 ("num_query_groups x head_dim / parallel.tp", shape.num_query_groups * shape.head_dim // tp)]
+        qkv_rows = (shape.num_attention_heads + 2 * shape.num_query_groups) * shape.head_dim // tp  # fused q, k, v
+        dims += [("(num_attention_heads + 2 x num_query_groups) x head_dim / parallel.tp", qkv_rows),
+                 ("num_attention_heads x head_dim / parallel.tp", shape.num_attention_heads * shape.head_dim // tp)]
     if "experts" not in bf16:
         dims.append(("moe_ffn_hidden_size", shape.moe_ffn_hidden_size))
     if "mlp" not in bf16 and shape.shared_expert_intermediate_size:
@@ -456,7 +457,7 @@ def to_dict(cfg) -> dict:
 def config_from_args(args) -> Config:
     """load_config for a command's parsed arguments (minite.cli_args.add_config_arguments); ConfigError for a
     missing or doubled config argument."""
-    given = [p for p in (args.config, args.config_option) if p is not None]
+    given = [p for p in (args.config, getattr(args, "config_option", None)) if p is not None]  # callers' namespaces
     if not given:
         raise ConfigError("no config given: name a YAML file, e.g. examples/tiny/nvfp4.yaml")
     if len(given) == 2 and given[0] != given[1]:

@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     check_paths(cfg)
     attach_log_file(Path(cfg.logging.dir) / "diagnose.log")
     params = DiagnoseParams(num_prompts=args.prompts, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                            max_prompt_len=args.max_prompt_len)
+                            max_prompt_len=getattr(args, "max_prompt_len", 9))  # namespaces built by callers
     report = run_diagnose(cfg, b=args.b, params=params)
     print(format_report(report))
     if args.json_out:

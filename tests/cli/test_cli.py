@@ -23,7 +23,7 @@ TINY = ["rl.prompts_per_step=2", "rollout.group_size=2", "rl.warmup_steps=0", "r
 
 
 def minite(*args, cwd, env=None, timeout=300):
-    full_env = {k: v for k, v in os.environ.items() if k != "MINITE_DEBUG"}
+    full_env = {k: v for k, v in os.environ.items() if k not in ("MINITE_DEBUG", "PYTHONWARNINGS")}
     full_env.update({"OMP_NUM_THREADS": "1", **(env or {})})
     return subprocess.run([MINITE, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
 

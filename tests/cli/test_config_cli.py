@@ -91,7 +91,8 @@ def test_override_errors_blame_the_command_line(tmp_path):
 
 def test_shape_constraints_are_checked_at_load():
     for sets, match in [(["model.hidden_size=40"], "hidden_size = 40 is not a multiple of 16"),
-                        (["model.head_dim=12", "model.num_attention_heads=4"], "head_dim.* = 48|= 24"),
+                        (["model.head_dim=4", "model.num_query_groups=1"], r"num_query_groups\) x head_dim .* = 24 "),
+                        (["model.head_dim=10"], r"num_attention_heads x head_dim / parallel.tp = 40 "),
                         (["model.moe_ffn_hidden_size=24"], "moe_ffn_hidden_size = 24"),
                         (["parallel.tp=3"], r"num_attention_heads=4 is not divisible by parallel.tp=3"),
                         (["parallel.ep=3"], r"num_experts=4 is not divisible by parallel.ep=3")]:

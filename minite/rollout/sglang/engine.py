@@ -112,9 +112,6 @@ class SGLangEngine(RolloutEngine):
         os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
         if device == "cpu":
             os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
-        # the scheduler process imports Megatron-Core and SGLang's CUDA-only quantization modules, whose import-time
-        # UserWarnings would print on the terminal (this process sends its own to the run's log file)
-        os.environ.setdefault("PYTHONWARNINGS", "ignore::UserWarning")
         self.model_dir, self._owns_dir = model_dir, owns_dir
         self.hf_config, self.recipe, self._expected = hf_config, recipe, dict(expected)
         self._last_good = initial_packed
@@ -276,14 +273,22 @@ def _result(r) -> Tuple[bool, str]:
 
 def _start_engine(model_dir: str, args: dict):
     """sglang.Engine, keeping this process's logging: the Engine calls logging.basicConfig(force=True), which would
-    replace the root handlers (the command's terminal filter and its log file, minite.console)."""
+    replace the root handlers (the command's terminal filter and its log file, minite.console). Its scheduler
+    process starts with PYTHONWARNINGS=ignore::UserWarning unless the variable is set: it imports Megatron-Core and
+    SGLang's CUDA-only quantization modules, whose import-time UserWarnings would print on the terminal (this process
+    sends its own to the run's log file); the variable is set only while the engine starts."""
     import sglang
 
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
+    warnings_env = os.environ.get("PYTHONWARNINGS")
+    if warnings_env is None:
+        os.environ["PYTHONWARNINGS"] = "ignore::UserWarning"
     try:
         return sglang.Engine(model_path=model_dir, **args)
     finally:
+        if warnings_env is None:
+            os.environ.pop("PYTHONWARNINGS", None)
         for h in list(root.handlers):
             if h not in handlers:
                 root.removeHandler(h)
