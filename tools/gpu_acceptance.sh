@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# The GPU acceptance runs in one device call, stage by stage, each under its own time limit, every log in $OUT and a
+# one-line result per stage at the end (the numbers a closing note cites come from these logs).
+#   STAGES="tests dist diagnose train1 train2 bench" bash tools/gpu_acceptance.sh
+# Stages:
+#   tests     every `gpu`-marked test, plus the kernel and op-kernel tests compiled on the GPU
+#   dist      the distributed tests (`distributed` marker) over NCCL: TP/EP/DP=2 vs one GPU, checkpoint/resume, strict EP=2
+#   diagnose  strict mode on a medium model (hidden 1024, 4 layers, 32 experts): `minite diagnose --fail-above 0`
+#   train1    `minite train examples/h200/moe-nvfp4.yaml` on one GPU (TRAIN_STEPS RL steps), then its strict twin
+#   train2    `tools/launch/torchrun.sh examples/h200/moe-ep2-nvfp4.yaml` on two GPUs (EP=2)
+#   bench     tools/bench/bench_rl_step.py rows into $OUT/rl-step-h200.json (one GPU and EP=2; BF16/NVFP4, strict)
+# The device has no registry: megatron-core travels as a wheel in .whl/ (carried with the call), installed to
+# /tmp/site; kernels/ and megatron_patches/ are linked into minite/ as setup.py installs them.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+STAGES=${STAGES:-tests dist diagnose train1 train2 bench}
+TRAIN_STEPS=${TRAIN_STEPS:-60}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+  >"$OUT/pip.log" 2>&1 || { echo "wheel install failed"; cat "$OUT/pip.log"; exit 1; }
+[ -e minite/kernels ] || ln -s ../kernels minite/kernels
+[ -e minite/megatron_patches ] || ln -s ../megatron_patches minite/megatron_patches
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
+  NVSHMEM_DISABLE_NVLS=1 MINITE_COMMIT=${MINITE_COMMIT:-unknown}
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" \
+  | tee -a "$OUT/device.txt"
+MEDIUM="--set model.vocab_size=8192 --set model.hidden_size=1024 --set model.num_layers=4 --set model.num_attention_heads=16
+ --set model.num_query_groups=4 --set model.head_dim=64 --set model.num_experts=32 --set model.moe_router_topk=4
+ --set model.moe_ffn_hidden_size=512 --set model.max_position_embeddings=256"
+SUMMARY=()
+stage() {  # name, seconds, command...
+  local name=$1 limit=$2; shift 2
+  case " $STAGES " in *" $name "*) ;; *) return ;; esac
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  SUMMARY+=("$name rc=$rc $((SECONDS - t0))s: $(grep -E 'passed|failed|error|max \|logp|reward' "$OUT/$name.log" | tail -1)")
+  echo "== $name rc=$rc $((SECONDS - t0))s"; tail -n 4 "$OUT/$name.log"
+}
+rewards() {  # metrics.jsonl -> mean reward of the first and last 5 RL steps, max |gap| over all steps
+  python3 - "$1" <<'EOF'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+r = [x["reward/mean"] for x in rows]
+gap = max(x["mismatch/logp_abs_max"] for x in rows)
+print(f"steps {len(rows)}  reward first5 {sum(r[:5]) / 5:.3f}  last5 {sum(r[-5:]) / 5:.3f}  max |logp gap| {gap:.3e}"
+      f"  step_s median {sorted(x['time/step_s'] for x in rows)[len(rows) // 2]:.2f}")
+EOF
+}
+gpu_tests() {
+  python3 -m pytest -q -p no:cacheprovider -rs tests/kernels tests/ops/test_ops_kernels.py
+  local a=$?
+  python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests --ignore=tests/kernels
+  return $(( a || $? ))
+}
+stage tests 480 gpu_tests
+stage dist 300 python3 -m pytest -q -p no:cacheprovider -rs -m distributed tests/learner tests/rl tests/alignment
+stage diagnose 150 python3 -m minite.cli diagnose --config examples/tiny/nvfp4.yaml --b embedded $MEDIUM \
+  --set alignment.strict=true --json "$OUT/diagnose-strict-medium.json" --fail-above 0
+train1() {
+  python3 -m minite.cli train examples/h200/moe-nvfp4.yaml --fresh --set rl.steps="$TRAIN_STEPS" \
+    --set logging.dir=/tmp/r1 --set checkpoint.dir=/tmp/r1/ck && rewards /tmp/r1/metrics.jsonl &&
+  python3 -m minite.cli train examples/h200/moe-nvfp4.yaml --fresh --set rl.steps=8 --set alignment.strict=true \
+    --set logging.dir=/tmp/r1s --set checkpoint.dir=/tmp/r1s/ck && rewards /tmp/r1s/metrics.jsonl
+}
+stage train1 420 train1
+train2() {
+  NPROC_PER_NODE=2 LOG_DIR=/tmp/logs2 tools/launch/torchrun.sh examples/h200/moe-ep2-nvfp4.yaml --fresh \
+    --set rl.steps="$TRAIN_STEPS" --set logging.dir=/tmp/r2 --set checkpoint.dir=/tmp/r2/ck && rewards /tmp/r2/metrics.jsonl
+}
+stage train2 420 train2
+bench() {
+  local b="python3 tools/bench/bench_rl_step.py --steps 3 --skip 1 --out $OUT/rl-step-h200.json"
+  for prec in bf16 nvfp4; do
+    $b examples/h200/moe-nvfp4.yaml --set precision.mode=$prec || return 1
+    $b examples/h200/moe-nvfp4.yaml --set precision.mode=$prec --set alignment.strict=true || return 1
+    torchrun --standalone --nproc-per-node 2 tools/bench/bench_rl_step.py examples/h200/moe-ep2-nvfp4.yaml \
+      --set precision.mode=$prec --steps 3 --skip 1 --out "$OUT/rl-step-h200.json" || return 1
+  done
+  python3 tools/bench/bench_rl_step.py --render "$OUT/rl-step-h200.json"
+}
+stage bench 420 bench
+echo "== summary"; printf '%s\n' "${SUMMARY[@]}" | tee "$OUT/summary.txt"
