@@ -53,9 +53,9 @@ gpu_tests() {
   python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests --ignore=tests/kernels
   return $(( a || $? ))
 }
-stage tests 480 gpu_tests
-stage dist 300 python3 -m pytest -q -p no:cacheprovider -rs -m distributed tests/learner tests/rl tests/alignment
-stage diagnose 150 python3 -m minite.cli diagnose --config examples/tiny/nvfp4.yaml --b embedded $MEDIUM \
+stage tests ${T_TESTS:-300} gpu_tests
+stage dist ${T_DIST:-240} python3 -m pytest -q -p no:cacheprovider -rs -m distributed tests/learner tests/rl tests/alignment
+stage diagnose ${T_DIAG:-120} python3 -m minite.cli diagnose --config examples/tiny/nvfp4.yaml --b embedded $MEDIUM \
   --set alignment.strict=true --json "$OUT/diagnose-strict-medium.json" --fail-above 0
 train1() {
   python3 -m minite.cli train examples/h200/moe-nvfp4.yaml --fresh --set rl.steps="$TRAIN_STEPS" \
@@ -63,21 +63,20 @@ train1() {
   python3 -m minite.cli train examples/h200/moe-nvfp4.yaml --fresh --set rl.steps=8 --set alignment.strict=true \
     --set logging.dir=/tmp/r1s --set checkpoint.dir=/tmp/r1s/ck && rewards /tmp/r1s/metrics.jsonl
 }
-stage train1 420 train1
+stage train1 ${T_TRAIN:-300} train1
 train2() {
   NPROC_PER_NODE=2 LOG_DIR=/tmp/logs2 tools/launch/torchrun.sh examples/h200/moe-ep2-nvfp4.yaml --fresh \
     --set rl.steps="$TRAIN_STEPS" --set logging.dir=/tmp/r2 --set checkpoint.dir=/tmp/r2/ck && rewards /tmp/r2/metrics.jsonl
 }
-stage train2 420 train2
+stage train2 ${T_TRAIN:-300} train2
 bench() {
-  local b="python3 tools/bench/bench_rl_step.py --steps 3 --skip 1 --out $OUT/rl-step-h200.json"
-  for prec in bf16 nvfp4; do
-    $b examples/h200/moe-nvfp4.yaml --set precision.mode=$prec || return 1
-    $b examples/h200/moe-nvfp4.yaml --set precision.mode=$prec --set alignment.strict=true || return 1
-    torchrun --standalone --nproc-per-node 2 tools/bench/bench_rl_step.py examples/h200/moe-ep2-nvfp4.yaml \
-      --set precision.mode=$prec --steps 3 --skip 1 --out "$OUT/rl-step-h200.json" || return 1
+  local few="--set rl.warmup_steps=1 --steps 3 --skip 1 --out $OUT/rl-step-h200.json"
+  for run in "nvfp4" "bf16" "nvfp4 --set alignment.strict=true"; do
+    python3 tools/bench/bench_rl_step.py examples/h200/moe-nvfp4.yaml --set precision.mode=$run $few || return 1
   done
+  python3 -m torch.distributed.run --standalone --nproc-per-node 2 tools/bench/bench_rl_step.py \
+    examples/h200/moe-ep2-nvfp4.yaml $few || return 1
   python3 tools/bench/bench_rl_step.py --render "$OUT/rl-step-h200.json"
 }
-stage bench 420 bench
+stage bench ${T_BENCH:-300} bench
 echo "== summary"; printf '%s\n' "${SUMMARY[@]}" | tee "$OUT/summary.txt"
