@@ -32,7 +32,12 @@ stage() {  # name, seconds, command...
   local name=$1 limit=$2; shift 2
   case " $STAGES " in *" $name "*) ;; *) return ;; esac
   local t0=$SECONDS
-  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  if declare -F "$1" >/dev/null; then  # a function of this script: run it in a child bash that knows it
+    export -f "$1" rewards; export OUT TRAIN_STEPS
+    timeout "$limit" bash -c "$*" >"$OUT/$name.log" 2>&1
+  else
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  fi
   local rc=$?
   SUMMARY+=("$name rc=$rc $((SECONDS - t0))s: $(grep -E 'passed|failed|error|max \|logp|reward' "$OUT/$name.log" | tail -1)")
   echo "== $name rc=$rc $((SECONDS - t0))s"; tail -n 4 "$OUT/$name.log"
