@@ -357,21 +357,25 @@ def find_resume_state(cfg) -> dict | None:
         return ckpt.agree_load(c.resume_from)
     if not (c.dir and c.resume):
         return None
-    skipped = ckpt.checkpoints_newest_first(c.dir)
-    for path in skipped:
+    skipped: list = []  # (path, why) of the corrupt or incomplete ones newer than the one resumed from
+    for path in ckpt.checkpoints_newest_first(c.dir):
         try:
             manifest = ckpt.read_manifest(path)
         except ckpt.CheckpointError as e:
-            log.warning("skipping checkpoint %s: %s; falling back to an older one", path, e)
+            skipped.append((path, e))
             continue
         ckpt.check_layout(path, manifest, world, layout(cfg))
         try:
-            return ckpt.agree_load(path)
+            state = ckpt.agree_load(path)
         except ckpt.CheckpointError as e:
-            log.warning("skipping checkpoint %s: %s; falling back to an older one", path, e)
+            skipped.append((path, e))
+            continue
+        for bad, why in skipped:
+            log.warning("skipping checkpoint %s: %s; resuming from the older %s", bad, why, path.name)
+        return state
     if skipped:  # never restart from scratch (and overwrite the logs) over checkpoints the user may want back
-        raise ckpt.CheckpointError(f"no intact checkpoint in {c.dir} ({len(skipped)} corrupt or incomplete): "
-                                   "move them away, or start fresh with checkpoint.resume=false")
+        raise ckpt.CheckpointError(f"no intact checkpoint in {c.dir} ({len(skipped)} corrupt or incomplete; the "
+                                   f"newest: {skipped[0][1]}): move them away, or start over with --fresh")
     return None
 
 

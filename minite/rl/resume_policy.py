@@ -21,14 +21,25 @@ from minite.console import CONSOLE
 log = logging.getLogger(__name__)
 
 FROZEN = ("model.", "precision.", "parallel.")
-IGNORED = ("source", "model.init_from", "model.hf_config", "checkpoint.resume", "checkpoint.resume_from")
-"""Not compared: where the config came from, the initial weights and the shape file (the checkpoint's weights
-replace them; a path may be spelled differently from another directory), and how the checkpoint was found."""
+IGNORED = ("source", "model.init_from", "model.hf_config", "checkpoint.resume", "checkpoint.resume_from",
+           "checkpoint.dir", "logging.dir")
+"""Neither saved nor compared: where the config came from, the initial weights and the shape file (the checkpoint's
+weights replace them; a path may be spelled differently from another directory), how the checkpoint was found, and
+where the run writes. None of them is part of the run's state, so a run resumed from a copy of its checkpoints in
+another directory saves exactly what the uninterrupted run saves."""
 
 
 def config_for_checkpoint(cfg: Config) -> dict:
-    """The config as plain data (lists, numbers, strings): loadable with torch.load(weights_only=True)."""
-    return to_dict(cfg)
+    """The config as plain data (lists, numbers, strings; loadable with torch.load(weights_only=True)), without the
+    IGNORED keys."""
+    out = to_dict(cfg)
+    for key in IGNORED:
+        *parents, last = key.split(".")
+        node = out
+        for p in parents:
+            node = node.get(p, {})
+        node.pop(last, None)
+    return out
 
 
 def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:

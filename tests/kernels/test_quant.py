@@ -142,7 +142,7 @@ def test_given_global_amax_bitwise_reference(scope, cols, rht):
     """quantize(..., global_amax=g) (the tensor-parallel seam): the Triton kernel reads g instead of computing the
     amax, bitwise equal to the reference; g = x's own amax reproduces the plain quantisation."""
     torch.manual_seed(0)
-    x = torch.randn(3, cols) * 4
+    x = torch.randn(3, cols, device=DEVICE) * 4
     seen = apply_rht(x) if rht else x
     own = seen.abs().amax(dim=1) if scope == "row" else seen.abs().amax()
     for g in (own, own * 3.0):

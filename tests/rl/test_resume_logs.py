@@ -19,7 +19,8 @@ from tests.rl.test_checkpoint import StandInEngine, StandInLearner, _cfg
 
 
 def _train(cfg):
-    run = loop.setup(cfg, learner_factory=StandInLearner, engine_factory=StandInEngine)
+    run = loop.setup(cfg, learner_factory=StandInLearner, engine_factory=StandInEngine,
+                     reference_factory=StandInLearner)
     try:
         while run.step < cfg.rl.steps:
             loop.rl_step(run)
@@ -83,7 +84,9 @@ def test_corrupt_newest_checkpoint_falls_back_with_a_warning(tmp_path, caplog):
     shutil.rmtree(tmp_path / "ck" / "step_000003")  # the resumed run re-saved steps 2 and 3 intact
     _flip_byte(tmp_path / "ck" / "step_000002" / "state.pt")
     _flip_byte(tmp_path / "ck" / "step_000001" / "state.pt")
-    with pytest.raises(ckpt.CheckpointError, match=r"no intact checkpoint in .*ck \(2 corrupt or incomplete\)"):
+    with pytest.raises(ckpt.CheckpointError,
+                       match=r"no intact checkpoint in .*ck \(2 corrupt or incomplete; the newest: .*step_000002/state.pt "
+                             r"is corrupt"):
         _train(_cfg(tmp_path / "c", 3, **ck))
     explicit = {**ck, "checkpoint.resume_from": str(tmp_path / "ck" / "step_000001")}
     with pytest.raises(ckpt.CheckpointError, match="step_000001/state.pt is corrupt"):

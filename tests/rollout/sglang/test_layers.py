@@ -26,7 +26,7 @@ HF_CFG = {"num_attention_heads": HEADS, "num_key_value_heads": GROUPS, "head_dim
 @pytest.fixture(scope="module")
 def sgl_world(tmp_path_factory):
     """SGLang's process context and a gloo world of size 1 (what its scheduler sets up before building a model)."""
-    from minite.rollout.sglang.common import register
+    from minite.rollout.sglang.plugin import register
 
     register()
     from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
