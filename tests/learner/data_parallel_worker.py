@@ -109,7 +109,7 @@ def run(tp, ep):
     rows = learner.local_rows(tokens.shape[0])
     replay_gaps = replay_check(learner, tokens) if tp == ep == 1 and ps.get_data_parallel_world_size() > 1 else None
     out = {"steps": steps, "logp0": old.cpu().tolist(), "rows": [rows.start, rows.stop], "forwards": len(seen),
-           "saw_only_its_rows": all(torch.equal(t, tokens[rows.start:rows.stop]) for t in seen),
+           "saw_only_its_rows": all(torch.equal(t.cpu(), tokens[rows.start:rows.stop]) for t in seen),
            "odd_rows_error": odd_rows_error, "replay_gaps": replay_gaps, "dp": ps.get_data_parallel_world_size(),
            "local_experts": learner.model.decoder.layers[0].mlp.experts.num_local_experts}
     if dist.get_world_size() == 1:  # what a per-rank token mean averaged over 2 ranks would have given at step 0

@@ -71,6 +71,10 @@ def device_name() -> str:
 
 
 def commit() -> str:
+    """MINITE_COMMIT when the launcher sets it (a device's copy of the tree may carry stale git metadata), else
+    git's HEAD."""
+    if os.environ.get("MINITE_COMMIT"):
+        return os.environ["MINITE_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=Path(__file__).resolve().parent, check=True).stdout.strip()
