@@ -378,11 +378,11 @@ def seed_mix(seed: int) -> int:
 # 8192 elements, 1142 us (2048: 1858 us).
 #   elems: fp32 elements one program holds; warps: None = 8 if elems >= 8192 else 4; vec2d: 2-D row loads/stores
 #   (16-byte vectors) reshaped to the 4-D view, else 4-D addressing.
-# "colmajor" (transposed views, tensor scope: tall tiles) and "stack" (expert-weight stacks, 16x16 blocks) were chosen
-# by the coalescing argument; the H200 sweep at e671445 (`bench_nvfp4.py --sections segments`, docs/benchmarks.md)
-# measured the stack at 2282 us with these settings and 2004 us with 4 warps, and x^T with RHT at 2.99-3.14 ms for
-# every tall-tile setting, while the single-tensor column-wise RHT+SR quantisation with 8 x 1024 tiles took 1142 us in
-# an earlier run. Changing them is the next step; the learner numbers in docs/benchmarks.md use these.
+# "colmajor" (transposed views, tensor scope: tall tiles) and "stack" (expert-weight stacks, 16x16 blocks) follow the
+# coalescing argument, not a measured optimum: the H200 segments sweep (`bench_nvfp4.py --sections segments`,
+# docs/benchmarks.md, which names its commit) measured the stack at 2282 us with these settings and 2004 us with 4
+# warps, and x^T with RHT at 2.99-3.14 ms for every tall-tile setting, against 1142 us for the single-tensor
+# column-wise RHT+SR quantisation with 8 x 1024 tiles. The learner numbers in docs/benchmarks.md use these settings.
 TUNING = {
     "plain": {"elems": 2048, "warps": 2, "vec2d": False},
     "values": {"elems": 1024, "warps": 2, "vec2d": True},
