@@ -1,7 +1,11 @@
-"""The process-group backend of the distributed tests: NCCL when two or more GPUs are visible (one per rank, by
-LOCAL_RANK), gloo on CPU otherwise. Workers call init() instead of choosing themselves, so the same tests run over
-NCCL on a GPU machine and over gloo in the CPU suite."""
+"""The distributed tests' shared pieces. Workers: init() picks the process-group backend, NCCL when two or more GPUs
+are visible (one per rank, by LOCAL_RANK), gloo on CPU otherwise, so the same tests run over NCCL on a GPU machine and
+over gloo in the CPU suite. Tests: worker_env() and torchrun() start the workers the same way everywhere."""
 import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -17,3 +21,27 @@ def init() -> str:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend)
     return backend
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_env(root: Path) -> dict:
+    """The environment of a worker process: the checkout first on PYTHONPATH, one CPU thread, no torch.compile, and no
+    rank variables inherited from an enclosing launcher."""
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return env
+
+
+def torchrun(worker: Path, *args, cwd: Path, env: dict, timeout: float, nproc: int = 2) -> subprocess.CompletedProcess:
+    """`worker args...` on nproc local ranks. torchrun's module runs under this interpreter: a copied virtual
+    environment's torchrun script may name another one."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+           "127.0.0.1", "--master_port", str(free_port()), str(worker), *map(str, args)]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)

@@ -3,24 +3,19 @@ NCCL with two GPUs) has a learner/rollout log-prob gap of exactly 0, and its rol
 run's bit for bit (the initial model is layout-invariant, every strict op is row-local, and the combine sums each
 token's experts in ascending global expert order on either layout; see minite/alignment/strict.py)."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.distributed_backend import torchrun, worker_env
+
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("strict_ep_worker.py")
 TIMEOUT_S = 900
 pytestmark = pytest.mark.distributed
 
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _read(path: Path, log: str) -> list:
@@ -32,16 +27,10 @@ def _read(path: Path, log: str) -> list:
 
 
 def test_strict_ep2_gap_is_zero_and_equals_ep1(tmp_path):
-    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
+    env = worker_env(ROOT)
     one = subprocess.run([sys.executable, str(WORKER), str(tmp_path / "ep1.json"), "1"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=TIMEOUT_S)
-    # torchrun's module under this interpreter: a copied virtual environment's torchrun script may name another one
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                          "127.0.0.1", "--master_port", str(_free_port()), str(WORKER), str(tmp_path / "ep2.json"),
-                          "2"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    two = torchrun(WORKER, tmp_path / "ep2.json", 2, cwd=tmp_path, env=env, timeout=TIMEOUT_S)
     ep1 = _read(tmp_path / "ep1.json", one.stdout + one.stderr)
     ep2 = _read(tmp_path / "ep2.json", two.stdout + two.stderr)
     assert ep2[0]["mismatch/logp_abs_max"] == 0.0 and ep1[0]["mismatch/logp_abs_max"] == 0.0

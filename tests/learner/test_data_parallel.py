@@ -11,7 +11,6 @@ dense parameters). Each does STEPS GRPO steps on one fixed batch whose rows have
 - routing replay through the loop (loop._replay) gives each rank the routes of its own rows.
 """
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.distributed_backend import torchrun, worker_env
 from tests.tolerances import TOLERANCES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,12 +29,6 @@ STEPS = 3
 TIMEOUT_S = 240
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # torchrun launches
 
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _load(out: Path, name: str) -> dict:
@@ -48,17 +42,10 @@ def runs(tmp_path_factory):
     if shutil.which("torchrun") is None:
         pytest.skip("needs torchrun on PATH (torch's launcher)")
     out = tmp_path_factory.mktemp("data_parallel")
-    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
+    env = worker_env(ROOT)
     single = subprocess.Popen([sys.executable, str(WORKER), str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
-    # torchrun's module under this interpreter: a copied virtual environment's torchrun script may name another one
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()),
-           str(WORKER), str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    proc = torchrun(WORKER, out, cwd=ROOT, env=env, timeout=TIMEOUT_S)
     single_log = single.communicate(timeout=TIMEOUT_S)[0]
     if single.returncode != 0 or not (out / "single.json").exists():
         pytest.fail(f"single-process reference failed (rc={single.returncode}):\n{single_log[-6000:]}")

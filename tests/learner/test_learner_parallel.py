@@ -10,14 +10,12 @@ learner_parallel_worker.py); this wrapper launches it with a timeout and checks 
   log-probs.
 """
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.distributed_backend import torchrun, worker_env
 from tests.tolerances import TOLERANCES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,25 +24,14 @@ TIMEOUT_S = 300
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # torchrun launches
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     if shutil.which("torchrun") is None:
         pytest.skip("needs torchrun on PATH (torch's launcher)")
     out = tmp_path_factory.mktemp("learner_parallel") / "report.json"
-    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    # torchrun's module under this interpreter: a copied virtual environment's torchrun script may name another one
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()),
-           str(WORKER), str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    env = worker_env(ROOT)
+    proc = torchrun(WORKER, out, cwd=ROOT, env=env, timeout=TIMEOUT_S)
     if proc.returncode != 0 or not out.exists():
         pytest.fail(f"torchrun failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     rep = json.loads(out.read_text())

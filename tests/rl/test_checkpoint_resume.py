@@ -3,13 +3,11 @@ after its checkpoint and resumed equals the uninterrupted run bit for bit (every
 shard of the final checkpoint), each rank writes its own shard (EP=2: its half of the experts) into one manifest,
 and only rank 0 writes metrics.jsonl and TensorBoard files (checkpoint_worker.py says what runs)."""
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.distributed_backend import torchrun, worker_env
 from tests.rl.checkpoint_worker import LAYOUTS, STEPS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,24 +16,12 @@ TIMEOUT_S = 900
 pytestmark = pytest.mark.distributed
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("checkpoint_resume")
-    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    # torchrun's module under this interpreter: a copied virtual environment's torchrun script may name another one
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(WORKER), str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    env = worker_env(ROOT)
+    proc = torchrun(WORKER, out, cwd=ROOT, env=env, timeout=TIMEOUT_S)
     reports = {}
     for name in LAYOUTS:
         f = out / f"{name}.json"
