@@ -20,8 +20,13 @@ from typing import Callable, Optional
 
 import torch
 
+from minite.learner.learner import Learner
+from minite.rollout import make_engine
+from minite.rollout.base import SamplingParams
+
 from .capture import Capture, OpTrace
 from .compare import compare_ops, first_divergence, logprob_gap, op_table
+from .routing_replay import has_routers, record_routes, replay_routes, replay_targets, route_flips
 
 
 @dataclass(kw_only=True)
@@ -85,9 +90,6 @@ def _device(model: torch.nn.Module) -> torch.device:
 
 def build_pair(cfg, b: str = "embedded"):
     """(learner, engine B holding the learner's weights) for `cfg`."""
-    from minite.learner.learner import Learner
-    from minite.rollout import make_engine
-
     cfg.rollout.backend = b
     learner = Learner(cfg)
     engine = make_engine(cfg)
@@ -113,9 +115,6 @@ def _score_layout(results) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, to
 def diagnose_pair(learner, engine, cfg, params: Optional[DiagnoseParams] = None, b: str = "embedded") -> dict:
     """Generate with `engine` and score with `learner`, capturing ops on both; the report (see the module
     docstring). With cfg.alignment.routing_replay the learner replays the engine's expert routes."""
-    from minite.rollout.base import SamplingParams
-    from .routing_replay import has_routers, record_routes, replay_routes, replay_targets, route_flips
-
     params = params or DiagnoseParams()
     replay = bool(getattr(getattr(cfg, "alignment", None), "routing_replay", False))
     prompts = random_prompts(cfg.model.vocab_size, params)
