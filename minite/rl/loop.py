@@ -76,8 +76,8 @@ def train(cfg) -> list[dict]:
     """Run cfg.rl.steps RL steps (resuming if a checkpoint exists); returns the per-step metrics."""
     run = setup(cfg)
     if run.step >= cfg.rl.steps:
-        log.warning("checkpoint at step %d already reaches rl.steps=%d: nothing to do (raise rl.steps, "
-                    "or start fresh with checkpoint.resume=false or another checkpoint.dir)", run.step, cfg.rl.steps)
+        log.warning("checkpoint at step %d already reaches rl.steps=%d: nothing to do (raise rl.steps, or start "
+                    "over with --fresh or another checkpoint.dir)", run.step, cfg.rl.steps)
     try:
         while run.step < cfg.rl.steps:
             rl_step(run)
