@@ -41,6 +41,7 @@ from minite.config import Config
 from minite.convert.hf_megatron import load_into_model
 from minite.console import CONSOLE
 from minite.learner.model import build_model, compute_dtype, nvfp4_context
+from minite.learner.weights import checked_weight_copy
 from minite.megatron_patches.cpu import cuda_as_cpu
 from minite.strict import ops as strict_ops
 
@@ -253,18 +254,10 @@ class Learner:
         if "rng_cpu" in sd:
             torch.set_rng_state(sd["rng_cpu"])
 
-    @torch.no_grad()
     def load_weights(self, named: Iterable[Tuple[str, torch.Tensor]]) -> None:
-        """Copy (Megatron parameter name, tensor) pairs, as `named_weights()` yields them, into this model; a clear
-        ValueError for an unknown name or a shape that does not match (nothing is half-copied: checked first)."""
-        params = dict(self.model.named_parameters())
-        pairs = list(named)
-        for name, t in pairs:
-            if name not in params or params[name].shape != t.shape:
-                have = tuple(params[name].shape) if name in params else "no such parameter"
-                raise ValueError(f"load_weights: {name} {tuple(t.shape)} does not fit this model ({have})")
-        for name, t in pairs:
-            params[name].copy_(t)
+        """Copy (Megatron parameter name, tensor) pairs, as `named_weights()` yields them, into this model, checked
+        first (minite.learner.weights.checked_weight_copy: WeightUpdateError, nothing half-copied)."""
+        checked_weight_copy(dict(self.model.named_parameters()), named)
         if self.nvfp4 is not None:
             self.nvfp4.weights_updated()
 

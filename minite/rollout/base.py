@@ -29,9 +29,7 @@ from typing import Iterable
 
 import torch
 
-
-class WeightUpdateError(RuntimeError):
-    """A weight update was rejected; the engine's previous weights are untouched."""
+from minite.learner.weights import WeightUpdateError, checked_weight_copy, strip_wrapper_prefix  # noqa: F401
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,38 +83,3 @@ def truncate_at_stop(tokens: list[int], logprobs: list[float], stop: int | None)
         k = tokens.index(stop) + 1
         return tokens[:k], logprobs[:k], True
     return tokens, logprobs, False
-
-
-def strip_wrapper_prefix(name: str) -> str:
-    """Learner and engine may wrap the GPTModel (Float16Module, DDP): compare bare names."""
-    while name.startswith("module."):
-        name = name[len("module.") :]
-    return name
-
-
-def checked_weight_copy(params: dict[str, torch.Tensor], named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """Validate every incoming tensor against `params` (bare name -> parameter), then copy all.
-
-    Raises WeightUpdateError, naming the offending tensor, before any copy happens.
-    Returns the number of tensors copied.
-    """
-    incoming: dict[str, torch.Tensor] = {}
-    for name, t in named_tensors:
-        bare = strip_wrapper_prefix(name)
-        if bare not in params:
-            raise WeightUpdateError(f"unknown weight {name!r}: the engine has no parameter of that name")
-        if bare in incoming:
-            raise WeightUpdateError(f"weight {name!r} given twice")
-        p = params[bare]
-        if tuple(t.shape) != tuple(p.shape):
-            raise WeightUpdateError(f"weight {name!r} has shape {tuple(t.shape)}, engine expects {tuple(p.shape)}")
-        if not t.is_floating_point() or not torch.isfinite(t).all():
-            raise WeightUpdateError(f"weight {name!r} is not a finite floating-point tensor")
-        incoming[bare] = t
-    missing = sorted(set(params) - set(incoming))
-    if missing:
-        raise WeightUpdateError(f"incomplete weight update: {len(missing)} parameters missing, e.g. {missing[:3]}")
-    with torch.no_grad():
-        for bare, t in incoming.items():
-            params[bare].copy_(t)
-    return len(incoming)

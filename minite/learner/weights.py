@@ -1,0 +1,49 @@
+"""Copying named weights into a model, checked first: a learner's (name, tensor) pairs into a rollout engine, the KL
+reference policy or a resumed model. Every tensor is validated (known name, not given twice, same shape, finite
+floating point) and the set must be complete before anything is copied, so a rejected update leaves the old weights
+untouched.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+
+class WeightUpdateError(RuntimeError):
+    """A weight update was rejected; the engine's previous weights are untouched."""
+
+
+def strip_wrapper_prefix(name: str) -> str:
+    """Learner and engine may wrap the GPTModel (Float16Module, DDP): compare bare names."""
+    while name.startswith("module."):
+        name = name[len("module.") :]
+    return name
+
+
+def checked_weight_copy(params: dict[str, torch.Tensor], named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Validate every incoming tensor against `params` (bare name -> parameter), then copy all.
+
+    Raises WeightUpdateError, naming the offending tensor, before any copy happens.
+    Returns the number of tensors copied.
+    """
+    incoming: dict[str, torch.Tensor] = {}
+    for name, t in named_tensors:
+        bare = strip_wrapper_prefix(name)
+        if bare not in params:
+            raise WeightUpdateError(f"unknown weight {name!r}: the engine has no parameter of that name")
+        if bare in incoming:
+            raise WeightUpdateError(f"weight {name!r} given twice")
+        p = params[bare]
+        if tuple(t.shape) != tuple(p.shape):
+            raise WeightUpdateError(f"weight {name!r} has shape {tuple(t.shape)}, engine expects {tuple(p.shape)}")
+        if not t.is_floating_point() or not torch.isfinite(t).all():
+            raise WeightUpdateError(f"weight {name!r} is not a finite floating-point tensor")
+        incoming[bare] = t
+    missing = sorted(set(params) - set(incoming))
+    if missing:
+        raise WeightUpdateError(f"incomplete weight update: {len(missing)} parameters missing, e.g. {missing[:3]}")
+    with torch.no_grad():
+        for bare, t in incoming.items():
+            params[bare].copy_(t)
+    return len(incoming)
