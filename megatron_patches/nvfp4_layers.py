@@ -89,11 +89,16 @@ def _check_linear(layer, name: str) -> None:
         raise ValueError(f"{name}: gradient_accumulation_fusion is not supported by the NVFP4 linears")
 
 
-def _linear(layer, x: torch.Tensor, weight: torch.Tensor, sharded: str) -> torch.Tensor:
+def _linear_weight_q(layer, weight: torch.Tensor):
     ctx = layer.nvfp4
     group = layer.tp_group if group_size(layer.tp_group) > 1 else None
-    w_q = cached_weight_q(layer, weight, lambda: quantize_weight(weight, ctx.recipe, backend=ctx.backend,
-                                                                  amax_group=group))
+    return cached_weight_q(layer, weight, lambda: quantize_weight(weight, ctx.recipe, backend=ctx.backend,
+                                                                   amax_group=group))
+
+
+def _linear(layer, x: torch.Tensor, weight: torch.Tensor, sharded: str) -> torch.Tensor:
+    ctx = layer.nvfp4
+    w_q = _linear_weight_q(layer, weight)
     return nvfp4_linear(x, weight, ctx.recipe, seed=ctx.layer_seed(layer.nvfp4_layer_id), weight_q=w_q,
                         backend=ctx.backend, sharded=sharded, tp_group=layer.tp_group)
 
@@ -181,9 +186,13 @@ class GroupedExperts(MegatronModule):
             return grouped_linear_bf16(x, weight, counts, strict=self.strict)
         ctx = self.nvfp4
         seed = derive_seed(ctx.layer_seed(self.nvfp4_layer_id), salt)
-        w_q = cached_weight_q(self, weight, lambda: quantize_expert_weights(weight, ctx.recipe, backend=ctx.backend),
-                              slot=f"fc{salt}")
-        return nvfp4_grouped_linear(x, weight, counts, ctx.recipe, seed=seed, weight_q=w_q, backend=ctx.backend)
+        return nvfp4_grouped_linear(x, weight, counts, ctx.recipe, seed=seed, weight_q=self._weight_q(weight, salt),
+                                    backend=ctx.backend)
+
+    def _weight_q(self, weight: torch.Tensor, salt: int):
+        ctx = self.nvfp4
+        return cached_weight_q(self, weight, lambda: quantize_expert_weights(weight, ctx.recipe, backend=ctx.backend),
+                               slot=f"fc{salt}")
 
     def forward(self, permuted_hidden: torch.Tensor, tokens_per_expert, permuted_probs: torch.Tensor):
         counts = [int(c) for c in (tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert)
@@ -195,3 +204,22 @@ class GroupedExperts(MegatronModule):
             # keep every expert parameter in the graph (DDP expects a gradient, zero here)
             out = out + 0.0 * (self.fc1_weight.sum() + self.fc2_weight.sum()).to(out.dtype)
         return out, None
+
+
+def quantize_weights_now(model: torch.nn.Module) -> int:
+    """Quantise every NVFP4 weight of `model` into its module's cache now, as its next forward would lazily: a rollout
+    engine calls this after a weight update, so the update pays the re-quantisation (where it is timed as weight
+    sync) and the first rollout step does not. Bits are those of the lazy path (the same cache, the same function).
+    Returns the number of weights quantised; 0 for a BF16 model."""
+    n = 0
+    for module in model.modules():
+        if getattr(module, "nvfp4", None) is None:
+            continue
+        if isinstance(module, GroupedExperts):
+            module._weight_q(module.fc1_weight, 1)
+            module._weight_q(module.fc2_weight, 2)
+            n += 2
+        elif isinstance(module, (NVFP4ColumnParallelLinear, NVFP4RowParallelLinear)) and module.weight is not None:
+            _linear_weight_q(module, module.weight)
+            n += 1
+    return n

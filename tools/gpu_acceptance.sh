@@ -8,17 +8,25 @@
 #   diagnose  strict mode on a medium model (hidden 1024, 4 layers, 32 experts): `minite diagnose --fail-above 0`
 #   train1    `minite train examples/h200/moe-nvfp4.yaml` on one GPU (TRAIN_STEPS RL steps), then its strict twin
 #   train2    `tools/launch/torchrun.sh examples/h200/moe-ep2-nvfp4.yaml` on two GPUs (EP=2)
+#   killresume  the tiny job with EP=2 on two ranks: an uninterrupted run, and the same run killed (SIGKILL to every
+#             rank) after its 5th step and resumed; tools/compare_runs.py compares metrics and checkpoints bitwise
 #   bench     tools/bench/bench_rl_step.py rows into $OUT/rl-step-h200.json (one GPU and EP=2; BF16/NVFP4, strict)
+#   scale     tools/bench/bench_learner_slice.py on one GPU and with EP=2 on two (one sequence per GPU)
+#   sync      tools/bench/bench_weight_sync.py: learner -> engine weight sync vs a device copy (one GPU, EP=2)
 # The device has no registry: megatron-core travels as a wheel in .whl/ (carried with the call), installed to
 # /tmp/site; kernels/ and megatron_patches/ are linked into minite/ as setup.py installs them.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-STAGES=${STAGES:-tests dist diagnose train1 train2 bench}
+STAGES=${STAGES:-tests dist diagnose train1 train2 killresume bench scale sync}
 TRAIN_STEPS=${TRAIN_STEPS:-60}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+NPROC=${NPROC:-2}  # ranks of the multi-rank stages
+python3 -c "import megatron.core" 2>/dev/null ||  # the device: no megatron-core until the carried wheel is in
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
   >"$OUT/pip.log" 2>&1 || { echo "wheel install failed"; cat "$OUT/pip.log"; exit 1; }
-[ -e minite/kernels ] || ln -s ../kernels minite/kernels
-[ -e minite/megatron_patches ] || ln -s ../megatron_patches minite/megatron_patches
+if ! python3 -c "import minite.kernels, minite.megatron_patches" 2>/dev/null; then  # not installed (the device)
+  [ -e minite/kernels ] || ln -s ../kernels minite/kernels
+  [ -e minite/megatron_patches ] || ln -s ../megatron_patches minite/megatron_patches
+fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
   NVSHMEM_DISABLE_NVLS=1 MINITE_COMMIT=${MINITE_COMMIT:-unknown}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
@@ -33,13 +41,13 @@ stage() {  # name, seconds, command...
   case " $STAGES " in *" $name "*) ;; *) return ;; esac
   local t0=$SECONDS
   if declare -F "$1" >/dev/null; then  # a function of this script: run it in a child bash that knows it
-    export -f "$1" rewards; export OUT TRAIN_STEPS
+    export -f "$1" rewards; export OUT TRAIN_STEPS NPROC
     timeout "$limit" bash -c "$*" >"$OUT/$name.log" 2>&1
   else
     timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   fi
   local rc=$?
-  SUMMARY+=("$name rc=$rc $((SECONDS - t0))s: $(grep -E 'passed|failed|error|max \|logp|reward' "$OUT/$name.log" | tail -1)")
+  SUMMARY+=("$name rc=$rc $((SECONDS - t0))s: $(grep -E 'passed|failed|error|max \|logp|reward|scaling|same|DIFFERENT|sync_over' "$OUT/$name.log" | tail -1)")
   echo "== $name rc=$rc $((SECONDS - t0))s"; tail -n 4 "$OUT/$name.log"
 }
 rewards() {  # metrics.jsonl -> mean reward of the first and last 5 RL steps, max |gap| over all steps
@@ -74,6 +82,24 @@ train2() {
     --set rl.steps="$TRAIN_STEPS" --set logging.dir=/tmp/r2 --set checkpoint.dir=/tmp/r2/ck && rewards /tmp/r2/metrics.jsonl
 }
 stage train2 ${T_TRAIN:-300} train2
+killresume() {
+  local args="examples/tiny/nvfp4.yaml --set parallel.ep=2 --set rl.steps=10 --set rl.warmup_steps=2 --set checkpoint.every=3"
+  rm -rf /tmp/kr
+  NPROC_PER_NODE=$NPROC LOG_DIR=/tmp/kr/logs-a tools/launch/torchrun.sh $args --fresh --set logging.dir=/tmp/kr/a \
+    --set checkpoint.dir=/tmp/kr/a/ck || return 1
+  NPROC_PER_NODE=$NPROC LOG_DIR=/tmp/kr/logs-b tools/launch/torchrun.sh $args --fresh \
+    --set logging.dir=/tmp/kr/b --set checkpoint.dir=/tmp/kr/b/ck & local pid=$!
+  until [ "$(cat /tmp/kr/b/metrics.jsonl 2>/dev/null | wc -l)" -ge 5 ]; do kill -0 $pid 2>/dev/null || break; sleep 0.1; done
+  # torchrun's workers run in sessions of their own: SIGKILL every process of the run (as a lost node would)
+  pkill -KILL -f "logging.dir=/tmp/kr/b"; wait $pid
+  local logged; logged=$(wc -l < /tmp/kr/b/metrics.jsonl)
+  echo "killed after $logged logged steps; checkpoints: $(ls /tmp/kr/b/ck)"
+  [ "$logged" -lt 10 ] || { echo "the kill came too late: the run had finished"; return 1; }
+  NPROC_PER_NODE=$NPROC LOG_DIR=/tmp/kr/logs-c tools/launch/torchrun.sh $args --set logging.dir=/tmp/kr/b \
+    --set checkpoint.dir=/tmp/kr/b/ck || return 1
+  python3 tools/compare_runs.py /tmp/kr/a /tmp/kr/b
+}
+stage killresume ${T_KILL:-240} killresume
 bench() {
   local few="--set rl.warmup_steps=1 --steps 3 --skip 1 --out $OUT/rl-step-h200.json"
   for run in "nvfp4" "bf16" "nvfp4 --set alignment.strict=true"; do
@@ -84,4 +110,23 @@ bench() {
   python3 tools/bench/bench_rl_step.py --render "$OUT/rl-step-h200.json"
 }
 stage bench ${T_BENCH:-300} bench
+scale() {
+  python3 tools/bench/bench_learner_slice.py --layers 4 --seq 4096 --steps 3 --warmup 1 --out "$OUT/slice-1gpu.json" &&
+  python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC" tools/bench/bench_learner_slice.py \
+    --ep "$NPROC" --layers 4 --seq 4096 --steps 3 --warmup 1 --out "$OUT/slice-ep$NPROC.json" &&
+  python3 - "$OUT/slice-1gpu.json" "$OUT/slice-ep$NPROC.json" <<'EOF'
+import json, sys
+one, many = (json.load(open(f)) for f in sys.argv[1:3])
+for a, b in zip(one["rows"], many["rows"]):
+    print(f"{a['precision']}: learner scaling {b['tokens_per_s'] / a['tokens_per_s']:.3f}x "
+          f"({a['tokens_per_s']:.0f} -> {b['tokens_per_s']:.0f} tokens/s; fwd+bwd {a['fwd_bwd_s']:.3f} -> {b['fwd_bwd_s']:.3f} s)")
+EOF
+}
+stage scale ${T_SCALE:-300} scale
+syncbench() {
+  python3 tools/bench/bench_weight_sync.py --layers 4 --out "$OUT/sync-1gpu.json" &&
+  python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC" tools/bench/bench_weight_sync.py \
+    --ep "$NPROC" --layers 4 --out "$OUT/sync-ep$NPROC.json"
+}
+stage sync ${T_SYNC:-200} syncbench
 echo "== summary"; printf '%s\n' "${SUMMARY[@]}" | tee "$OUT/summary.txt"

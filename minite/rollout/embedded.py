@@ -36,6 +36,7 @@ import torch
 
 from minite.learner.model import build_model
 from minite.megatron_patches.cpu import cpu_generate_shims
+from minite.megatron_patches.nvfp4_layers import quantize_weights_now
 from minite.megatron_patches.strict import controller_log_softmax
 from minite.rollout.base import (
     RolloutEngine,
@@ -138,7 +139,10 @@ class EmbeddedEngine(RolloutEngine):
         return reqs
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Checked copy of the learner's tensors, then the NVFP4 re-quantisation of every weight (eager, so a weight
+        sync costs what it costs and the next rollout's first step does not pay for it)."""
         checked_weight_copy(self._params, named_tensors)
+        quantize_weights_now(self.model)
         self.weight_version += 1
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:

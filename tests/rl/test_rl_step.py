@@ -152,3 +152,32 @@ def test_mismatch_metric_sees_a_precision_gap(learner_and_engine):
     mask[:, 4:] = 1
     m = mismatch_metrics(train_logp, rollout_logp, mask)
     assert m["mismatch/logp_abs_max"] >= m["mismatch/logp_abs_mean"] > 0 and m["mismatch/k3_kl"] > 0
+
+
+def test_weight_update_requantises_eagerly_with_the_lazy_bits(learner_and_engine):
+    """update_weights fills every NVFP4 weight cache (the sync pays the re-quantisation, the rollout does not), with
+    the bits the lazy path of the next forward would compute."""
+    _, engine = learner_and_engine
+    engine.update_weights([(n, t.detach().clone()) for n, t in engine.named_weights()])
+    caches = {(id(m), k): v[1] for m in engine.model.modules() for k, v in vars(m).items()
+              if k.startswith("_nvfp4_wq_cache_")}
+    assert len(caches) >= 3 * 2, "expected the experts' fc1/fc2 and the linears of every layer to be cached"
+    for m in engine.model.modules():  # drop the eager caches; a generate fills them again, lazily
+        for k in [k for k in vars(m) if k.startswith("_nvfp4_wq_cache_")]:
+            delattr(m, k)
+    engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, seed=0))
+    lazy = {(id(m), k): v[1] for m in engine.model.modules() for k, v in vars(m).items()
+            if k.startswith("_nvfp4_wq_cache_")}
+    assert lazy.keys() == caches.keys()
+    for key, eager in caches.items():
+        a, b = (torch.cat([t.reshape(-1).view(torch.uint8) for t in _tensors(x)]) for x in (eager, lazy[key]))
+        assert torch.equal(a, b), key
+
+
+def _tensors(q):
+    """The tensors of a quantised weight (an NVFP4 tensor object, a tuple of them, or a tensor)."""
+    if torch.is_tensor(q):
+        return [q.contiguous()]
+    if isinstance(q, (tuple, list)):
+        return [t for x in q for t in _tensors(x)]
+    return [t.contiguous() for t in vars(q).values() if torch.is_tensor(t)]

@@ -1,7 +1,13 @@
-"""One learner step (forward + backward + Adam) on one GPU for a slice of Qwen3-30B-A3B: NVFP4 vs BF16 tokens/s.
+"""One learner step (forward + backward + Adam) for a slice of Qwen3-30B-A3B: NVFP4 vs BF16 tokens/s, on one GPU or
+on several with expert parallelism (one sequence per GPU).
 
     python tools/bench/bench_learner_slice.py --layers 4 --seq 4096 --out slice.json     (on the H200)
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tools/bench/bench_learner_slice.py --ep 2 \
+        --layers 4 --seq 4096 --out slice-ep2.json                                       (two H200s, EP=2)
     python tools/bench/bench_learner_slice.py --tiny                                       (CPU smoke run)
+
+Under torchrun every rank forwards its own sequence (data parallelism over the world; the experts split EP ways),
+so tokens/s and model FLOP/s count the whole world's tokens; rank 0 prints and writes.
 
 Full width (hidden 2048, 32 heads / 4 KV groups of 128, 128 experts top-8 of ffn 768, vocab 151936), `--layers`
 layers, one sequence of `--seq` tokens, the real `minite.learner.Learner` (Megatron-Core local spec, the NVFP4 op
@@ -16,6 +22,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import time
 
@@ -51,15 +58,23 @@ def _profile_step(learner, tokens, top: int) -> None:
     print(ka.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60), flush=True)
 
 
-def run(precision: str, shape: dict, layers: int, seq: int, steps: int, warmup: int, profile_top: int = 0) -> dict:
+def world_size() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def run(precision: str, shape: dict, layers: int, seq: int, steps: int, warmup: int, profile_top: int = 0,
+        ep: int = 1) -> dict:
     from minite.config import load_config
     from minite.learner.learner import Learner
 
     sets = [f"model.{k}={v}" for k, v in shape.items()]
-    sets += [f"model.num_layers={layers}", f"model.max_position_embeddings={seq + 1}", f"precision.mode={precision}"]
+    sets += [f"model.num_layers={layers}", f"model.max_position_embeddings={seq + 1}", f"precision.mode={precision}",
+             f"parallel.ep={ep}"]
     learner = Learner(load_config(None, sets))
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    tokens = torch.randint(1, shape["vocab_size"], (1, seq + 1), generator=torch.Generator().manual_seed(0)).to(dev)
+    world = world_size()  # one sequence per rank: the world is the data-parallel size (TP = PP = 1 here)
+    tokens = torch.randint(1, shape["vocab_size"], (world, seq + 1),
+                           generator=torch.Generator().manual_seed(0)).to(dev)
     opt_times = []
     step_fn = learner.optimizer.step
 
@@ -88,8 +103,9 @@ def run(precision: str, shape: dict, layers: int, seq: int, steps: int, warmup: 
     opt = statistics.median(opt_times[warmup:warmup + steps])
     if profile_top:
         _profile_step(learner, tokens, profile_top)
-    flops = model_flops_per_token(shape, layers, seq) * seq
-    out = {"precision": precision, "step_s": step, "tokens_per_s": seq / step, "loss": metrics["loss"],
+    flops = model_flops_per_token(shape, layers, seq) * seq * world
+    out = {"precision": precision, "gpus": world if dev == "cuda" else 0, "layout": f"ep{ep}" if ep > 1 else "single",
+           "step_s": step, "tokens_per_s": seq * world / step, "loss": metrics["loss"],
            "model_tflops": flops / step / 1e12, "optimizer_s": opt, "fwd_bwd_s": step - opt,
            "fwd_bwd_model_tflops": flops / (step - opt) / 1e12,
            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else None}
@@ -109,21 +125,26 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--precisions", default="bf16,nvfp4")
     p.add_argument("--tiny", action="store_true")
+    p.add_argument("--ep", type=int, default=1, help="expert parallelism (run under torchrun with that many ranks)")
     p.add_argument("--out", default=None)
     p.add_argument("--profile", type=int, default=0, metavar="TOP",
                    help="after timing, profile one more step and print the TOP ops by device and host time")
     a = p.parse_args()
     shape = TINY if a.tiny else FULL
+    rank0 = int(os.environ.get("RANK", "0")) == 0
     rows = []
     for prec in a.precisions.split(","):
         try:
-            rows.append(run(prec, shape, a.layers, a.seq, a.steps, a.warmup, a.profile))
+            rows.append(run(prec, shape, a.layers, a.seq, a.steps, a.warmup, a.profile, a.ep))
         except Exception as e:  # report and go on: one precision failing must not hide the other's number
             rows.append({"precision": prec, "error": f"{type(e).__name__}: {e}"})
-        print(json.dumps(rows[-1]), flush=True)
+        if rank0:
+            print(json.dumps(rows[-1]), flush=True)
     ok = {r["precision"]: r for r in rows if "error" not in r}
     ratio = ok["nvfp4"]["tokens_per_s"] / ok["bf16"]["tokens_per_s"] if {"bf16", "nvfp4"} <= set(ok) else None
-    result = {"layers": a.layers, "seq": a.seq, "rows": rows, "nvfp4_over_bf16_tokens_per_s": ratio,
+    if not rank0:
+        return
+    result = {"layers": a.layers, "seq": a.seq, "ep": a.ep, "rows": rows, "nvfp4_over_bf16_tokens_per_s": ratio,
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     print(json.dumps(result))
     if a.out:
