@@ -41,7 +41,7 @@ stage() {  # name, seconds, command...
   case " $STAGES " in *" $name "*) ;; *) return ;; esac
   local t0=$SECONDS
   if declare -F "$1" >/dev/null; then  # a function of this script: run it in a child bash that knows it
-    export -f "$1" rewards; export OUT TRAIN_STEPS NPROC
+    export -f "$1" rewards; export OUT TRAIN_STEPS NPROC BENCH_1GPU BENCH_EP2
     timeout "$limit" bash -c "$*" >"$OUT/$name.log" 2>&1
   else
     timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
@@ -101,12 +101,18 @@ killresume() {
 }
 stage killresume ${T_KILL:-240} killresume
 bench() {
-  local few="--set rl.warmup_steps=1 --steps 3 --skip 1 --out $OUT/rl-step-h200.json"
-  for run in "nvfp4" "bf16" "nvfp4 --set alignment.strict=true"; do
-    python3 tools/bench/bench_rl_step.py examples/h200/moe-nvfp4.yaml --set precision.mode=$run $few || return 1
+  # rows merge into the committed file's (each row names its commit); BENCH_1GPU / BENCH_EP2: which rows to measure
+  cp docs/benchmarks/rl-step-h200.json "$OUT/rl-step-h200.json"
+  local few="--set rl.warmup_steps=1 --steps 3 --skip 1 --out $OUT/rl-step-h200.json" run
+  for run in ${BENCH_1GPU-nvfp4 bf16 nvfp4,strict}; do
+    python3 tools/bench/bench_rl_step.py examples/h200/moe-nvfp4.yaml --set precision.mode=${run%,strict} \
+      $([ "${run#*,}" = strict ] && echo --set alignment.strict=true) $few || return 1
   done
-  python3 -m torch.distributed.run --standalone --nproc-per-node 2 tools/bench/bench_rl_step.py \
-    examples/h200/moe-ep2-nvfp4.yaml $few || return 1
+  for run in ${BENCH_EP2-nvfp4 bf16 nvfp4,strict}; do
+    python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC" tools/bench/bench_rl_step.py \
+      examples/h200/moe-ep2-nvfp4.yaml --set precision.mode=${run%,strict} \
+      $([ "${run#*,}" = strict ] && echo --set alignment.strict=true) $few || return 1
+  done
   python3 tools/bench/bench_rl_step.py --render "$OUT/rl-step-h200.json"
 }
 stage bench ${T_BENCH:-300} bench

@@ -10,7 +10,8 @@ It builds the run as `minite train` does (warm-up included, checkpoints and logs
 the median over the timed steps of the loop's own time/* metrics (the loop synchronises the GPU around the weight
 sync, so its copies are counted where they happen). Rank 0 merges one row into --out (the JSON keys `device`,
 `date`, `commit`, `command`, `rows`; a row with the same gpus/layout/precision/strict is replaced), so one file
-collects BF16/NVFP4, default/strict, one GPU and EP=2 from separate invocations.
+collects BF16/NVFP4, default/strict, one GPU and EP=2 from separate invocations. Each row also carries the `commit`
+and `date` it was measured at (the top-level ones are the last invocation's), and the table shows them.
 
     python tools/bench/bench_rl_step.py --render docs/benchmarks/rl-step-h200.json     (the Markdown table for
                                                                                        docs/benchmarks.md)
@@ -53,14 +54,14 @@ def parse(argv=None) -> argparse.Namespace:
 
 def render(doc: dict) -> str:
     """docs/benchmarks.md's table of one results file (numbers are never typed by hand)."""
-    out = [f"Device {doc['device']}, {doc['date']}, commit {doc['commit']}, command `{doc['command']}` (the last "
-           "invocation; each row is one invocation's medians over its timed steps).", "",
-           "| gpus | layout | precision | strict | rollout s | learner s | sync s | step s | tokens/s |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = [f"Device {doc['device']}, last invocation {doc['date']} at commit {doc['commit']}: `{doc['command']}`. "
+           "Each row is one invocation's medians over its timed steps, measured at the commit it names.", "",
+           "| gpus | layout | precision | strict | rollout s | learner s | sync s | step s | tokens/s | commit |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(doc["rows"], key=lambda r: (r["gpus"], r["layout"], r["precision"], r["strict"])):
         out.append(f"| {r['gpus']} | {r['layout']} | {r['precision']} | {'yes' if r['strict'] else 'no'} | "
                    f"{r['rollout_s']:.3f} | {r['train_s']:.3f} | {r['sync_s']:.3f} | {r['step_s']:.3f} | "
-                   f"{r['tokens_per_s']:.0f} |")
+                   f"{r['tokens_per_s']:.0f} | {r.get('commit', doc['commit'])} |")
     return "\n".join(out) + "\n"
 
 
@@ -107,6 +108,7 @@ def measure(cfg, steps: int, skip: int) -> dict:
 def merge(out: Path, row: dict, command: str) -> dict:
     doc = json.loads(out.read_text()) if out.exists() else {"rows": []}
     doc.update(device=device_name(), date=datetime.date.today().isoformat(), commit=commit(), command=command)
+    row = {**row, "commit": doc["commit"], "date": doc["date"]}
     doc["rows"] = [r for r in doc["rows"] if any(r.get(k) != row[k] for k in ROW_KEYS)] + [row]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
