@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU acceptance runs in one device call, stage by stage, each under its own time limit, every log in $OUT and a
+# The GPU acceptance runs in one device call, stage by stage, each under its own time limit; every log in $OUT/logs.tgz, a
 # one-line result per stage at the end (the numbers a closing note cites come from these logs).
 #   STAGES="tests dist diagnose train1 train2 bench" bash tools/gpu_acceptance.sh
 # Stages:
@@ -16,22 +16,22 @@
 # The device has no registry: megatron-core travels as a wheel in .whl/ (carried with the call), installed to
 # /tmp/site; kernels/ and megatron_patches/ are linked into minite/ as setup.py installs them.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/out}; LOGS=/tmp/acceptance-logs; mkdir -p "$OUT" "$LOGS"
 STAGES=${STAGES:-tests dist diagnose train1 train2 killresume bench scale sync}
 TRAIN_STEPS=${TRAIN_STEPS:-60}
 NPROC=${NPROC:-2}  # ranks of the multi-rank stages
 python3 -c "import megatron.core" 2>/dev/null ||  # the device: no megatron-core until the carried wheel is in
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-  >"$OUT/pip.log" 2>&1 || { echo "wheel install failed"; cat "$OUT/pip.log"; exit 1; }
+  >"$LOGS/pip.log" 2>&1 || { echo "wheel install failed"; cat "$LOGS/pip.log"; exit 1; }
 if ! python3 -c "import minite.kernels, minite.megatron_patches" 2>/dev/null; then  # not installed (the device)
   [ -e minite/kernels ] || ln -s ../kernels minite/kernels
   [ -e minite/megatron_patches ] || ln -s ../megatron_patches minite/megatron_patches
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
   NVSHMEM_DISABLE_NVLS=1 MINITE_COMMIT=${MINITE_COMMIT:-unknown}
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$LOGS/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" \
-  | tee -a "$OUT/device.txt"
+  | tee -a "$LOGS/device.txt"
 MEDIUM="--set model.vocab_size=8192 --set model.hidden_size=1024 --set model.num_layers=4 --set model.num_attention_heads=16
  --set model.num_query_groups=4 --set model.head_dim=64 --set model.num_experts=32 --set model.moe_router_topk=4
  --set model.moe_ffn_hidden_size=512 --set model.max_position_embeddings=256"
@@ -41,14 +41,14 @@ stage() {  # name, seconds, command...
   case " $STAGES " in *" $name "*) ;; *) return ;; esac
   local t0=$SECONDS
   if declare -F "$1" >/dev/null; then  # a function of this script: run it in a child bash that knows it
-    export -f "$1" rewards; export OUT TRAIN_STEPS NPROC BENCH_1GPU BENCH_EP2
-    timeout "$limit" bash -c "$*" >"$OUT/$name.log" 2>&1
+    export -f "$1" rewards; export OUT LOGS DIST_TESTS TRAIN_STEPS TRAIN2_SETS NPROC BENCH_1GPU BENCH_EP2
+    timeout "$limit" bash -c "$*" >"$LOGS/$name.log" 2>&1
   else
-    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1
   fi
   local rc=$?
-  SUMMARY+=("$name rc=$rc $((SECONDS - t0))s: $(grep -E 'passed|failed|error|max \|logp|reward|scaling|same|DIFFERENT|sync_over' "$OUT/$name.log" | tail -1)")
-  echo "== $name rc=$rc $((SECONDS - t0))s"; tail -n 4 "$OUT/$name.log"
+  SUMMARY+=("$name rc=$rc $((SECONDS - t0))s: $(grep -E 'passed|failed|error|max \|logp|reward|scaling|same|DIFFERENT|sync_over' "$LOGS/$name.log" | tail -1)")
+  echo "== $name rc=$rc $((SECONDS - t0))s"; tail -n 4 "$LOGS/$name.log"
 }
 rewards() {  # metrics.jsonl -> mean reward of the first and last 5 RL steps, max |gap| over all steps
   python3 - "$1" <<'EOF'
@@ -67,9 +67,10 @@ gpu_tests() {
   return $(( a || $? ))
 }
 stage tests ${T_TESTS:-300} gpu_tests
-stage dist ${T_DIST:-240} python3 -m pytest -q -p no:cacheprovider -rs -m distributed tests/learner tests/rl tests/alignment
+DIST_TESTS=${DIST_TESTS:-tests/learner tests/rl tests/alignment}
+stage dist ${T_DIST:-240} python3 -m pytest -q -p no:cacheprovider -rs -m distributed $DIST_TESTS
 stage diagnose ${T_DIAG:-120} python3 -m minite.cli diagnose --config examples/tiny/nvfp4.yaml --b embedded $MEDIUM \
-  --set alignment.strict=true --json "$OUT/diagnose-strict-medium.json" --fail-above 0
+  --set alignment.strict=true --json "$LOGS/diagnose-strict-medium.json" --fail-above 0
 train1() {
   python3 -m minite.cli train examples/h200/moe-nvfp4.yaml --fresh --set rl.steps="$TRAIN_STEPS" \
     --set logging.dir=/tmp/r1 --set checkpoint.dir=/tmp/r1/ck && rewards /tmp/r1/metrics.jsonl &&
@@ -79,7 +80,8 @@ train1() {
 stage train1 ${T_TRAIN:-300} train1
 train2() {
   NPROC_PER_NODE=2 LOG_DIR=/tmp/logs2 tools/launch/torchrun.sh examples/h200/moe-ep2-nvfp4.yaml --fresh \
-    --set rl.steps="$TRAIN_STEPS" --set logging.dir=/tmp/r2 --set checkpoint.dir=/tmp/r2/ck && rewards /tmp/r2/metrics.jsonl
+    --set rl.steps="$TRAIN_STEPS" --set logging.dir=/tmp/r2 --set checkpoint.dir=/tmp/r2/ck ${TRAIN2_SETS:-} &&
+    rewards /tmp/r2/metrics.jsonl
 }
 stage train2 ${T_TRAIN:-300} train2
 killresume() {
@@ -135,4 +137,7 @@ syncbench() {
     --ep "$NPROC" --layers 4 --out "$OUT/sync-ep$NPROC.json"
 }
 stage sync ${T_SYNC:-200} syncbench
-echo "== summary"; printf '%s\n' "${SUMMARY[@]}" | tee "$OUT/summary.txt"
+echo "== summary"; { cat "$LOGS/device.txt"; printf '%s\n' "${SUMMARY[@]}"; } | tee "$OUT/summary.txt"
+# every log (stage logs, each run's train.log) in one file: $OUT returns at most 8 files
+for r in /tmp/r1 /tmp/r1s /tmp/r2 /tmp/kr/a /tmp/kr/b; do [ -f $r/train.log ] && cp $r/train.log "$LOGS/train-${r//\//_}.log"; done
+tar czf "$OUT/logs.tgz" -C "$LOGS" .
