@@ -30,6 +30,7 @@ so whoever writes that way calls `ctx.weights_updated()` (the Learner does after
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -40,6 +41,7 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from minite.megatron_patches.cpu import gpu_present
 from minite.nvfp4 import NVFP4Recipe
 from minite.ops import (derive_seed, group_size, grouped_linear_bf16, nvfp4_grouped_linear, nvfp4_linear,
                         quantize_expert_weights, quantize_weight, swiglu_experts)
@@ -82,6 +84,12 @@ def cached_weight_q(module, weight: torch.Tensor, make, slot: str = "weight"):
             cache = (key, make())
         module.__dict__[name] = cache
     return cache[1]
+
+
+def _is_normal_init(method) -> bool:
+    """Megatron's init_method_normal / scaled_init_method_normal: a partial of torch.nn.init.normal_ (which takes a
+    generator); any other init method keeps the CPU path."""
+    return isinstance(method, functools.partial) and method.func is torch.nn.init.normal_
 
 
 def _check_linear(layer, name: str) -> None:
@@ -169,17 +177,32 @@ class GroupedExperts(MegatronModule):
 
     def _init_weights(self, ep_rank: int) -> None:
         """Initialise all global experts in order and keep this rank's slice: the same model for every EP size
-        (Megatron's CPU init of the linears is TP-invariant in the same way)."""
+        (Megatron's CPU init of the linears is TP-invariant in the same way).
+
+        With a GPU the draws run there (a 2.6B-parameter model's experts took ~60 s per build on the CPU, on every
+        rank): a CUDA generator seeded by one draw of the global CPU generator, which every rank advances alike, so
+        the model is still EP-invariant and identical across builds on one machine; its values differ from the CPU
+        path's (another generator), which stays as it was."""
         n_local = self.num_local_experts
         n_global = n_local * self.config.expert_model_parallel_size
+        mine = slice(ep_rank * n_local, (ep_rank + 1) * n_local)
+        methods = (self.config.init_method, self.config.output_layer_init_method)
         with torch.no_grad():
+            if gpu_present() and all(_is_normal_init(m) for m in methods):
+                g = torch.Generator(device="cuda")
+                g.manual_seed(int(torch.randint(0, 2**62, (1,))))
+                for w, init in zip((self.fc1_weight, self.fc2_weight), methods):
+                    full = torch.empty((n_global,) + tuple(w.shape[1:]), dtype=w.dtype, device="cuda")
+                    init(full, generator=g)
+                    w.copy_(full[mine])
+                return
             full1 = torch.empty((n_global,) + tuple(self.fc1_weight.shape[1:]), dtype=self.fc1_weight.dtype)
             full2 = torch.empty((n_global,) + tuple(self.fc2_weight.shape[1:]), dtype=self.fc2_weight.dtype)
             for e in range(n_global):
                 self.config.init_method(full1[e])
                 self.config.output_layer_init_method(full2[e])
-            self.fc1_weight.copy_(full1[ep_rank * n_local:(ep_rank + 1) * n_local])
-            self.fc2_weight.copy_(full2[ep_rank * n_local:(ep_rank + 1) * n_local])
+            self.fc1_weight.copy_(full1[mine])
+            self.fc2_weight.copy_(full2[mine])
 
     def _linear(self, x, weight, counts, salt: int):
         if self.nvfp4 is None:
