@@ -54,6 +54,10 @@ def test_cpu_smoke_run_writes_the_fixed_keys(tmp_path):
         for k in ("decode_tokens_per_s", "step_ms", "floor_ms"):
             assert math.isfinite(r[k]) and r[k] > 0, (k, r)
         assert abs(r["decode_tokens_per_s"] - r["batch"] / (r["step_ms"] / 1e3)) < 1e-6 * r["decode_tokens_per_s"]
+    # counted on a GPU only (torch's CUDA sync debug mode), once per precision and mode, at the first batch
+    assert sorted((r["precision"], r["strict"]) for r in doc["rows"] if "host_syncs_per_step" in r) == [
+        (p, s) for p in ("bf16", "nvfp4") for s in (False, True)]
+    assert all(r["host_syncs_per_step"] is None for r in doc["rows"] if "host_syncs_per_step" in r)
     floors = {(r["precision"], r["batch"]): r["floor_ms"] for r in doc["rows"]}
     assert floors[("nvfp4", 3)] < floors[("bf16", 3)] and floors[("bf16", 1)] < floors[("bf16", 3)]
     assert [r["batch"] for r in doc["reference_rows"]] == [1, 3]

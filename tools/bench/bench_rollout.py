@@ -34,7 +34,9 @@ PyTorch with BF16 random weights over a KV cache of the same mean context, timed
 
 The JSON (written after every row, so a run cut short keeps what it measured): device, date, commit (MINITE_COMMIT
 first), command, hbm_bytes_per_s, rows (precision, strict, batch, prompt_len, new_tokens, decode_tokens_per_s,
-step_ms, floor_ms, and short_tokens, floor_bytes, experts_touched, t_long_s, t_short_s), reference_rows, errors
+step_ms, floor_ms, and short_tokens, floor_bytes, experts_touched, t_long_s, t_short_s; the first batch of each
+precision and mode also host_syncs_per_step, counted by torch's CUDA sync debug mode, null off the GPU),
+reference_rows, errors
 (a row that failed: its key and the exception, so one out-of-memory row does not hide the others).
 """
 from __future__ import annotations
@@ -50,6 +52,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -161,6 +164,26 @@ def measure_engine(engine, a: argparse.Namespace, shape: dict, precision: str, s
             "t_long_s": statistics.median(p[0] for p in pairs), "t_short_s": statistics.median(p[1] for p in pairs)}
 
 
+def host_syncs_per_step(engine, a: argparse.Namespace, shape: dict, batch: int) -> float | None:
+    """Host synchronisations per decode step on a GPU: torch's CUDA sync debug mode warns at every synchronising
+    operation (a value read, a copy to pageable host memory, a data-dependent output size); counted over generate
+    calls of 2 and 4 new tokens (untimed). None off the GPU (nothing synchronises there)."""
+    if not torch.cuda.is_available():
+        return None
+    prompts = torch.randint(1, shape["vocab_size"], (batch, a.prompt_len), generator=torch.Generator().manual_seed(1))
+    counts = []
+    for n in (2, 4):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                _timed_generate(engine, prompts.tolist(), n)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        counts.append(sum("synchronizing" in str(w.message) for w in caught))
+    return (counts[1] - counts[0]) / 2
+
+
 def measure_reference(a: argparse.Namespace, shape: dict, batch: int) -> dict:
     cuda = torch.cuda.is_available()
     context = a.prompt_len + (a.short_tokens + a.new_tokens) // 2
@@ -216,9 +239,11 @@ def run_engines(a: argparse.Namespace, shape: dict, doc: dict, out: Path) -> Non
             if mode == "strict":
                 apply_strict(engine.model)
                 engine = EmbeddedEngine(engine.model, strict=True)
-            for batch in batches:
+            for i, batch in enumerate(batches):
                 try:
                     row = measure_engine(engine, a, shape, precision, mode == "strict", batch)
+                    if i == 0:  # once per engine: the count does not depend on the batch
+                        row["host_syncs_per_step"] = host_syncs_per_step(engine, a, shape, batch)
                     doc["rows"].append(row)
                     print(f"{precision:5s} {mode:7s} batch {batch:4d}: step {_ms(row['step_ms'])} "
                           f"(floor {_ms(row['floor_ms'])}), {row['decode_tokens_per_s']:,.0f} tokens/s", flush=True)
@@ -255,12 +280,13 @@ def render(doc: dict) -> str:
     out = [f"Device {doc['device']}, {doc['date']}, commit {doc['commit']}, command `{doc['command']}`. Decode step = "
            "(t(N_long) - t(N_short)) / (N_long - N_short); floor = bytes a step must read / "
            f"{doc['hbm_bytes_per_s'] / 1e12:.1f} TB/s.", "",
-           "| precision | mode | batch | prompt | new tokens | decode step | floor | step / floor | decode tokens/s |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "| precision | mode | batch | prompt | new tokens | decode step | floor | step / floor | decode tokens/s "
+           "| host syncs / step |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(doc["rows"], key=lambda r: (r["precision"], r["strict"], r["batch"])):
+        syncs = f"{r['host_syncs_per_step']:.1f}" if r.get("host_syncs_per_step") is not None else "-"
         out.append(f"| {r['precision'].upper()} | {'strict' if r['strict'] else 'default'} | {r['batch']} | "
                    f"{r['prompt_len']} | {r['new_tokens']} | {_ms(r['step_ms'])} | {_ms(r['floor_ms'])} | "
-                   f"{r['step_ms'] / r['floor_ms']:.1f}x | {r['decode_tokens_per_s']:,.0f} |")
+                   f"{r['step_ms'] / r['floor_ms']:.1f}x | {r['decode_tokens_per_s']:,.0f} | {syncs} |")
     if doc.get("reference_rows"):
         out += ["", "Plain-PyTorch BF16 decode step (tools/bench/decode_reference.py, random weights):", "",
                 "| batch | context | step (CUDA graph) | eager step | floor | decode tokens/s |", "|---|---|---|---|---|---|"]
