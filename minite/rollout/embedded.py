@@ -26,7 +26,9 @@ and only when no GPU is present.
 
 NaN/Inf: on a GPU the NVFP4 quantiser does not check its input on the spot (a host synchronisation per call); the
 model's NVFP4 modules record into a device-side flag (`NVFP4Context.finite`), which generate reads once, after the
-last step, and raises a one-line ValueError if a weight or activation was not finite.
+last step, and raises a one-line ValueError if a weight or activation was not finite. That catches what
+quantisation would hide (an Inf saturates to a finite code, a NaN can round to code 0); a non-finite value that
+reaches the logits stops Megatron's sampler first (torch.multinomial's CUDA kernel asserts on NaN probabilities).
 
 Strict mode is the engine's explicit setting (`strict`, from cfg.alignment.strict through build_model): the
 model's ops are switched at build time, and the controller's log-softmax while it generates.
