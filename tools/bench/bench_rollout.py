@@ -26,7 +26,7 @@ floor_ms = bytes one decode step must read from HBM / HBM_BYTES_PER_S (`floor_by
 Weights cost 2 B per element in BF16 and 0.5 + 1/256 B in NVFP4 (E2M1 nibbles and one E4M3 scale per 16x16 block,
 the weight role of minite.nvfp4.recipe; docs/scaling.md uses the same 4.03 bits). HBM_BYTES_PER_S = 4.8e12: the
 H200's HBM3e bandwidth in NVIDIA's H200 datasheet (4.8 TB/s); the measured device-to-device copy is 4.27 TB/s
-(docs/upstream.md), so no step can reach the floor and ~0.9 of it is the practical ceiling.
+(docs/upstream.md), so even a perfect step takes ~1.1x its floor.
 
 Reference rows (`reference_rows`, same batches): `decode_reference.ReferenceDecoder`, the same layers written in plain
 PyTorch with BF16 random weights over a KV cache of the same mean context, timed eagerly and as CUDA-graph replays
@@ -36,8 +36,8 @@ The JSON (written after every row, so a run cut short keeps what it measured): d
 first), command, hbm_bytes_per_s, rows (precision, strict, batch, prompt_len, new_tokens, decode_tokens_per_s,
 step_ms, floor_ms, and short_tokens, floor_bytes, experts_touched, t_long_s, t_short_s; the first batch of each
 precision and mode also host_syncs_per_step, counted by torch's CUDA sync debug mode, null off the GPU),
-reference_rows, errors
-(a row that failed: its key and the exception, so one out-of-memory row does not hide the others).
+reference_rows, errors (a row that failed: its key and the exception, so one out-of-memory row does not hide the
+others).
 """
 from __future__ import annotations
 
