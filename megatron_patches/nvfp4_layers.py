@@ -23,6 +23,9 @@ calls): the router probability multiplies the activation in fp32 before fc2, as 
 Stochastic-rounding seeds: every NVFP4 module gets `nvfp4_layer_id` (its order in the model, set by the builder),
 and its backward seed is derive_seed(run seed, ctx.step, layer id); the learner advances ctx.step per train step.
 
+NaN/Inf: on a GPU the quantiser does not check its input (a host synchronisation per call); every module records
+its quantised inputs and weights in the context's device-side `finite` flag instead, read once per generate call.
+
 Quantised weights are cached per module, keyed by (ctx.generation, storage, version counter): a weight is quantised
 once per update, not once per forward (in a 2-layer model's forward 20 of the 28 quantisations are weights).
 `param.copy_` / load_state_dict bump the version counter; writes through `.data` (Megatron's optimizers) do not,
@@ -43,8 +46,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from minite.megatron_patches.cpu import gpu_present
 from minite.nvfp4 import NVFP4Recipe
-from minite.ops import (derive_seed, group_size, grouped_linear_bf16, nvfp4_grouped_linear, nvfp4_linear,
-                        quantize_expert_weights, quantize_weight, swiglu_experts)
+from minite.ops import (FiniteFlag, derive_seed, group_size, grouped_linear_bf16, nvfp4_grouped_linear, nvfp4_linear,
+                        quantiser_checks_finite, quantize_expert_weights, quantize_weight, swiglu_experts)
 
 
 @dataclass
@@ -61,6 +64,14 @@ class NVFP4Context:
 
     generation: int = 0
     """Bumped by `weights_updated()`; part of every cached quantised weight's key."""
+    finite: FiniteFlag = field(default_factory=FiniteFlag)
+    """Where the quantiser does not check its input (on a GPU: `quantiser_checks_finite`), the modules record here
+    whether every tensor they quantise is finite; the engine reads it once per generate (`finite.check`)."""
+
+    def record_finite(self, t: torch.Tensor) -> None:
+        """Note `t` (about to be quantised) in `finite`, unless the quantiser checks it on the spot."""
+        if not quantiser_checks_finite(t):
+            self.finite.record(t)
 
     def layer_seed(self, layer_id: int) -> int:
         return derive_seed(self.seed, self.step, layer_id)
@@ -80,6 +91,7 @@ def cached_weight_q(module, weight: torch.Tensor, make, slot: str = "weight"):
     name = f"_nvfp4_wq_cache_{slot}"
     cache = module.__dict__.get(name)
     if cache is None or cache[0] != key:
+        module.nvfp4.record_finite(weight)
         with torch.no_grad():
             cache = (key, make())
         module.__dict__[name] = cache
@@ -99,6 +111,7 @@ def _check_linear(layer, name: str) -> None:
 
 def _linear_weight_q(layer, weight: torch.Tensor):
     ctx = layer.nvfp4
+    ctx.record_finite(x)
     group = layer.tp_group if group_size(layer.tp_group) > 1 else None
     return cached_weight_q(layer, weight, lambda: quantize_weight(weight, ctx.recipe, backend=ctx.backend,
                                                                    amax_group=group))
@@ -208,6 +221,7 @@ class GroupedExperts(MegatronModule):
         if self.nvfp4 is None:
             return grouped_linear_bf16(x, weight, counts, strict=self.strict)
         ctx = self.nvfp4
+        ctx.record_finite(x)
         seed = derive_seed(ctx.layer_seed(self.nvfp4_layer_id), salt)
         return nvfp4_grouped_linear(x, weight, counts, ctx.recipe, seed=seed, weight_q=self._weight_q(weight, salt),
                                     backend=ctx.backend)
@@ -218,6 +232,9 @@ class GroupedExperts(MegatronModule):
                                slot=f"fc{salt}")
 
     def forward(self, permuted_hidden: torch.Tensor, tokens_per_expert, permuted_probs: torch.Tensor):
+        # Megatron's alltoall dispatcher hands tokens_per_expert over on the host (0.16.1: moved at its
+        # cuda_dtoh_point, waited for at its cuda_sync_point, its one synchronisation per MoE layer), so this reads
+        # host memory; the grouped kernels would take device counts, but the dispatcher's synchronisation would stay.
         counts = [int(c) for c in (tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert)
                                    else tokens_per_expert)]
         weights = (self.fc1_weight, self.fc2_weight)

@@ -1,7 +1,8 @@
 """Copying named weights into a model, checked first: a learner's (name, tensor) pairs into a rollout engine, the KL
 reference policy or a resumed model. Every tensor is validated (known name, not given twice, same shape, finite
 floating point) and the set must be complete before anything is copied, so a rejected update leaves the old weights
-untouched.
+untouched. The finiteness checks of all tensors are read back from the device together (one host synchronisation per
+update and device).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def checked_weight_copy(params: dict[str, torch.Tensor], named_tensors: Iterable
     Returns the number of tensors copied.
     """
     incoming: dict[str, torch.Tensor] = {}
+    names: dict[str, str] = {}
     for name, t in named_tensors:
         bare = strip_wrapper_prefix(name)
         if bare not in params:
@@ -37,9 +39,12 @@ def checked_weight_copy(params: dict[str, torch.Tensor], named_tensors: Iterable
         p = params[bare]
         if tuple(t.shape) != tuple(p.shape):
             raise WeightUpdateError(f"weight {name!r} has shape {tuple(t.shape)}, engine expects {tuple(p.shape)}")
-        if not t.is_floating_point() or not torch.isfinite(t).all():
+        if not t.is_floating_point():
             raise WeightUpdateError(f"weight {name!r} is not a finite floating-point tensor")
-        incoming[bare] = t
+        incoming[bare], names[bare] = t, name
+    bad = _first_nonfinite(incoming)
+    if bad is not None:
+        raise WeightUpdateError(f"weight {names[bad]!r} is not a finite floating-point tensor")
     missing = sorted(set(params) - set(incoming))
     if missing:
         raise WeightUpdateError(f"incomplete weight update: {len(missing)} parameters missing, e.g. {missing[:3]}")
@@ -47,3 +52,16 @@ def checked_weight_copy(params: dict[str, torch.Tensor], named_tensors: Iterable
         for bare, t in incoming.items():
             params[bare].copy_(t)
     return len(incoming)
+
+
+def _first_nonfinite(tensors: dict[str, torch.Tensor]) -> str | None:
+    """The first name (in order) whose tensor holds a NaN or Inf, or None. The per-tensor checks stay on their
+    device and are read back once per device: one host synchronisation per update, not one per tensor."""
+    by_device: dict[torch.device, list[str]] = {}
+    for name, t in tensors.items():
+        by_device.setdefault(t.device, []).append(name)
+    finite: dict[str, bool] = {}
+    for names in by_device.values():
+        flags = torch.stack([torch.isfinite(tensors[n]).all() for n in names]).tolist()
+        finite.update(zip(names, flags))
+    return next((n for n in tensors if not finite[n]), None)

@@ -3,7 +3,8 @@
     linear.py    nvfp4_linear (autograd: fprop, dgrad, wgrad), nvfp4_linear_forward, quantize_weight
     grouped.py   nvfp4_grouped_linear (per-expert, autograd), its forward, quantize_expert_weights
     experts.py   the MoE expert arithmetic written once: routing rows, SwiGLU experts, default/strict combine
-    common.py    derived seeds, tensor-parallel amax groups, kernel-path flags, 16-row padding
+    common.py    derived seeds, tensor-parallel amax groups, kernel-path flags, the device-side NaN/Inf flag,
+                 16-row padding
 They compute through `minite.nvfp4` (the format and its reference). Importing this package also imports the Triton
 kernels (`minite.kernels`, which register themselves with minite.nvfp4.backend) when Triton is installed, so every
 engine gets them behind backend="auto".
@@ -13,13 +14,14 @@ try:  # Triton is an optional upstream: without it every op runs on the exact re
 except ImportError:
     pass
 
-from .common import derive_seed, group_size
+from .common import FiniteFlag, derive_seed, group_size, quantiser_checks_finite
 from .experts import (combine_fixed_order, combine_scatter_add, grouped_linear_bf16, route, routed_experts, swiglu,
                       swiglu_experts)
 from .grouped import nvfp4_grouped_linear, nvfp4_grouped_linear_forward, quantize_expert_weights
 from .linear import nvfp4_linear, nvfp4_linear_forward, quantize_weight
 
 
-__all__ = ["derive_seed", "group_size", "nvfp4_linear", "nvfp4_linear_forward", "quantize_weight",
-           "nvfp4_grouped_linear", "nvfp4_grouped_linear_forward", "quantize_expert_weights", "swiglu",
-           "swiglu_experts", "grouped_linear_bf16", "route", "routed_experts", "combine_scatter_add", "combine_fixed_order"]
+__all__ = ["FiniteFlag", "derive_seed", "group_size", "quantiser_checks_finite", "nvfp4_linear",
+           "nvfp4_linear_forward", "quantize_weight", "nvfp4_grouped_linear", "nvfp4_grouped_linear_forward",
+           "quantize_expert_weights", "swiglu", "swiglu_experts", "grouped_linear_bf16", "route", "routed_experts",
+           "combine_scatter_add", "combine_fixed_order"]

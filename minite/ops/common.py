@@ -11,12 +11,14 @@ only a slice. `quantize_scoped` all-reduces (MAX) the amax over the TP group and
 tensor (given 16-aligned shard boundaries).
 
 The kernel path: when the GEMMs run on the Triton kernels, operands also carry fp16 block values (written in the
-quantisation pass, read by the MMA without a nibble decode), and on a GPU the per-op NaN/Inf check (a host
-synchronisation each) is skipped: a non-finite input then shows as a non-finite loss / gradient norm, which the
-learner reports.
+quantisation pass, read by the MMA without a nibble decode), and on a GPU the quantiser's own NaN/Inf check (a host
+synchronisation each) is skipped (`quantiser_checks_finite`). Quantisation would hide a non-finite input (Inf
+saturates to 6 x the block scale, NaN rounds to code 0), so the Megatron layers record instead whether their
+quantised inputs were finite in a device-side flag (`FiniteFlag`), which its owner reads once per generate call.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -49,10 +51,46 @@ def group_amax(values: torch.Tensor, dim: Optional[int], group) -> torch.Tensor:
     return amax
 
 
+def quantiser_checks_finite(t: torch.Tensor) -> bool:
+    """Whether quantising `t` checks for NaN/Inf on the spot: off the GPU only (on it, a host synchronisation per
+    call; callers there record into a `FiniteFlag`)."""
+    return not t.is_cuda
+
+
 def quant_flags(backend: str, t: torch.Tensor) -> dict:
     """Keyword arguments for quantising `t` here: fp16 block values when the GEMMs run on the Triton kernels (they
-    read them), and the NaN/Inf check only off the GPU (on it, a host synchronisation per call)."""
-    return {"values": resolve(backend, t, op="gemm")[0] == "triton", "check_finite": not t.is_cuda}
+    read them), and the NaN/Inf check only where `quantiser_checks_finite`."""
+    return {"values": resolve(backend, t, op="gemm")[0] == "triton", "check_finite": quantiser_checks_finite(t)}
+
+
+class FiniteFlag:
+    """Whether every tensor recorded since the last `check` was finite, kept on the device as the running max of
+    |x| in fp32 (torch's max reductions and `maximum` propagate NaN; Inf stays Inf). `record` is two launches (an
+    inf-norm and an in-place maximum) and no host synchronisation, so it can also be captured in a CUDA graph once
+    the flag exists; `check` reads it once, resets it and raises a one-line ValueError naming `where` if anything
+    recorded was NaN or Inf."""
+
+    def __init__(self):
+        self._amax: Optional[torch.Tensor] = None
+
+    def record(self, t: torch.Tensor) -> None:
+        if t.numel() == 0:
+            return
+        amax = torch.linalg.vector_norm(t.detach(), ord=float("inf"), dtype=torch.float32)
+        if self._amax is None:
+            self._amax = torch.zeros((), dtype=torch.float32, device=amax.device)
+        elif self._amax.device != amax.device:  # a model moved between devices: keep what was recorded
+            self._amax = self._amax.to(amax.device)
+        torch.maximum(self._amax, amax, out=self._amax)
+
+    def check(self, where: str) -> None:
+        if self._amax is None:
+            return
+        amax = float(self._amax)  # the one host read
+        self._amax.zero_()
+        if not math.isfinite(amax):
+            raise ValueError(f"NaN or Inf reached an NVFP4 quantiser during {where} (a weight or activation of the "
+                             "model is not finite)")
 
 
 def quantize_scoped(x: torch.Tensor, op: OperandRecipe, *, seed: Optional[int], backend: str,

@@ -24,6 +24,12 @@ generate path calls torch.cuda.current_device(), torch.cuda.Event (timing) and T
 `megatron_patches.cpu.cpu_generate_shims` maps those to the CPU for the duration of a generate call only,
 and only when no GPU is present.
 
+NaN/Inf: on a GPU the NVFP4 quantiser does not check its input on the spot (a host synchronisation per call); the
+model's NVFP4 modules record into a device-side flag (`NVFP4Context.finite`), which generate reads once, after the
+last step, and raises a one-line ValueError if a weight or activation was not finite. That catches what
+quantisation would hide (an Inf saturates to a finite code, a NaN can round to code 0); a non-finite value that
+reaches the logits stops Megatron's sampler first (torch.multinomial's CUDA kernel asserts on NaN probabilities).
+
 Strict mode is the engine's explicit setting (`strict`, from cfg.alignment.strict through build_model): the
 model's ops are switched at build time, and the controller's log-softmax while it generates.
 """
@@ -34,7 +40,7 @@ from typing import Iterable
 
 import torch
 
-from minite.learner.model import build_model
+from minite.learner.model import build_model, nvfp4_context
 from minite.megatron_patches.cpu import cpu_generate_shims
 from minite.megatron_patches.nvfp4_layers import quantize_weights_now
 from minite.megatron_patches.strict import controller_log_softmax
@@ -74,6 +80,7 @@ class EmbeddedEngine(RolloutEngine):
         self.vocab_size = unwrap_model(model).vocab_size
         self.pad_id = pad_id
         self.strict = strict
+        self.nvfp4 = nvfp4_context(unwrap_model(model))
         self._params = {strip_wrapper_prefix(n): p for n, p in model.named_parameters()}
         self.weight_version = 0
 
@@ -85,6 +92,8 @@ class EmbeddedEngine(RolloutEngine):
             controller = self._controller(len(flat), max(len(p) for _, p in flat) + params.max_new_tokens)
             controller.sampling_rng.manual_seed(params.seed)
             done = controller.generate_all_output_tokens_static_batch(self._requests(flat, params))
+        if self.nvfp4 is not None:
+            self.nvfp4.finite.check("generate")  # the GPU's deferred NaN/Inf check: one host read per call
         results = []
         for (i, prompt), req in zip(flat, done.values()):
             toks, lps, finished = truncate_at_stop(

@@ -1,0 +1,322 @@
+"""Rollout decode speed of the embedded engine (issue 16): BF16 / NVFP4, default / strict, several batch sizes, each
+row beside its HBM floor, and a plain-PyTorch BF16 decode step as the yardstick.
+
+    python tools/bench/bench_rollout.py --out docs/benchmarks/rollout-h200.json          (one H200: the full slice)
+    python tools/bench/bench_rollout.py --tiny --batches 1,4 --out /tmp/rollout.json     (CPU smoke run)
+    python tools/bench/bench_rollout.py --render docs/benchmarks/rollout-h200.json       (Markdown for docs/benchmarks.md)
+
+Model: a `--layers`-layer slice of Qwen3-30B-A3B at full width (hidden 2048, 32 heads / 4 KV groups of head_dim 128,
+128 experts top-8 of ffn 768, vocab 151936), random weights, built the way a run builds it:
+`minite.rollout.embedded.build_embedded(load_config(None, overrides))`. A strict row switches the same engine's model
+with `apply_strict` (what `build_model(cfg, strict=True)` does at build time), so default and strict rows of one
+precision share their weights and one model build.
+
+Decode isolated: `batch` prompts of `--prompt-len` random tokens, `generate` with `--new-tokens` (N_long) and with
+`--short-tokens` (N_short) new tokens (temperature 1, no stop token); both pay the same prefill, so
+    step_ms = (t(N_long) - t(N_short)) / (N_long - N_short),  decode_tokens_per_s = batch / step.
+One untimed generate of N_short tokens first (Triton compiles per shape); --repeats pairs, median.
+
+floor_ms = bytes one decode step must read from HBM / HBM_BYTES_PER_S (`floor_bytes`):
+- experts: per layer the expected number of distinct experts a batch touches, E * (1 - (1 - k/E)^B) for top-k of E
+  with uniformly random routing (B = 64, top-8 of 128: 125.9), each 3 * hidden * ffn weights;
+- attention weights (QKV and output projection), RMSNorm weights, the router (always BF16);
+- the KV cache: 2 * kv_groups * head_dim BF16 values per layer, position and sequence, at the mean context length of
+  the timed steps (prompt_len + (N_short + N_long) / 2);
+- the lm_head (always BF16) and the batch's embedding rows.
+Weights cost 2 B per element in BF16 and 0.5 + 1/256 B in NVFP4 (E2M1 nibbles and one E4M3 scale per 16x16 block,
+the weight role of minite.nvfp4.recipe; docs/scaling.md uses the same 4.03 bits). HBM_BYTES_PER_S = 4.8e12: the
+H200's HBM3e bandwidth in NVIDIA's H200 datasheet (4.8 TB/s); the measured device-to-device copy is 4.27 TB/s
+(docs/upstream.md), so even a perfect step takes ~1.1x its floor.
+
+Reference rows (`reference_rows`, same batches): `decode_reference.ReferenceDecoder`, the same layers written in plain
+PyTorch with BF16 random weights over a KV cache of the same mean context, timed eagerly and as CUDA-graph replays
+(`step_ms` is the graph's; CPU: eager only, `graph` false).
+
+The JSON (written after every row, so a run cut short keeps what it measured): device, date, commit (MINITE_COMMIT
+first), command, hbm_bytes_per_s, rows (precision, strict, batch, prompt_len, new_tokens, decode_tokens_per_s,
+step_ms, floor_ms, and short_tokens, floor_bytes, experts_touched, t_long_s, t_short_s; the first batch of each
+precision and mode also host_syncs_per_step, counted by torch's CUDA sync debug mode, null off the GPU),
+reference_rows, errors (a row that failed: its key and the exception, so one out-of-memory row does not hide the
+others).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from decode_reference import ReferenceDecoder, Shape, time_step
+
+FULL = dict(vocab_size=151936, hidden_size=2048, num_attention_heads=32, num_query_groups=4, head_dim=128,
+            num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768)
+TINY = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_query_groups=2, head_dim=16, num_experts=8,
+            moe_router_topk=2, moe_ffn_hidden_size=32)
+HBM_BYTES_PER_S = 4.8e12
+"""H200 HBM3e bandwidth, NVIDIA H200 datasheet (module docstring)."""
+BYTES_PER_WEIGHT = {"bf16": 2.0, "nvfp4": 0.5 + 1 / 256}
+ROW_KEYS = ("precision", "strict", "batch", "prompt_len", "new_tokens", "decode_tokens_per_s", "step_ms", "floor_ms")
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="docs/benchmarks/rollout-h200.json")
+    p.add_argument("--render", metavar="JSON", help="print the Markdown table of a results file and exit")
+    p.add_argument("--batches", default="1,8,64,256")
+    p.add_argument("--precisions", default="bf16,nvfp4")
+    p.add_argument("--modes", default="default,strict", help="default and/or strict")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=40, help="N_long")
+    p.add_argument("--short-tokens", type=int, default=8, help="N_short")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--reference-iters", type=int, default=20)
+    p.add_argument("--no-reference", action="store_true", help="skip the plain-PyTorch reference rows")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="more config overrides for the engine (e.g. rollout switches)")
+    a = p.parse_args(argv)
+    if a.new_tokens <= a.short_tokens or a.short_tokens < 1:
+        p.error("--new-tokens must be larger than --short-tokens >= 1")
+    if set(a.modes.split(",")) - {"default", "strict"}:
+        p.error("--modes takes default and/or strict")
+    return a
+
+
+def experts_touched(experts: int, topk: int, batch: int) -> float:
+    """Expected distinct experts of one layer that `batch` tokens route to (top-k of E, uniformly random)."""
+    return experts * (1.0 - (1.0 - topk / experts) ** batch)
+
+
+def floor_bytes(shape: dict, layers: int, precision: str, batch: int, context: float) -> float:
+    """Bytes one decode step reads from HBM at least (module docstring)."""
+    w = BYTES_PER_WEIGHT[precision]
+    h, hd, nh, kv = shape["hidden_size"], shape["head_dim"], shape["num_attention_heads"], shape["num_query_groups"]
+    e, k, f = shape["num_experts"], shape["moe_router_topk"], shape["moe_ffn_hidden_size"]
+    attention = (h * (nh + 2 * kv) * hd + nh * hd * h) * w
+    norms = (2 * h + 2 * hd) * 2
+    router = h * e * 2
+    experts = experts_touched(e, k, batch) * 3 * h * f * w
+    kv_cache = 2 * kv * hd * context * batch * 2
+    per_layer = attention + norms + router + experts + kv_cache
+    return layers * per_layer + shape["vocab_size"] * h * 2 + h * 2 + batch * h * 2
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def commit() -> str:
+    """MINITE_COMMIT when the launcher sets it (a device's copy of the tree may carry stale git metadata), else
+    git's HEAD."""
+    if os.environ.get("MINITE_COMMIT"):
+        return os.environ["MINITE_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _timed_generate(engine, prompts, n: int) -> float:
+    from minite.rollout import SamplingParams
+
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=n, seed=0)
+    _sync()
+    t = time.perf_counter()
+    engine.generate(prompts, params)
+    _sync()
+    return time.perf_counter() - t
+
+
+def measure_engine(engine, a: argparse.Namespace, shape: dict, precision: str, strict: bool, batch: int) -> dict:
+    """One row: the engine's decode step at `batch` (module docstring)."""
+    g = torch.Generator().manual_seed(batch)
+    prompts = torch.randint(1, shape["vocab_size"], (batch, a.prompt_len), generator=g).tolist()
+    _timed_generate(engine, prompts, a.short_tokens)  # compiles, allocates
+    pairs = [(_timed_generate(engine, prompts, a.new_tokens), _timed_generate(engine, prompts, a.short_tokens))
+             for _ in range(a.repeats)]
+    step = statistics.median(tl - ts for tl, ts in pairs) / (a.new_tokens - a.short_tokens)
+    context = a.prompt_len + (a.short_tokens + a.new_tokens) / 2
+    fb = floor_bytes(shape, a.layers, precision, batch, context)
+    return {"precision": precision, "strict": strict, "batch": batch, "prompt_len": a.prompt_len,
+            "new_tokens": a.new_tokens, "decode_tokens_per_s": batch / step, "step_ms": step * 1e3,
+            "floor_ms": fb / HBM_BYTES_PER_S * 1e3, "short_tokens": a.short_tokens, "floor_bytes": fb,
+            "experts_touched": experts_touched(shape["num_experts"], shape["moe_router_topk"], batch),
+            "t_long_s": statistics.median(p[0] for p in pairs), "t_short_s": statistics.median(p[1] for p in pairs)}
+
+
+def host_syncs_per_step(engine, a: argparse.Namespace, shape: dict, batch: int) -> float | None:
+    """Host synchronisations per decode step on a GPU: torch's CUDA sync debug mode warns at every synchronising
+    operation (a value read, a copy to pageable host memory, a data-dependent output size); counted over generate
+    calls of 2 and 4 new tokens (untimed). None off the GPU (nothing synchronises there)."""
+    if not torch.cuda.is_available():
+        return None
+    prompts = torch.randint(1, shape["vocab_size"], (batch, a.prompt_len), generator=torch.Generator().manual_seed(1))
+    counts = []
+    for n in (2, 4):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                _timed_generate(engine, prompts.tolist(), n)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        counts.append(sum("synchronizing" in str(w.message) for w in caught))
+    return (counts[1] - counts[0]) / 2
+
+
+def measure_reference(a: argparse.Namespace, shape: dict, batch: int) -> dict:
+    cuda = torch.cuda.is_available()
+    context = a.prompt_len + (a.short_tokens + a.new_tokens) // 2
+    dec = ReferenceDecoder(Shape(num_layers=a.layers, **shape), batch, context, "cuda" if cuda else "cpu")
+    warm = 3
+    eager = time_step(dec, a.reference_iters, warm, graph=False)
+    graph, graph_error = None, None
+    if cuda:
+        try:
+            graph = time_step(dec, a.reference_iters, warm, graph=True)
+        except Exception as e:  # noqa: BLE001  (the eager number still stands; the reason goes in the row)
+            graph_error = f"{type(e).__name__}: {e}"[:300]
+    step = graph if graph is not None else eager
+    fb = floor_bytes(shape, a.layers, "bf16", batch, context)
+    row = {"precision": "bf16", "batch": batch, "context": context, "step_ms": step * 1e3,
+           "eager_step_ms": eager * 1e3, "graph": graph is not None, "decode_tokens_per_s": batch / step,
+           "floor_ms": fb / HBM_BYTES_PER_S * 1e3, "grouped_mm": dec.grouped}
+    return row if graph_error is None else dict(row, graph_error=graph_error)
+
+
+def engine_config(a: argparse.Namespace, shape: dict, precision: str):
+    from minite.config import load_config
+
+    sets = [f"model.{k}={v}" for k, v in shape.items()]
+    sets += [f"model.num_layers={a.layers}", f"precision.mode={precision}",
+             f"model.max_position_embeddings={a.prompt_len + a.new_tokens + 8}"]
+    return load_config(None, sets + a.overrides)
+
+
+def write(out: Path, doc: dict) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.replace(out)
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_engines(a: argparse.Namespace, shape: dict, doc: dict, out: Path) -> None:
+    from minite.megatron_patches.strict import apply_strict
+    from minite.rollout.embedded import EmbeddedEngine, build_embedded
+
+    batches = [int(b) for b in a.batches.split(",")]
+    for precision in a.precisions.split(","):
+        engine = build_embedded(engine_config(a, shape, precision))
+        for mode in ("default", "strict"):
+            if mode not in a.modes.split(","):
+                continue
+            if mode == "strict":
+                apply_strict(engine.model)
+                engine = EmbeddedEngine(engine.model, strict=True)
+            for i, batch in enumerate(batches):
+                try:
+                    row = measure_engine(engine, a, shape, precision, mode == "strict", batch)
+                    if i == 0:  # once per engine: the count does not depend on the batch
+                        row["host_syncs_per_step"] = host_syncs_per_step(engine, a, shape, batch)
+                    doc["rows"].append(row)
+                    print(f"{precision:5s} {mode:7s} batch {batch:4d}: step {_ms(row['step_ms'])} "
+                          f"(floor {_ms(row['floor_ms'])}), {row['decode_tokens_per_s']:,.0f} tokens/s", flush=True)
+                except Exception as e:  # noqa: BLE001  (reported in the JSON; the next rows still run)
+                    doc["errors"].append({"precision": precision, "strict": mode == "strict", "batch": batch,
+                                          "error": f"{type(e).__name__}: {e}"[:500]})
+                    print(f"{precision} {mode} batch {batch}: {doc['errors'][-1]['error']}", flush=True)
+                    _free()
+                write(out, doc)
+        del engine
+        _free()
+
+
+def run_reference(a: argparse.Namespace, shape: dict, doc: dict, out: Path) -> None:
+    for batch in (int(b) for b in a.batches.split(",")):
+        try:
+            row = measure_reference(a, shape, batch)
+            doc["reference_rows"].append(row)
+            print(f"reference batch {batch:4d}: step {_ms(row['step_ms'])} (eager {_ms(row['eager_step_ms'])}, "
+                  f"floor {_ms(row['floor_ms'])})", flush=True)
+        except Exception as e:  # noqa: BLE001
+            doc["errors"].append({"reference": True, "batch": batch, "error": f"{type(e).__name__}: {e}"[:500]})
+            print(f"reference batch {batch}: {doc['errors'][-1]['error']}", flush=True)
+        _free()
+        write(out, doc)
+
+
+def _ms(v: float) -> str:
+    return f"{v:.2f} ms" if v >= 0.1 else f"{v:.3g} ms"
+
+
+def render(doc: dict) -> str:
+    """docs/benchmarks.md's table of one results file (numbers are never typed by hand)."""
+    out = [f"Device {doc['device']}, {doc['date']}, commit {doc['commit']}, command `{doc['command']}`. Decode step = "
+           "(t(N_long) - t(N_short)) / (N_long - N_short); floor = bytes a step must read / "
+           f"{doc['hbm_bytes_per_s'] / 1e12:.1f} TB/s.", "",
+           "| precision | mode | batch | prompt | new tokens | decode step | floor | step / floor | decode tokens/s "
+           "| host syncs / step |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(doc["rows"], key=lambda r: (r["precision"], r["strict"], r["batch"])):
+        syncs = f"{r['host_syncs_per_step']:.1f}" if r.get("host_syncs_per_step") is not None else "-"
+        out.append(f"| {r['precision'].upper()} | {'strict' if r['strict'] else 'default'} | {r['batch']} | "
+                   f"{r['prompt_len']} | {r['new_tokens']} | {_ms(r['step_ms'])} | {_ms(r['floor_ms'])} | "
+                   f"{r['step_ms'] / r['floor_ms']:.1f}x | {r['decode_tokens_per_s']:,.0f} | {syncs} |")
+    if doc.get("reference_rows"):
+        out += ["", "Plain-PyTorch BF16 decode step (tools/bench/decode_reference.py, random weights):", "",
+                "| batch | context | step (CUDA graph) | eager step | floor | decode tokens/s |", "|---|---|---|---|---|---|"]
+        for r in sorted(doc["reference_rows"], key=lambda r: r["batch"]):
+            graph = _ms(r["step_ms"]) if r["graph"] else "-"
+            out.append(f"| {r['batch']} | {r['context']} | {graph} | {_ms(r['eager_step_ms'])} | "
+                       f"{_ms(r['floor_ms'])} | {r['decode_tokens_per_s']:,.0f} |")
+    for e in doc.get("errors", []):
+        out.append(f"\nFailed: {json.dumps({k: v for k, v in e.items() if k != 'error'})}: {e['error']}")
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    if a.render:
+        print(render(json.loads(Path(a.render).read_text())), end="")
+        return 0
+    shape = TINY if a.tiny else FULL
+    out = Path(a.out)
+    doc = {"device": device_name(), "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "commit": commit(), "command": " ".join(shlex.quote(x) for x in [Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+           "torch": torch.__version__, "hbm_bytes_per_s": HBM_BYTES_PER_S, "shape": dict(shape, num_layers=a.layers),
+           "rows": [], "reference_rows": [], "errors": []}
+    if not a.no_reference:
+        run_reference(a, shape, doc, out)
+    run_engines(a, shape, doc, out)
+    write(out, doc)
+    print(render(doc), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
