@@ -84,6 +84,20 @@ def cached_weight_q(module, weight: torch.Tensor, make, slot: str = "weight"):
     return cache[1]
 
 
+def release_weight_caches(model: torch.nn.Module) -> int:
+    """Drop every cached quantised weight of `model` (the next forward re-quantises); returns how many.
+
+    The learner calls it between backward and the optimizer step: the step changes every weight, so the caches
+    would be rebuilt after it anyway (same bits), and holding them through the step costs ~2.6 bytes per quantised
+    parameter (packed codes, fp16 block values, scales) at the moment the optimizer's own memory peaks."""
+    dropped = 0
+    for m in model.modules():
+        for name in [n for n in vars(m) if n.startswith("_nvfp4_wq_cache_")]:
+            del m.__dict__[name]
+            dropped += 1
+    return dropped
+
+
 def _check_linear(layer, name: str) -> None:
     if layer.gradient_accumulation_fusion:
         raise ValueError(f"{name}: gradient_accumulation_fusion is not supported by the NVFP4 linears")

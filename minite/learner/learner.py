@@ -43,6 +43,7 @@ from minite.console import CONSOLE
 from minite.learner.model import build_model, compute_dtype, nvfp4_context
 from minite.learner.weights import checked_weight_copy
 from minite.megatron_patches.cpu import cuda_as_cpu
+from minite.megatron_patches.nvfp4_layers import release_weight_caches
 from minite.strict import ops as strict_ops
 
 logger = logging.getLogger(__name__)
@@ -205,6 +206,8 @@ class Learner:
         if not torch.is_tensor(loss) or loss.dim() != 0:
             raise ValueError("loss_fn must return (a scalar loss tensor, a metrics dict)")
         loss.backward()
+        if self.nvfp4 is not None:  # stale after the step anyway: not held while the optimizer's memory peaks
+            release_weight_caches(self.model)
         with cuda_as_cpu():
             finalize_model_grads([self.ddp])
             ok, grad_norm, _ = self.optimizer.step()
@@ -253,6 +256,25 @@ class Learner:
             self.nvfp4.weights_updated()
         if "rng_cpu" in sd:
             torch.set_rng_state(sd["rng_cpu"])
+
+    def close(self) -> None:
+        """Release the model, DDP wrapper and optimizer (and their memory) once the last reference goes.
+
+        Megatron's DDP registers a backward hook on every parameter's grad-accumulator node, and the hook's closure
+        holds the DDP object, which holds the model; the nodes stay alive through `ddp.grad_accs` and through the
+        last forward's autograd graph (the MoE token dispatcher keeps its routing probabilities as attributes). That
+        cycle runs through C++ autograd nodes, which Python's garbage collector cannot see, so without this a
+        deleted Learner keeps its parameters, fp32 gradient buffers and (through `param.main_param`) the optimizer's
+        fp32 master weights alive: 10 bytes per parameter (tools/bench/learner_memory.py --leak). Here the hooks
+        are removed from the nodes (a node's hooks live in one dict, reachable through the handle of a new hook).
+        The learner is unusable afterwards."""
+        if self.ddp is not None:
+            for node in self.ddp.grad_accs:
+                hooks = node.register_hook(lambda *_: None).hooks_dict_ref()
+                if hooks is not None:
+                    hooks.clear()
+            self.ddp.grad_accs.clear()
+        self.ddp = self.optimizer = None
 
     def load_weights(self, named: Iterable[Tuple[str, torch.Tensor]]) -> None:
         """Copy (Megatron parameter name, tensor) pairs, as `named_weights()` yields them, into this model, checked

@@ -57,8 +57,13 @@ def run(precision: str, shape: dict, layers: int, seq: int, steps: int, warmup: 
 
     sets = [f"model.{k}={v}" for k, v in shape.items()]
     sets += [f"model.num_layers={layers}", f"model.max_position_embeddings={seq + 1}", f"precision.mode={precision}"]
-    learner = Learner(load_config(None, sets))
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cuda":  # this row's peak only: what an earlier row left allocated shows as mem_start_gib
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    mem_start = torch.cuda.memory_allocated() / 2**30 if dev == "cuda" else None
+    learner = Learner(load_config(None, sets))
     tokens = torch.randint(1, shape["vocab_size"], (1, seq + 1), generator=torch.Generator().manual_seed(0)).to(dev)
     opt_times = []
     step_fn = learner.optimizer.step
@@ -92,12 +97,12 @@ def run(precision: str, shape: dict, layers: int, seq: int, steps: int, warmup: 
     out = {"precision": precision, "step_s": step, "tokens_per_s": seq / step, "loss": metrics["loss"],
            "model_tflops": flops / step / 1e12, "optimizer_s": opt, "fwd_bwd_s": step - opt,
            "fwd_bwd_model_tflops": flops / (step - opt) / 1e12,
-           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else None}
+           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else None,
+           "mem_start_gib": mem_start}
+    learner.optimizer.step = step_fn
+    learner.close()  # without it Megatron's DDP hooks keep the model, gradients and masters alive (Learner.close)
     del learner
     gc.collect()
-    if dev == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
     return out
 
 
