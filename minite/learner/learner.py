@@ -102,6 +102,30 @@ class _GatherRows(torch.autograd.Function):
         return grad[ctx.block], None, None, None
 
 
+def _adam_implementation(optimizer) -> None:
+    """torch's fused AdamW kernel for parameter groups on CUDA; torch's default (single-tensor loop on the CPU)
+    elsewhere, as Megatron built it.
+
+    Without transformer-engine or apex, Megatron-Core 0.16.1 builds torch.optim.AdamW (torch.optim.Adam when weight
+    decay is not decoupled) with torch's default implementation: on CUDA the foreach one, a dozen multi-tensor
+    launches per step plus a full fp32 temporary (sqrt of the second moment) over every parameter. The fused kernel
+    does one pass with no temporary. Applied again after a checkpoint load, whose parameter groups carry the
+    implementation flags of the run that saved them; the state's layout (exp_avg, exp_avg_sq, step) is the same."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in inner.param_groups:
+            if not (group["params"] and all(p.is_cuda for p in group["params"])):
+                group.update(fused=None, foreach=None)
+                continue
+            group.update(fused=True, foreach=False)
+            for p in group["params"]:  # the fused kernel keeps `step` on the device, as torch's own load does
+                state = inner.state.get(p, {})
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+
+
 class Learner:
     """Owns the model, its DDP wrapper and optimizer; see the module docstring for the step."""
 
@@ -142,7 +166,9 @@ class Learner:
             adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=bf16,
             params_dtype=torch.bfloat16 if bf16 else torch.float32, use_distributed_optimizer=False,
         )
-        return get_megatron_optimizer(config, [self.ddp])
+        optimizer = get_megatron_optimizer(config, [self.ddp])
+        _adam_implementation(optimizer)
+        return optimizer
 
     # ------------------------------------------------------------------ forward
     def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -292,6 +318,7 @@ class Learner:
             g.update(lr=o.lr * g.get("lr_mult", 1.0), max_lr=o.lr, min_lr=o.lr,
                      weight_decay=o.weight_decay * g.get("wd_mult", 1.0), betas=(o.adam_beta1, o.adam_beta2),
                      eps=o.adam_eps)
+        _adam_implementation(self.optimizer)
 
     def named_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """(Megatron parameter name, tensor) for rollout weight sync: this rank's shard, compute dtype, no grad."""

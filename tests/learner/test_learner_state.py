@@ -114,3 +114,24 @@ def test_bad_precision_config_raises():
     from minite.learner.model import init_parallel
     with pytest.raises(ValueError, match="pipeline"):
         init_parallel(cfg("parallel.pp=2"))
+
+
+def _adam_groups(learner):
+    return [g for o in learner.optimizer.chained_optimizers for g in o.optimizer.param_groups]
+
+
+def test_adam_on_cpu_is_torchs_default_even_after_loading_a_fused_state(tokens):
+    """CPU behaviour is Megatron's as built (torch's single-tensor AdamW); a checkpoint whose groups say fused (saved
+    on a GPU) does not switch a CPU learner to another implementation."""
+    from minite.learner.learner import Learner
+    a = Learner(cfg("precision.mode=bf16"))
+    assert all(g["fused"] is None and g["foreach"] is None for g in _adam_groups(a))
+    a.train_step(tokens, loss_fn)
+    snap = a.state_dict()
+    groups = [g for o in snap["optimizer"] for g in o["optimizer"]["param_groups"]]  # one per chained optimizer
+    assert groups
+    for g in groups:
+        g.update(fused=True, foreach=False)
+    b = Learner(cfg("precision.mode=bf16"))
+    b.load_state_dict(snap)
+    assert all(g["fused"] is None and g["foreach"] is None for g in _adam_groups(b))
