@@ -60,7 +60,14 @@ class NVFP4Context:
     generation: int = 0
     """Bumped by `weights_updated()`; part of every cached quantised weight's key."""
 
+    micro_batch: int = 0
+    """Index of the micro-batch inside a train step (gradient accumulation), set by the learner; part of the seeds
+    from the second micro-batch on, so that the chunks of one step draw independent rounding (the first chunk's
+    seeds are those of a step without accumulation)."""
+
     def layer_seed(self, layer_id: int) -> int:
+        if self.micro_batch:
+            return derive_seed(self.seed, self.step, layer_id, self.micro_batch)
         return derive_seed(self.seed, self.step, layer_id)
 
     def weights_updated(self) -> None:

@@ -219,20 +219,35 @@ class Learner:
             self.model.train()
 
     # ------------------------------------------------------------------ train
-    def train_step(self, tokens: torch.Tensor, loss_fn: LossFn) -> Dict[str, float]:
+    def train_step(self, tokens: torch.Tensor, loss_fn: LossFn, *, micro_batches: int = 1) -> Dict[str, float]:
         """Forward, loss_fn(logp [B, T-1] with grad) -> (loss, metrics), backward, clip, Adam step, zero grad.
 
         Collective over all ranks, each passing the same whole batch: each forwards its `local_rows`, loss_fn sees
-        the whole batch's log-probs (gathered), so its loss and metrics are the global ones on every rank."""
+        the whole batch's log-probs (gathered), so its loss and metrics are the global ones on every rank.
+        micro_batches: gradient accumulation. The B rows split into that many consecutive chunks of B/micro_batches
+        rows (a multiple of the data-parallel size), forwarded and back-propagated one after another, so only one
+        chunk's activations are alive at a time; loss_fn is called once per chunk, with that chunk's log-probs, and
+        returns the chunk's share of the loss (the gradients add up: e.g. its token sum / all tokens); one optimizer
+        step follows. Reported: the loss summed over chunks, each metric averaged over them."""
         from megatron.core.distributed import finalize_model_grads
+        if micro_batches < 1 or tokens.shape[0] % micro_batches:
+            raise ValueError(f"micro_batches={micro_batches} must be >= 1 and divide the {tokens.shape[0]} rows")
         self.model.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        loss, metrics = loss_fn(self._batch_logprobs(tokens))
-        if not torch.is_tensor(loss) or loss.dim() != 0:
-            raise ValueError("loss_fn must return (a scalar loss tensor, a metrics dict)")
-        loss.backward()
+        rows, total, sums = tokens.shape[0] // micro_batches, None, {}
+        for i in range(micro_batches):
+            if self.nvfp4 is not None:
+                self.nvfp4.micro_batch = i  # each chunk its own stochastic rounding (NVFP4Context.layer_seed)
+            loss, metrics = loss_fn(self._batch_logprobs(tokens[i * rows:(i + 1) * rows]))
+            if not torch.is_tensor(loss) or loss.dim() != 0:
+                raise ValueError("loss_fn must return (a scalar loss tensor, a metrics dict)")
+            loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+            for k, v in (metrics or {}).items():
+                sums[k] = sums.get(k, 0.0) + float(v)
         if self.nvfp4 is not None:  # stale after the step anyway: not held while the optimizer's memory peaks
+            self.nvfp4.micro_batch = 0
             release_weight_caches(self.model)
         with cuda_as_cpu():
             finalize_model_grads([self.ddp])
@@ -245,8 +260,8 @@ class Learner:
         if self.nvfp4 is not None:
             self.nvfp4.step = self.step
             self.nvfp4.weights_updated()  # the optimizer wrote the weights through .data
-        out = {k: float(v) for k, v in (metrics or {}).items()}
-        out.update(loss=float(loss.detach()), grad_norm=float(grad_norm if grad_norm is not None else 0.0),
+        out = {k: v / micro_batches for k, v in sums.items()}
+        out.update(loss=float(total), grad_norm=float(grad_norm if grad_norm is not None else 0.0),
                    step_ok=float(bool(ok)))
         return out
 
