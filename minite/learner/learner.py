@@ -108,7 +108,7 @@ def _adam_implementation(optimizer) -> None:
 
     Without transformer-engine or apex, Megatron-Core 0.16.1 builds torch.optim.AdamW (torch.optim.Adam when weight
     decay is not decoupled) with torch's default implementation: on CUDA the foreach one, a dozen multi-tensor
-    launches per step plus a full fp32 temporary (sqrt of the second moment) over every parameter. The fused kernel
+    launches per step plus an fp32 temporary (sqrt of the second moment) the size of each group. The fused kernel
     does one pass with no temporary. Applied again after a checkpoint load, whose parameter groups carry the
     implementation flags of the run that saved them; the state's layout (exp_avg, exp_avg_sq, step) is the same."""
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
