@@ -73,7 +73,14 @@ class NVFP4Context:
         if not quantiser_checks_finite(t):
             self.finite.record(t)
 
+    micro_batch: int = 0
+    """Index of the micro-batch inside a train step (gradient accumulation), set by the learner; part of the seeds
+    from the second micro-batch on, so that the chunks of one step draw independent rounding (the first chunk's
+    seeds are those of a step without accumulation)."""
+
     def layer_seed(self, layer_id: int) -> int:
+        if self.micro_batch:
+            return derive_seed(self.seed, self.step, layer_id, self.micro_batch)
         return derive_seed(self.seed, self.step, layer_id)
 
     def weights_updated(self) -> None:
@@ -104,6 +111,20 @@ def _is_normal_init(method) -> bool:
     return isinstance(method, functools.partial) and method.func is torch.nn.init.normal_
 
 
+def release_weight_caches(model: torch.nn.Module) -> int:
+    """Drop every cached quantised weight of `model` (the next forward re-quantises); returns how many.
+
+    The learner calls it between backward and the optimizer step: the step changes every weight, so the caches
+    would be rebuilt after it anyway (same bits), and holding them through the step costs ~2.6 bytes per quantised
+    parameter (packed codes, fp16 block values, scales) at the moment the optimizer's own memory peaks."""
+    dropped = 0
+    for m in model.modules():
+        for name in [n for n in vars(m) if n.startswith("_nvfp4_wq_cache_")]:
+            del m.__dict__[name]
+            dropped += 1
+    return dropped
+
+
 def _check_linear(layer, name: str) -> None:
     if layer.gradient_accumulation_fusion:
         raise ValueError(f"{name}: gradient_accumulation_fusion is not supported by the NVFP4 linears")
@@ -111,7 +132,6 @@ def _check_linear(layer, name: str) -> None:
 
 def _linear_weight_q(layer, weight: torch.Tensor):
     ctx = layer.nvfp4
-    ctx.record_finite(x)
     group = layer.tp_group if group_size(layer.tp_group) > 1 else None
     return cached_weight_q(layer, weight, lambda: quantize_weight(weight, ctx.recipe, backend=ctx.backend,
                                                                    amax_group=group))
@@ -119,6 +139,7 @@ def _linear_weight_q(layer, weight: torch.Tensor):
 
 def _linear(layer, x: torch.Tensor, weight: torch.Tensor, sharded: str) -> torch.Tensor:
     ctx = layer.nvfp4
+    ctx.record_finite(x)
     w_q = _linear_weight_q(layer, weight)
     return nvfp4_linear(x, weight, ctx.recipe, seed=ctx.layer_seed(layer.nvfp4_layer_id), weight_q=w_q,
                         backend=ctx.backend, sharded=sharded, tp_group=layer.tp_group)

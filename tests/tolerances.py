@@ -75,6 +75,13 @@ TOLERANCES = {
     # Bound 1e-5 abs = 1% of one Adam step: a missed row or a per-rank token mean changes a step by O(lr) (a uniform
     # gradient scale, which Adam hides, shows in the grad norm, checked with learner_parallel_fp32).
     "learner_data_parallel_weights": (1e-5, 0.0),
+    # Gradient accumulation vs the whole batch, fp32 compute (tests/learner/test_learner_state.py): the chunks'
+    # gradients are summed in DDP's fp32 buffer instead of inside one backward, the same products in another order
+    # (a few ulps); measured 6e-8 (loss), 0 (gradient norm) and 3.4e-7 (weights)
+    # on the test's inputs (CPU, torch 2.13). rtol: loss and gradient norm, relative; atol: weights after one Adam step
+    # (lr 3e-3), abs. Adam's first step is lr * g / (|g| + eps), so an entry whose |g| is near eps moves by up to
+    # ~lr * (relative gradient error) * |g| / eps; a missed chunk or a chunk counted twice changes the step by O(lr).
+    "learner_micro_batches_fp32": (1e-5, 1e-5),
     # NVFP4 gradients, sharded vs unsharded: the forward is exact up to fp32 order (amax synced over TP), but
     # stochastic rounding indexes its random stream by the element's position in the *local* tensor, so a sharded
     # run draws other rounding noise. The layout difference must not exceed rtol x the difference between two

@@ -43,6 +43,7 @@ from minite.console import CONSOLE
 from minite.learner.model import build_model, compute_dtype, nvfp4_context
 from minite.learner.weights import checked_weight_copy
 from minite.megatron_patches.cpu import cuda_as_cpu
+from minite.megatron_patches.nvfp4_layers import release_weight_caches
 from minite.strict import ops as strict_ops
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,30 @@ class _GatherRows(torch.autograd.Function):
         return grad[ctx.block], None, None, None
 
 
+def _adam_implementation(optimizer) -> None:
+    """torch's fused AdamW kernel for parameter groups on CUDA; torch's default (single-tensor loop on the CPU)
+    elsewhere, as Megatron built it.
+
+    Without transformer-engine or apex, Megatron-Core 0.16.1 builds torch.optim.AdamW (torch.optim.Adam when weight
+    decay is not decoupled) with torch's default implementation: on CUDA the foreach one, a dozen multi-tensor
+    launches per step plus an fp32 temporary (sqrt of the second moment) the size of each group. The fused kernel
+    does one pass with no temporary. Applied again after a checkpoint load, whose parameter groups carry the
+    implementation flags of the run that saved them; the state's layout (exp_avg, exp_avg_sq, step) is the same."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in inner.param_groups:
+            if not (group["params"] and all(p.is_cuda for p in group["params"])):
+                group.update(fused=None, foreach=None)
+                continue
+            group.update(fused=True, foreach=False)
+            for p in group["params"]:  # the fused kernel keeps `step` on the device, as torch's own load does
+                state = inner.state.get(p, {})
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+
+
 class Learner:
     """Owns the model, its DDP wrapper and optimizer; see the module docstring for the step."""
 
@@ -141,7 +166,9 @@ class Learner:
             adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=bf16,
             params_dtype=torch.bfloat16 if bf16 else torch.float32, use_distributed_optimizer=False,
         )
-        return get_megatron_optimizer(config, [self.ddp])
+        optimizer = get_megatron_optimizer(config, [self.ddp])
+        _adam_implementation(optimizer)
+        return optimizer
 
     # ------------------------------------------------------------------ forward
     def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -192,19 +219,36 @@ class Learner:
             self.model.train()
 
     # ------------------------------------------------------------------ train
-    def train_step(self, tokens: torch.Tensor, loss_fn: LossFn) -> Dict[str, float]:
+    def train_step(self, tokens: torch.Tensor, loss_fn: LossFn, *, micro_batches: int = 1) -> Dict[str, float]:
         """Forward, loss_fn(logp [B, T-1] with grad) -> (loss, metrics), backward, clip, Adam step, zero grad.
 
         Collective over all ranks, each passing the same whole batch: each forwards its `local_rows`, loss_fn sees
-        the whole batch's log-probs (gathered), so its loss and metrics are the global ones on every rank."""
+        the whole batch's log-probs (gathered), so its loss and metrics are the global ones on every rank.
+        micro_batches: gradient accumulation. The B rows split into that many consecutive chunks of B/micro_batches
+        rows (a multiple of the data-parallel size), forwarded and back-propagated one after another, so only one
+        chunk's activations are alive at a time; loss_fn is called once per chunk, with that chunk's log-probs, and
+        returns the chunk's share of the loss (the gradients add up: e.g. its token sum / all tokens); one optimizer
+        step follows. Reported: the loss summed over chunks, each metric averaged over them."""
         from megatron.core.distributed import finalize_model_grads
+        if micro_batches < 1 or tokens.shape[0] % micro_batches:
+            raise ValueError(f"micro_batches={micro_batches} must be >= 1 and divide the {tokens.shape[0]} rows")
         self.model.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        loss, metrics = loss_fn(self._batch_logprobs(tokens))
-        if not torch.is_tensor(loss) or loss.dim() != 0:
-            raise ValueError("loss_fn must return (a scalar loss tensor, a metrics dict)")
-        loss.backward()
+        rows, total, sums = tokens.shape[0] // micro_batches, None, {}
+        for i in range(micro_batches):
+            if self.nvfp4 is not None:
+                self.nvfp4.micro_batch = i  # each chunk its own stochastic rounding (NVFP4Context.layer_seed)
+            loss, metrics = loss_fn(self._batch_logprobs(tokens[i * rows:(i + 1) * rows]))
+            if not torch.is_tensor(loss) or loss.dim() != 0:
+                raise ValueError("loss_fn must return (a scalar loss tensor, a metrics dict)")
+            loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+            for k, v in (metrics or {}).items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        if self.nvfp4 is not None:  # stale after the step anyway: not held while the optimizer's memory peaks
+            self.nvfp4.micro_batch = 0
+            release_weight_caches(self.model)
         with cuda_as_cpu():
             finalize_model_grads([self.ddp])
             ok, grad_norm, _ = self.optimizer.step()
@@ -216,8 +260,8 @@ class Learner:
         if self.nvfp4 is not None:
             self.nvfp4.step = self.step
             self.nvfp4.weights_updated()  # the optimizer wrote the weights through .data
-        out = {k: float(v) for k, v in (metrics or {}).items()}
-        out.update(loss=float(loss.detach()), grad_norm=float(grad_norm if grad_norm is not None else 0.0),
+        out = {k: v / micro_batches for k, v in sums.items()}
+        out.update(loss=float(total), grad_norm=float(grad_norm if grad_norm is not None else 0.0),
                    step_ok=float(bool(ok)))
         return out
 
@@ -254,6 +298,25 @@ class Learner:
         if "rng_cpu" in sd:
             torch.set_rng_state(sd["rng_cpu"])
 
+    def close(self) -> None:
+        """Release the model, DDP wrapper and optimizer (and their memory) once the last reference goes.
+
+        Megatron's DDP registers a backward hook on every parameter's grad-accumulator node, and the hook's closure
+        holds the DDP object, which holds the model; the nodes stay alive through `ddp.grad_accs` and through the
+        last forward's autograd graph (the MoE token dispatcher keeps its routing probabilities as attributes). That
+        cycle runs through C++ autograd nodes, which Python's garbage collector cannot see, so without this a
+        deleted Learner keeps its parameters, fp32 gradient buffers and (through `param.main_param`) the optimizer's
+        fp32 master weights alive: 10 bytes per parameter (tools/bench/learner_memory.py --leak). Here the hooks
+        are removed from the nodes (a node's hooks live in one dict, reachable through the handle of a new hook).
+        The learner is unusable afterwards."""
+        if self.ddp is not None:
+            for node in self.ddp.grad_accs:
+                hooks = node.register_hook(lambda *_: None).hooks_dict_ref()
+                if hooks is not None:
+                    hooks.clear()
+            self.ddp.grad_accs.clear()
+        self.ddp = self.optimizer = None
+
     def load_weights(self, named: Iterable[Tuple[str, torch.Tensor]]) -> None:
         """Copy (Megatron parameter name, tensor) pairs, as `named_weights()` yields them, into this model, checked
         first (minite.learner.weights.checked_weight_copy: WeightUpdateError, nothing half-copied)."""
@@ -270,6 +333,7 @@ class Learner:
             g.update(lr=o.lr * g.get("lr_mult", 1.0), max_lr=o.lr, min_lr=o.lr,
                      weight_decay=o.weight_decay * g.get("wd_mult", 1.0), betas=(o.adam_beta1, o.adam_beta2),
                      eps=o.adam_eps)
+        _adam_implementation(self.optimizer)
 
     def named_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """(Megatron parameter name, tensor) for rollout weight sync: this rank's shard, compute dtype, no grad."""

@@ -92,6 +92,18 @@ def test_strided_input_columnwise():
         assert quantize_triton(x.t(), (1, 16), "tensor", rounding, 7, rht).equal(ref)
 
 
+def test_strided_input_columnwise_with_values():
+    """The wgrad operands as the learner quantises them (a transposed view, RHT, codes and fp16 block values in one
+    pass), at a width that takes several column tiles: bitwise the reference of the contiguous transpose."""
+    torch.manual_seed(8)
+    x = torch.randn(2080, 48, device=DEVICE)
+    for rounding in ("nearest", "stochastic"):
+        ref = quantize_reference(x.t().contiguous(), block=(1, 16), scale_scope="tensor", rounding=rounding,
+                                 seed=9, rht=True)
+        q, vals = quantize_with_values_triton(x.t(), (1, 16), "tensor", rounding, 9, True)
+        assert q.equal(ref) and torch.equal(vals, ref.block_values(torch.float16))
+
+
 def test_stochastic_rounding_depends_on_seed_only():
     torch.manual_seed(4)
     x = torch.randn(16, 64, device=DEVICE)

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from minite.config import load_config
+from tests.tolerances import TOLERANCES
 
 TINY = ["model.num_layers=1", "model.hidden_size=32", "model.vocab_size=48", "model.num_experts=4",
         "model.moe_router_topk=2", "model.moe_ffn_hidden_size=16", "model.head_dim=8", "rl.seed=11",
@@ -114,3 +115,50 @@ def test_bad_precision_config_raises():
     from minite.learner.model import init_parallel
     with pytest.raises(ValueError, match="pipeline"):
         init_parallel(cfg("parallel.pp=2"))
+
+
+def _adam_groups(learner):
+    return [g for o in learner.optimizer.chained_optimizers for g in o.optimizer.param_groups]
+
+
+def test_adam_on_cpu_is_torchs_default_even_after_loading_a_fused_state(tokens):
+    """CPU behaviour is Megatron's as built (torch's single-tensor AdamW); a checkpoint whose groups say fused (saved
+    on a GPU) does not switch a CPU learner to another implementation."""
+    from minite.learner.learner import Learner
+    a = Learner(cfg("precision.mode=bf16"))
+    assert all(g["fused"] is None and g["foreach"] is None for g in _adam_groups(a))
+    a.train_step(tokens, loss_fn)
+    snap = a.state_dict()
+    groups = [g for o in snap["optimizer"] for g in o["optimizer"]["param_groups"]]  # one per chained optimizer
+    assert groups
+    for g in groups:
+        g.update(fused=True, foreach=False)
+    b = Learner(cfg("precision.mode=bf16"))
+    b.load_state_dict(snap)
+    assert all(g["fused"] is None and g["foreach"] is None for g in _adam_groups(b))
+
+
+def test_micro_batches_accumulate_to_the_whole_batch_step(tokens):
+    """Gradient accumulation: 3 rows as 3 micro-batches of 1 (each loss its share of the token mean) take the same
+    Adam step as the whole batch at once, up to the order of fp32 sums; loss_fn sees each chunk once; the reported
+    loss is the sum of the chunks' and metrics are their mean; rows that do not split are refused."""
+    from minite.learner.learner import Learner
+    c = cfg("precision.mode=bf16", "precision.compute_dtype=float32")
+    n = tokens.shape[0] * (tokens.shape[1] - 1)
+    whole, acc = Learner(c), Learner(c)
+    m1 = whole.train_step(tokens, lambda lp: (-lp.sum() / n, {"rows": float(lp.shape[0])}))
+    seen = []
+
+    def share(lp):
+        seen.append(lp.shape[0])
+        return -lp.sum() / n, {"rows": float(lp.shape[0])}
+
+    m3 = acc.train_step(tokens, share, micro_batches=3)
+    assert seen == [1, 1, 1] and m3["rows"] == 1.0 and m1["rows"] == 3.0
+    atol, rtol = TOLERANCES["learner_micro_batches_fp32"]
+    assert abs(m3["loss"] - m1["loss"]) <= rtol * abs(m1["loss"])
+    assert abs(m3["grad_norm"] - m1["grad_norm"]) <= rtol * m1["grad_norm"]
+    gap = max((a - b).abs().max().item() for (_, a), (_, b) in zip(whole.named_weights(), acc.named_weights()))
+    assert gap <= atol
+    with pytest.raises(ValueError, match="micro_batches"):
+        acc.train_step(tokens, share, micro_batches=2)

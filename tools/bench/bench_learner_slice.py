@@ -2,11 +2,12 @@
 on several with expert parallelism (one sequence per GPU).
 
     python tools/bench/bench_learner_slice.py --layers 4 --seq 4096 --out slice.json     (on the H200)
+    python tools/bench/bench_learner_slice.py --micro-batches 1,8 ...                      (+ the RL-sized row)
     python -m torch.distributed.run --standalone --nproc-per-node 2 tools/bench/bench_learner_slice.py --ep 2 \
         --layers 4 --seq 4096 --out slice-ep2.json                                       (two H200s, EP=2)
     python tools/bench/bench_learner_slice.py --tiny                                       (CPU smoke run)
 
-Under torchrun every rank forwards its own sequence (data parallelism over the world; the experts split EP ways),
+Under torchrun every rank forwards its own sequences (data parallelism over the world; the experts split EP ways),
 so tokens/s and model FLOP/s count the whole world's tokens; rank 0 prints and writes.
 
 Full width (hidden 2048, 32 heads / 4 KV groups of 128, 128 experts top-8 of ffn 768, vocab 151936), `--layers`
@@ -15,7 +16,11 @@ functions dispatching to the Triton kernels on CUDA). Reports the median step ti
 tokens/s and model FLOP/s (6 x active parameters per token + causal attention 6 x L x s x heads x head_dim), for
 the whole step and for forward + backward alone (the optimizer's share, timed with synchronisations around
 optimizer.step, is Adam over every expert's fp32 master weights: ~3e9 parameters at 4 layers, a fixed cost that a
-step of one 4096-token sequence does not amortise).
+step of one 4096-token sequence does not amortise). `--micro-batches 1,8` adds a row per count on the same learner:
+a step of 8 sequences with gradient accumulation (Learner.train_step(micro_batches=8)) and one optimizer step, as a
+real RL step amortises the optimizer. Each row's peak_mem_gib is torch's max_memory_allocated since that row began
+(the learner's own state included); mem_start_gib is what was allocated before the precision's learner was built
+(0 unless an earlier learner leaked).
 """
 from __future__ import annotations
 
@@ -58,63 +63,84 @@ def _profile_step(learner, tokens, top: int) -> None:
     print(ka.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60), flush=True)
 
 
+RANK0 = int(os.environ.get("RANK", "0")) == 0
+
+
+def _sync(dev: str) -> None:
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time_steps(learner, tokens, micro: int, steps: int, warmup: int, dev: str) -> tuple[float, float, dict]:
+    """Median (step s, optimizer s) over `steps` train steps after `warmup`, and the last step's metrics; each step
+    is `micro` micro-batches of one sequence (gradient accumulation), each loss its 1/micro share."""
+    opt_times, times, step_fn = [], [], learner.optimizer.step
+
+    def timed_step(*a, **k):  # the optimizer's share of the step (synchronised around it)
+        _sync(dev)
+        t = time.perf_counter()
+        out = step_fn(*a, **k)
+        _sync(dev)
+        opt_times.append(time.perf_counter() - t)
+        return out
+
+    learner.optimizer.step = timed_step
+    try:
+        for i in range(warmup + steps):
+            _sync(dev)
+            t0 = time.perf_counter()
+            metrics = learner.train_step(tokens, lambda lp: (-lp.mean() / micro, {}), micro_batches=micro)
+            _sync(dev)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+    finally:
+        learner.optimizer.step = step_fn
+    return statistics.median(times), statistics.median(opt_times[warmup:warmup + steps]), metrics
+
+
 def world_size() -> int:
     return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
 
-def run(precision: str, shape: dict, layers: int, seq: int, steps: int, warmup: int, profile_top: int = 0,
-        ep: int = 1) -> dict:
+def run(precision: str, shape: dict, layers: int, seq: int, steps: int, warmup: int, micro_batches=(1,),
+        profile_top: int = 0, ep: int = 1) -> list[dict]:
+    """One learner, one row per micro-batch count: a step of `micro` x `seq` tokens and one optimizer step."""
     from minite.config import load_config
     from minite.learner.learner import Learner
 
     sets = [f"model.{k}={v}" for k, v in shape.items()]
     sets += [f"model.num_layers={layers}", f"model.max_position_embeddings={seq + 1}", f"precision.mode={precision}",
              f"parallel.ep={ep}"]
-    learner = Learner(load_config(None, sets))
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    world = world_size()  # one sequence per rank: the world is the data-parallel size (TP = PP = 1 here)
-    tokens = torch.randint(1, shape["vocab_size"], (world, seq + 1),
-                           generator=torch.Generator().manual_seed(0)).to(dev)
-    opt_times = []
-    step_fn = learner.optimizer.step
-
-    def timed_step(*a, **k):  # the optimizer's share of the step (synchronised around it)
-        if dev == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        out = step_fn(*a, **k)
-        if dev == "cuda":
-            torch.cuda.synchronize()
-        opt_times.append(time.perf_counter() - t)
-        return out
-
-    learner.optimizer.step = timed_step
-    times = []
-    for i in range(warmup + steps):
-        if dev == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        metrics = learner.train_step(tokens, lambda lp: (-lp.mean(), {}))
-        if dev == "cuda":
-            torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    step = statistics.median(times)
-    opt = statistics.median(opt_times[warmup:warmup + steps])
+    gc.collect()
+    if dev == "cuda":  # what an earlier precision's learner left allocated would show as mem_start_gib
+        torch.cuda.empty_cache()
+    mem_start = torch.cuda.memory_allocated() / 2**30 if dev == "cuda" else None
+    learner = Learner(load_config(None, sets))
+    world = world_size()  # every rank its own sequences: the world is the data-parallel size (TP = PP = 1 here)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(1, shape["vocab_size"], (world * max(micro_batches), seq + 1), generator=gen).to(dev)
+    rows = []
+    for micro in micro_batches:
+        if dev == "cuda":  # each row's own peak (the learner's state included)
+            torch.cuda.reset_peak_memory_stats()
+        step, opt, metrics = _time_steps(learner, tokens[:world * micro], micro, steps, warmup, dev)
+        flops = model_flops_per_token(shape, layers, seq) * seq * micro * world
+        rows.append({"precision": precision, "gpus": world if dev == "cuda" else 0,
+                     "layout": f"ep{ep}" if ep > 1 else "single", "micro_batches": micro,
+                     "tokens": world * micro * seq, "step_s": step, "tokens_per_s": world * micro * seq / step, "loss": metrics["loss"],
+                     "model_tflops": flops / step / 1e12, "optimizer_s": opt, "fwd_bwd_s": step - opt,
+                     "fwd_bwd_model_tflops": flops / (step - opt) / 1e12,
+                     "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else None,
+                     "mem_start_gib": mem_start})
+        if RANK0:
+            print(json.dumps(rows[-1]), flush=True)
     if profile_top:
-        _profile_step(learner, tokens, profile_top)
-    flops = model_flops_per_token(shape, layers, seq) * seq * world
-    out = {"precision": precision, "gpus": world if dev == "cuda" else 0, "layout": f"ep{ep}" if ep > 1 else "single",
-           "step_s": step, "tokens_per_s": seq * world / step, "loss": metrics["loss"],
-           "model_tflops": flops / step / 1e12, "optimizer_s": opt, "fwd_bwd_s": step - opt,
-           "fwd_bwd_model_tflops": flops / (step - opt) / 1e12,
-           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else None}
+        _profile_step(learner, tokens[:1], profile_top)
+    learner.close()  # without it Megatron's DDP hooks keep the model, gradients and masters alive (Learner.close)
     del learner
     gc.collect()
-    if dev == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    return out
+    return rows
 
 
 def main() -> None:
@@ -124,6 +150,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--precisions", default="bf16,nvfp4")
+    p.add_argument("--micro-batches", default="1", help="comma list: one row per count, each step that many "
+                   "sequences of --seq tokens with gradient accumulation and one optimizer step (RL-sized: 8)")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--ep", type=int, default=1, help="expert parallelism (run under torchrun with that many ranks)")
     p.add_argument("--out", default=None)
@@ -131,20 +159,24 @@ def main() -> None:
                    help="after timing, profile one more step and print the TOP ops by device and host time")
     a = p.parse_args()
     shape = TINY if a.tiny else FULL
-    rank0 = int(os.environ.get("RANK", "0")) == 0
+    micro = tuple(int(m) for m in a.micro_batches.split(","))
     rows = []
     for prec in a.precisions.split(","):
         try:
-            rows.append(run(prec, shape, a.layers, a.seq, a.steps, a.warmup, a.profile, a.ep))
+            rows += run(prec, shape, a.layers, a.seq, a.steps, a.warmup, micro, a.profile, a.ep)
         except Exception as e:  # report and go on: one precision failing must not hide the other's number
             rows.append({"precision": prec, "error": f"{type(e).__name__}: {e}"})
-        if rank0:
             print(json.dumps(rows[-1]), flush=True)
-    ok = {r["precision"]: r for r in rows if "error" not in r}
-    ratio = ok["nvfp4"]["tokens_per_s"] / ok["bf16"]["tokens_per_s"] if {"bf16", "nvfp4"} <= set(ok) else None
-    if not rank0:
+    ok = {(r["precision"], r["micro_batches"]): r for r in rows if "error" not in r}
+
+    def ratio(m):
+        both = ok.get(("nvfp4", m)), ok.get(("bf16", m))
+        return both[0]["tokens_per_s"] / both[1]["tokens_per_s"] if all(both) else None
+
+    if not RANK0:
         return
-    result = {"layers": a.layers, "seq": a.seq, "ep": a.ep, "rows": rows, "nvfp4_over_bf16_tokens_per_s": ratio,
+    result = {"layers": a.layers, "seq": a.seq, "ep": a.ep, "rows": rows, "nvfp4_over_bf16_tokens_per_s": ratio(micro[0]),
+              "nvfp4_over_bf16_tokens_per_s_by_micro_batches": {str(m): ratio(m) for m in micro},
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     print(json.dumps(result))
     if a.out:

@@ -1,0 +1,28 @@
+"""tools/bench/bench_learner_slice.py on the CPU (--tiny): one row per precision and micro-batch count with the fixed
+keys (precision, tokens_per_s, fwd_bwd_s, optimizer_s, model_tflops, peak_mem_gib), the RL-sized row's tokens
+scaled by its micro-batches, and the NVFP4/BF16 ratios."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_learner_slice_tiny_rows(tmp_path):
+    out = tmp_path / "slice.json"
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "tools/bench/bench_learner_slice.py"), "--tiny", "--layers", "1",
+                           "--seq", "32", "--steps", "1", "--warmup", "0", "--micro-batches", "1,2", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    assert [(r["precision"], r["micro_batches"]) for r in rows] == [("bf16", 1), ("bf16", 2), ("nvfp4", 1),
+                                                                     ("nvfp4", 2)], rows
+    for r in rows:
+        assert {"precision", "tokens_per_s", "fwd_bwd_s", "optimizer_s", "model_tflops", "peak_mem_gib"} <= set(r)
+        assert r["tokens"] == 32 * r["micro_batches"] and r["tokens_per_s"] > 0 and 0 < r["optimizer_s"] < r["step_s"]
+    assert set(doc["nvfp4_over_bf16_tokens_per_s_by_micro_batches"]) == {"1", "2"}
+    assert doc["nvfp4_over_bf16_tokens_per_s"] == doc["nvfp4_over_bf16_tokens_per_s_by_micro_batches"]["1"]
