@@ -6,8 +6,9 @@ took and which it called:
 - every attribute and submodule (`sgl_kernel.utils`, `sgl_kernel.scalar_type`, ...) resolves; attribute chains are
   `_Missing` objects that raise `NotImplementedError("sgl_kernel.<name> ...")` when called;
 - a few element-wise ops have pure-PyTorch bodies here (`TORCH_STAND_INS`: RMSNorm, gated activations, the top-k /
-  top-p renormalisation of the sampler), and `utils.is_arch_support_pdl()` is False (no programmatic dependent
-  launch); they are for measuring how far the engine gets, not for serving;
+  top-p renormalisation of the sampler, `weak_ref_tensor` of the CUDA-graph runner), and
+  `utils.is_arch_support_pdl()` is False (no programmatic dependent launch); they are for measuring how far the
+  engine gets, not for serving;
 - with MINITE_SGL_KERNEL_STANDIN_LOG set (test tooling sets it; this file is never imported by the library), each
   first `take` (import) and each first `call` of a name, per process, is appended to that file as a JSON line.
 """
@@ -112,6 +113,12 @@ def top_p_renorm_prob(probs, top_p, *args, **kwargs):
     return kept / kept.sum(-1, keepdim=True)
 
 
+def weak_ref_tensor(tensor):
+    """The real one aliases the storage without owning it (CUDA-graph outputs); this one is the tensor itself: the
+    same values, only kept alive longer."""
+    return tensor
+
+
 TORCH_STAND_INS = {  # name -> pure-PyTorch body
     "rmsnorm": rmsnorm, "gemma_rmsnorm": gemma_rmsnorm, "fused_add_rmsnorm": fused_add_rmsnorm,
     "gemma_fused_add_rmsnorm": gemma_fused_add_rmsnorm,
@@ -119,6 +126,7 @@ TORCH_STAND_INS = {  # name -> pure-PyTorch body
     "gelu_and_mul": _gated(torch.nn.functional.gelu),
     "gelu_tanh_and_mul": _gated(lambda t: torch.nn.functional.gelu(t, approximate="tanh")),
     "top_k_renorm_prob": top_k_renorm_prob, "top_p_renorm_prob": top_p_renorm_prob,
+    "weak_ref_tensor": weak_ref_tensor,
 }
 for _n in TORCH_STAND_INS:  # reached through __getattr__ only, so that taking one is recorded too
     globals().pop(_n, None)
