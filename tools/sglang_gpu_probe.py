@@ -50,7 +50,8 @@ PATH_FILES = ["srt/layers/layernorm.py", "srt/layers/activation.py", "srt/layers
               "srt/layers/vocab_parallel_embedding.py", "srt/layers/quantization/__init__.py",
               "srt/layers/quantization/modelopt_quant.py", "srt/models/qwen3_moe.py", "srt/mem_cache/memory_pool.py",
               "srt/model_executor", "srt/managers/scheduler.py", "srt/managers/tp_worker.py",
-              "srt/entrypoints/engine.py", "srt/distributed", "srt/utils", "kernels/ops/attention"]
+              "srt/entrypoints/engine.py", "srt/distributed", "srt/utils",
+              "kernels/ops/attention/decode_attention.py", "kernels/ops/attention/extend_attention.py"]
 
 
 class Probe:
@@ -253,7 +254,13 @@ def run_engine_phases(probe: Probe, gpu: bool, cpu_engine: bool) -> None:
 def _first_line(row: dict) -> str:
     if row.get("error"):
         return row["error"].splitlines()[0][:110]
-    return json.dumps(row.get("value"), default=str)[:110] if "value" in row else ""
+    value = row.get("value")
+    if row["step"] == "environment":
+        return f"python {value['python']}, GPUs {value.get('gpus')}"
+    if row["step"] == "static_scan_sgl_kernel":
+        return (f"{value['files_referencing']} files name sgl_kernel; module-level on our path: "
+                f"{', '.join(value['path_module_level_names'])}")[:400]
+    return json.dumps(value, default=str)[:110] if "value" in row else ""
 
 
 def table(data: dict) -> str:
@@ -265,8 +272,8 @@ def table(data: dict) -> str:
             lines.append(f"{name:44} {'-':4} {'':>7}  skipped: {ph['skipped']}")
             continue
         bad = [m for m, r in ph.get("imports", {}).items() if not r["ok"]]
-        lines.append(f"{name + ' (rc ' + str(ph.get('rc')) + ')':44} {'':4} {ph.get('seconds', 0):7.1f}  "
-                     f"imports failed: {len(bad)}/{len(ph.get('imports', {}))} {bad[:3]}")
+        note = f"imports failed: {len(bad)}/{len(ph['imports'])} {bad[:3]}" if ph.get("imports") else ""
+        lines.append(f"{name + ' (rc ' + str(ph.get('rc')) + ')':44} {'':4} {ph.get('seconds', 0):7.1f}  {note}")
         for m in bad[:4]:
             lines.append(f"  {m[-42:]:42} {'NO':4} {'':>7}  {ph['imports'][m]['error'].splitlines()[0][:110]}")
         for s in ph.get("steps", []):
