@@ -17,7 +17,7 @@ PY=python3
 echo "python: $($PY -c 'import sys; print(sys.version.split()[0], sys.executable)')"
 if ls .sglwhl/*.whl >/dev/null 2>&1 && $PY -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))'; then
   t0=$(date +%s)
-  if $PY -m pip install -q --disable-pip-version-check --root-user-action=ignore --no-index --no-deps --no-compile \
+  if $PY -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile \
       --no-cache-dir --upgrade --target "$SITE" .sglwhl/*.whl >"$OUT_DIR/pip_install.log" 2>&1; then
     echo "installed $(ls .sglwhl/*.whl | wc -l) wheels into $SITE in $(( $(date +%s) - t0 )) s"
   else
