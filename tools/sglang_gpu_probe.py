@@ -212,7 +212,8 @@ def run_phase(probe: Probe, name: str, args: list, env_extra: dict, limit: float
     log_path = Path(f"/tmp/sglang_gpu_probe_{name}.stand_in.jsonl")
     log_path.unlink(missing_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "MINITE_SGL_KERNEL_STANDIN_LOG": str(log_path), **env_extra}
-    paths = [str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    paths += [] if str(ROOT) in paths else [str(ROOT)]  # last: an installed minite layout comes first
     env["PYTHONPATH"] = os.pathsep.join([str(p) for p in stand_ins] + paths)
     cmd = [sys.executable, str(WORKER), *args, "--json", str(out_json), "--start-timeout", str(int(budget * 0.6))]
     t0 = time.perf_counter()
@@ -253,7 +254,7 @@ def run_engine_phases(probe: Probe, gpu: bool, cpu_engine: bool) -> None:
 # ---- report --------------------------------------------------------------------------------------------------
 def _first_line(row: dict) -> str:
     if row.get("error"):
-        return row["error"].splitlines()[0][:110]
+        return " ".join(row["error"].split())[:110]
     value = row.get("value")
     if row["step"] == "environment":
         return f"python {value['python']}, GPUs {value.get('gpus')}"
@@ -275,7 +276,7 @@ def table(data: dict) -> str:
         note = f"imports failed: {len(bad)}/{len(ph['imports'])} {bad[:3]}" if ph.get("imports") else ""
         lines.append(f"{name + ' (rc ' + str(ph.get('rc')) + ')':44} {'':4} {ph.get('seconds', 0):7.1f}  {note}")
         for m in bad[:4]:
-            lines.append(f"  {m[-42:]:42} {'NO':4} {'':>7}  {ph['imports'][m]['error'].splitlines()[0][:110]}")
+            lines.append(f"  {m[-42:]:42} {'NO':4} {'':>7}  {' '.join(ph['imports'][m]['error'].split())[:110]}")
         for s in ph.get("steps", []):
             lines.append(f"  {s['step']:42} {'yes' if s['ok'] else 'NO':4} {s['seconds']:7.1f}  {_first_line(s)}")
         sk = ph.get("sgl_kernel_stand_in", {})

@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+if str(ROOT) not in sys.path:  # for tests.rollout.sglang (the tiny model, test tooling); last, so that an installed
+    sys.path.append(str(ROOT))  # minite (with its kernels/ and megatron_patches/ mapped in) comes first
 
 # The modules a Qwen3-MoE model with the minite_nvfp4 plugin, triton attention and CUDA graphs goes through.
 GPU_MODULES = [
@@ -77,7 +77,7 @@ def error_record(e: BaseException) -> dict:
     frames = traceback.extract_tb(e.__traceback__)
     chain = [f"{f.filename.split('site-packages/')[-1]}:{f.lineno}: {(f.line or '').strip()}" for f in frames
              if "sglang" in f.filename or "minite" in f.filename or "sgl_kernel" in f.filename]
-    return {"error": f"{type(e).__name__}: {e}"[:3000], "chain": chain[-12:],
+    return {"error": f"{type(e).__name__}: {str(e).strip()}"[:3000], "chain": chain[-12:],
             "traceback_tail": "".join(traceback.format_exception(e))[-4000:]}
 
 
@@ -178,12 +178,15 @@ def run_engine(rec: Recorder, graphs: bool, deterministic: bool, start_timeout: 
     (cfg, w1), (_, w2) = tensors
     from minite.nvfp4 import NVFP4Recipe
     from minite.rollout.base import SamplingParams
-    from minite.rollout.sglang.engine import start_from_learner_tensors
 
+    backend = rec.step("import_minite_sglang_backend", lambda: importlib.import_module("minite.rollout.sglang.engine"),
+                       120)
+    if backend is None:
+        return
     args = engine_args(gpu, graphs, deterministic)
     rec.data["engine_args"] = args
-    eng = rec.step("engine_start", lambda: start_from_learner_tensors(w1, cfg, NVFP4Recipe(), engine_args=args),
-                   start_timeout)
+    eng = rec.step("engine_start", lambda: backend.start_from_learner_tensors(w1, cfg, NVFP4Recipe(),
+                                                                              engine_args=args), start_timeout)
     if eng is None:
         return
     try:
@@ -265,7 +268,7 @@ def plugin_layer_weights(cfg: dict, w1, dev: str):
 def run_plugin_graphs(rec: Recorder) -> None:
     """The plugin's two computations (MiniteNVFP4LinearMethod.apply, MiniteNVFP4MoEMethod.apply) on the GPU without
     SGLang: eager, then captured in a CUDA graph and replayed (a host synchronisation inside breaks the capture)."""
-    from minite.nvfp4 import NVFP4Recipe
+    from minite.nvfp4 import NVFP4Recipe  # SGLang-free, as are the two below
     from minite.ops import nvfp4_linear_forward
     from minite.rollout.sglang.common import grouped_forward
 
