@@ -12,11 +12,12 @@ Steps, in order; each is timed, each failure is recorded with its exception text
 3. `imports` phase (own process, no sgl_kernel of any kind): which GPU-path modules import, and the import chain of
    each failure;
 4. engine phases (own process each, the recording sgl_kernel stand-in of tests/rollout/sglang/gpu_stand_ins first on
-   PYTHONPATH, SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1): `eager` (SGLANG_FORCE_FUSED_OP_BACKEND=torch: SGLang's fused
-   ops take their PyTorch bodies; CUDA graphs off), then, if its engine started, `graphs` (decode CUDA graphs on)
-   and `deterministic` (graphs + enable_deterministic_inference, the backend's GPU default), and last
-   `sglang_ops` (graphs on, SGLang's own choice of op backends: JIT kernels compiled with nvcc, or sgl_kernel,
-   which the stand-in records). Each phase's JSON carries the sgl_kernel names its processes took and called.
+   PYTHONPATH, SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1), by default in this order (--phases): `eager`
+   (SGLANG_FORCE_FUSED_OP_BACKEND=torch: SGLang's fused ops take their PyTorch bodies; CUDA graphs off); if its
+   engine started, `graphs` (the same with decode CUDA graphs); `sglang_ops` (graphs on, SGLang's own choice of op
+   backends: JIT kernels compiled with nvcc, or sgl_kernel, which the stand-in records); if eager started,
+   `deterministic` (graphs + enable_deterministic_inference, the backend's GPU default). Each phase's JSON carries
+   the sgl_kernel names its processes took and called.
 A phase gets at most its own limit and what is left of --budget; phases that no longer fit are recorded as skipped.
 """
 from __future__ import annotations
@@ -234,7 +235,7 @@ def _started(row: dict) -> bool:
     return any(s["step"] == "engine_start" and s["ok"] for s in row.get("steps", []))
 
 
-def run_engine_phases(probe: Probe, gpu: bool, cpu_engine: bool) -> None:
+def run_engine_phases(probe: Probe, gpu: bool, cpu_engine: bool, phases: list) -> None:
     if not gpu and not cpu_engine:
         probe.data.setdefault("phases", {})["engine"] = {"skipped": "no GPU (pass --cpu-engine for a CPU dry run)"}
         probe.write()
@@ -244,11 +245,15 @@ def run_engine_phases(probe: Probe, gpu: bool, cpu_engine: bool) -> None:
         run_phase(probe, "eager", ["engine"], skip, 240, [GPU_STAND_IN, CPU_STUBS])
         return
     torch_ops = {**skip, "SGLANG_FORCE_FUSED_OP_BACKEND": "torch"}
-    eager = run_phase(probe, "eager", ["engine"], torch_ops, 110, [GPU_STAND_IN])
-    if _started(eager):
-        run_phase(probe, "graphs", ["engine", "--graphs"], torch_ops, 100, [GPU_STAND_IN])
-        run_phase(probe, "deterministic", ["engine", "--graphs", "--deterministic"], torch_ops, 90, [GPU_STAND_IN])
-    run_phase(probe, "sglang_ops", ["engine", "--graphs"], skip, 100, [GPU_STAND_IN])
+    spec = {"eager": (["engine"], torch_ops, 110), "graphs": (["engine", "--graphs"], torch_ops, 100),
+            "sglang_ops": (["engine", "--graphs"], skip, 100),
+            "deterministic": (["engine", "--graphs", "--deterministic"], torch_ops, 90)}
+    for name in [p for p in phases if p in spec]:
+        if name in ("graphs", "deterministic") and "eager" in phases and not _started(probe.data["phases"]["eager"]):
+            probe.data["phases"][name] = {"skipped": "the eager phase's engine did not start"}
+            continue
+        args, env_extra, limit = spec[name]
+        run_phase(probe, name, args, env_extra, limit, [GPU_STAND_IN])
 
 
 # ---- report --------------------------------------------------------------------------------------------------
@@ -293,6 +298,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="directory for probe.json and probe.log")
     p.add_argument("--budget", type=float, default=200, help="seconds for the whole probe (phases are cut to fit)")
     p.add_argument("--cpu-engine", action="store_true", help="without a GPU: run the eager phase on the CPU engine")
+    p.add_argument("--phases", default="eager,graphs,sglang_ops,deterministic",
+                   help="GPU engine phases to run, in this order (module docstring)")
     a = p.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -310,7 +317,7 @@ def main(argv=None) -> int:
     probe.step("static_scan_sgl_kernel", static_scan)
     run_phase(probe, "plugin_graphs", ["plugin_graphs"], {}, 80, [])
     run_phase(probe, "imports", ["imports"], {}, 90, [])
-    run_engine_phases(probe, gpu, a.cpu_engine)
+    run_engine_phases(probe, gpu, a.cpu_engine, a.phases.split(","))
     probe.data["finished"] = True
     probe.write()
     report = table(probe.data)

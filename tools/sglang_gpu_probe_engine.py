@@ -141,12 +141,17 @@ def check_imports(rec: Recorder) -> dict:
     return results
 
 
+# On a GPU the tiny model gets head_dim 64 (SGLang's Triton attention kernels are tuned for 64..256) and widths of 128+.
+GPU_SHAPE = dict(vocab_size=256, hidden_size=256, intermediate_size=128, moe_intermediate_size=128, head_dim=64)
+
+
 def tiny_learner_tensors(tmp: Path, seed: int):
     """The SGLang tests' tiny random Qwen3-MoE (transformers writes it; no downloads) as the learner names it."""
     from minite.convert.export_nvfp4 import _HFReader, megatron_view_of_hf
     from tests.rollout.sglang.conftest import tiny_hf_checkpoint
 
-    hf_dir = tiny_hf_checkpoint(tmp / f"w{seed}", seed=seed)
+    shape = GPU_SHAPE if torch.cuda.is_available() else {}
+    hf_dir = tiny_hf_checkpoint(tmp / f"w{seed}", seed=seed, **shape)
     cfg = json.loads((hf_dir / "config.json").read_text())
     cfg.pop("eos_token_id", None)
     return cfg, [(n, t.clone()) for n, t in megatron_view_of_hf(_HFReader(hf_dir), cfg)]
