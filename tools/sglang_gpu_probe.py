@@ -14,7 +14,9 @@ Steps, in order; each is timed, each failure is recorded with its exception text
 4. engine phases (own process each, the recording sgl_kernel stand-in of tests/rollout/sglang/gpu_stand_ins first on
    PYTHONPATH, SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1), by default in this order (--phases): `eager`
    (SGLANG_FORCE_FUSED_OP_BACKEND=torch: SGLang's fused ops take their PyTorch bodies; CUDA graphs off); if its
-   engine started, `graphs` (the same with decode CUDA graphs); `sglang_ops` (graphs on, SGLang's own choice of op
+   engine started, `graphs` (the same with decode CUDA graphs); if the plugin's model did not generate with graphs,
+   `graphs_bf16` (the same on a BF16 checkpoint, SGLang's own layers: is it the plugin or SGLang that stops the
+   graphs?); `sglang_ops` (graphs on, SGLang's own choice of op
    backends: JIT kernels compiled with nvcc, or sgl_kernel, which the stand-in records); if eager started,
    `deterministic` (graphs + enable_deterministic_inference, the backend's GPU default). Each phase's JSON carries
    the sgl_kernel names its processes took and called.
@@ -231,8 +233,8 @@ def run_phase(probe: Probe, name: str, args: list, env_extra: dict, limit: float
     return row
 
 
-def _started(row: dict) -> bool:
-    return any(s["step"] == "engine_start" and s["ok"] for s in row.get("steps", []))
+def _ran(row: dict, step: str) -> bool:
+    return any(s["step"] == step and s["ok"] for s in row.get("steps", []))
 
 
 def run_engine_phases(probe: Probe, gpu: bool, cpu_engine: bool, phases: list) -> None:
@@ -246,11 +248,16 @@ def run_engine_phases(probe: Probe, gpu: bool, cpu_engine: bool, phases: list) -
         return
     torch_ops = {**skip, "SGLANG_FORCE_FUSED_OP_BACKEND": "torch"}
     spec = {"eager": (["engine"], torch_ops, 110), "graphs": (["engine", "--graphs"], torch_ops, 100),
+            "graphs_bf16": (["engine", "--graphs", "--bf16"], torch_ops, 90),
             "sglang_ops": (["engine", "--graphs"], skip, 100),
             "deterministic": (["engine", "--graphs", "--deterministic"], torch_ops, 90)}
+    done = probe.data.setdefault("phases", {})
     for name in [p for p in phases if p in spec]:
-        if name in ("graphs", "deterministic") and "eager" in phases and not _started(probe.data["phases"]["eager"]):
-            probe.data["phases"][name] = {"skipped": "the eager phase's engine did not start"}
+        if name in ("graphs", "deterministic") and "eager" in done and not _ran(done["eager"], "engine_start"):
+            done[name] = {"skipped": "the eager phase's engine did not start"}
+            continue
+        if name == "graphs_bf16" and "graphs" in done and _ran(done["graphs"], "generate_greedy_logprobs"):
+            done[name] = {"skipped": "not needed: the plugin's model generated with CUDA graphs"}
             continue
         args, env_extra, limit = spec[name]
         run_phase(probe, name, args, env_extra, limit, [GPU_STAND_IN])
@@ -298,7 +305,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="directory for probe.json and probe.log")
     p.add_argument("--budget", type=float, default=200, help="seconds for the whole probe (phases are cut to fit)")
     p.add_argument("--cpu-engine", action="store_true", help="without a GPU: run the eager phase on the CPU engine")
-    p.add_argument("--phases", default="eager,graphs,sglang_ops,deterministic",
+    p.add_argument("--phases", default="eager,graphs,graphs_bf16,sglang_ops,deterministic",
                    help="GPU engine phases to run, in this order (module docstring)")
     a = p.parse_args(argv)
     out = Path(a.out)

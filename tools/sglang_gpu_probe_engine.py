@@ -4,7 +4,7 @@ leaves the steps it finished.
 
     python tools/sglang_gpu_probe_engine.py imports --json F
     python tools/sglang_gpu_probe_engine.py plugin_graphs --json F
-    python tools/sglang_gpu_probe_engine.py engine --json F [--graphs] [--deterministic]
+    python tools/sglang_gpu_probe_engine.py engine --json F [--graphs] [--deterministic] [--bf16]
 
 `imports`: imports SGLang's GPU-path modules one by one and records, for each failure, the exception and the chain of
 SGLang source lines that led to it. `plugin_graphs`: the plugin's linear and MoE computations on the GPU without
@@ -172,7 +172,7 @@ def _outs(results):
     return [(r.prompt_index, r.tokens, r.logprobs, r.finished) for r in results]
 
 
-def run_engine(rec: Recorder, graphs: bool, deterministic: bool, start_timeout: int) -> None:
+def run_engine(rec: Recorder, graphs: bool, deterministic: bool, start_timeout: int, bf16: bool = False) -> None:
     gpu = torch.cuda.is_available()
     rec.data["gpu"] = torch.cuda.get_device_name(0) if gpu else None
     check_imports(rec)
@@ -190,8 +190,9 @@ def run_engine(rec: Recorder, graphs: bool, deterministic: bool, start_timeout: 
         return
     args = engine_args(gpu, graphs, deterministic)
     rec.data["engine_args"] = args
-    eng = rec.step("engine_start", lambda: backend.start_from_learner_tensors(w1, cfg, NVFP4Recipe(),
-                                                                              engine_args=args), start_timeout)
+    recipe = None if bf16 else NVFP4Recipe()  # None: a BF16 checkpoint on SGLang's own layers, no plugin method
+    eng = rec.step("engine_start", lambda: backend.start_from_learner_tensors(w1, cfg, recipe, engine_args=args),
+                   start_timeout)
     if eng is None:
         return
     try:
@@ -319,16 +320,17 @@ def main(argv=None) -> int:
     p.add_argument("--json", required=True)
     p.add_argument("--graphs", action="store_true", help="CUDA graphs on (decode, batch sizes 1, 2, 4, 8)")
     p.add_argument("--deterministic", action="store_true", help="enable_deterministic_inference")
+    p.add_argument("--bf16", action="store_true", help="a BF16 checkpoint without the plugin (SGLang's own layers)")
     p.add_argument("--start-timeout", type=int, default=150)
     a = p.parse_args(argv)
-    rec = Recorder(a.json, mode=a.mode, graphs=a.graphs, deterministic=a.deterministic, pid=os.getpid(),
+    rec = Recorder(a.json, mode=a.mode, graphs=a.graphs, deterministic=a.deterministic, bf16=a.bf16, pid=os.getpid(),
                    env={k: v for k, v in os.environ.items() if k.startswith(("SGLANG_", "MINITE_"))})
     if a.mode == "imports":
         check_imports(rec)
     elif a.mode == "plugin_graphs":
         run_plugin_graphs(rec)
     else:
-        run_engine(rec, a.graphs, a.deterministic, a.start_timeout)
+        run_engine(rec, a.graphs, a.deterministic, a.start_timeout, a.bf16)
     rec.data["finished"] = True
     rec.write()
     return 0
