@@ -9,16 +9,17 @@ Steps, in order; each is timed, each failure is recorded with its exception text
 1. environment: Python, GPU, nvcc, and the versions of the packages SGLang's GPU path depends on;
 2. static scan of SGLang's source: every `sgl_kernel` import (module level or inside a function) and every
    `torch.ops.sgl_kernel` use, per file, and in particular on the modules of the path we run;
-3. `imports` phase (own process, no sgl_kernel of any kind): which GPU-path modules import, and the import chain of
-   each failure;
-4. engine phases (own process each, the recording sgl_kernel stand-in of tests/rollout/sglang/gpu_stand_ins first on
+3. `plugin_graphs` phase (own process, no SGLang): the plugin's linear and MoE computations on the GPU, eager and
+   captured in a CUDA graph (a host synchronisation breaks the capture);
+4. `imports` phase (own process, no sgl_kernel of any kind): which GPU-path modules import, and the import chain of
+   each failure; then one of SGLang's JIT kernels (the KV-cache store, nvcc through tvm-ffi) is built and timed;
+5. engine phases (own process each, the recording sgl_kernel stand-in of tests/rollout/sglang/gpu_stand_ins first on
    PYTHONPATH, SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1), by default in this order (--phases): `eager`
    (SGLANG_FORCE_FUSED_OP_BACKEND=torch: SGLang's fused ops take their PyTorch bodies; CUDA graphs off); if its
    engine started, `graphs` (the same with decode CUDA graphs); if the plugin's model did not generate with graphs,
    `graphs_bf16` (the same on a BF16 checkpoint, SGLang's own layers: is it the plugin or SGLang that stops the
-   graphs?); `sglang_ops` (graphs on, SGLang's own choice of op
-   backends: JIT kernels compiled with nvcc, or sgl_kernel, which the stand-in records); if eager started,
-   `deterministic` (graphs + enable_deterministic_inference, the backend's GPU default). Each phase's JSON carries
+   graphs?); `sglang_ops` (graphs on, SGLang's own choice of op backends: JIT kernels compiled with nvcc, or
+   sgl_kernel, which the stand-in records); if eager started, `deterministic` (graphs + enable_deterministic_inference, the backend's GPU default). Each phase's JSON carries
    the sgl_kernel names its processes took and called.
 A phase gets at most its own limit and what is left of --budget; phases that no longer fit are recorded as skipped.
 """
@@ -323,7 +324,7 @@ def main(argv=None) -> int:
         print("no GPU: engine phases are skipped unless --cpu-engine; import checks and the scan still run")
     probe.step("static_scan_sgl_kernel", static_scan)
     run_phase(probe, "plugin_graphs", ["plugin_graphs"], {}, 80, [])
-    run_phase(probe, "imports", ["imports"], {}, 90, [])
+    run_phase(probe, "imports", ["imports"], {}, 120, [])
     run_engine_phases(probe, gpu, a.cpu_engine, a.phases.split(","))
     probe.data["finished"] = True
     probe.write()

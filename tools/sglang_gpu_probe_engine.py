@@ -7,7 +7,7 @@ leaves the steps it finished.
     python tools/sglang_gpu_probe_engine.py engine --json F [--graphs] [--deterministic] [--bf16]
 
 `imports`: imports SGLang's GPU-path modules one by one and records, for each failure, the exception and the chain of
-SGLang source lines that led to it. `plugin_graphs`: the plugin's linear and MoE computations on the GPU without
+SGLang source lines that led to it; on a GPU it then builds one of SGLang's JIT kernels (nvcc). `plugin_graphs`: the plugin's linear and MoE computations on the GPU without
 SGLang, eager and inside a captured CUDA graph. `engine`: the same imports, then the tiny random Qwen3-MoE of the SGLang tests
 (tests/rollout/sglang/conftest.py) is started with `minite.rollout.sglang.engine.start_from_learner_tensors`
 (quantization="minite_nvfp4"; on a GPU attention_backend="triton", sampling_backend="pytorch"), generates with
@@ -143,6 +143,16 @@ def check_imports(rec: Recorder) -> dict:
 
 # On a GPU the tiny model gets head_dim 64 (SGLang's Triton attention kernels are tuned for 64..256) and widths of 128+.
 GPU_SHAPE = dict(vocab_size=256, hidden_size=256, intermediate_size=128, moe_intermediate_size=128, head_dim=64)
+
+
+def build_one_jit_kernel() -> dict:
+    """SGLang's own CUDA kernels that are not in sgl_kernel are compiled on first use (nvcc through tvm-ffi): build
+    one, the KV-cache store every CUDA model uses (SGLang falls back to PyTorch, with a warning, if it fails)."""
+    from sglang.kernels.ops.kvcache.kvcache import _jit_kvcache_module
+
+    t0 = time.perf_counter()
+    _jit_kvcache_module(256, 256, 0)  # head_dim 64 x 2 KV heads x bf16 per row
+    return {"kernel": "kvcache store_cache", "seconds": round(time.perf_counter() - t0, 1)}
 
 
 def tiny_learner_tensors(tmp: Path, seed: int):
@@ -327,6 +337,8 @@ def main(argv=None) -> int:
                    env={k: v for k, v in os.environ.items() if k.startswith(("SGLANG_", "MINITE_"))})
     if a.mode == "imports":
         check_imports(rec)
+        if torch.cuda.is_available():
+            rec.step("jit_kernel_build", build_one_jit_kernel, 120, keep=True)
     elif a.mode == "plugin_graphs":
         run_plugin_graphs(rec)
     else:
