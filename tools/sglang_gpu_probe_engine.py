@@ -6,13 +6,14 @@ leaves the steps it finished.
     python tools/sglang_gpu_probe_engine.py plugin_graphs --json F
     python tools/sglang_gpu_probe_engine.py engine --json F [--graphs] [--deterministic] [--bf16]
 
-`imports`: imports SGLang's GPU-path modules one by one and records, for each failure, the exception and the chain of
-SGLang source lines that led to it; on a GPU it then builds one of SGLang's JIT kernels (nvcc). `plugin_graphs`: the plugin's linear and MoE computations on the GPU without
-SGLang, eager and inside a captured CUDA graph. `engine`: the same imports, then the tiny random Qwen3-MoE of the SGLang tests
-(tests/rollout/sglang/conftest.py) is started with `minite.rollout.sglang.engine.start_from_learner_tensors`
-(quantization="minite_nvfp4"; on a GPU attention_backend="triton", sampling_backend="pytorch"), generates with
-log-probs, and takes weight updates from CPU tensors (the production path) and from CUDA tensors. Which sgl_kernel
-stand-in and which fused-op backend are in force is the caller's choice, through the environment (see the caller).
+`imports`: imports SGLang's GPU-path modules one by one and records, for each failure, the exception and the chain
+of SGLang source lines that led to it; on a GPU it then builds one of SGLang's JIT kernels (nvcc).
+`plugin_graphs`: the plugin's linear and MoE computations on the GPU without SGLang, eager and inside a captured CUDA
+graph. `engine`: the same imports, then the tiny random Qwen3-MoE of the SGLang tests (tests/rollout/sglang/conftest.py)
+is started with `minite.rollout.sglang.engine.start_from_learner_tensors` (quantization="minite_nvfp4", or a BF16
+checkpoint with --bf16; on a GPU attention_backend="triton", sampling_backend="pytorch"), generates with log-probs,
+and takes weight updates from CPU tensors (the production path) and from CUDA tensors. Which sgl_kernel stand-in and
+which fused-op backend are in force is the caller's choice, through the environment (tools/sglang_gpu_probe.py).
 """
 from __future__ import annotations
 
