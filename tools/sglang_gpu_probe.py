@@ -295,6 +295,9 @@ def table(data: dict) -> str:
         sk = ph.get("sgl_kernel_stand_in", {})
         if sk.get("taken") or sk.get("called"):
             lines.append(f"  sgl_kernel stand-in: took {sk['taken'][:12]}, called {sk['called']}")
+        if not ph.get("finished"):  # killed or crashed mid-step (SGLang kills its process tree when a child dies)
+            tail = [ln.strip() for ln in ph.get("output_tail", "").splitlines() if ln.strip()][-4:]
+            lines += [f"  unfinished; output ends: {ln[:150]}" for ln in tail]
         for flag in ("greedy_reproducible", "sampled_reproducible", "update_changed_output", "round_trip_bitwise"):
             if flag in ph:
                 lines.append(f"  {flag}: {ph[flag]}")
