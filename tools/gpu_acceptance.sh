@@ -12,12 +12,16 @@
 #             rank) after its 5th step and resumed; tools/compare_runs.py compares metrics and checkpoints bitwise
 #   bench     tools/bench/bench_rl_step.py rows into $OUT/rl-step-h200.json (one GPU and EP=2; BF16/NVFP4, strict)
 #   scale     tools/bench/bench_learner_slice.py on one GPU and with EP=2 on two (one sequence per GPU)
-#   sync      tools/bench/bench_weight_sync.py: learner -> engine weight sync vs a device copy (one GPU, EP=2)
+#   slice     tools/bench/bench_learner_slice.py on one GPU: one sequence and the RL-sized 8-sequence step
+#   scale     the same with EP over NPROC GPUs (one sequence per GPU), against the slice stage's one-GPU rows
+#   sync      tools/bench/bench_weight_sync.py: learner -> engine weight sync vs a device copy (EP too with SYNC_EP=1)
+#   rollout   tools/bench/bench_rollout.py: decode step against its HBM floor (BATCHES, default 64,1,8,256)
+#   sglang    tools/sglang_gpu_probe.sh (needs .sglwhl/ carried): how far SGLang's GPU path runs with the plugin
 # The device has no registry: megatron-core travels as a wheel in .whl/ (carried with the call), installed to
 # /tmp/site; kernels/ and megatron_patches/ are linked into minite/ as setup.py installs them.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; LOGS=/tmp/acceptance-logs; mkdir -p "$OUT" "$LOGS"
-STAGES=${STAGES:-tests dist diagnose train1 train2 killresume bench scale sync}
+STAGES=${STAGES:-tests dist diagnose train1 train2 killresume bench slice scale sync rollout sglang}
 TRAIN_STEPS=${TRAIN_STEPS:-60}
 NPROC=${NPROC:-2}  # ranks of the multi-rank stages
 python3 -c "import megatron.core" 2>/dev/null ||  # the device: no megatron-core until the carried wheel is in
@@ -41,13 +45,13 @@ stage() {  # name, seconds, command...
   case " $STAGES " in *" $name "*) ;; *) return ;; esac
   local t0=$SECONDS
   if declare -F "$1" >/dev/null; then  # a function of this script: run it in a child bash that knows it
-    export -f "$1" rewards; export OUT LOGS DIST_TESTS TRAIN_STEPS TRAIN2_SETS NPROC BENCH_1GPU BENCH_EP2
+    export -f "$1" rewards; export OUT LOGS GPU_TESTS GPU_TESTS_K DIST_TESTS TRAIN_STEPS TRAIN2_SETS SYNC_EP BATCHES SGLANG_BUDGET NPROC BENCH_1GPU BENCH_EP2
     timeout "$limit" bash -c "$*" >"$LOGS/$name.log" 2>&1
   else
     timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1
   fi
   local rc=$?
-  SUMMARY+=("$name rc=$rc $((SECONDS - t0))s: $(grep -E 'passed|failed|error|max \|logp|reward|scaling|same|DIFFERENT|sync_over' "$LOGS/$name.log" | tail -1)")
+  SUMMARY+=("$name rc=$rc $((SECONDS - t0))s: $(grep -E 'passed|failed|error|max \|logp|reward|scaling|same|DIFFERENT|sync_over|nvfp4_over|render|engine' "$LOGS/$name.log" | tail -1)")
   echo "== $name rc=$rc $((SECONDS - t0))s"; tail -n 4 "$LOGS/$name.log"
 }
 rewards() {  # metrics.jsonl -> mean reward of the first and last 5 RL steps, max |gap| over all steps
@@ -60,7 +64,10 @@ print(f"steps {len(rows)}  reward first5 {sum(r[:5]) / 5:.3f}  last5 {sum(r[-5:]
       f"  step_s median {sorted(x['time/step_s'] for x in rows)[len(rows) // 2]:.2f}")
 EOF
 }
-gpu_tests() {
+gpu_tests() {  # GPU_TESTS: pytest arguments of a shorter selection instead
+  if [ -n "${GPU_TESTS:-}" ]; then
+    python3 -m pytest -q -p no:cacheprovider -rs $GPU_TESTS ${GPU_TESTS_K:+-k "$GPU_TESTS_K"}; return
+  fi
   python3 -m pytest -q -p no:cacheprovider -rs tests/kernels tests/ops/test_ops_kernels.py
   local a=$?
   python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests --ignore=tests/kernels
@@ -118,25 +125,42 @@ bench() {
   python3 tools/bench/bench_rl_step.py --render "$OUT/rl-step-h200.json"
 }
 stage bench ${T_BENCH:-300} bench
-scale() {
-  python3 tools/bench/bench_learner_slice.py --layers 4 --seq 4096 --steps 3 --warmup 1 --out "$OUT/slice-1gpu.json" &&
-  python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC" tools/bench/bench_learner_slice.py \
-    --ep "$NPROC" --layers 4 --seq 4096 --steps 3 --warmup 1 --out "$OUT/slice-ep$NPROC.json" &&
-  python3 - "$OUT/slice-1gpu.json" "$OUT/slice-ep$NPROC.json" <<'EOF'
+slice() {  # the learner slice on one GPU: one 4096-token sequence and the RL-sized 8 x 4096 step, BF16 and NVFP4
+  TORCHDYNAMO_DISABLE=1 python3 tools/bench/bench_learner_slice.py --layers 4 --seq 4096 --steps 3 --warmup 1 \
+    --micro-batches 1,8 --out "$OUT/learner-slice-h200.json"
+}
+stage slice ${T_SLICE:-200} slice
+scale() {  # EP over NPROC GPUs, one sequence per GPU, against the one-GPU rows of the slice stage
+  TORCHDYNAMO_DISABLE=1 python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
+    tools/bench/bench_learner_slice.py --ep "$NPROC" --layers 4 --seq 4096 --steps 3 --warmup 1 \
+    --out "$OUT/slice-ep$NPROC.json" &&
+  python3 - "$OUT/learner-slice-h200.json" "$OUT/slice-ep$NPROC.json" <<'EOF'
 import json, sys
 one, many = (json.load(open(f)) for f in sys.argv[1:3])
-for a, b in zip(one["rows"], many["rows"]):
-    print(f"{a['precision']}: learner scaling {b['tokens_per_s'] / a['tokens_per_s']:.3f}x "
-          f"({a['tokens_per_s']:.0f} -> {b['tokens_per_s']:.0f} tokens/s; fwd+bwd {a['fwd_bwd_s']:.3f} -> {b['fwd_bwd_s']:.3f} s)")
+one = {r["precision"]: r for r in one["rows"] if r.get("micro_batches", 1) == 1 and "error" not in r}
+for b in many["rows"]:
+    a = one[b["precision"]]
+    print(f"{b['precision']}: learner scaling {b['tokens_per_s'] / a['tokens_per_s']:.3f}x ({a['tokens_per_s']:.0f} -> "
+          f"{b['tokens_per_s']:.0f} tokens/s; fwd+bwd {a['fwd_bwd_s']:.3f} -> {b['fwd_bwd_s']:.3f} s)")
 EOF
 }
-stage scale ${T_SCALE:-300} scale
+stage scale ${T_SCALE:-200} scale
 syncbench() {
-  python3 tools/bench/bench_weight_sync.py --layers 4 --out "$OUT/sync-1gpu.json" &&
-  python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC" tools/bench/bench_weight_sync.py \
-    --ep "$NPROC" --layers 4 --out "$OUT/sync-ep$NPROC.json"
+  TORCHDYNAMO_DISABLE=1 python3 tools/bench/bench_weight_sync.py --layers 4 --out "$OUT/sync-1gpu.json" || return 1
+  [ "${SYNC_EP:-0}" = 1 ] || return 0
+  TORCHDYNAMO_DISABLE=1 python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
+    tools/bench/bench_weight_sync.py --ep "$NPROC" --layers 4 --out "$OUT/sync-ep$NPROC.json"
 }
-stage sync ${T_SYNC:-200} syncbench
+stage sync ${T_SYNC:-120} syncbench
+rollout() {  # issue 16's decode benchmark (the 4-layer full-width slice) and its deferred NaN/Inf check's GPU tests
+  TORCHDYNAMO_DISABLE=1 python3 tools/bench/bench_rollout.py --batches "${BATCHES:-64,1,8,256}" \
+    --out "$OUT/rollout-h200.json" && python3 tools/bench/bench_rollout.py --render "$OUT/rollout-h200.json"
+}
+stage rollout ${T_ROLLOUT:-240} rollout
+sglangprobe() {  # SGLang 0.5.23 with the plugin on the GPU, as far as it goes without sgl-kernel (docs/sglang.md)
+  bash tools/sglang_gpu_probe.sh "$LOGS/sglang" "${SGLANG_BUDGET:-150}"; cp "$LOGS/sglang/probe.json" "$OUT/"
+}
+stage sglang ${T_SGLANG:-200} sglangprobe
 echo "== summary"; { cat "$LOGS/device.txt"; printf '%s\n' "${SUMMARY[@]}"; } | tee "$OUT/summary.txt"
 # every log (stage logs, each run's train.log) in one file: $OUT returns at most 8 files
 for r in /tmp/r1 /tmp/r1s /tmp/r2 /tmp/kr/a /tmp/kr/b; do [ -f $r/train.log ] && cp $r/train.log "$LOGS/train-${r//\//_}.log"; done
