@@ -378,8 +378,8 @@ def seed_mix(seed: int) -> int:
 # 8192 elements, 1142 us (2048: 1858 us).
 #   elems: fp32 elements one program holds; warps: None = 8 if elems >= 8192 else 4; vec2d: 2-D row loads/stores
 #   (16-byte vectors) reshaped to the 4-D view, else 4-D addressing.
-# "colmajor" (column segments of transposed views, quantize_segments_triton: tall tiles) and "stack" (expert-weight
-# stacks, 16x16 blocks) follow the coalescing argument, not a measured optimum: the H200 segments sweep (`bench_nvfp4.py --sections segments`,
+# "colmajor" (transposed views, tensor scope: tall tiles) and "stack" (expert-weight stacks, 16x16 blocks) follow the
+# coalescing argument, not a measured optimum: the H200 segments sweep (`bench_nvfp4.py --sections segments`,
 # docs/benchmarks.md, which names its commit) measured the stack at 2282 us with these settings and 2004 us with 4
 # warps, and x^T with RHT at 2.99-3.14 ms for every tall-tile setting, against 1142 us for the single-tensor
 # column-wise RHT+SR quantisation with 8 x 1024 tiles. The learner numbers in docs/benchmarks.md use these settings.
@@ -454,11 +454,9 @@ def quantize_with_values_triton(x: torch.Tensor, block=(1, 16), scale_scope: str
     data = torch.empty(rows, cols // 2, dtype=torch.uint8, device=dev)
     scale = torch.empty(rows // br, cols // 16, dtype=torch.uint8, device=dev)
     vals = torch.empty(rows, cols, dtype=values_dtype, device=dev) if values_dtype is not None else data
-    # One tensor, transposed view or not: the row-major tiles. For the wgrad operands (dy^T with RHT + SR, a^T with
-    # RHT, fp16 values written, 131072 x 2048 bf16) the H200 measured 1244 us and 366 us with them and 2.75 ms and
-    # 1.06 ms with the "colmajor" tall tiles (docs/benchmarks.md); the tall tiles serve quantize_segments_triton.
-    tune = _tuning(rht, values_dtype is not None)
-    block_r, block_c, single = _tile_shape(rows, cols, br, row_scope, tune["elems"])
+    col_major = _col_major(x)
+    tune = TUNING["colmajor"] if col_major and br == 1 and not row_scope else _tuning(rht, values_dtype is not None)
+    block_r, block_c, single = _tile_shape(rows, cols, br, row_scope, tune["elems"], col_major)
     warps = tune["warps"] or (8 if block_r * block_c >= 8192 else 4)
     vec2d = tune["vec2d"]
     given = global_amax.to(device=dev, dtype=torch.float32).contiguous() if global_amax is not None else None

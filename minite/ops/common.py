@@ -77,10 +77,13 @@ class FiniteFlag:
         if t.numel() == 0:
             return
         amax = torch.linalg.vector_norm(t.detach(), ord=float("inf"), dtype=torch.float32)
-        if self._amax is None:
-            self._amax = torch.zeros((), dtype=torch.float32, device=amax.device)
-        elif self._amax.device != amax.device:  # a model moved between devices: keep what was recorded
-            self._amax = self._amax.to(amax.device)
+        # The flag is a normal tensor even when first made under torch.inference_mode (a generate): an inference
+        # tensor could not be updated in place afterwards outside it (a weight update re-quantising, a train step).
+        with torch.inference_mode(False):
+            if self._amax is None:
+                self._amax = torch.zeros((), dtype=torch.float32, device=amax.device)
+            elif self._amax.device != amax.device:  # a model moved between devices: keep what was recorded
+                self._amax = self._amax.to(amax.device)
         torch.maximum(self._amax, amax, out=self._amax)
 
     def check(self, where: str) -> None:
