@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minite.nvfp4.device_copy import int32_to
 from minite.nvfp4.grouped import NVFP4Segments, NVFP4Stack
 from minite.nvfp4.tensor import FACTOR_INV, NVFP4Tensor
 
@@ -256,8 +257,7 @@ def _as_group_tensors(tokens_per_expert, experts: int, device) -> torch.Tensor:
             and tokens_per_expert.dtype == torch.int32:
         counts = tokens_per_expert
     else:
-        # (non_blocking from pageable host memory is safe and skips a stream synchronisation)
-        counts = torch.as_tensor(tokens_per_expert, dtype=torch.int32).to(device, non_blocking=True)
+        counts = int32_to(tokens_per_expert, device)  # no stream synchronisation (minite.nvfp4.device_copy)
     if counts.numel() != experts:
         raise ValueError(f"{counts.numel()} token counts for {experts} experts")
     return counts
@@ -323,7 +323,8 @@ def gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype=torch.float32, *, a_va
     w = ExpertWeights(b.data[None], b.scale.view(torch.uint8)[None], b.decode_amax().reshape(1, -1).float(),
                       None if b_values is None else b_values[None], b.block[0], b.shape)
     m = a.shape[0]
-    return grouped_gemm_triton(a, w, [m], out_dtype, a_values=a_values, config=config, rows_hint=m)
+    rows = torch.full((1,), m, dtype=torch.int32, device=a.data.device)  # made on the device: no host copy at all
+    return grouped_gemm_triton(a, w, rows, out_dtype, a_values=a_values, config=config, rows_hint=m)
 
 
 def kgrouped_gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, tokens_per_expert, out_dtype=torch.float32, *,
@@ -347,7 +348,7 @@ def kgrouped_gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, tokens_per_expert, out_
     if not torch.is_tensor(tokens_per_expert) or not tokens_per_expert.is_cuda:  # checkable without a sync
         if any(int(c) % 16 for c in tokens_per_expert):
             raise ValueError(f"wgrad token counts must be multiples of 16 (pad per expert), got {tokens_per_expert}")
-    counts = torch.as_tensor(tokens_per_expert, dtype=torch.int32).to(dev, non_blocking=True)
+    counts = int32_to(tokens_per_expert, dev)
     starts = (torch.cumsum(counts, 0, dtype=torch.int32) - counts).to(torch.int32)
     experts = counts.numel()
     cfg = config or (GemmConfig(16, 32, 64, 4, 1) if interpreting() else GemmConfig(128, 128, 64, 8, 4))

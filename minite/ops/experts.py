@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from minite.nvfp4.device_copy import int32_to
 from minite.strict import ops as S
 
 GroupedLinear = Callable[[torch.Tensor, int], torch.Tensor]
@@ -50,7 +51,7 @@ def grouped_linear_bf16(x: torch.Tensor, weight: torch.Tensor, counts: list[int]
     if strict:
         return _per_expert(x, weight, counts, lambda a, w: S.linear(a, w, out_dtype=a.dtype))
     if x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
-        offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(x.device, non_blocking=True)
+        offs = int32_to(torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32), x.device)
         return torch._grouped_mm(x, weight.transpose(1, 2), offs=offs)
     return _per_expert(x, weight, counts, lambda a, w: a @ w.t())
 

@@ -277,23 +277,26 @@ def _ms(v: float) -> str:
 
 def render(doc: dict) -> str:
     """docs/benchmarks.md's table of one results file (numbers are never typed by hand)."""
-    out = [f"Device {doc['device']}, {doc['date']}, commit {doc['commit']}, command `{doc['command']}`. Decode step = "
-           "(t(N_long) - t(N_short)) / (N_long - N_short); floor = bytes a step must read / "
-           f"{doc['hbm_bytes_per_s'] / 1e12:.1f} TB/s.", "",
+    out = [f"Device {doc['device']}, last invocation {doc['date']} at commit {doc['commit']}: `{doc['command']}`. "
+           "Each row names the commit it was measured at (rows of several invocations are merged by hand, "
+           "`commit` per row). Decode step = (t(N_long) - t(N_short)) / (N_long - N_short); floor = bytes a step "
+           f"must read / {doc['hbm_bytes_per_s'] / 1e12:.1f} TB/s.", "",
            "| precision | mode | batch | prompt | new tokens | decode step | floor | step / floor | decode tokens/s "
-           "| host syncs / step |", "|---|---|---|---|---|---|---|---|---|---|"]
+           "| host syncs / step | commit |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(doc["rows"], key=lambda r: (r["precision"], r["strict"], r["batch"])):
         syncs = f"{r['host_syncs_per_step']:.1f}" if r.get("host_syncs_per_step") is not None else "-"
         out.append(f"| {r['precision'].upper()} | {'strict' if r['strict'] else 'default'} | {r['batch']} | "
                    f"{r['prompt_len']} | {r['new_tokens']} | {_ms(r['step_ms'])} | {_ms(r['floor_ms'])} | "
-                   f"{r['step_ms'] / r['floor_ms']:.1f}x | {r['decode_tokens_per_s']:,.0f} | {syncs} |")
+                   f"{r['step_ms'] / r['floor_ms']:.1f}x | {r['decode_tokens_per_s']:,.0f} | {syncs} | "
+                   f"{r.get('commit', doc['commit'])} |")
     if doc.get("reference_rows"):
         out += ["", "Plain-PyTorch BF16 decode step (tools/bench/decode_reference.py, random weights):", "",
-                "| batch | context | step (CUDA graph) | eager step | floor | decode tokens/s |", "|---|---|---|---|---|---|"]
+                "| batch | context | step (CUDA graph) | eager step | floor | decode tokens/s | commit |",
+                "|---|---|---|---|---|---|---|"]
         for r in sorted(doc["reference_rows"], key=lambda r: r["batch"]):
             graph = _ms(r["step_ms"]) if r["graph"] else "-"
             out.append(f"| {r['batch']} | {r['context']} | {graph} | {_ms(r['eager_step_ms'])} | "
-                       f"{_ms(r['floor_ms'])} | {r['decode_tokens_per_s']:,.0f} |")
+                       f"{_ms(r['floor_ms'])} | {r['decode_tokens_per_s']:,.0f} | {r.get('commit', doc['commit'])} |")
     for e in doc.get("errors", []):
         out.append(f"\nFailed: {json.dumps({k: v for k, v in e.items() if k != 'error'})}: {e['error']}")
     return "\n".join(out) + "\n"

@@ -1,0 +1,19 @@
+"""Small host -> device copies of index tables (token counts, group offsets) without a stream synchronisation.
+
+CUDA synchronises the stream before a host-to-device copy from pageable memory (cudaMemcpyAsync's documented
+behaviour for pageable sources) and refuses such a copy during CUDA-graph capture; torch's `.to(device,
+non_blocking=True)` from an ordinary CPU tensor is one (the H200 probe of docs/sglang.md hit it capturing the NVFP4
+linear). Staged through pinned memory (torch's caching host allocator keeps the buffer until the copy has run), the
+copy is asynchronous. Off the GPU this is a plain `.to(device)`: the values are the same either way.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def int32_to(values, device) -> torch.Tensor:
+    """`values` (a list or a CPU tensor of integers) as an int32 tensor on `device`, copied without a sync."""
+    t = torch.as_tensor(values, dtype=torch.int32)
+    if torch.device(device).type != "cuda" or t.is_cuda:  # already there (or no GPU): an ordinary copy, if any
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
