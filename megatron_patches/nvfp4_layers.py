@@ -67,10 +67,13 @@ class NVFP4Context:
     finite: FiniteFlag = field(default_factory=FiniteFlag)
     """Where the quantiser does not check its input (on a GPU: `quantiser_checks_finite`), the modules record here
     whether every tensor they quantise is finite; the engine reads it once per generate (`finite.check`)."""
+    track_finite: bool = False
+    """Record into `finite` at all: set by the reader (the embedded engine). A model nobody checks (the learner, whose
+    loss and grad norm show a NaN anyway) pays no extra read of every quantised tensor."""
 
     def record_finite(self, t: torch.Tensor) -> None:
-        """Note `t` (about to be quantised) in `finite`, unless the quantiser checks it on the spot."""
-        if not quantiser_checks_finite(t):
+        """Note `t` (about to be quantised) in `finite`, if tracked and the quantiser does not check it on the spot."""
+        if self.track_finite and not quantiser_checks_finite(t):
             self.finite.record(t)
 
     micro_batch: int = 0
@@ -115,7 +118,7 @@ def release_weight_caches(model: torch.nn.Module) -> int:
     """Drop every cached quantised weight of `model` (the next forward re-quantises); returns how many.
 
     The learner calls it between backward and the optimizer step: the step changes every weight, so the caches
-    would be rebuilt after it anyway (same bits), and holding them through the step costs ~2.6 bytes per quantised
+    would be rebuilt after it anyway (same bits), and holding them through the step costs ~2.5 bytes per quantised
     parameter (packed codes, fp16 block values, scales) at the moment the optimizer's own memory peaks."""
     dropped = 0
     for m in model.modules():
@@ -271,7 +274,20 @@ def quantize_weights_now(model: torch.nn.Module) -> int:
     """Quantise every NVFP4 weight of `model` into its module's cache now, as its next forward would lazily: a rollout
     engine calls this after a weight update, so the update pays the re-quantisation (where it is timed as weight
     sync) and the first rollout step does not. Bits are those of the lazy path (the same cache, the same function).
+    The weights are not recorded in the NaN/Inf flag: the caller has just checked them (checked_weight_copy).
     Returns the number of weights quantised; 0 for a BF16 model."""
+    contexts = {id(m.nvfp4): m.nvfp4 for m in model.modules() if getattr(m, "nvfp4", None) is not None}
+    tracked = {k: c.track_finite for k, c in contexts.items()}
+    for c in contexts.values():
+        c.track_finite = False
+    try:
+        return _quantize_all(model)
+    finally:
+        for k, c in contexts.items():
+            c.track_finite = tracked[k]
+
+
+def _quantize_all(model: torch.nn.Module) -> int:
     n = 0
     for module in model.modules():
         if getattr(module, "nvfp4", None) is None:

@@ -11,7 +11,6 @@
 #   killresume  the tiny job with EP=2 on two ranks: an uninterrupted run, and the same run killed (SIGKILL to every
 #             rank) after its 5th step and resumed; tools/compare_runs.py compares metrics and checkpoints bitwise
 #   bench     tools/bench/bench_rl_step.py rows into $OUT/rl-step-h200.json (one GPU and EP=2; BF16/NVFP4, strict)
-#   scale     tools/bench/bench_learner_slice.py on one GPU and with EP=2 on two (one sequence per GPU)
 #   slice     tools/bench/bench_learner_slice.py on one GPU: one sequence and the RL-sized 8-sequence step
 #   scale     the same with EP over NPROC GPUs (one sequence per GPU), against the slice stage's one-GPU rows
 #   sync      tools/bench/bench_weight_sync.py: learner -> engine weight sync vs a device copy (EP too with SYNC_EP=1)

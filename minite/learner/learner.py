@@ -236,18 +236,21 @@ class Learner:
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         rows, total, sums = tokens.shape[0] // micro_batches, None, {}
-        for i in range(micro_batches):
+        try:
+            for i in range(micro_batches):
+                if self.nvfp4 is not None:
+                    self.nvfp4.micro_batch = i  # each chunk its own stochastic rounding (NVFP4Context.layer_seed)
+                loss, metrics = loss_fn(self._batch_logprobs(tokens[i * rows:(i + 1) * rows]))
+                if not torch.is_tensor(loss) or loss.dim() != 0:
+                    raise ValueError("loss_fn must return (a scalar loss tensor, a metrics dict)")
+                loss.backward()
+                total = loss.detach() if total is None else total + loss.detach()
+                for k, v in (metrics or {}).items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
+        finally:  # a failing loss_fn must not leave a later step on another chunk's seeds
             if self.nvfp4 is not None:
-                self.nvfp4.micro_batch = i  # each chunk its own stochastic rounding (NVFP4Context.layer_seed)
-            loss, metrics = loss_fn(self._batch_logprobs(tokens[i * rows:(i + 1) * rows]))
-            if not torch.is_tensor(loss) or loss.dim() != 0:
-                raise ValueError("loss_fn must return (a scalar loss tensor, a metrics dict)")
-            loss.backward()
-            total = loss.detach() if total is None else total + loss.detach()
-            for k, v in (metrics or {}).items():
-                sums[k] = sums.get(k, 0.0) + float(v)
+                self.nvfp4.micro_batch = 0
         if self.nvfp4 is not None:  # stale after the step anyway: not held while the optimizer's memory peaks
-            self.nvfp4.micro_batch = 0
             release_weight_caches(self.model)
         with cuda_as_cpu():
             finalize_model_grads([self.ddp])

@@ -2,9 +2,10 @@
 
 CUDA synchronises the stream before a host-to-device copy from pageable memory (cudaMemcpyAsync's documented
 behaviour for pageable sources) and refuses such a copy during CUDA-graph capture; torch's `.to(device,
-non_blocking=True)` from an ordinary CPU tensor is one (the H200 probe of docs/sglang.md hit it capturing the NVFP4
-linear). Staged through pinned memory (torch's caching host allocator keeps the buffer until the copy has run), the
-copy is asynchronous. Off the GPU this is a plain `.to(device)`: the values are the same either way.
+non_blocking=True)` from an ordinary CPU tensor is one. Staged through pinned memory (torch's caching host allocator
+keeps the buffer until the copy has run), the copy is asynchronous. Off the GPU this is a plain `.to(device)`: the
+values are the same either way. Not for a captured region: a graph would replay the values of the capture, so a
+call there raises (code under capture keeps its tables on the device).
 """
 from __future__ import annotations
 
@@ -16,4 +17,7 @@ def int32_to(values, device) -> torch.Tensor:
     t = torch.as_tensor(values, dtype=torch.int32)
     if torch.device(device).type != "cuda" or t.is_cuda:  # already there (or no GPU): an ordinary copy, if any
         return t.to(device)
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("int32_to under CUDA-graph capture: the graph would replay the captured values; keep the "
+                           "table on the device")
     return t.pin_memory().to(device, non_blocking=True)

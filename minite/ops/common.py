@@ -63,6 +63,12 @@ def quant_flags(backend: str, t: torch.Tensor) -> dict:
     return {"values": resolve(backend, t, op="gemm")[0] == "triton", "check_finite": quantiser_checks_finite(t)}
 
 
+def _collective_device(group) -> torch.device:
+    """Where a collective of `group` takes its tensors: the current GPU under NCCL, else the CPU."""
+    nccl = torch.distributed.get_backend(group) == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+
 class FiniteFlag:
     """Whether every tensor recorded since the last `check` was finite, kept on the device as the running max of
     |x| in fp32 (torch's max reductions and `maximum` propagate NaN; Inf stays Inf). `record` is two launches (an
@@ -86,11 +92,21 @@ class FiniteFlag:
                 self._amax = self._amax.to(amax.device)
         torch.maximum(self._amax, amax, out=self._amax)
 
-    def check(self, where: str) -> None:
-        if self._amax is None:
+    def check(self, where: str, group=None) -> None:
+        """Raise if anything recorded was NaN or Inf; with `group` (a process group), if any rank's was: a collective
+        every rank of the group must call (each with a flag, recorded or not)."""
+        if group is not None:
+            dev = self._amax.device if self._amax is not None else _collective_device(group)
+            bad = torch.zeros((), dtype=torch.float32, device=dev) if self._amax is None else \
+                (~torch.isfinite(self._amax)).float()
+            torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX, group=group)
+            amax = float("nan") if float(bad) else 0.0  # the one host read
+        elif self._amax is None:
             return
-        amax = float(self._amax)  # the one host read
-        self._amax.zero_()
+        else:
+            amax = float(self._amax)  # the one host read
+        if self._amax is not None:
+            self._amax.zero_()
         if not math.isfinite(amax):
             raise ValueError(f"NaN or Inf reached an NVFP4 quantiser during {where} (a weight or activation of the "
                              "model is not finite)")

@@ -81,6 +81,8 @@ class EmbeddedEngine(RolloutEngine):
         self.pad_id = pad_id
         self.strict = strict
         self.nvfp4 = nvfp4_context(unwrap_model(model))
+        if self.nvfp4 is not None:
+            self.nvfp4.track_finite = True  # this engine reads the flag, once per generate
         self._params = {strip_wrapper_prefix(n): p for n, p in model.named_parameters()}
         self.weight_version = 0
 
@@ -93,7 +95,9 @@ class EmbeddedEngine(RolloutEngine):
             controller.sampling_rng.manual_seed(params.seed)
             done = controller.generate_all_output_tokens_static_batch(self._requests(flat, params))
         if self.nvfp4 is not None:
-            self.nvfp4.finite.check("generate")  # the GPU's deferred NaN/Inf check: one host read per call
+            # the GPU's deferred NaN/Inf check: one host read per call, agreed over the ranks (under EP or TP a rank
+            # that alone saw a NaN must not raise while the others wait in the next collective)
+            self.nvfp4.finite.check("generate", group=_world_group())
         results = []
         for (i, prompt), req in zip(flat, done.values()):
             toks, lps, finished = truncate_at_stop(
@@ -156,6 +160,12 @@ class EmbeddedEngine(RolloutEngine):
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         return list(self._params.items())
+
+
+def _world_group():
+    """The default process group when several ranks run the engine together, else None."""
+    import torch.distributed as dist
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else None
 
 
 def build_embedded(cfg, *, pad_id: int = 0) -> EmbeddedEngine:

@@ -204,3 +204,33 @@ def test_sdpa_attention_equals_upstream_dot_product_attention():
     assert got.shape == want.shape == (9, 2, 64)
     torch.testing.assert_close(got, want, atol=TOLERANCES["sdpa_vs_unfused_fp32"][0], rtol=0)
     assert fused._sdpa_ok(q, k, None, None, None, None) is False  # CPU tensors never take it
+
+
+@pytest.mark.gpu
+def test_expert_init_on_the_gpu_is_ep_invariant_and_repeatable():
+    """With a GPU, GroupedExperts draws its initial weights there (megatron_patches.nvfp4_layers._init_weights): two
+    builds give the same weights, and rank r of EP=2 holds experts [2r, 2r+2) of the EP=1 draw, bit for bit."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    import dataclasses
+
+    from minite.learner.model import build_model
+    from minite.megatron_patches.nvfp4_layers import GroupedExperts
+
+    experts = [m for m in build_model(cfg(), strict=False).modules() if isinstance(m, GroupedExperts)][0]
+
+    def draw(ep: int, rank: int) -> torch.Tensor:
+        e = object.__new__(GroupedExperts)  # only what _init_weights reads
+        torch.nn.Module.__init__(e)
+        e.num_local_experts = experts.num_local_experts // ep
+        e.config = dataclasses.replace(experts.config, expert_model_parallel_size=ep)
+        e.fc1_weight = torch.nn.Parameter(torch.empty((e.num_local_experts,) + tuple(experts.fc1_weight.shape[1:])))
+        e.fc2_weight = torch.nn.Parameter(torch.empty((e.num_local_experts,) + tuple(experts.fc2_weight.shape[1:])))
+        torch.manual_seed(11)  # the CPU generator every rank advances alike
+        e._init_weights(rank)
+        return torch.cat([e.fc1_weight.detach().flatten(1), e.fc2_weight.detach().flatten(1)], dim=1)
+
+    whole = draw(1, 0)
+    assert torch.equal(whole, draw(1, 0))
+    assert torch.equal(torch.cat([draw(2, 0), draw(2, 1)]), whole)
+    assert whole.std() > 0

@@ -1,7 +1,6 @@
 """FiniteFlag across inference mode: a generate (torch.inference_mode) may make the flag, a weight update or a train
-step records into it afterwards outside inference mode. On the H200 the first version made an inference tensor there
-and the next in-place update failed ("Inplace update to inference tensor outside InferenceMode"), which broke every
-NVFP4 rollout benchmark row."""
+step records into it afterwards outside inference mode; an inference tensor there could not be updated in place
+("Inplace update to inference tensor outside InferenceMode")."""
 import pytest
 import torch
 
@@ -19,3 +18,24 @@ def test_flag_made_under_inference_mode_records_outside_it():
     with pytest.raises(ValueError, match="NaN or Inf reached an NVFP4 quantiser during a generate"):
         flag.check("a generate")
     flag.check("the next step")  # check resets the flag
+
+
+def test_check_over_a_process_group_agrees():
+    """check(group=...) all-reduces "anything non-finite" so every rank raises together (under EP a NaN in one rank's
+    experts must not leave the other ranks waiting in the next collective); here one gloo rank: the collective runs
+    and the verdicts are those of the local check, with and without a recorded flag."""
+    import torch.distributed as dist
+
+    from tests.distributed_backend import free_port
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    group = dist.new_group([0], backend="gloo")
+    flag = FiniteFlag()
+    flag.check("nothing recorded", group=group)  # no flag yet: still takes part in the collective
+    flag.record(torch.ones(3))
+    flag.check("finite", group=group)
+    flag.record(torch.tensor([float("nan")]))
+    with pytest.raises(ValueError, match="during a generate"):
+        flag.check("a generate", group=group)
+    flag.check("after the reset", group=group)

@@ -155,22 +155,27 @@ def test_mismatch_metric_sees_a_precision_gap(learner_and_engine):
 
 
 def test_weight_update_requantises_eagerly_with_the_lazy_bits(learner_and_engine):
-    """update_weights fills every NVFP4 weight cache (the sync pays the re-quantisation, the rollout does not), with
-    the bits the lazy path of the next forward would compute."""
+    """update_weights fills every NVFP4 weight cache (the sync pays the re-quantisation, the rollout does not): the
+    next generate uses those very caches (no second quantisation), and their bits are the lazy path's."""
+    from minite.megatron_patches.nvfp4_layers import release_weight_caches
+
     _, engine = learner_and_engine
     engine.update_weights([(n, t.detach().clone()) for n, t in engine.named_weights()])
-    caches = {(id(m), k): v[1] for m in engine.model.modules() for k, v in vars(m).items()
-              if k.startswith("_nvfp4_wq_cache_")}
-    assert len(caches) >= 3 * 2, "expected the experts' fc1/fc2 and the linears of every layer to be cached"
-    for m in engine.model.modules():  # drop the eager caches; a generate fills them again, lazily
-        for k in [k for k in vars(m) if k.startswith("_nvfp4_wq_cache_")]:
-            delattr(m, k)
+
+    def caches():
+        return {(id(m), k): v for m in engine.model.modules() for k, v in vars(m).items()
+                if k.startswith("_nvfp4_wq_cache_")}
+
+    eager = caches()
+    assert len(eager) >= 3 * 2, "expected the experts' fc1/fc2 and the linears of every layer to be cached"
     engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, seed=0))
-    lazy = {(id(m), k): v[1] for m in engine.model.modules() for k, v in vars(m).items()
-            if k.startswith("_nvfp4_wq_cache_")}
-    assert lazy.keys() == caches.keys()
-    for key, eager in caches.items():
-        a, b = (torch.cat([t.reshape(-1).view(torch.uint8) for t in _tensors(x)]) for x in (eager, lazy[key]))
+    assert all(caches()[k] is v for k, v in eager.items())  # the forward hit the eager caches
+    release_weight_caches(engine.model)  # now the lazy path alone
+    engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, seed=0))
+    lazy = caches()
+    assert lazy.keys() == eager.keys()
+    for key, (_, q) in eager.items():
+        a, b = (torch.cat([t.reshape(-1).view(torch.uint8) for t in _tensors(x)]) for x in (q, lazy[key][1]))
         assert torch.equal(a, b), key
 
 

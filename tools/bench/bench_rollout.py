@@ -152,8 +152,7 @@ def measure_engine(engine, a: argparse.Namespace, shape: dict, precision: str, s
     g = torch.Generator().manual_seed(batch)
     prompts = torch.randint(1, shape["vocab_size"], (batch, a.prompt_len), generator=g).tolist()
     # untimed: the long generation reaches every context length the timed runs see (a first run at a new length may
-    # compile or allocate; at 266b1fb only the short one was warmed, and NVFP4's timed long run came out 1.3x slower
-    # per step than its short run implies)
+    # compile or allocate, which must not land in a timed run)
     _timed_generate(engine, prompts, a.new_tokens)
     pairs = [(_timed_generate(engine, prompts, a.new_tokens), _timed_generate(engine, prompts, a.short_tokens))
              for _ in range(a.repeats)]
