@@ -14,7 +14,8 @@
 #   slice     tools/bench/bench_learner_slice.py on one GPU: one sequence and the RL-sized 8-sequence step
 #   scale     the same with EP over NPROC GPUs (one sequence per GPU), against the slice stage's one-GPU rows
 #   sync      tools/bench/bench_weight_sync.py: learner -> engine weight sync vs a device copy (EP too with SYNC_EP=1)
-#   rollout   tools/bench/bench_rollout.py: decode step against its HBM floor (BATCHES, default 64,1,8,256)
+#   rollout   tools/bench/bench_rollout.py: decode step against its HBM floor (BATCHES, default 64,1,8,256;
+#             ROLLOUT_ARGS: more of its arguments, e.g. "--repeats 3 --precisions nvfp4")
 #   sglang    tools/sglang_gpu_probe.sh (needs .sglwhl/ carried): how far SGLang's GPU path runs with the plugin
 # The device has no registry: megatron-core travels as a wheel in .whl/ (carried with the call), installed to
 # /tmp/site; kernels/ and megatron_patches/ are linked into minite/ as setup.py installs them.
@@ -44,7 +45,7 @@ stage() {  # name, seconds, command...
   case " $STAGES " in *" $name "*) ;; *) return ;; esac
   local t0=$SECONDS
   if declare -F "$1" >/dev/null; then  # a function of this script: run it in a child bash that knows it
-    export -f "$1" rewards; export OUT LOGS GPU_TESTS GPU_TESTS_K DIST_TESTS TRAIN_STEPS TRAIN2_SETS SYNC_EP BATCHES SGLANG_BUDGET NPROC BENCH_1GPU BENCH_EP2
+    export -f "$1" rewards; export OUT LOGS GPU_TESTS GPU_TESTS_K ROLLOUT_ARGS DIST_TESTS TRAIN_STEPS TRAIN2_SETS SYNC_EP BATCHES SGLANG_BUDGET NPROC BENCH_1GPU BENCH_EP2
     timeout "$limit" bash -c "$*" >"$LOGS/$name.log" 2>&1
   else
     timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1
@@ -152,7 +153,7 @@ syncbench() {
 }
 stage sync ${T_SYNC:-120} syncbench
 rollout() {  # issue 16's decode benchmark (the 4-layer full-width slice) and its deferred NaN/Inf check's GPU tests
-  TORCHDYNAMO_DISABLE=1 python3 tools/bench/bench_rollout.py --batches "${BATCHES:-64,1,8,256}" \
+  TORCHDYNAMO_DISABLE=1 python3 tools/bench/bench_rollout.py --batches "${BATCHES:-64,1,8,256}" ${ROLLOUT_ARGS:-} \
     --out "$OUT/rollout-h200.json" && python3 tools/bench/bench_rollout.py --render "$OUT/rollout-h200.json"
 }
 stage rollout ${T_ROLLOUT:-240} rollout
