@@ -92,7 +92,7 @@ class NVFP4Context:
         self.generation += 1
 
 
-def cached_weight_q(module, weight: torch.Tensor, make, slot: str = "weight"):
+def cached_weight_q(module, weight: torch.Tensor, make, slot: str = "weight", *, record: bool = True):
     """Q(weight) from `make()`, cached on the module while (generation, storage, version) are unchanged.
 
     A weight is quantised once per update instead of once per forward: in a decode loop that is most of the
@@ -101,7 +101,8 @@ def cached_weight_q(module, weight: torch.Tensor, make, slot: str = "weight"):
     name = f"_nvfp4_wq_cache_{slot}"
     cache = module.__dict__.get(name)
     if cache is None or cache[0] != key:
-        module.nvfp4.record_finite(weight)
+        if record:  # the NaN/Inf flag (weights checked on their way in pass record=False)
+            module.nvfp4.record_finite(weight)
         with torch.no_grad():
             cache = (key, make())
         module.__dict__[name] = cache
@@ -133,11 +134,11 @@ def _check_linear(layer, name: str) -> None:
         raise ValueError(f"{name}: gradient_accumulation_fusion is not supported by the NVFP4 linears")
 
 
-def _linear_weight_q(layer, weight: torch.Tensor):
+def _linear_weight_q(layer, weight: torch.Tensor, record: bool = True):
     ctx = layer.nvfp4
     group = layer.tp_group if group_size(layer.tp_group) > 1 else None
     return cached_weight_q(layer, weight, lambda: quantize_weight(weight, ctx.recipe, backend=ctx.backend,
-                                                                   amax_group=group))
+                                                                   amax_group=group), record=record)
 
 
 def _linear(layer, x: torch.Tensor, weight: torch.Tensor, sharded: str) -> torch.Tensor:
@@ -250,10 +251,10 @@ class GroupedExperts(MegatronModule):
         return nvfp4_grouped_linear(x, weight, counts, ctx.recipe, seed=seed, weight_q=self._weight_q(weight, salt),
                                     backend=ctx.backend)
 
-    def _weight_q(self, weight: torch.Tensor, salt: int):
+    def _weight_q(self, weight: torch.Tensor, salt: int, record: bool = True):
         ctx = self.nvfp4
         return cached_weight_q(self, weight, lambda: quantize_expert_weights(weight, ctx.recipe, backend=ctx.backend),
-                               slot=f"fc{salt}")
+                               slot=f"fc{salt}", record=record)
 
     def forward(self, permuted_hidden: torch.Tensor, tokens_per_expert, permuted_probs: torch.Tensor):
         # Megatron's alltoall dispatcher hands tokens_per_expert over on the host (0.16.1: moved at its
@@ -276,27 +277,15 @@ def quantize_weights_now(model: torch.nn.Module) -> int:
     sync) and the first rollout step does not. Bits are those of the lazy path (the same cache, the same function).
     The weights are not recorded in the NaN/Inf flag: the caller has just checked them (checked_weight_copy).
     Returns the number of weights quantised; 0 for a BF16 model."""
-    contexts = {id(m.nvfp4): m.nvfp4 for m in model.modules() if getattr(m, "nvfp4", None) is not None}
-    tracked = {k: c.track_finite for k, c in contexts.items()}
-    for c in contexts.values():
-        c.track_finite = False
-    try:
-        return _quantize_all(model)
-    finally:
-        for k, c in contexts.items():
-            c.track_finite = tracked[k]
-
-
-def _quantize_all(model: torch.nn.Module) -> int:
     n = 0
     for module in model.modules():
         if getattr(module, "nvfp4", None) is None:
             continue
         if isinstance(module, GroupedExperts):
-            module._weight_q(module.fc1_weight, 1)
-            module._weight_q(module.fc2_weight, 2)
+            module._weight_q(module.fc1_weight, 1, record=False)
+            module._weight_q(module.fc2_weight, 2, record=False)
             n += 2
         elif isinstance(module, (NVFP4ColumnParallelLinear, NVFP4RowParallelLinear)) and module.weight is not None:
-            _linear_weight_q(module, module.weight)
+            _linear_weight_q(module, module.weight, record=False)
             n += 1
     return n

@@ -6,7 +6,7 @@ update and device).
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import torch
 
@@ -22,32 +22,40 @@ def strip_wrapper_prefix(name: str) -> str:
     return name
 
 
-def checked_weight_copy(params: dict[str, torch.Tensor], named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """Validate every incoming tensor against `params` (bare name -> parameter), then copy all.
-
-    Raises WeightUpdateError, naming the offending tensor, before any copy happens.
-    Returns the number of tensors copied.
-    """
+def check_weights(shapes: Mapping[str, tuple], named_tensors: Iterable[tuple[str, torch.Tensor]]
+                  ) -> dict[str, torch.Tensor]:
+    """Validate incoming (name, tensor) pairs against `shapes` (bare name -> expected shape): every name known and
+    given once, the same shape, finite floating point, and the set complete. Returns bare name -> tensor (detached,
+    in the order given); raises WeightUpdateError naming the offending tensor."""
     incoming: dict[str, torch.Tensor] = {}
     names: dict[str, str] = {}
     for name, t in named_tensors:
         bare = strip_wrapper_prefix(name)
-        if bare not in params:
+        if bare not in shapes:
             raise WeightUpdateError(f"unknown weight {name!r}: the engine has no parameter of that name")
         if bare in incoming:
             raise WeightUpdateError(f"weight {name!r} given twice")
-        p = params[bare]
-        if tuple(t.shape) != tuple(p.shape):
-            raise WeightUpdateError(f"weight {name!r} has shape {tuple(t.shape)}, engine expects {tuple(p.shape)}")
+        if tuple(t.shape) != tuple(shapes[bare]):
+            raise WeightUpdateError(f"weight {name!r} has shape {tuple(t.shape)}, engine expects {tuple(shapes[bare])}")
         if not t.is_floating_point():
             raise WeightUpdateError(f"weight {name!r} is not a finite floating-point tensor")
-        incoming[bare], names[bare] = t, name
+        incoming[bare], names[bare] = t.detach(), name
     bad = _first_nonfinite(incoming)
     if bad is not None:
         raise WeightUpdateError(f"weight {names[bad]!r} is not a finite floating-point tensor")
-    missing = sorted(set(params) - set(incoming))
+    missing = sorted(set(shapes) - set(incoming))
     if missing:
         raise WeightUpdateError(f"incomplete weight update: {len(missing)} parameters missing, e.g. {missing[:3]}")
+    return incoming
+
+
+def checked_weight_copy(params: dict[str, torch.Tensor], named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Validate every incoming tensor against `params` (bare name -> parameter; `check_weights`), then copy all.
+
+    Raises WeightUpdateError, naming the offending tensor, before any copy happens.
+    Returns the number of tensors copied.
+    """
+    incoming = check_weights({bare: tuple(p.shape) for bare, p in params.items()}, named_tensors)
     with torch.no_grad():
         for bare, t in incoming.items():
             params[bare].copy_(t)

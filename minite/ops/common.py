@@ -95,19 +95,18 @@ class FiniteFlag:
     def check(self, where: str, group=None) -> None:
         """Raise if anything recorded was NaN or Inf; with `group` (a process group), if any rank's was: a collective
         every rank of the group must call (each with a flag, recorded or not)."""
-        if group is not None:
-            dev = self._amax.device if self._amax is not None else _collective_device(group)
-            bad = torch.zeros((), dtype=torch.float32, device=dev) if self._amax is None else \
-                (~torch.isfinite(self._amax)).float()
-            torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX, group=group)
-            amax = float("nan") if float(bad) else 0.0  # the one host read
-        elif self._amax is None:
-            return
+        if group is None:
+            if self._amax is None:
+                return
+            bad = not math.isfinite(float(self._amax))  # the one host read
         else:
-            amax = float(self._amax)  # the one host read
+            flag = (torch.zeros((), dtype=torch.float32, device=_collective_device(group)) if self._amax is None
+                    else (~torch.isfinite(self._amax)).float())
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+            bad = bool(flag)  # the one host read
         if self._amax is not None:
             self._amax.zero_()
-        if not math.isfinite(amax):
+        if bad:
             raise ValueError(f"NaN or Inf reached an NVFP4 quantiser during {where} (a weight or activation of the "
                              "model is not finite)")
 

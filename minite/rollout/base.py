@@ -29,7 +29,8 @@ from typing import Iterable
 
 import torch
 
-from minite.learner.weights import WeightUpdateError, checked_weight_copy, strip_wrapper_prefix  # noqa: F401
+from minite.learner.weights import (WeightUpdateError, check_weights, checked_weight_copy,  # noqa: F401
+                                   strip_wrapper_prefix)
 
 
 @dataclass(frozen=True, kw_only=True)

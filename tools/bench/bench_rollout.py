@@ -58,9 +58,8 @@ from pathlib import Path
 import torch
 
 from decode_reference import ReferenceDecoder, Shape, time_step
+from shapes import FULL
 
-FULL = dict(vocab_size=151936, hidden_size=2048, num_attention_heads=32, num_query_groups=4, head_dim=128,
-            num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768)
 TINY = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_query_groups=2, head_dim=16, num_experts=8,
             moe_router_topk=2, moe_ffn_hidden_size=32)
 HBM_BYTES_PER_S = 4.8e12

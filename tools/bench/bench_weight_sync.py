@@ -21,10 +21,7 @@ import time
 
 import torch
 
-FULL = dict(vocab_size=151936, hidden_size=2048, num_attention_heads=32, num_query_groups=4, head_dim=128,
-            num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768)
-TINY = dict(vocab_size=64, hidden_size=64, num_attention_heads=4, num_query_groups=2, head_dim=16,
-            num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32)
+from shapes import FULL, TINY  # tools/bench/shapes.py, beside this script
 
 
 def _timed(fn, steps: int, warmup: int) -> float:

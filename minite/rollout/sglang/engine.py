@@ -59,6 +59,7 @@ from minite.rollout.base import (
     RolloutResult,
     SamplingParams,
     WeightUpdateError,
+    check_weights,
     strip_wrapper_prefix,
     truncate_at_stop,
 )
@@ -155,23 +156,9 @@ class SGLangEngine(RolloutEngine):
 
     # ---- weight sync -----------------------------------------------------------------------------------------
     def validate(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> List[Tuple[str, torch.Tensor]]:
-        """The learner's tensors, checked against the model's names and shapes; WeightUpdateError otherwise."""
-        seen: Dict[str, torch.Tensor] = {}
-        for name, t in named_tensors:
-            bare = strip_wrapper_prefix(name)
-            if bare not in self._expected:
-                raise WeightUpdateError(f"unknown weight {name!r}: the rollout model has no parameter of that name")
-            if bare in seen:
-                raise WeightUpdateError(f"weight {name!r} given twice")
-            if tuple(t.shape) != self._expected[bare]:
-                raise WeightUpdateError(f"weight {name!r} has shape {tuple(t.shape)}, expected {self._expected[bare]}")
-            if not t.is_floating_point() or not torch.isfinite(t).all():
-                raise WeightUpdateError(f"weight {name!r} is not a finite floating-point tensor")
-            seen[bare] = t.detach()
-        missing = sorted(set(self._expected) - set(seen))
-        if missing:
-            raise WeightUpdateError(f"incomplete weight update: {len(missing)} tensors missing, e.g. {missing[:3]}")
-        return list(seen.items())
+        """The learner's tensors, checked against the model's names and shapes (`check_weights`); WeightUpdateError
+        otherwise."""
+        return list(check_weights(self._expected, named_tensors).items())
 
     def pack(self, named: List[Tuple[str, torch.Tensor]]) -> List[Tuple[str, torch.Tensor]]:
         return pack_for_sglang(named, self.hf_config, self.recipe)
