@@ -16,11 +16,12 @@
 #   sync      tools/bench/bench_weight_sync.py: learner -> engine weight sync vs a device copy (EP too with SYNC_EP=1)
 #   rollout   tools/bench/bench_rollout.py: decode step against its HBM floor (BATCHES, default 64,1,8,256;
 #             ROLLOUT_ARGS: more of its arguments, e.g. "--repeats 3 --precisions nvfp4")
+#   (SLICE_ARGS, SCALE_ARGS, SYNC_ARGS: more arguments of those benchmarks, e.g. "--profile 25" or "--precisions nvfp4")
 #   sglang    tools/sglang_gpu_probe.sh (needs .sglwhl/ carried): how far SGLang's GPU path runs with the plugin
 # The device has no registry: megatron-core travels as a wheel in .whl/ (carried with the call), installed to
 # /tmp/site; kernels/ and megatron_patches/ are linked into minite/ as setup.py installs them.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; LOGS=/tmp/acceptance-logs; mkdir -p "$OUT" "$LOGS"
+OUT=${OUT:-/tmp/out}; LOGS=${LOGS:-/tmp/acceptance-logs}; mkdir -p "$OUT" "$LOGS"
 STAGES=${STAGES:-tests dist diagnose train1 train2 killresume bench slice scale sync rollout sglang}
 TRAIN_STEPS=${TRAIN_STEPS:-60}
 NPROC=${NPROC:-2}  # ranks of the multi-rank stages
@@ -45,7 +46,7 @@ stage() {  # name, seconds, command...
   case " $STAGES " in *" $name "*) ;; *) return ;; esac
   local t0=$SECONDS
   if declare -F "$1" >/dev/null; then  # a function of this script: run it in a child bash that knows it
-    export -f "$1" rewards; export OUT LOGS GPU_TESTS GPU_TESTS_K ROLLOUT_ARGS DIST_TESTS TRAIN_STEPS TRAIN2_SETS SYNC_EP BATCHES SGLANG_BUDGET NPROC BENCH_1GPU BENCH_EP2
+    export -f "$1" rewards; export OUT LOGS GPU_TESTS GPU_TESTS_K ROLLOUT_ARGS DIST_TESTS TRAIN_STEPS TRAIN2_SETS SYNC_EP BATCHES SGLANG_BUDGET NPROC BENCH_1GPU BENCH_EP2 SYNC_ARGS SLICE_ARGS SCALE_ARGS
     timeout "$limit" bash -c "$*" >"$LOGS/$name.log" 2>&1
   else
     timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1
@@ -127,12 +128,12 @@ bench() {
 stage bench ${T_BENCH:-300} bench
 slice() {  # the learner slice on one GPU: one 4096-token sequence and the RL-sized 8 x 4096 step, BF16 and NVFP4
   TORCHDYNAMO_DISABLE=1 python3 tools/bench/bench_learner_slice.py --layers 4 --seq 4096 --steps 3 --warmup 1 \
-    --micro-batches 1,8 --out "$OUT/learner-slice-h200.json"
+    --micro-batches 1,8 ${SLICE_ARGS:-} --out "$OUT/learner-slice-h200.json"
 }
 stage slice ${T_SLICE:-200} slice
 scale() {  # EP over NPROC GPUs, one sequence per GPU, against the one-GPU rows of the slice stage
   TORCHDYNAMO_DISABLE=1 python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
-    tools/bench/bench_learner_slice.py --ep "$NPROC" --layers 4 --seq 4096 --steps 3 --warmup 1 \
+    tools/bench/bench_learner_slice.py --ep "$NPROC" --layers 4 --seq 4096 --steps 3 --warmup 1 ${SCALE_ARGS:-} \
     --out "$OUT/slice-ep$NPROC.json" &&
   python3 - "$OUT/learner-slice-h200.json" "$OUT/slice-ep$NPROC.json" <<'EOF'
 import json, sys
@@ -146,10 +147,10 @@ EOF
 }
 stage scale ${T_SCALE:-200} scale
 syncbench() {
-  TORCHDYNAMO_DISABLE=1 python3 tools/bench/bench_weight_sync.py --layers 4 --out "$OUT/sync-1gpu.json" || return 1
+  TORCHDYNAMO_DISABLE=1 python3 tools/bench/bench_weight_sync.py --layers 4 ${SYNC_ARGS:-} --out "$OUT/sync-1gpu.json" || return 1
   [ "${SYNC_EP:-0}" = 1 ] || return 0
   TORCHDYNAMO_DISABLE=1 python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
-    tools/bench/bench_weight_sync.py --ep "$NPROC" --layers 4 --out "$OUT/sync-ep$NPROC.json"
+    tools/bench/bench_weight_sync.py --ep "$NPROC" --layers 4 ${SYNC_ARGS:-} --out "$OUT/sync-ep$NPROC.json"
 }
 stage sync ${T_SYNC:-120} syncbench
 rollout() {  # issue 16's decode benchmark (the 4-layer full-width slice) and its deferred NaN/Inf check's GPU tests

@@ -33,7 +33,8 @@ import time
 
 import torch
 
-from shapes import FULL, TINY  # tools/bench/shapes.py, beside this script
+from profiling import print_top  # tools/bench/, beside this script
+from shapes import FULL, TINY
 
 
 def model_flops_per_token(m: dict, layers: int, seq: int) -> float:
@@ -46,18 +47,8 @@ def model_flops_per_token(m: dict, layers: int, seq: int) -> float:
 
 
 def _profile_step(learner, tokens, top: int) -> None:
-    """One more step under torch.profiler: the `top` ops by self device time and by self host time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=acts) as prof:
-        learner.train_step(tokens, lambda lp: (-lp.mean(), {}))
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-    ka = prof.key_averages()
-    dev_key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    print(ka.table(sort_by=dev_key, row_limit=top, max_name_column_width=60), flush=True)
-    print(ka.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60), flush=True)
+    """One more step under torch.profiler (tools/bench/profiling.py)."""
+    print_top(lambda: learner.train_step(tokens, lambda lp: (-lp.mean(), {})), top, "one train step", show=RANK0)
 
 
 RANK0 = int(os.environ.get("RANK", "0")) == 0

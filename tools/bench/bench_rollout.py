@@ -58,6 +58,7 @@ from pathlib import Path
 import torch
 
 from decode_reference import ReferenceDecoder, Shape, time_step
+from profiling import print_top
 from shapes import FULL
 
 TINY = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_query_groups=2, head_dim=16, num_experts=8,
@@ -83,6 +84,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--reference-iters", type=int, default=20)
     p.add_argument("--no-reference", action="store_true", help="skip the plain-PyTorch reference rows")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
+    p.add_argument("--profile", type=int, default=0, metavar="TOP",
+                   help="profile one more generate of N_short tokens at the first batch of each engine, print TOP ops")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="more config overrides for the engine (e.g. rollout switches)")
     a = p.parse_args(argv)
@@ -245,6 +248,10 @@ def run_engines(a: argparse.Namespace, shape: dict, doc: dict, out: Path) -> Non
                     row = measure_engine(engine, a, shape, precision, mode == "strict", batch)
                     if i == 0:  # once per engine: the count does not depend on the batch
                         row["host_syncs_per_step"] = host_syncs_per_step(engine, a, shape, batch)
+                        if a.profile:
+                            prompts = torch.randint(1, shape["vocab_size"], (batch, a.prompt_len)).tolist()
+                            print_top(lambda: _timed_generate(engine, prompts, a.short_tokens), a.profile,
+                                      f"{precision} {mode} batch {batch}, {a.short_tokens} new tokens")
                     doc["rows"].append(row)
                     print(f"{precision:5s} {mode:7s} batch {batch:4d}: step {_ms(row['step_ms'])} "
                           f"(floor {_ms(row['floor_ms'])}), {row['decode_tokens_per_s']:,.0f} tokens/s", flush=True)

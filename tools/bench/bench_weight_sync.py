@@ -21,7 +21,8 @@ import time
 
 import torch
 
-from shapes import FULL, TINY  # tools/bench/shapes.py, beside this script
+from profiling import print_top  # tools/bench/, beside this script
+from shapes import FULL, TINY
 
 
 def _timed(fn, steps: int, warmup: int) -> float:
@@ -38,7 +39,7 @@ def _timed(fn, steps: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def run(precision: str, shape: dict, layers: int, steps: int, warmup: int, ep: int) -> dict:
+def run(precision: str, shape: dict, layers: int, steps: int, warmup: int, ep: int, profile: int = 0) -> dict:
     from minite.config import load_config
     from minite.learner.learner import Learner
     from minite.rollout.embedded import build_embedded
@@ -54,6 +55,9 @@ def run(precision: str, shape: dict, layers: int, steps: int, warmup: int, ep: i
     dst = torch.empty_like(src)
     copy_s = _timed(lambda: dst.copy_(src), steps, warmup)
     sync_s = _timed(lambda: engine.update_weights(learner.named_weights()), steps, warmup)
+    if profile:
+        print_top(lambda: engine.update_weights(learner.named_weights()), profile, f"{precision} weight sync",
+                  show=int(os.environ.get("RANK", "0")) == 0)
     out = {"precision": precision, "layout": f"ep{ep}" if ep > 1 else "single", "bytes_per_rank": nbytes,
            "tensors": len(params), "sync_s": sync_s, "copy_s": copy_s, "sync_over_copy": sync_s / copy_s,
            "copy_gb_per_s": 2 * nbytes / copy_s / 1e9}  # a copy reads and writes every byte
@@ -72,9 +76,11 @@ def main() -> None:
     p.add_argument("--ep", type=int, default=1, help="expert parallelism (run under torchrun with that many ranks)")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--out", default=None)
+    p.add_argument("--profile", type=int, default=0, metavar="TOP",
+                   help="after timing, profile one more sync and print the TOP ops by device and host time")
     a = p.parse_args()
     rank0 = int(os.environ.get("RANK", "0")) == 0
-    rows = [run(prec, TINY if a.tiny else FULL, a.layers, a.steps, a.warmup, a.ep) for prec in a.precisions.split(",")]
+    rows = [run(prec, TINY if a.tiny else FULL, a.layers, a.steps, a.warmup, a.ep, a.profile) for prec in a.precisions.split(",")]
     if not rank0:
         return
     result = {"layers": a.layers, "rows": rows,
