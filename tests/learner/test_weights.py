@@ -60,3 +60,16 @@ def test_other_rejections_keep_their_messages():
         with pytest.raises(WeightUpdateError, match=msg):
             checked_weight_copy(params, update)
     assert all(torch.count_nonzero(p) == 0 for p in params.values())
+
+
+def test_empty_and_mixed_dtype_tensors_are_checked_together():
+    """aminmax refuses an empty tensor (an empty one is finite); tensors of several dtypes are read back together."""
+    params = {"a": torch.zeros(0, 4), "b": torch.zeros(2, 3, dtype=torch.bfloat16), "c": torch.zeros(5, dtype=torch.float64)}
+    update = [("a", torch.empty(0, 4)), ("b", torch.randn(2, 3).bfloat16()), ("c", torch.randn(5, dtype=torch.float64))]
+    assert checked_weight_copy(params, update) == 3
+    update[1][1][1, 1] = float("inf")
+    update[2][1][4] = float("nan")
+    with pytest.raises(WeightUpdateError, match="weight 'b' is not a finite"):
+        checked_weight_copy(params, [update[0], update[1], ("c", torch.randn(5, dtype=torch.float64))])
+    with pytest.raises(WeightUpdateError, match="weight 'c' is not a finite"):
+        checked_weight_copy(params, [update[0], ("b", torch.randn(2, 3).bfloat16()), update[2]])
