@@ -40,6 +40,7 @@ from minite.learner.learner import Learner, ReferencePolicy, reference_policy
 from minite.rl import checkpoint as ckpt
 from minite.rl.grpo import GRPOParams, group_advantages, grpo_loss
 from minite.rl.metrics import WARMUP_RUN, MetricsLogger, check_finite, mismatch_metrics, rollout_metrics
+from minite.rl.ranks import rank0_rollouts
 from minite.rl.resume_policy import check_resume, config_for_checkpoint
 from minite.rl.tasks import PAD, DigitTask, Problem, PromptStream, make_task, mix_seed
 from minite.rollout import make_engine
@@ -100,18 +101,22 @@ def rl_step(run: Run) -> dict:
     problems = run.stream.next_batch()
     with engine_recording(run.engine, cfg.alignment.routing_replay) as rec:  # expert routes, to replay
         rollouts = run.engine.generate([p.prompt for p in problems], sampling_params(cfg, run.step, run.task))
+    routes = None if rec is None else rec.routes(len(rollouts))
+    rollouts, routes, rows_differ = rank0_rollouts(rollouts, routes)  # every rank trains on rank 0's batch
     t_rollout = time.perf_counter() - t0
     rewards = score(run.task, problems, rollouts, cfg.rollout.group_size)
     advantages = group_advantages(rewards, cfg.rollout.group_size)
     batch = make_batch(rollouts)
     t_train = time.perf_counter()
-    metrics = train_on_batch(run, batch, advantages, None if rec is None else rec.routes(len(rollouts)))
+    metrics = train_on_batch(run, batch, advantages, routes)
     t_sync = _device_time()
     sync_weights(run)
     run.step += 1
     t_end = _device_time()
     elapsed = t_end - t0
     metrics.update(rollout_metrics(rewards, batch.rollout_logp, batch.mask))
+    if rows_differ is not None:
+        metrics["rollout/rows_differ"] = rows_differ
     metrics.update({"throughput/tokens_per_s": batch.num_tokens / elapsed,
                     "time/step_s": elapsed, "time/rollout_s": t_rollout, "time/train_s": t_sync - t_train,
                     "time/sync_s": t_end - t_sync})
