@@ -13,7 +13,8 @@
 #   bench     tools/bench/bench_rl_step.py rows into $OUT/rl-step-h200.json (one GPU and EP=2; BF16/NVFP4, strict)
 #   slice     tools/bench/bench_learner_slice.py on one GPU: one sequence and the RL-sized 8-sequence step
 #   scale     the same with EP over NPROC GPUs (one sequence per GPU), against the slice stage's one-GPU rows
-#   sync      tools/bench/bench_weight_sync.py: learner -> engine weight sync vs a device copy (EP too with SYNC_EP=1)
+#   sync      tools/bench/bench_weight_sync.py: learner -> engine weight sync vs a device copy (EP too with SYNC_EP=1,
+#             EP alone with SYNC_EP=only)
 #   rollout   tools/bench/bench_rollout.py: decode step against its HBM floor (BATCHES, default 64,1,8,256;
 #             ROLLOUT_ARGS: more of its arguments, e.g. "--repeats 3 --precisions nvfp4")
 #   (SLICE_ARGS, SCALE_ARGS, SYNC_ARGS: more arguments of those benchmarks, e.g. "--profile 25" or "--precisions nvfp4")
@@ -61,8 +62,10 @@ import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 r = [x["reward/mean"] for x in rows]
 gap = max(x["mismatch/logp_abs_max"] for x in rows)
+differ = [x["rollout/rows_differ"] for x in rows if "rollout/rows_differ" in x]  # multi-rank runs only
 print(f"steps {len(rows)}  reward first5 {sum(r[:5]) / 5:.3f}  last5 {sum(r[-5:]) / 5:.3f}  max |logp gap| {gap:.3e}"
-      f"  step_s median {sorted(x['time/step_s'] for x in rows)[len(rows) // 2]:.2f}")
+      f"  step_s median {sorted(x['time/step_s'] for x in rows)[len(rows) // 2]:.2f}"
+      + (f"  rows_differ max {max(differ)} (steps with any: {sum(d > 0 for d in differ)})" if differ else ""))
 EOF
 }
 gpu_tests() {  # GPU_TESTS: pytest arguments of a shorter selection instead
@@ -147,8 +150,11 @@ EOF
 }
 stage scale ${T_SCALE:-200} scale
 syncbench() {
-  TORCHDYNAMO_DISABLE=1 python3 tools/bench/bench_weight_sync.py --layers 4 ${SYNC_ARGS:-} --out "$OUT/sync-1gpu.json" || return 1
-  [ "${SYNC_EP:-0}" = 1 ] || return 0
+  if [ "${SYNC_EP:-0}" != only ]; then
+    TORCHDYNAMO_DISABLE=1 python3 tools/bench/bench_weight_sync.py --layers 4 ${SYNC_ARGS:-} --out "$OUT/sync-1gpu.json" ||
+      return 1
+  fi
+  [ "${SYNC_EP:-0}" != 0 ] || return 0
   TORCHDYNAMO_DISABLE=1 python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
     tools/bench/bench_weight_sync.py --ep "$NPROC" --layers 4 ${SYNC_ARGS:-} --out "$OUT/sync-ep$NPROC.json"
 }

@@ -124,7 +124,7 @@ def run(precision: str, shape: dict, layers: int, seq: int, steps: int, warmup: 
         if RANK0:
             print(json.dumps(rows[-1]), flush=True)
     if profile_top:
-        _profile_step(learner, tokens[:1], profile_top)
+        _profile_step(learner, tokens[:world], profile_top)  # one sequence per rank
     learner.close()  # without it Megatron's DDP hooks keep the model, gradients and masters alive (Learner.close)
     del learner
     gc.collect()
