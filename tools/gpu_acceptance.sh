@@ -62,6 +62,11 @@ import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 r = [x["reward/mean"] for x in rows]
 gap = max(x["mismatch/logp_abs_max"] for x in rows)
+w = max(rows, key=lambda x: x["mismatch/logp_abs_max"])
+if "mismatch/max_at_train_logp" in w:
+    print(f"largest gap at step {w['step']}: learner logp {w['mismatch/max_at_train_logp']:.3f}, rollout "
+          f"{w['mismatch/max_at_rollout_logp']:.3f}, response position {w['mismatch/max_at_position']:.0f}; tokens over "
+          f"1 nat per step: {[int(x['mismatch/tokens_over_1']) for x in rows]}")
 differ = [x["rollout/rows_differ"] for x in rows if "rollout/rows_differ" in x]  # multi-rank runs only
 print(f"steps {len(rows)}  reward first5 {sum(r[:5]) / 5:.3f}  last5 {sum(r[-5:]) / 5:.3f}  max |logp gap| {gap:.3e}"
       f"  step_s median {sorted(x['time/step_s'] for x in rows)[len(rows) // 2]:.2f}"
@@ -170,5 +175,8 @@ sglangprobe() {  # SGLang 0.5.23 with the plugin on the GPU, as far as it goes w
 stage sglang ${T_SGLANG:-200} sglangprobe
 echo "== summary"; { cat "$LOGS/device.txt"; printf '%s\n' "${SUMMARY[@]}"; } | tee "$OUT/summary.txt"
 # every log (stage logs, each run's train.log) in one file: $OUT returns at most 8 files
-for r in /tmp/r1 /tmp/r1s /tmp/r2 /tmp/kr/a /tmp/kr/b; do [ -f $r/train.log ] && cp $r/train.log "$LOGS/train-${r//\//_}.log"; done
+for r in /tmp/r1 /tmp/r1s /tmp/r2 /tmp/kr/a /tmp/kr/b; do
+  [ -f $r/train.log ] && cp $r/train.log "$LOGS/train-${r//\//_}.log"
+  [ -f $r/metrics.jsonl ] && cp $r/metrics.jsonl "$LOGS/metrics-${r//\//_}.jsonl"
+done
 tar czf "$OUT/logs.tgz" -C "$LOGS" .

@@ -39,15 +39,28 @@ TAGS = (
 
 
 def mismatch_metrics(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> dict:
-    """Train/rollout log-prob gap over masked (response) tokens; tensors [B, T-1], on train_logp's device."""
+    """Train/rollout log-prob gap over masked (response) tokens; tensors [B, T-1], on train_logp's device.
+
+    Beside the mean, max and k3 KL: where the largest gap is (`max_at_train_logp` / `max_at_rollout_logp`: the two
+    log-probs of that token, so a gap of one side's unlikely token is told from the other's; `max_at_position`: its
+    position in the response, 0 = the first generated token) and `tokens_over_1`: how many tokens differ by over
+    1 nat (one outlier or many)."""
     rollout_logp, m = rollout_logp.to(train_logp.device), mask.to(train_logp.device).bool()
     if not m.any():
-        return {"mismatch/logp_abs_mean": 0.0, "mismatch/logp_abs_max": 0.0, "mismatch/k3_kl": 0.0}
+        return {"mismatch/logp_abs_mean": 0.0, "mismatch/logp_abs_max": 0.0, "mismatch/k3_kl": 0.0,
+                "mismatch/max_at_train_logp": 0.0, "mismatch/max_at_rollout_logp": 0.0,
+                "mismatch/max_at_position": 0.0, "mismatch/tokens_over_1": 0.0}
     d = (train_logp.double() - rollout_logp.double())[m]
+    at = int(d.abs().argmax())
+    position = (m.cumsum(dim=1) - 1)[m][at]  # the token's index among its row's response tokens
     return {
         "mismatch/logp_abs_mean": d.abs().mean().item(),
         "mismatch/logp_abs_max": d.abs().max().item(),
         "mismatch/k3_kl": k3(d).mean().item(),
+        "mismatch/max_at_train_logp": train_logp[m][at].item(),
+        "mismatch/max_at_rollout_logp": rollout_logp[m][at].item(),
+        "mismatch/max_at_position": float(position),
+        "mismatch/tokens_over_1": float((d.abs() > 1).sum()),
     }
 
 

@@ -110,3 +110,18 @@ def test_mismatch_metrics():
 def test_bad_params(kw):
     with pytest.raises(ValueError):
         GRPOParams(**kw)
+
+
+def test_mismatch_metrics_locate_the_largest_gap():
+    """Where the largest gap is: both sides' log-probs of that token, its position in its row's response, and how
+    many tokens differ by over 1 nat; prompt and padding columns (mask 0) never count."""
+    train, rollout, mask = torch.zeros(2, 6), torch.zeros(2, 6), torch.zeros(2, 6)
+    mask[0, 1:4] = 1
+    mask[1, 2:5] = 1
+    train[1, 3], rollout[1, 3] = -9.0, -0.5  # the largest gap: row 1's second response token
+    train[0, 2] = -2.0
+    train[1, 5] = -50.0  # a padding column: ignored
+    m = mismatch_metrics(train, rollout, mask)
+    assert m["mismatch/logp_abs_max"] == 8.5
+    assert (m["mismatch/max_at_train_logp"], m["mismatch/max_at_rollout_logp"]) == (-9.0, -0.5)
+    assert m["mismatch/max_at_position"] == 1.0 and m["mismatch/tokens_over_1"] == 2.0
