@@ -380,15 +380,16 @@ def seed_mix(seed: int) -> int:
 #   (16-byte vectors) reshaped to the 4-D view, else 4-D addressing.
 # "colmajor" (transposed views, tensor scope: tall tiles) and "stack" (expert-weight stacks, 16x16 blocks) follow the
 # coalescing argument, not a measured optimum: the H200 segments sweep (`bench_nvfp4.py --sections segments`,
-# docs/benchmarks.md, which names its commit) measured the stack at 2282 us with these settings and 2004 us with 4
+# docs/benchmarks.md, which names its commit) measured the stack at 2282 us with 8 warps and 2004 us with 4
 # warps, and x^T with RHT at 2.99-3.14 ms for every tall-tile setting, against 1142 us for the single-tensor
-# column-wise RHT+SR quantisation with 8 x 1024 tiles. The learner numbers in docs/benchmarks.md use these settings.
+# column-wise RHT+SR quantisation with 8 x 1024 tiles. "stack" uses the 4 warps of that sweep (since the commit
+# after c8d4672; each learner row of docs/benchmarks.md names the commit it ran).
 TUNING = {
     "plain": {"elems": 2048, "warps": 2, "vec2d": False},
     "values": {"elems": 1024, "warps": 2, "vec2d": True},
     "rht": {"elems": 8192, "warps": None, "vec2d": True},
     "colmajor": {"elems": 8192, "warps": 8, "vec2d": False},
-    "stack": {"elems": 8192, "warps": 8, "vec2d": True},
+    "stack": {"elems": 8192, "warps": 4, "vec2d": True},
 }
 
 
@@ -491,7 +492,8 @@ def quantize_with_values_triton(x: torch.Tensor, block=(1, 16), scale_scope: str
 
 def quantize_segments_triton(x: torch.Tensor, segments, out_shape: tuple[int, int], block=(1, 16),
                              rounding: str = "nearest", seeds=None, rht: bool = False,
-                             values_dtype: torch.dtype | None = None, tuning: dict | None = None):
+                             values_dtype: torch.dtype | None = None, tuning: dict | None = None,
+                             amax: torch.Tensor | None = None):
     """Quantise B rectangles of x, each as its own tensor (scale_scope="tensor"), into one output array.
 
     segments: B tuples (x_row, x_col, rows, cols, out_row, out_col): rows x cols of x starting at (x_row, x_col),
@@ -501,7 +503,8 @@ def quantize_segments_triton(x: torch.Tensor, segments, out_shape: tuple[int, in
     `quantize_with_values_triton` (and the reference) on that rectangle alone. Returns (data, scale, global scales
     fp32 [B], decode amaxes fp32 [B], values or None); output positions no segment covers are left uninitialised.
     One amax launch and one quantisation launch for all segments, no host synchronisation. tuning: a TUNING-style
-    dict (elems, warps, vec2d) overriding the default tile for x's layout (same bits, speed only).
+    dict (elems, warps, vec2d) overriding the default tile for x's layout (same bits, speed only). amax: each
+    segment's max |x| (fp32 [B], after the RHT when rht) computed by the caller: no amax launch then.
     """
     ensure_interpreter_compat()
     block = tuple(block)
@@ -531,10 +534,15 @@ def quantize_segments_triton(x: torch.Tensor, segments, out_shape: tuple[int, in
     warps = tune["warps"] or (8 if block_r * block_c >= 8192 else 4)
     vec2d = tune["vec2d"]
     grid = (triton.cdiv(max(max_r, 1), block_r), triton.cdiv(max(max_c, 16), block_c), nseg)
-    partial = torch.empty(nseg * grid[0] * grid[1], dtype=torch.float32, device=dev)
-    _segments_amax_kernel[grid](x, x.stride(0), x.stride(1), table, partial, BLOCK_R=block_r, BLOCK_C=block_c,
-                                RHT=rht, SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d, num_warps=warps)
-    amax = partial.view(nseg, -1).amax(dim=1)
+    if amax is None:
+        partial = torch.empty(nseg * grid[0] * grid[1], dtype=torch.float32, device=dev)
+        _segments_amax_kernel[grid](x, x.stride(0), x.stride(1), table, partial, BLOCK_R=block_r, BLOCK_C=block_c,
+                                    RHT=rht, SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d, num_warps=warps)
+        amax = partial.view(nseg, -1).amax(dim=1)
+    elif amax.shape != (nseg,):
+        raise ValueError(f"amax of shape {tuple(amax.shape)} for {nseg} segments")
+    else:
+        amax = amax.to(device=dev, dtype=torch.float32)
     s_enc = global_encode_scale(amax)
     s_dec = torch.tensor(1.0, dtype=torch.float32) / s_enc
     senc = torch.stack([s_enc, s_dec], dim=1).contiguous()

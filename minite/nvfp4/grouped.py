@@ -154,6 +154,17 @@ def _check_rounding(rounding: str, seeds, n: int) -> None:
             raise ValueError(f"seed must be in [0, 2^32), got {s}")
 
 
+def stack_amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x[e]| per member of x [E, R, C], fp32 [E]: one `aminmax` reduction over x, then max(-min, max) (exact,
+    the same value as any order of max |x|; abs turns a -0 into the +0 the kernel's max would give). On the H200 the
+    segments amax kernel read the expert stacks at ~0.7 TB/s (profile in docs/benchmarks.md); a torch reduction reads
+    them near HBM speed."""
+    if x.numel() == 0:  # aminmax refuses an empty reduction
+        return torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
+    lo, hi = torch.aminmax(x.reshape(x.shape[0], -1), dim=1)
+    return torch.maximum(-lo, hi).abs().float()
+
+
 def quantize_stack(x: torch.Tensor, *, block=BLOCK_2D, rounding: str = "nearest", seeds=None, rht: bool = False,
                    values: bool = False, check_finite: bool = True, backend: str = "auto") -> NVFP4Stack:
     """Quantise each x[e] of x [E, R, C] as its own tensor (scale_scope="tensor"); `values` also keeps the fp16
@@ -169,7 +180,8 @@ def quantize_stack(x: torch.Tensor, *, block=BLOCK_2D, rounding: str = "nearest"
     if _use_triton(backend, x):
         segs = [(i * rows, 0, rows, cols, i * rows, 0) for i in range(e)]
         data, scale, gs, amax, vals = kernel("quantize_segments")(flat, segs, (e * rows, cols), block, rounding, seeds,
-                                                               rht, VALUES_DTYPE if values else None)
+                                                               rht, VALUES_DTYPE if values else None,
+                                                               amax=None if rht else stack_amax(x))
         br = block[0]
         return NVFP4Stack(data.view(e, rows, cols // 2), scale.view(e, rows // br, cols // 16), gs, (rows, cols),
                           block, None if vals is None else vals.view(e, rows, cols), amax)

@@ -174,3 +174,24 @@ def test_stack_with_per_row_global_scales():
     assert (tri - ref).abs().max() <= TOLERANCES["nvfp4_op_kernels_vs_reference"][1] * ref.abs().max()
     with pytest.raises(ValueError, match="one global scale per member"):
         st.t()
+
+
+def test_stack_amax_is_the_amax_kernels_value():
+    """quantize_stack's amax (one torch reduction, minite.nvfp4.grouped.stack_amax) is bitwise the segments amax
+    kernel's on finite inputs (random, all zero, -0 only, an Inf), and the reference's where a NaN is present (the
+    kernel's max skips a NaN; the reference and stack_amax propagate it)."""
+    from minite.kernels.nvfp4_quant import quantize_segments_triton
+    from minite.nvfp4.grouped import stack_amax
+
+    w = _experts(5, 32, 48, 1)
+    w[3] = -0.0
+    w[4, 2, 7] = float("inf")
+    flat = w.reshape(-1, 48)
+    segs = [(i * 32, 0, 32, 48, i * 32, 0) for i in range(5)]
+    kernel_amax = quantize_segments_triton(flat, segs, (160, 48), (16, 16))[3]
+    given_amax = quantize_segments_triton(flat, segs, (160, 48), (16, 16), amax=stack_amax(w))[3]
+    assert torch.equal(kernel_amax, given_amax)
+    assert stack_amax(w).view(torch.int32).equal(w.reshape(5, -1).abs().amax(dim=1).float().view(torch.int32))
+    w[0, 1, 1] = float("nan")
+    assert torch.isnan(stack_amax(w)[0]) and not torch.isnan(stack_amax(w)[1:]).any()
+    assert stack_amax(torch.empty(2, 0, 16, device=DEVICE)).tolist() == [0.0, 0.0]
