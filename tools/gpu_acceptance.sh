@@ -47,7 +47,7 @@ stage() {  # name, seconds, command...
   case " $STAGES " in *" $name "*) ;; *) return ;; esac
   local t0=$SECONDS
   if declare -F "$1" >/dev/null; then  # a function of this script: run it in a child bash that knows it
-    export -f "$1" rewards; export OUT LOGS GPU_TESTS GPU_TESTS_K ROLLOUT_ARGS DIST_TESTS TRAIN_STEPS TRAIN2_SETS SYNC_EP BATCHES SGLANG_BUDGET NPROC BENCH_1GPU BENCH_EP2 SYNC_ARGS SLICE_ARGS SCALE_ARGS
+    export -f "$1" rewards; export OUT LOGS GPU_TESTS GPU_TESTS_K ROLLOUT_ARGS DIST_TESTS TRAIN_STEPS TRAIN1_SETS TRAIN2_SETS SYNC_EP BATCHES SGLANG_BUDGET NPROC BENCH_1GPU BENCH_EP2 SYNC_ARGS SLICE_ARGS SCALE_ARGS
     timeout "$limit" bash -c "$*" >"$LOGS/$name.log" 2>&1
   else
     timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1
@@ -89,9 +89,9 @@ stage diagnose ${T_DIAG:-120} python3 -m minite.cli diagnose --config examples/t
   --set alignment.strict=true --json "$LOGS/diagnose-strict-medium.json" --fail-above 0
 train1() {
   python3 -m minite.cli train examples/h200/moe-nvfp4.yaml --fresh --set rl.steps="$TRAIN_STEPS" \
-    --set logging.dir=/tmp/r1 --set checkpoint.dir=/tmp/r1/ck && rewards /tmp/r1/metrics.jsonl &&
+    --set logging.dir=/tmp/r1 --set checkpoint.dir=/tmp/r1/ck ${TRAIN1_SETS:-} && rewards /tmp/r1/metrics.jsonl &&
   python3 -m minite.cli train examples/h200/moe-nvfp4.yaml --fresh --set rl.steps=8 --set alignment.strict=true \
-    --set logging.dir=/tmp/r1s --set checkpoint.dir=/tmp/r1s/ck && rewards /tmp/r1s/metrics.jsonl
+    --set logging.dir=/tmp/r1s --set checkpoint.dir=/tmp/r1s/ck ${TRAIN1_SETS:-} && rewards /tmp/r1s/metrics.jsonl
 }
 stage train1 ${T_TRAIN:-300} train1
 train2() {

@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from profiling import print_top  # tools/bench/, beside this script
+from profiling import print_py_top, print_top  # tools/bench/, beside this script
 from shapes import FULL, TINY
 
 
@@ -48,7 +48,9 @@ def model_flops_per_token(m: dict, layers: int, seq: int) -> float:
 
 def _profile_step(learner, tokens, top: int) -> None:
     """One more step under torch.profiler (tools/bench/profiling.py)."""
-    print_top(lambda: learner.train_step(tokens, lambda lp: (-lp.mean(), {})), top, "one train step", show=RANK0)
+    step = lambda: learner.train_step(tokens, lambda lp: (-lp.mean(), {}))  # noqa: E731
+    print_top(step, top, "one train step", show=RANK0)
+    print_py_top(step, top, "one train step", show=RANK0)
 
 
 RANK0 = int(os.environ.get("RANK", "0")) == 0
