@@ -88,6 +88,34 @@ def _time_steps(learner, tokens, micro: int, steps: int, warmup: int, dev: str) 
     return statistics.median(times), statistics.median(opt_times[warmup:warmup + steps]), metrics
 
 
+class ExpertRows:
+    """Rows (token-expert pairs) each rank's local experts computed in the forward passes since `reset`: under EP the
+    ranks wait for each other at every all-to-all, so an imbalance costs the slower rank's extra expert time on both.
+    Counted by a forward pre-hook on every `*.mlp.experts` module (its first input: the permuted local rows)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.rows = 0
+        self.handles = [m.register_forward_pre_hook(self._count) for n, m in model.named_modules()
+                        if n.endswith("mlp.experts")]
+
+    def _count(self, module, args) -> None:
+        self.rows += int(args[0].shape[0])
+
+    def max_over_mean(self) -> float | None:
+        """Max over ranks / mean over ranks of the rows counted (1.0: balanced); None for one rank."""
+        if world_size() == 1 or not self.handles:
+            return None
+        t = torch.tensor([float(self.rows)], device="cuda" if torch.cuda.is_available() else "cpu")
+        rows = [torch.zeros_like(t) for _ in range(world_size())]
+        torch.distributed.all_gather(rows, t)
+        rows = [float(r) for r in rows]
+        return max(rows) / (sum(rows) / len(rows)) if sum(rows) else None
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
 def world_size() -> int:
     return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
@@ -114,7 +142,10 @@ def run(precision: str, shape: dict, layers: int, seq: int, steps: int, warmup: 
     for micro in micro_batches:
         if dev == "cuda":  # each row's own peak (the learner's state included)
             torch.cuda.reset_peak_memory_stats()
+        counter = ExpertRows(learner.model)
         step, opt, metrics = _time_steps(learner, tokens[:world * micro], micro, steps, warmup, dev)
+        balance = counter.max_over_mean()
+        counter.close()
         flops = model_flops_per_token(shape, layers, seq) * seq * micro * world
         rows.append({"precision": precision, "gpus": world if dev == "cuda" else 0,
                      "layout": f"ep{ep}" if ep > 1 else "single", "micro_batches": micro,
@@ -122,7 +153,7 @@ def run(precision: str, shape: dict, layers: int, seq: int, steps: int, warmup: 
                      "model_tflops": flops / step / 1e12, "optimizer_s": opt, "fwd_bwd_s": step - opt,
                      "fwd_bwd_model_tflops": flops / (step - opt) / 1e12,
                      "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else None,
-                     "mem_start_gib": mem_start})
+                     "mem_start_gib": mem_start, "expert_rows_max_over_mean": balance})
         if RANK0:
             print(json.dumps(rows[-1]), flush=True)
     if profile_top:
