@@ -51,16 +51,19 @@ def mismatch_metrics(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask:
                 "mismatch/max_at_train_logp": 0.0, "mismatch/max_at_rollout_logp": 0.0,
                 "mismatch/max_at_position": 0.0, "mismatch/tokens_over_1": 0.0}
     d = (train_logp.double() - rollout_logp.double())[m]
-    at = int(d.abs().argmax())
-    position = (m.cumsum(dim=1) - 1)[m][at]  # the token's index among its row's response tokens
+    # where the largest gap is, found over the whole [B, T-1] grid (masked-out positions at -1): fixed sizes, no host
+    # read until .item() (the device-placement test runs this on fake tensors)
+    grid = torch.where(m, (train_logp.double() - rollout_logp.double()).abs(), -1.0).flatten()
+    at = grid.argmax().view(1)
+    position = (m.cumsum(dim=1) - 1).flatten().index_select(0, at)  # its index among its row's response tokens
     return {
         "mismatch/logp_abs_mean": d.abs().mean().item(),
         "mismatch/logp_abs_max": d.abs().max().item(),
         "mismatch/k3_kl": k3(d).mean().item(),
-        "mismatch/max_at_train_logp": train_logp[m][at].item(),
-        "mismatch/max_at_rollout_logp": rollout_logp[m][at].item(),
-        "mismatch/max_at_position": float(position),
-        "mismatch/tokens_over_1": float((d.abs() > 1).sum()),
+        "mismatch/max_at_train_logp": train_logp.flatten().index_select(0, at).double().item(),
+        "mismatch/max_at_rollout_logp": rollout_logp.flatten().index_select(0, at).double().item(),
+        "mismatch/max_at_position": position.double().item(),
+        "mismatch/tokens_over_1": (d.abs() > 1).sum().double().item(),
     }
 
 
