@@ -1,0 +1,211 @@
+"""Census of the host synchronisations of one embedded-engine decode step, counted on the CPU (issue 16).
+
+On the CPU nothing synchronises, so this counts the operations that would on a GPU, each with the innermost frames of
+its Python stack in minite/, megatron_patches/, kernels/ and megatron/core:
+- host reads of a tensor's value: `_local_scalar_dense` (item, bool, int, float), `tolist`, `numpy`, `cpu()`,
+  `.to(<cpu>)` (function level, so a CPU tensor's read, which dispatches nothing, is seen too);
+- ops whose output size depends on the data (nonzero, masked_select, bool-mask indexing / index_put, unique,
+  bincount, histc, repeat_interleave without output_size, equal, is_nonzero);
+- tensors built from host data with an explicit device (torch.tensor(..., device=...)), and `.to(device)` of a
+  tensor: on a GPU a blocking host-to-device copy from pageable memory (a stream synchronisation) when the device is
+  CUDA.
+Which of these synchronise on a GPU depends on where the tensor lives there: sites known not to (CPU-only paths, reads
+of host memory) are marked with the reason (CPU_ONLY), and the header's second number leaves them out. Not seen here:
+waits that exist only in GPU code paths (Megatron's alltoall dispatcher waits for a CUDA event once per MoE layer,
+in the function megatron_patches.cpu replaces on the CPU; torch's sync debug mode does not count event waits either).
+The counts per decode step are the difference of generate calls of 2 and 4 new tokens (prefill excluded), halved; a
+new maximum length costs the strict RoPE table one sincos per generate, which shows as 0.5.
+
+    python tools/bench/sync_census.py [--precisions bf16,nvfp4] [--modes default,strict] [--layers 4] [--setup]
+    TRITON_INTERPRET=1 python tools/bench/sync_census.py --precisions nvfp4 --nvfp4-backend triton   (kernel path)
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+ROOTS = ("/minite/", "/megatron_patches/", "/kernels/", "/megatron/core/")
+SELF = os.path.abspath(__file__)
+
+aten = torch.ops.aten
+DATA_DEPENDENT = {
+    aten.nonzero.default: "nonzero", aten.masked_select.default: "masked_select",
+    aten.unique_dim.default: "unique", aten._unique2.default: "unique", aten._unique.default: "unique",
+    aten.unique_consecutive.default: "unique", aten.bincount.default: "bincount", aten.histc.default: "histc",
+    aten.equal.default: "equal", aten.is_nonzero.default: "is_nonzero",
+    aten._local_scalar_dense.default: "item", aten.item.default: "item", aten.argwhere.default: "nonzero",
+}
+READS = {torch.Tensor.tolist: "tolist", torch.Tensor.item: "item", torch.Tensor.__bool__: "bool",
+         torch.Tensor.__int__: "int", torch.Tensor.__float__: "float", torch.Tensor.__index__: "index",
+         torch.Tensor.numpy: "numpy", torch.Tensor.cpu: "cpu()"}
+FACTORIES = {torch.tensor: "torch.tensor", torch.as_tensor: "torch.as_tensor"}
+
+
+CPU_ONLY = {
+    # innermost frame (prefix) -> why the site does not synchronise on a GPU
+    "megatron_patches/cpu.py:": "CPU patch of the dispatcher's D2H (a GPU: non-blocking copies + 1 event wait/layer)",
+    "core/transformer/moe/moe_utils.py:50": "split sizes already on the host on a GPU (after the event wait)",
+    "core/transformer/moe/router.py:90": "moves a CPU weight to the device: CPU only",
+    "core/models/common/embeddings/rotary_pos_embedding.py:162": "moves a CPU table to the device: CPU only",
+    "megatron_patches/nvfp4_layers.py:2": "host counts for the per-expert loop (CPU); on a GPU only strict BF16 reads "
+                                          "them, once per layer (counted there)",
+    "minite/nvfp4/tensor.py:42": "reference GEMM (the CPU's backend; a GPU runs the Triton kernels)",
+    "minite/nvfp4/quantize.py:128": "NaN/Inf check: CPU only (quantiser_checks_finite)",
+    "minite/nvfp4/device_copy.py:": "a device-side cast of device counts, or a pinned non-blocking H2D copy",
+    "minite/ops/grouped.py:": "host counts for the reference backend only (Triton reads the tensor)",
+    "minite/ops/experts.py:": "host counts for the per-expert loop: CPU only",
+}
+
+
+def cpu_only(site: tuple[str, ...], precision: str = "", mode: str = "", device_counts: bool = False) -> str:
+    if (device_counts and precision == "bf16" and mode == "strict" and site
+            and site[0].startswith("megatron_patches/nvfp4_layers.py:2")):
+        return ""  # GroupedExperts: strict BF16 loops over experts on a GPU too, after one host read of device counts
+    return next((why for k, why in CPU_ONLY.items() if site and site[0].startswith(k)), "")
+
+
+def _site(depth: int = 3) -> tuple[str, ...]:
+    """file:line of the innermost `depth` frames under ROOTS (paths from the package root)."""
+    out, f = [], sys._getframe(2)
+    while f is not None and len(out) < depth:
+        fn = f.f_code.co_filename
+        if fn != SELF and "torch/" not in fn.split("site-packages")[-1][:7]:
+            for r in ROOTS:
+                if r in fn:
+                    out.append(f"{r.strip('/').split('/')[-1]}/{fn.split(r, 1)[1]}:{f.f_lineno}")
+                    break
+        f = f.f_back
+    return tuple(out)
+
+
+class Census(TorchFunctionMode):
+    """Function-level reads and host-data factories."""
+
+    def __init__(self, counts):
+        super().__init__()
+        self.counts = counts
+        self.inside = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        kind = READS.get(func)
+        if func is torch.Tensor.to:
+            dev = kwargs.get("device", next((a for a in args[1:] if isinstance(a, (str, torch.device))), None))
+            if dev is not None:
+                kind = f"to({torch.device(dev).type})"
+        if kind is None and func in FACTORIES and "device" in kwargs and not torch.is_tensor(args[0] if args else None):
+            kind = f"{FACTORIES[func]}(host data, device=)"
+        if kind is None:
+            return func(*args, **kwargs)
+        self.counts[(kind, _site())] += 1
+        self.inside += 1
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.inside -= 1
+
+
+class DispatchCensus(TorchDispatchMode):
+    """Ops with data-dependent output sizes and scalar reads (those not already counted by `Census`)."""
+
+    def __init__(self, counts, fn_mode: Census):
+        super().__init__()
+        self.counts = counts
+        self.fn_mode = fn_mode
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        kind = DATA_DEPENDENT.get(func)
+        if func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default):
+            if any(t is not None and torch.is_tensor(t) and t.dtype in (torch.bool, torch.uint8) for t in args[1]):
+                kind = f"{func.__name__.split('.')[0]}(bool mask)"
+        if func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
+            kind = "repeat_interleave(no output_size)"
+        if func is aten.repeat_interleave.self_Tensor and kwargs.get("output_size") is None:
+            kind = "repeat_interleave(no output_size)"
+        if kind is not None and not self.fn_mode.inside:
+            self.counts[(kind, _site())] += 1
+        return func(*args, **kwargs)
+
+
+def count(fn) -> collections.Counter:
+    counts: collections.Counter = collections.Counter()
+    fmode = Census(counts)
+    with fmode, DispatchCensus(counts, fmode):
+        fn()
+    return counts
+
+
+def engine_for(precision: str, strict: bool, layers: int, backend: str = "auto"):
+    from bench_rollout import TINY, engine_config, parse
+    from minite.megatron_patches.strict import apply_strict
+    from minite.rollout.embedded import EmbeddedEngine, build_embedded
+
+    a = parse(["--tiny", "--layers", str(layers)])
+    engine = build_embedded(engine_config(a, TINY, precision))
+    if engine.nvfp4 is not None:
+        engine.nvfp4.backend = backend
+    if strict:
+        apply_strict(engine.model)
+        engine = EmbeddedEngine(engine.model, strict=True)
+    return engine
+
+
+def census(engine, batch: int, prompt_len: int = 8):
+    """Per-step counts {(kind, site): n} (difference of 4 and 2 new tokens, halved) and the prefill+setup counts of
+    the 2-token call."""
+    from bench_rollout import TINY
+    from minite.rollout import SamplingParams
+
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(1, TINY["vocab_size"], (batch, prompt_len), generator=g).tolist()
+    run = lambda n: engine.generate(prompts, SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=n, seed=0))
+    run(2)  # warm-up (caches of quantised weights, lazy imports)
+    c2, c4 = count(lambda: run(2)), count(lambda: run(4))
+    per_step = {k: (c4[k] - c2.get(k, 0)) / 2 for k in set(c4) | set(c2)}
+    return {k: v for k, v in per_step.items() if v}, c2
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--precisions", default="bf16,nvfp4")
+    p.add_argument("--modes", default="default,strict")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--frames", type=int, default=2, help="stack frames shown per site")
+    p.add_argument("--nvfp4-backend", default="auto",
+                   help="'triton' with TRITON_INTERPRET=1: the kernels' host code, as on a GPU (slow)")
+    p.add_argument("--setup", action="store_true", help="also list the 2-token call's non-step sites")
+    a = p.parse_args(argv)
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    for precision in a.precisions.split(","):
+        for mode in a.modes.split(","):
+            engine = engine_for(precision, mode == "strict", a.layers, a.nvfp4_backend)
+            per_step, c2 = census(engine, a.batch)
+            total = sum(per_step.values())
+            dc = getattr(engine, "local_moe_layers", 0) > 0  # the engine's dispatcher leaves the counts on the device
+            gpu = sum(n for (_, site), n in per_step.items() if not cpu_only(site, precision, mode, dc))
+            print(f"== {precision} {mode}: {total:g} sync candidates per decode step, {gpu:g} of them synchronise on a "
+                  f"GPU ({a.layers} layers, batch {a.batch}, backend {a.nvfp4_backend})")
+            for (kind, site), n in sorted(per_step.items(),
+                                          key=lambda kv: (bool(cpu_only(kv[0][1], precision, mode, dc)), -kv[1], kv[0])):
+                why = cpu_only(site, precision, mode, dc)
+                print(f"  {n:6g}  {kind:34s} {' <- '.join(site[:a.frames])}" + (f"   [not on a GPU: {why}]" if why else ""))
+            if a.setup:
+                print(f"  -- 2-token call, all sites: {sum(c2.values())}")
+                for (kind, site), n in sorted(c2.items(), key=lambda kv: (-kv[1], kv[0])):
+                    print(f"  {n:6g}  {kind:34s} {' <- '.join(site[:a.frames])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
