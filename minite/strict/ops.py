@@ -266,20 +266,48 @@ def topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return vals[..., :k], idx[..., :k]
 
 
-_ROPE_CACHE: list = []  # (freqs copy, sin, cos), newest first
+_ROPE_CACHE: list = []  # (a tensor holding the table's storage, its storage key, version, sin, cos), newest first
+_ROPE_TABLE_MAX_ELEMS = 1 << 23  # larger storages are not cached whole (per-call sincos, as without a cache)
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    st = t.untyped_storage()
+    return st.data_ptr(), st.nbytes(), t.dtype, t.device
+
+
+def _version(t: torch.Tensor):
+    """The version counter (shared by a view and its base), or None for an inference tensor (none is kept)."""
+    return None if t.is_inference() else t._version
 
 
 def _rope_sincos(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """sincos(freqs), memoised over the last few tables: every layer of a forward rotates with the same angles.
-    A hit needs equal values (torch.equal), and sincos is a deterministic function, so the cache cannot change a
-    result, only skip recomputing it (~30 elementwise kernels per call)."""
-    for f, sin, cos in _ROPE_CACHE:
-        if f.shape == freqs.shape and f.device == freqs.device and torch.equal(f, freqs):
-            return sin, cos
-    sin, cos = sincos(freqs)
-    _ROPE_CACHE.insert(0, (freqs.detach().clone(), sin, cos))
+    """sincos(freqs), memoised per RoPE table: Megatron hands every layer (queries and keys) a view of one cached
+    table (RotaryEmbedding's lru_cache), so sin/cos are computed once over the table's whole storage and each call
+    takes the same view of them. sincos is elementwise, so the view of sincos(table) is bitwise sincos(view).
+
+    The key is the storage itself (its address, size, dtype and device; the entry holds a tensor on it, so the
+    address cannot be reused while cached) plus the version counter where torch keeps one. No value comparison:
+    torch.equal was one host synchronisation per call on a GPU (two per layer and decode step). The one assumption:
+    nobody writes into the RoPE table in place under torch.inference_mode (inference tensors keep no version
+    counter; Megatron never writes into it). A storage too large to cache whole, or whose values outside the view
+    fail sincos' range check, is computed per call."""
+    key, ver = _storage_key(freqs), _version(freqs)
+    for holder, k, v, sin, cos in _ROPE_CACHE:
+        if k == key and v == ver:
+            return (sin.as_strided(freqs.shape, freqs.stride(), freqs.storage_offset()),
+                    cos.as_strided(freqs.shape, freqs.stride(), freqs.storage_offset()))
+    n = key[1] // freqs.element_size()
+    if n > _ROPE_TABLE_MAX_ELEMS:
+        return sincos(freqs)
+    whole = freqs.detach().as_strided((n,), (1,), 0)
+    try:
+        sin, cos = sincos(whole)
+    except ValueError:  # the storage holds angles outside the range reduction: check and compute the view alone
+        return sincos(freqs)
+    _ROPE_CACHE.insert(0, (freqs.detach(), key, ver, sin, cos))
     del _ROPE_CACHE[4:]
-    return sin, cos
+    return (sin.as_strided(freqs.shape, freqs.stride(), freqs.storage_offset()),
+            cos.as_strided(freqs.shape, freqs.stride(), freqs.storage_offset()))
 
 
 def rope(t: torch.Tensor, freqs: torch.Tensor, mscale: float = 1.0) -> torch.Tensor:

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from minite.strict import ops as S
 from tests.tolerances import TOLERANCES
@@ -117,3 +118,39 @@ def test_log_is_correctly_rounded_and_log_softmax_is_row_invariant_with_right_gr
     torch.log_softmax(b, -1)[:, 3].sum().backward()
     atol, rtol = TOLERANCES["strict_log_softmax_grad_vs_torch_fp32"]
     assert torch.allclose(a.grad, b.grad, atol=atol, rtol=rtol)
+
+
+class _ScalarReads(TorchDispatchMode):
+    """Ops that read a tensor back to the host on a GPU (a value comparison, a scalar read)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.equal.default, torch.ops.aten._local_scalar_dense.default,
+                    torch.ops.aten.item.default):
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("inference", [False, True])
+def test_strict_rope_cache_reads_nothing_back_and_changes_nothing(inference):
+    """RoPE's sin/cos are computed once per table (Megatron hands every layer slices of one cached [s, 1, 1, d]
+    table) and each slice is bitwise sincos of the slice, with no value comparison (a host read on a GPU); inside
+    torch.inference_mode too (the engine's case: views there keep no base and no version counter)."""
+    with torch.inference_mode(inference):
+        table = (torch.arange(40, dtype=torch.float32) * 0.37).reshape(20, 2)[:, None, None, :]
+        S._ROPE_CACHE.clear()
+        want = S.sincos(table[3:9])
+        S.rope(torch.randn(6, 1, 1, 4), table[3:9])  # first use: sincos of the whole table (one range check)
+        with _ScalarReads() as reads:
+            got = [S._rope_sincos(table[a:b]) for a, b in ((3, 9), (0, 20), (19, 20))]
+        assert reads.ops == [] and len(S._ROPE_CACHE) == 1
+        assert all(torch.equal(x, y) for x, y in zip(got[0], want))
+        for (sin, cos), (a, b) in zip(got[1:], ((0, 20), (19, 20))):
+            ws, wc = S.sincos(table[a:b])
+            assert torch.equal(sin, ws) and torch.equal(cos, wc)
+    if not inference:
+        table.mul_(2)  # an in-place write bumps the version counter: computed again
+        assert torch.equal(S._rope_sincos(table[3:9])[0], S.sincos(table[3:9])[0]) and len(S._ROPE_CACHE) == 2
