@@ -7,6 +7,7 @@ each patch has one idempotent entry point that logs what it patched.
 cpu.py           Megatron-Core on CPU with gloo (apply()), fixes needed on every device (apply_upstream_fixes()),
                  and the CUDA no-ops of the static inference path (cpu_generate_shims())
 nvfp4_layers.py  NVFP4 column/row-parallel linears and grouped experts (BF16 or NVFP4), Megatron module subclasses
+moe_dispatch.py  a MoE token dispatcher for EP = 1 without host synchronisation (the embedded engine's; same bits)
 qwen3_moe.py     the Qwen3-MoE GPTModel spec builder (from minite.models.qwen3_moe's shape), SDPA core attention
 strict.py        strict mode: switch a built model's ops to minite.strict's batch-invariant ops (apply_strict)
 """

@@ -48,6 +48,7 @@ from minite.megatron_patches.cpu import gpu_present
 from minite.nvfp4 import NVFP4Recipe
 from minite.ops import (FiniteFlag, derive_seed, group_size, grouped_linear_bf16, nvfp4_grouped_linear, nvfp4_linear,
                         quantiser_checks_finite, quantize_expert_weights, quantize_weight, swiglu_experts)
+from minite.ops.experts import grouped_mm_applies
 
 
 @dataclass
@@ -257,11 +258,16 @@ class GroupedExperts(MegatronModule):
                                slot=f"fc{salt}", record=record)
 
     def forward(self, permuted_hidden: torch.Tensor, tokens_per_expert, permuted_probs: torch.Tensor):
-        # Megatron's alltoall dispatcher hands tokens_per_expert over on the host (0.16.1: moved at its
-        # cuda_dtoh_point, waited for at its cuda_sync_point, its one synchronisation per MoE layer), so this reads
-        # host memory; the grouped kernels would take device counts, but the dispatcher's synchronisation would stay.
-        counts = [int(c) for c in (tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert)
-                                   else tokens_per_expert)]
+        # Counts go on as given: a tensor reaches the grouped GEMMs, which read it on the device where they can
+        # (torch._grouped_mm in BF16, the NVFP4 Triton kernels, when no backward needs host counts) and on the host
+        # otherwise. Megatron's alltoall dispatcher hands them over on the host (0.16.1: moved at its
+        # cuda_dtoh_point, waited for at its cuda_sync_point); the embedded engine's LocalTokenDispatcher
+        # (megatron_patches.moe_dispatch) leaves them on the device, so a decode step needs no host synchronisation.
+        # (BF16 on the per-expert loops, CPU or strict, reads them on the host: once here, not once per GEMM.)
+        counts = tokens_per_expert
+        if not torch.is_tensor(counts) or (self.nvfp4 is None and (self.strict or not grouped_mm_applies(
+                permuted_hidden, self.fc1_weight))):
+            counts = [int(c) for c in (counts.tolist() if torch.is_tensor(counts) else counts)]
         weights = (self.fc1_weight, self.fc2_weight)
         out = swiglu_experts(permuted_hidden, permuted_probs, lambda a, i: self._linear(a, weights[i], counts, i + 1),
                              strict=self.strict)

@@ -17,6 +17,7 @@ and the engine's prefill + KV-cache decode then give the same log-probs, bit for
 | router: logits, softmax, top-k           | strict linear in fp32, strict softmax, stable top-k (low index wins)  |
 | BF16 experts, SwiGLU                     | strict linear per expert; silu = x / (1 + strict exp(-x))             |
 | MoE combine                              | a token's k expert outputs summed in ascending expert order, fp32     |
+|                                          | (Megatron's alltoall dispatcher, or moe_dispatch.LocalTokenDispatcher)|
 | log-softmax over the vocabulary          | strict_ops.log_softmax: learner (token_logprobs) and the rollout      |
 |                                          | (Megatron's controller, through `controller_log_softmax`)             |
 
@@ -49,6 +50,7 @@ import torch
 from minite.ops import combine_fixed_order
 from minite.strict import ops as S
 
+from .moe_dispatch import LocalTokenDispatcher
 from .nvfp4_layers import GroupedExperts, NVFP4ColumnParallelLinear, NVFP4RowParallelLinear
 
 logger = logging.getLogger(__name__)
@@ -189,8 +191,13 @@ def apply_strict(model: torch.nn.Module) -> dict:
         elif isinstance(module, GroupedExperts):
             module.strict = True
             mark("experts")
-        if isinstance(getattr(module, "token_dispatcher", None), MoEAlltoAllTokenDispatcher):
-            _bind(module.token_dispatcher, "combine_postprocess", _combine_postprocess)
+        dispatcher = getattr(module, "token_dispatcher", None)
+        # LocalTokenDispatcher combines in fixed order by itself (config.minite_strict); Megatron's behind it is
+        # switched too, should restore_upstream_dispatch put it back
+        upstream = dispatcher.upstream if isinstance(dispatcher, LocalTokenDispatcher) else dispatcher
+        if isinstance(upstream, MoEAlltoAllTokenDispatcher):
+            _bind(upstream, "combine_postprocess", _combine_postprocess)
+        if isinstance(upstream, MoEAlltoAllTokenDispatcher) or isinstance(dispatcher, LocalTokenDispatcher):
             mark("moe_combine")
     if not counts.get("rms_norm") or not counts.get("attention"):
         raise ValueError(f"apply_strict found no RMSNorm/attention modules to switch ({counts}): "

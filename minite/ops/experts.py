@@ -41,18 +41,30 @@ def swiglu_experts(x: torch.Tensor, probs: torch.Tensor, fc: GroupedLinear, *, s
     return fc(swiglu(fc(x, 0), probs, strict=strict), 1)
 
 
-def grouped_linear_bf16(x: torch.Tensor, weight: torch.Tensor, counts: list[int], *, strict: bool) -> torch.Tensor:
+def grouped_mm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `grouped_linear_bf16` (not strict) computes with one torch._grouped_mm: bf16 operands on a GPU."""
+    return x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+
+
+def grouped_linear_bf16(x: torch.Tensor, weight: torch.Tensor, counts, *, strict: bool) -> torch.Tensor:
     """Per-expert x_e @ W_e^T for weight [E, N, K] in the input dtype, experts in order.
 
     strict: `minite.strict.ops.linear` per expert (fixed-order sums, batch invariant). Otherwise, on a GPU with bf16
-    operands, one torch._grouped_mm (forward and both backward GEMMs grouped; a per-expert Python loop's
-    weight-gradient selects would zero-fill and add a full [E, N, K] buffer per expert); elsewhere a loop of
-    matmuls (fp32 accumulation inside matmul)."""
+    operands (`grouped_mm_applies`), one torch._grouped_mm (forward and both backward GEMMs grouped; a per-expert
+    Python loop's weight-gradient selects would zero-fill and add a full [E, N, K] buffer per expert); elsewhere a
+    loop of matmuls (fp32 accumulation inside matmul).
+    counts: a host list or a tensor; a tensor on x's device gives _grouped_mm its offsets without a host
+    synchronisation (the per-expert loops read counts on the host)."""
+    if not strict and grouped_mm_applies(x, weight):
+        if torch.is_tensor(counts) and counts.device == x.device:
+            offs = counts.cumsum(0, dtype=torch.int32)
+        else:
+            offs = int32_to(torch.as_tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32), x.device)
+        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offs)
+    if torch.is_tensor(counts):
+        counts = counts.tolist()
     if strict:
         return _per_expert(x, weight, counts, lambda a, w: S.linear(a, w, out_dtype=a.dtype))
-    if x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
-        offs = int32_to(torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32), x.device)
-        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offs)
     return _per_expert(x, weight, counts, lambda a, w: a @ w.t())
 
 

@@ -15,16 +15,30 @@ import torch
 from minite.nvfp4 import (NVFP4Recipe, NVFP4Stack, OperandRecipe, grouped_gemm, quantize_column_segments,
                           quantize_stack, segmented_gemm)
 
+from minite.nvfp4.backend import resolve
+
 from .common import ROLES, derive_seed, pad_groups, padded, quant_flags
 from .linear import wgrad
 
-def _counts(tokens_per_expert, experts: int, rows: int) -> list[int]:
+def _counts(tokens_per_expert, experts: int, rows: int, *, keep_tensor: bool = False):
+    """The counts as a checked host list. keep_tensor (the caller's grouped GEMM reads counts from a tensor, and no
+    backward will need them on the host): a tensor is passed through with its length checked only (checking its
+    values would be a host synchronisation on a GPU)."""
+    if keep_tensor and torch.is_tensor(tokens_per_expert):
+        if tokens_per_expert.dim() != 1 or tokens_per_expert.numel() != experts:
+            raise ValueError(f"tokens_per_expert of shape {tuple(tokens_per_expert.shape)} must have {experts} entries")
+        return tokens_per_expert
     counts = [int(c) for c in (tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert)
                                else tokens_per_expert)]
     if len(counts) != experts or sum(counts) != rows or min(counts, default=0) < 0:
         raise ValueError(f"tokens_per_expert {counts} must have {experts} non-negative entries "
                          f"summing to the {rows} input rows")
     return counts
+
+
+def _kernels_read_counts(x: torch.Tensor, backend: str) -> bool:
+    """Whether the grouped GEMM on `x` runs on the Triton kernels, which take the counts as a (device) tensor."""
+    return resolve(backend, x, op="gemm")[0] == "triton"
 
 
 def quantize_expert_weights(weight: torch.Tensor, recipe: NVFP4Recipe, *, backend: str = "auto") -> NVFP4Stack:
@@ -48,7 +62,7 @@ def nvfp4_grouped_linear_forward(x: torch.Tensor, w_q, tokens_per_expert, recipe
                                  backend: str = "auto", out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Forward only (no autograd): per-expert Q_act(x_e) @ w_q[e]^T; the same math as `nvfp4_grouped_linear`.
     w_q: an NVFP4Stack (`quantize_expert_weights`) or a list of per-expert NVFP4Tensors."""
-    counts = _counts(tokens_per_expert, len(w_q), x.shape[0])
+    counts = _counts(tokens_per_expert, len(w_q), x.shape[0], keep_tensor=_kernels_read_counts(x, backend))
     if x.shape[0] == 0:
         return x.new_zeros(0, w_q[0].shape[0], dtype=out_dtype or x.dtype)
     xq = recipe.activation.quantize(x, backend=backend, **quant_flags(backend, x))
@@ -125,6 +139,8 @@ def nvfp4_grouped_linear(x: torch.Tensor, weight, tokens_per_expert, recipe: NVF
     if weight.dim() != 3 or x.dim() != 2 or x.shape[1] != weight.shape[2]:
         raise ValueError(f"nvfp4_grouped_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not "
                          "match (expects x [T, K] and weight [E, N, K])")
-    counts = _counts(tokens_per_expert, weight.shape[0], x.shape[0])
+    no_backward = not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad)
+    counts = _counts(tokens_per_expert, weight.shape[0], x.shape[0],
+                     keep_tensor=no_backward and _kernels_read_counts(x, backend))
     return _NVFP4GroupedLinear.apply(x, weight, counts, recipe, int(seed), weight_q, backend)
 

@@ -30,6 +30,10 @@ last step, and raises a one-line ValueError if a weight or activation was not fi
 quantisation would hide (an Inf saturates to a finite code, a NaN can round to code 0); a non-finite value that
 reaches the logits stops Megatron's sampler first (torch.multinomial's CUDA kernel asserts on NaN probabilities).
 
+MoE dispatch: with one EP and one TP rank the engine's MoE layers use `megatron_patches.moe_dispatch`'s
+LocalTokenDispatcher instead of Megatron's alltoall dispatcher (three host synchronisations per layer and an E-way
+split/cat on a GPU; the same rows and bits without them); `local_moe_dispatch=False` keeps Megatron's.
+
 Strict mode is the engine's explicit setting (`strict`, from cfg.alignment.strict through build_model): the
 model's ops are switched at build time, and the controller's log-softmax while it generates.
 """
@@ -42,6 +46,7 @@ import torch
 
 from minite.learner.model import build_model, nvfp4_context
 from minite.megatron_patches.cpu import cpu_generate_shims
+from minite.megatron_patches.moe_dispatch import use_local_dispatch
 from minite.megatron_patches.nvfp4_layers import quantize_weights_now
 from minite.megatron_patches.strict import controller_log_softmax
 from minite.rollout.base import (
@@ -67,7 +72,7 @@ class _EngineTokenizer:
 class EmbeddedEngine(RolloutEngine):
     """Megatron-Core static inference over an in-process GPTModel (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, *, pad_id: int = 0, strict: bool = False):
+    def __init__(self, model: torch.nn.Module, *, pad_id: int = 0, strict: bool = False, local_moe_dispatch: bool = True):
         from megatron.core.transformer.module import Float16Module
         from megatron.core.utils import get_model_config, unwrap_model
 
@@ -76,6 +81,8 @@ class EmbeddedEngine(RolloutEngine):
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
+        # MoE layers on one rank dispatch without Megatron's alltoall dispatcher (no host synchronisation; same bits)
+        self.local_moe_layers = use_local_dispatch(self.model) if local_moe_dispatch else 0
         self.config = get_model_config(model)
         self.vocab_size = unwrap_model(model).vocab_size
         self.pad_id = pad_id

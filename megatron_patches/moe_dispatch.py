@@ -1,0 +1,138 @@
+"""A token dispatcher for MoELayer on one rank that holds every expert (EP = 1, TP = 1), without host synchronisation.
+
+What it replaces, and why. Megatron-Core 0.16.1's MoEAlltoAllTokenDispatcher (the one `transformer_config` picks)
+costs three host synchronisations per MoE layer on a GPU even when expert parallelism is 1: the two masked_selects of
+`moe_utils.permute` (tokens and probs; a data-dependent output size each) and the event wait of
+`_maybe_dtoh_and_synchronize` that brings tokens_per_expert to the host (at "before_permutation_2" whenever a rank
+holds more than one expert). Around them it runs host-heavy no-ops: four `_AllToAll` autograd calls (identity with one
+EP rank) and `sort_chunks_by_idxs` twice per layer, a split into E chunks and a cat back in the identity order (for
+128 experts, 128-way splits and cats of tokens, probs and outputs). The allgather dispatcher is no better (a
+tokens_per_expert `.cpu()` and the same masked_selects).
+
+`LocalTokenDispatcher` computes the same rows without any of that:
+    rows     the (expert, token) pairs of the routing map in expert-major order, ascending token inside an expert,
+             found by a cumsum over the flattened transposed map and one scatter (no nonzero); R = tokens * top-k, as
+             Megatron's dropless dispatcher assumes (`num_out_tokens`): every routing map row has k entries (the
+             top-k router's, the strict router's and routing replay's do; this dispatcher does not check it, as a
+             check would be a host read)
+    tokens_per_expert   routing_map.sum(0), left on the device: `GroupedExperts` hands it to grouped GEMMs that read
+             counts on the device (torch._grouped_mm in BF16, the Triton kernels in NVFP4) and reads it on the host
+             only where a GEMM loops over experts in Python (the CPU, strict BF16, autograd)
+    combine  Megatron's unpermute (scatter_add into zeros in the rows' dtype, index_add_ under deterministic
+             algorithms); strict: `combine_fixed_order`, as megatron_patches.strict does for the upstream dispatcher
+Every tensor the experts and the combine see is the one Megatron's dispatcher gives them (same rows, same order, same
+dtypes), so outputs are bitwise those of the upstream path (tests/megatron_patches/test_moe_dispatch.py).
+
+Scope: installed by `use_local_dispatch(model)` on MoE layers whose dispatcher is upstream's alltoall or allgather
+with one EP and one expert-TP rank, no token dropping or padding, no fused permutation, no shared-expert overlap, no
+latent projection and no CUDA graphs; other layers keep their dispatcher. The embedded rollout engine installs it
+(its model is its own; the learner keeps Megatron's dispatcher). Checked against Megatron-Core 0.16.1.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from minite.ops import combine_fixed_order, combine_scatter_add
+
+logger = logging.getLogger(__name__)
+
+
+class LocalTokenDispatcher:
+    """MoELayer's dispatcher interface (six methods) for EP = 1, TP = 1; see the module docstring."""
+
+    def __init__(self, upstream):
+        self.config = upstream.config
+        self.num_local_experts = upstream.num_local_experts
+        self.local_expert_indices = upstream.local_expert_indices
+        self.shared_experts = None
+        self.cudagraph_attrs = []
+        self.valid_cudagraph_attrs = None
+        self.upstream = upstream  # restore_upstream_dispatch puts it back
+
+    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+        self.hidden_shape = hidden_states.shape
+        hidden = hidden_states.view(-1, self.hidden_shape[-1])
+        tokens, experts = routing_map.shape
+        rows = tokens * self.config.moe_router_topk
+        flat = routing_map.T.reshape(-1)                                   # [E * T], expert-major
+        dest = torch.where(flat, torch.cumsum(flat, 0) - 1, rows)          # slot of each True; the rest to a spare
+        pos = torch.zeros(rows + 1, dtype=torch.long, device=flat.device)
+        pos.scatter_(0, dest, torch.arange(flat.numel(), device=flat.device))
+        pos = pos[:rows]                                                   # = masked_select(arange, map.T)
+        self.row_token = pos % tokens
+        self.tokens_per_expert = routing_map.sum(dim=0).long()
+        permuted_probs = probs.T.reshape(-1).index_select(0, pos)          # = probs.T.masked_select(map.T)
+        return hidden.index_select(0, self.row_token), permuted_probs
+
+    def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        return hidden_states, probs
+
+    def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        tokens_per_expert, self.tokens_per_expert = self.tokens_per_expert, None
+        return hidden_states, tokens_per_expert, probs
+
+    def combine_preprocess(self, hidden_states: torch.Tensor):
+        return hidden_states
+
+    def token_combine(self, hidden_states: torch.Tensor, *args, **kwargs):
+        return hidden_states
+
+    def combine_postprocess(self, rows: torch.Tensor):
+        tokens = self.hidden_shape[:-1].numel()
+        if getattr(self.config, "minite_strict", False):
+            out = combine_fixed_order(rows, self.row_token, tokens).to(rows.dtype)
+        elif torch.are_deterministic_algorithms_enabled():  # as upstream's unpermute
+            out = torch.zeros(tokens, rows.shape[1], dtype=rows.dtype, device=rows.device)
+            out.index_add_(0, self.row_token, rows)
+        else:
+            out = combine_scatter_add(rows, self.row_token, tokens)
+        return out.view(self.hidden_shape)
+
+    def set_shared_experts(self, shared_experts):
+        raise ValueError("LocalTokenDispatcher does not overlap shared experts (moe_shared_expert_overlap)")
+
+
+def _eligible(layer) -> bool:
+    from megatron.core.transformer.moe.token_dispatcher import (MoEAllGatherTokenDispatcher,
+                                                                MoEAlltoAllTokenDispatcher)
+
+    d, cfg = layer.token_dispatcher, layer.config
+    return (isinstance(d, (MoEAlltoAllTokenDispatcher, MoEAllGatherTokenDispatcher))
+            and d.ep_size == 1 and d.tp_size == 1 and not getattr(d, "drop_and_pad", False)
+            and cfg.moe_expert_capacity_factor is None and not cfg.moe_router_padding_for_quantization
+            and not cfg.moe_permute_fusion and not cfg.moe_shared_expert_overlap
+            and not getattr(cfg, "moe_latent_size", None) and cfg.cuda_graph_impl == "none")
+
+
+def use_local_dispatch(model: torch.nn.Module) -> int:
+    """Give every eligible MoE layer of `model` a `LocalTokenDispatcher` (idempotent); returns how many layers have
+    one. Layers that are not eligible (module docstring) keep their dispatcher."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    n = switched = 0
+    for m in model.modules():
+        if not isinstance(m, MoELayer):
+            continue
+        if isinstance(m.token_dispatcher, LocalTokenDispatcher):
+            n += 1
+        elif _eligible(m):
+            m.token_dispatcher = LocalTokenDispatcher(m.token_dispatcher)
+            n += 1
+            switched += 1
+    if switched:
+        logger.info("MoE: %d layers dispatch locally (EP = 1: no host synchronisation)", switched)
+    return n
+
+
+def restore_upstream_dispatch(model: torch.nn.Module) -> int:
+    """Put Megatron's dispatchers back where `use_local_dispatch` replaced them; returns how many."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    n = 0
+    for m in model.modules():
+        if isinstance(m, MoELayer) and isinstance(m.token_dispatcher, LocalTokenDispatcher):
+            m.token_dispatcher = m.token_dispatcher.upstream
+            n += 1
+    return n

@@ -1,0 +1,129 @@
+"""megatron_patches.moe_dispatch: the embedded engine's MoE dispatcher for EP = 1 gives Megatron's alltoall
+dispatcher's rows and outputs bit for bit (BF16 and NVFP4, default and strict, experts that receive no token), with no
+data-dependent op and no host read of a tensor; the engine's tokens and log-probs do not change with it; the grouped
+GEMMs take the counts as a tensor."""
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from minite.config import load_config
+
+TINY = ["model.num_layers=2", "model.hidden_size=64", "model.vocab_size=64", "model.num_experts=8",
+        "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32", "model.max_position_embeddings=32", "rl.seed=5"]
+aten = torch.ops.aten
+SYNCING = {aten.nonzero.default, aten.masked_select.default, aten._local_scalar_dense.default, aten.item.default,
+           aten.equal.default, aten.bincount.default, aten.unique_consecutive.default, aten._unique2.default}
+
+
+class _Syncs(TorchDispatchMode):
+    """Ops that synchronise with the host on a GPU (data-dependent sizes, scalar reads)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in SYNCING:
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _model(precision, strict):
+    from minite.learner.model import build_model
+    return build_model(load_config(None, TINY + [f"precision.mode={precision}"]), strict=strict).eval()
+
+
+def _moe_layers(model):
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("strict", [False, True])
+def test_local_dispatch_is_megatrons_bit_for_bit(precision, strict):
+    from minite.megatron_patches.moe_dispatch import (LocalTokenDispatcher, restore_upstream_dispatch,
+                                                      use_local_dispatch)
+    model = _model(precision, strict)
+    layer = _moe_layers(model)[0]
+    g = torch.Generator().manual_seed(0)
+    cases = [torch.randn(7, 3, 64, generator=g), torch.randn(1, 2, 64, generator=g),  # decode-sized: idle experts
+             torch.randn(5, 1, 64, generator=g) * 0 + torch.randn(1, 1, 64, generator=g)]  # every token alike
+    with torch.no_grad():
+        ref = [layer(x.to(torch.bfloat16))[0] for x in cases]
+        assert use_local_dispatch(model) == 2 and use_local_dispatch(model) == 2
+        assert isinstance(layer.token_dispatcher, LocalTokenDispatcher)
+        with _Syncs() as syncs:
+            got = [layer(x.to(torch.bfloat16))[0] for x in cases]
+        assert restore_upstream_dispatch(model) == 2
+        again = [layer(x.to(torch.bfloat16))[0] for x in cases]
+    for r, o, a in zip(ref, got, again):
+        assert o.dtype == r.dtype and torch.equal(o, r) and torch.equal(a, r)
+    # no data-dependent op; on the CPU the NVFP4 quantiser's own NaN check reads a scalar (not on a GPU), and the
+    # per-expert loops read the counts with tolist (no op of its own on the CPU; the GPU's GEMMs take the tensor)
+    assert not [op for op in syncs.ops if "item" not in op and "local_scalar" not in op]
+    assert precision == "nvfp4" or not syncs.ops
+
+
+def test_local_rows_match_megatrons_permutation():
+    """The rows (token per row, router prob per row, tokens per expert) are those of moe_utils.permute."""
+    from megatron.core.transformer.moe.moe_utils import permute
+
+    from minite.megatron_patches.moe_dispatch import LocalTokenDispatcher
+    layer = _moe_layers(_model("bf16", False))[0]
+    local = LocalTokenDispatcher(layer.token_dispatcher)
+    g = torch.Generator().manual_seed(1)
+    for tokens in (1, 5, 33):
+        logits = torch.randn(tokens, 8, generator=g)
+        idx = logits.topk(2, dim=1).indices
+        routing_map = torch.zeros(tokens, 8, dtype=torch.bool).scatter(1, idx, True)
+        probs = torch.zeros(tokens, 8).scatter(1, idx, torch.rand(tokens, 2, generator=g))
+        hidden = torch.randn(tokens, 1, 16, generator=g)
+        with _Syncs() as syncs:
+            rows, row_probs = local.dispatch_preprocess(hidden, routing_map, probs)
+            _, counts, _ = local.dispatch_postprocess(rows, row_probs)
+        assert syncs.ops == []
+        want_rows, want_probs, want_index = permute(hidden.view(tokens, 16), routing_map, probs=probs,
+                                                    num_out_tokens=tokens * 2)
+        assert torch.equal(rows, want_rows) and torch.equal(row_probs, want_probs)
+        assert torch.equal(local.row_token, want_index) and torch.equal(counts, routing_map.sum(0))
+
+
+def test_engine_tokens_and_logprobs_do_not_change():
+    from minite.learner.model import build_model
+    from minite.rollout import SamplingParams
+    from minite.rollout.embedded import EmbeddedEngine
+
+    cfg = load_config(None, TINY + ["precision.mode=nvfp4"])
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10]]
+    params = SamplingParams(max_new_tokens=5, n=2, seed=7)
+    out = []
+    for local in (False, True):
+        engine = EmbeddedEngine(build_model(cfg, strict=False), local_moe_dispatch=local)
+        assert engine.local_moe_layers == (2 if local else 0)
+        out.append([(r.tokens, r.logprobs) for r in engine.generate(prompts, params)])
+    assert out[0] == out[1]
+
+
+def test_grouped_gemms_take_counts_as_a_tensor():
+    """Counts as a tensor: the Triton kernels (interpreter on the CPU) read it as is when no backward needs host
+    counts, with or without grad the result is the host list's; the BF16 per-expert loop reads it on the host."""
+    from minite.nvfp4 import NVFP4Recipe
+    from minite.ops import grouped_linear_bf16, nvfp4_grouped_linear
+    from minite.ops.grouped import _counts
+    counts = [5, 0, 11, 16]
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(32, 64, generator=g), torch.randn(4, 32, 64, generator=g)
+    t = torch.tensor(counts)
+    assert _counts(t, 4, 32, keep_tensor=True) is t and _counts(t, 4, 32) == counts
+    with pytest.raises(ValueError, match="must have 4 entries"):
+        _counts(t[:3], 4, 32, keep_tensor=True)
+    with torch.no_grad():
+        want = nvfp4_grouped_linear(x, w, counts, NVFP4Recipe(), seed=1, backend="triton")
+        assert torch.equal(nvfp4_grouped_linear(x, w, t, NVFP4Recipe(), seed=1, backend="triton"), want)
+    xg = x.clone().requires_grad_()
+    y = nvfp4_grouped_linear(xg, w, t, NVFP4Recipe(), seed=1, backend="triton")
+    y.sum().backward()
+    assert torch.equal(y.detach(), want) and xg.grad is not None
+    xb, wb = x.bfloat16(), w.bfloat16()
+    for strict in (False, True):
+        assert torch.equal(grouped_linear_bf16(xb, wb, t, strict=strict), grouped_linear_bf16(xb, wb, counts, strict=strict))
