@@ -45,17 +45,18 @@ def test_local_dispatch_is_megatrons_bit_for_bit(precision, strict):
                                                       use_local_dispatch)
     model = _model(precision, strict)
     layer = _moe_layers(model)[0]
+    dev = next(model.parameters()).device  # build_model puts the model on the GPU when there is one
     g = torch.Generator().manual_seed(0)
     cases = [torch.randn(7, 3, 64, generator=g), torch.randn(1, 2, 64, generator=g),  # decode-sized: idle experts
              torch.randn(5, 1, 64, generator=g) * 0 + torch.randn(1, 1, 64, generator=g)]  # every token alike
     with torch.no_grad():
-        ref = [layer(x.to(torch.bfloat16))[0] for x in cases]
+        ref = [layer(x.to(dev, torch.bfloat16))[0] for x in cases]
         assert use_local_dispatch(model) == 2 and use_local_dispatch(model) == 2
         assert isinstance(layer.token_dispatcher, LocalTokenDispatcher)
         with _Syncs() as syncs:
-            got = [layer(x.to(torch.bfloat16))[0] for x in cases]
+            got = [layer(x.to(dev, torch.bfloat16))[0] for x in cases]
         assert restore_upstream_dispatch(model) == 2
-        again = [layer(x.to(torch.bfloat16))[0] for x in cases]
+        again = [layer(x.to(dev, torch.bfloat16))[0] for x in cases]
     for r, o, a in zip(ref, got, again):
         assert o.dtype == r.dtype and torch.equal(o, r) and torch.equal(a, r)
     # no data-dependent op; on the CPU the NVFP4 quantiser's own NaN check reads a scalar (not on a GPU), and the
@@ -112,8 +113,9 @@ def test_grouped_gemms_take_counts_as_a_tensor():
     from minite.ops.grouped import _counts
     counts = [5, 0, 11, 16]
     g = torch.Generator().manual_seed(2)
-    x, w = torch.randn(32, 64, generator=g), torch.randn(4, 32, 64, generator=g)
-    t = torch.tensor(counts)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on the CPU, the kernels on a GPU
+    x, w = torch.randn(32, 64, generator=g).to(dev), torch.randn(4, 32, 64, generator=g).to(dev)
+    t = torch.tensor(counts, device=dev)
     assert _counts(t, 4, 32, keep_tensor=True) is t and _counts(t, 4, 32) == counts
     with pytest.raises(ValueError, match="must have 4 entries"):
         _counts(t[:3], 4, 32, keep_tensor=True)
