@@ -46,6 +46,9 @@ stage() {  # name, seconds, command...
   local name=$1 limit=$2; shift 2
   case " $STAGES " in *" $name "*) ;; *) return ;; esac
   local t0=$SECONDS
+  # every process of the stage inherits this tag, also torchrun's workers, which run in sessions of their own and
+  # outlive a timeout of their launcher (still on the GPUs for the next stage's measurement): they are found by it
+  export MINITE_STAGE_TAG="$name-$$-$RANDOM"
   if declare -F "$1" >/dev/null; then  # a function of this script: run it in a child bash that knows it
     export -f "$1" rewards; export OUT LOGS GPU_TESTS GPU_TESTS_K ROLLOUT_ARGS DIST_TESTS TRAIN_STEPS TRAIN1_SETS TRAIN2_SETS SYNC_EP BATCHES SGLANG_BUDGET NPROC BENCH_1GPU BENCH_EP2 SYNC_ARGS SLICE_ARGS SCALE_ARGS
     timeout "$limit" bash -c "$*" >"$LOGS/$name.log" 2>&1
@@ -53,8 +56,17 @@ stage() {  # name, seconds, command...
     timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1
   fi
   local rc=$?
+  kill_leftovers "$MINITE_STAGE_TAG" "$name" >>"$LOGS/$name.log" 2>&1
   SUMMARY+=("$name rc=$rc $((SECONDS - t0))s: $(grep -E 'passed|failed|error|max \|logp|reward|scaling|same|DIFFERENT|sync_over|nvfp4_over|render|engine' "$LOGS/$name.log" | tail -1)")
   echo "== $name rc=$rc $((SECONDS - t0))s"; tail -n 4 "$LOGS/$name.log"
+}
+kill_leftovers() {  # tag, stage: SIGKILL every process still carrying the stage's tag (a timed-out stage's workers)
+  local p n=0
+  for p in /proc/[0-9]*; do
+    [ "${p#/proc/}" = "$$" ] && continue
+    if { tr '\0' '\n' <"$p/environ"; } 2>/dev/null | grep -qx "MINITE_STAGE_TAG=$1"; then kill -KILL "${p#/proc/}" 2>/dev/null && n=$((n + 1)); fi
+  done
+  [ "$n" = 0 ] || echo "== $2: killed $n leftover processes of the stage"
 }
 rewards() {  # metrics.jsonl -> mean reward of the first and last 5 RL steps, max |gap| over all steps
   python3 - "$1" <<'EOF'
