@@ -7,7 +7,8 @@ What it changes in SGLang (0.5.23 only; any other version raises `SGLangVersionE
   parameters with the same (v2) loaders that ModelOpt's FP4 method uses;
 - installs strict.py's dispatchers (idempotent): SGLang code runs unchanged except for a Qwen3-MoE model whose
   config.json says `"minite_strict": true` (written for cfg.alignment.strict), which then computes with the
-  learner's strict ops (strict.py; with or without this quantization method).
+  learner's strict ops (strict.py; with or without this quantization method);
+- under SGLANG_FORCE_FUSED_OP_BACKEND=torch only: Qwen3-MoE's fused RoPE + KV-cache write off (`torch_rope_stores_kv`).
 Why first in QUANTIZATION_METHODS: SGLang asks every method, in table order, whether to override the user's choice
 for a checkpoint; ModelOpt's methods claim every ModelOpt NVFP4 checkpoint. Ours answers first and claims it only
 when the user asked for "minite_nvfp4", so `--quantization minite_nvfp4` loads a ModelOpt export and every other
@@ -42,6 +43,7 @@ Backend: minite.nvfp4's "auto" (Triton on CUDA tensors, the exact reference on C
 from __future__ import annotations
 
 import logging
+import os
 
 from .common import METHOD_NAME, SGLANG_VERSION, check_sglang_version
 
@@ -77,8 +79,29 @@ def register() -> None:
     from . import strict  # imports SGLang: only after the version check
 
     strict.install()
+    torch_rope_stores_kv()
     _REGISTERED = True
     log.info("minite_nvfp4: registered quantization method with sglang %s (linear + fused MoE)", SGLANG_VERSION)
+
+
+def torch_rope_stores_kv() -> bool:
+    """Under SGLANG_FORCE_FUSED_OP_BACKEND=torch (a GPU without sgl_kernel: SGLang's fused ops take their PyTorch
+    bodies) SGLang's Qwen3-MoE still asks its RoPE to write the KV cache as well, on CUDA with a bf16 KV pool
+    (`sglang.srt.models.utils.enable_fused_set_kv_buffer`), and the PyTorch RoPE refuses: `AssertionError:
+    fused_set_kv_buffer_arg is not supported for native implementation` (the second H200 probe, docs/sglang.md).
+    Then the model's module-level name answers False, for both of its uses (the RoPE call and the attention's
+    save_kv_cache), so the attention layer stores K and V itself. Returns whether it switched. Not yet run on the
+    GPU: the next probe shows whether the engine then generates."""
+    if os.environ.get("SGLANG_FORCE_FUSED_OP_BACKEND") != "torch":
+        return False
+    import sglang.srt.models.qwen3_moe as qwen3_moe
+
+    qwen3_moe.enable_fused_set_kv_buffer = _no_fused_kv_write
+    return True
+
+
+def _no_fused_kv_write(forward_batch) -> bool:
+    return False
 
 
 def _config_class():

@@ -1,4 +1,5 @@
-"""The minite_nvfp4 plugin is pinned to one SGLang version and says so when it meets another (no SGLang needed)."""
+"""The minite_nvfp4 plugin is pinned to one SGLang version and says so when it meets another (no SGLang needed);
+under SGLang's PyTorch fused ops it turns Qwen3-MoE's fused RoPE + KV-cache write off (SGLang needed)."""
 from __future__ import annotations
 
 import importlib.metadata
@@ -34,3 +35,19 @@ def test_recipe_round_trips_through_hf_quant_config():
     back = recipe_from_json(quant_config_dict(r, ["lm_head"])["minite"])
     assert back.activation == r.activation
     assert recipe_from_json(None).activation.scale_scope == "row"
+
+
+def test_torch_fused_ops_turn_the_fused_kv_write_off(monkeypatch):
+    """Under SGLANG_FORCE_FUSED_OP_BACKEND=torch Qwen3-MoE's fused RoPE + KV write is off (the PyTorch RoPE cannot
+    write the cache); otherwise SGLang's own choice stays."""
+    pytest.importorskip("sglang")
+    import sglang.srt.models.qwen3_moe as qwen3_moe
+
+    from minite.rollout.sglang.plugin import torch_rope_stores_kv
+
+    monkeypatch.setattr(qwen3_moe, "enable_fused_set_kv_buffer", qwen3_moe.enable_fused_set_kv_buffer)
+    upstream = qwen3_moe.enable_fused_set_kv_buffer
+    monkeypatch.delenv("SGLANG_FORCE_FUSED_OP_BACKEND", raising=False)
+    assert not torch_rope_stores_kv() and qwen3_moe.enable_fused_set_kv_buffer is upstream
+    monkeypatch.setenv("SGLANG_FORCE_FUSED_OP_BACKEND", "torch")
+    assert torch_rope_stores_kv() and qwen3_moe.enable_fused_set_kv_buffer(object()) is False
