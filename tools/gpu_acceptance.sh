@@ -12,6 +12,8 @@
 #             rank) after its 5th step and resumed; tools/compare_runs.py compares metrics and checkpoints bitwise
 #   bench     tools/bench/bench_rl_step.py rows into $OUT/rl-step-h200.json (one GPU and EP=2; BF16/NVFP4, strict)
 #   slice     tools/bench/bench_learner_slice.py on one GPU: one sequence and the RL-sized 8-sequence step
+#   block     tools/bench/bench_nvfp4.py --sections block: the expert-block quantisation kernels and their ratios
+#             (not in the default STAGES)
 #   scale     the same with EP over NPROC GPUs (one sequence per GPU), against the slice stage's one-GPU rows
 #   sync      tools/bench/bench_weight_sync.py: learner -> engine weight sync vs a device copy (EP too with SYNC_EP=1,
 #             EP alone with SYNC_EP=only)
@@ -151,6 +153,10 @@ slice() {  # the learner slice on one GPU: one 4096-token sequence and the RL-si
     --micro-batches 1,8 ${SLICE_ARGS:-} --out "$OUT/learner-slice-h200.json"
 }
 stage slice ${T_SLICE:-200} slice
+block() {  # the expert-block section of the kernel benchmark (quant_dyT_rht_sr, quant_aT_rht and the block ratios)
+  TORCHDYNAMO_DISABLE=1 python3 tools/bench/bench_nvfp4.py --sections block --out "$OUT/kernels-block.json"
+}
+stage block ${T_BLOCK:-90} block
 scale() {  # EP over NPROC GPUs, one sequence per GPU, against the one-GPU rows of the slice stage
   TORCHDYNAMO_DISABLE=1 python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
     tools/bench/bench_learner_slice.py --ep "$NPROC" --layers 4 --seq 4096 --steps 3 --warmup 1 ${SCALE_ARGS:-} \

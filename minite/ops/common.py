@@ -63,8 +63,9 @@ def quant_flags(backend: str, t: torch.Tensor) -> dict:
     return {"values": resolve(backend, t, op="gemm")[0] == "triton", "check_finite": quantiser_checks_finite(t)}
 
 
-def _collective_device(group) -> torch.device:
-    """Where a collective of `group` takes its tensors: the current GPU under NCCL, else the CPU."""
+def collective_device(group=None) -> torch.device:
+    """Where a collective of `group` (default: the world) takes its tensors: the current GPU under NCCL, else the
+    CPU."""
     nccl = torch.distributed.get_backend(group) == "nccl"
     return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
@@ -100,7 +101,7 @@ class FiniteFlag:
                 return
             bad = not math.isfinite(float(self._amax))  # the one host read
         else:
-            flag = (torch.zeros((), dtype=torch.float32, device=_collective_device(group)) if self._amax is None
+            flag = (torch.zeros((), dtype=torch.float32, device=collective_device(group)) if self._amax is None
                     else (~torch.isfinite(self._amax)).float())
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
             bad = bool(flag)  # the one host read

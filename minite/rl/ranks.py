@@ -15,18 +15,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from minite.ops import collective_device
+from minite.rl.checkpoint import rank_and_world
 from minite.rollout.base import RolloutResult
-
-
-def world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def rank0_rollouts(rollouts: list[RolloutResult], routes: list[torch.Tensor] | None
                    ) -> tuple[list[RolloutResult], list[torch.Tensor] | None, int | None]:
     """(rank 0's rollouts, rank 0's routes, rows whose copy differed on some rank) on every rank; a single-rank run
     gets its own back and None (nothing to compare)."""
-    if world() == 1:
+    if rank_and_world()[1] == 1:
         return rollouts, routes, None
     box = [rollouts]
     dist.broadcast_object_list(box, src=0)
@@ -35,16 +33,9 @@ def rank0_rollouts(rollouts: list[RolloutResult], routes: list[torch.Tensor] | N
         raise RuntimeError(f"rank {dist.get_rank()} generated {len(rollouts)} rollouts, rank 0 {len(theirs)}: the ranks "
                            "must run the engine over the same prompts")
     differ = sum(a.tokens != b.tokens for a, b in zip(rollouts, theirs))
-    device = routes[0].device if routes else _collective_device()
-    count = torch.tensor([differ], dtype=torch.int64, device=device)
+    count = torch.tensor([differ], dtype=torch.int64, device=collective_device())
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     for r in routes or []:
         dist.broadcast(r, src=0)
     return theirs, routes, int(count.item())
 
-
-def _collective_device() -> torch.device:
-    """Where a collective's tensor must live: the current GPU under NCCL, the CPU under gloo."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
