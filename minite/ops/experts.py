@@ -77,15 +77,17 @@ def _per_expert(x: torch.Tensor, weight: torch.Tensor, counts: list[int], mm) ->
 
 
 def route(topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: int):
-    """Rows for top-k routing [T, k]: (row_token [R], row_prob [R] fp32, counts [E] list), R = T * k, rows grouped
-    by ascending expert and, inside an expert, by ascending token (Megatron's permute)."""
+    """Rows for top-k routing [T, k]: (row_token [R], row_prob [R] fp32, counts [E] int64 on topk_ids' device),
+    R = T * k, rows grouped by ascending expert and, inside an expert, by ascending token (Megatron's permute).
+    No host synchronisation (a CUDA graph can capture it): the counts stay a device tensor (torch.bincount would read
+    the ids' max back to size its output), which the grouped GEMMs take as is."""
     t, k = topk_ids.shape
     ids = topk_ids.long()
     flat = ids.reshape(-1)                                             # token-major
     perm = torch.sort(flat, stable=True).indices                       # expert-major, token order inside
     row_token = torch.arange(t, device=ids.device).repeat_interleave(k)[perm]
     row_prob = topk_weights.float().reshape(-1)[perm]
-    counts = torch.bincount(flat, minlength=experts).tolist()
+    counts = torch.zeros(experts, dtype=torch.long, device=ids.device).index_add_(0, flat, torch.ones_like(flat))
     return row_token, row_prob, counts
 
 

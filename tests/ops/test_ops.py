@@ -137,3 +137,33 @@ def test_bad_shapes_raise():
         nvfp4_linear(torch.randn(4, 32), torch.randn(16, 48), R)
     with pytest.raises(ValueError, match="sharded"):
         nvfp4_linear(torch.randn(4, 32), torch.randn(16, 32), R, sharded="sideways")
+
+
+def test_route_reads_nothing_back_and_groups_rows_as_megatron():
+    """minite.ops.experts.route (the SGLang plugin's MoE rows): counts stay a device tensor, equal to bincount, with
+    idle experts; rows expert-major and token-ascending inside an expert; no host read (a CUDA graph can capture it)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from minite.ops.experts import route
+
+    class Reads(TorchDispatchMode):
+        ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.bincount.default,
+                        torch.ops.aten.nonzero.default):
+                self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(3)
+    ids = torch.stack([torch.randperm(12, generator=g)[:3] for _ in range(5)])  # 5 tokens, top-3 of 12 experts
+    w = torch.rand(5, 3, generator=g)
+    with Reads() as reads:
+        row_token, row_prob, counts = route(ids, w, 12)
+    assert reads.ops == [] and torch.is_tensor(counts)
+    assert counts.tolist() == torch.bincount(ids.reshape(-1), minlength=12).tolist() and 0 in counts.tolist()
+    experts = ids.reshape(-1)[torch.sort(ids.reshape(-1), stable=True).indices]
+    pairs = list(zip(experts.tolist(), row_token.tolist()))
+    assert pairs == sorted(pairs)  # by expert, then by token
+    assert all(ids[t].tolist().count(e) == 1 for e, t in pairs)
+    assert torch.equal(row_prob, torch.stack([w[t, ids[t].tolist().index(e)] for e, t in pairs]).float())
