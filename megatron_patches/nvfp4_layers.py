@@ -33,6 +33,7 @@ so whoever writes that way calls `ctx.weights_updated()` (the Learner does after
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Optional
@@ -277,21 +278,65 @@ class GroupedExperts(MegatronModule):
         return out, None
 
 
-def quantize_weights_now(model: torch.nn.Module) -> int:
+def quantize_weights_now(model: torch.nn.Module, *, in_place: bool = False) -> int:
     """Quantise every NVFP4 weight of `model` into its module's cache now, as its next forward would lazily: a rollout
     engine calls this after a weight update, so the update pays the re-quantisation (where it is timed as weight
     sync) and the first rollout step does not. Bits are those of the lazy path (the same cache, the same function).
     The weights are not recorded in the NaN/Inf flag: the caller has just checked them (checked_weight_copy).
+    in_place: write the new quantised tensors into the cached ones (same addresses: CUDA graphs captured over the
+    caches replay the new weights); raises RuntimeError where a cache cannot be (none yet, or another layout), as
+    a graph would then replay the old weights.
     Returns the number of weights quantised; 0 for a BF16 model."""
     n = 0
     for module in model.modules():
         if getattr(module, "nvfp4", None) is None:
             continue
         if isinstance(module, GroupedExperts):
-            module._weight_q(module.fc1_weight, 1, record=False)
-            module._weight_q(module.fc2_weight, 2, record=False)
-            n += 2
+            quantise = [(lambda: module._weight_q(module.fc1_weight, 1, record=False), "fc1"),
+                        (lambda: module._weight_q(module.fc2_weight, 2, record=False), "fc2")]
         elif isinstance(module, (NVFP4ColumnParallelLinear, NVFP4RowParallelLinear)) and module.weight is not None:
-            _linear_weight_q(module, module.weight, record=False)
+            quantise = [(lambda: _linear_weight_q(module, module.weight, record=False), "weight")]
+        else:
+            continue
+        for make, slot in quantise:
+            name = f"_nvfp4_wq_cache_{slot}"
+            old = module.__dict__.get(name)
+            new = make()
+            if in_place and (old is None or old[1] is not new):
+                if old is None or not _same_layout(old[1], new):
+                    raise RuntimeError(f"quantize_weights_now(in_place=True): {type(module).__name__}'s {slot} cache "
+                                       "cannot be updated in place (none yet, or another layout)")
+                _copy_into(old[1], new)
+                module.__dict__[name] = (module.__dict__[name][0], old[1])
             n += 1
     return n
+
+
+def _leaves(x):
+    """The tensors and plain values of a cached quantised weight (dataclass fields, sequences), in a fixed order."""
+    if torch.is_tensor(x):
+        return [x]
+    if dataclasses.is_dataclass(x):  # "_" fields are derived caches (NVFP4Tensor._transposed): not the value
+        return [leaf for f in dataclasses.fields(x) if not f.name.startswith("_") for leaf in _leaves(getattr(x, f.name))]
+    if isinstance(x, (list, tuple)):
+        return [leaf for item in x for leaf in _leaves(item)]
+    return [x]
+
+
+def _same_layout(a, b) -> bool:
+    la, lb = _leaves(a), _leaves(b)
+    return len(la) == len(lb) and all(
+        (x.shape, x.dtype, x.device) == (y.shape, y.dtype, y.device) if torch.is_tensor(x) and torch.is_tensor(y)
+        else (not torch.is_tensor(x) and not torch.is_tensor(y) and x == y) for x, y in zip(la, lb))
+
+
+def _copy_into(old, new) -> None:
+    """old's tensors take new's values in place (_same_layout(old, new) holds); its derived caches are dropped."""
+    for x, y in zip(_leaves(old), _leaves(new)):
+        if torch.is_tensor(x) and x.data_ptr() != y.data_ptr():
+            x.copy_(y)
+    for obj in [old, *(old if isinstance(old, (list, tuple)) else [])]:
+        if dataclasses.is_dataclass(obj):
+            for f in dataclasses.fields(obj):
+                if f.name.startswith("_"):
+                    setattr(obj, f.name, None)

@@ -130,6 +130,9 @@ class RolloutConfig:
     max_new_tokens: int = 8
     group_size: int = 8
     """Samples per prompt (the GRPO group)."""
+    cuda_graphs: bool = True
+    """embedded backend on a GPU: replay each decode step as a CUDA graph, captured in the first rollout of a shape
+    (minite/rollout/decode.py); off, or a capture that fails, runs the step eagerly (the same bits)."""
 
     def __post_init__(self):
         if self.temperature <= 0 or not 0 < self.top_p <= 1:

@@ -127,6 +127,8 @@ def diagnose_pair(learner, engine, cfg, params: Optional[DiagnoseParams] = None,
         cap_b = stack.enter_context(Capture(model_b if model_b is not None else torch.nn.Module(),
                                             include=position_aligned))
         rec_b = stack.enter_context(record_routes(engine.model)) if routed else None
+        if hasattr(engine, "observed"):  # hooks see every step (no graph replays) and every prefill position
+            stack.enter_context(engine.observed())
         results = engine.generate(prompts, sampling)
     tokens, lengths, mask, logp_b = _score_layout(results)
     routes_b = rec_b.routes(len(results)) if routed else None

@@ -152,8 +152,10 @@ def engine_recording(engine, enabled: bool) -> Iterator[RouteRecording | None]:
     if model is None or not has_routers(model):
         raise ValueError("alignment.routing_replay needs a rollout engine that exposes its Megatron model "
                          "(rollout.backend: embedded)")
-    with record_routes(model) as rec:
-        yield rec
+    with contextlib.ExitStack() as stack:
+        if hasattr(engine, "observed"):  # the recording hooks must see every step: no graph replays
+            stack.enter_context(engine.observed())
+        yield stack.enter_context(record_routes(model))
 
 
 def learner_replay(learner, routes: list[torch.Tensor] | None, seq_len: int, rows: list[int] | None = None):

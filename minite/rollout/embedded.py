@@ -39,6 +39,8 @@ model's ops are switched at build time, and the controller's log-softmax while i
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 from collections import OrderedDict
 from typing import Iterable
 
@@ -49,6 +51,7 @@ from minite.megatron_patches.cpu import cpu_generate_shims
 from minite.megatron_patches.moe_dispatch import use_local_dispatch
 from minite.megatron_patches.nvfp4_layers import quantize_weights_now
 from minite.megatron_patches.strict import controller_log_softmax
+from minite.rollout.decode import StaticBatchDecoder
 from minite.rollout.base import (
     RolloutEngine,
     RolloutResult,
@@ -57,6 +60,9 @@ from minite.rollout.base import (
     strip_wrapper_prefix,
     truncate_at_stop,
 )
+
+
+logger = logging.getLogger(__name__)
 
 
 class _EngineTokenizer:
@@ -72,7 +78,8 @@ class _EngineTokenizer:
 class EmbeddedEngine(RolloutEngine):
     """Megatron-Core static inference over an in-process GPTModel (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, *, pad_id: int = 0, strict: bool = False, local_moe_dispatch: bool = True):
+    def __init__(self, model: torch.nn.Module, *, pad_id: int = 0, strict: bool = False, local_moe_dispatch: bool = True,
+                 loop: str = "minite", cuda_graphs: bool = False):
         from megatron.core.transformer.module import Float16Module
         from megatron.core.utils import get_model_config, unwrap_model
 
@@ -92,24 +99,40 @@ class EmbeddedEngine(RolloutEngine):
             self.nvfp4.track_finite = True  # this engine reads the flag, once per generate
         self._params = {strip_wrapper_prefix(n): p for n, p in model.named_parameters()}
         self.weight_version = 0
+        if loop not in ("minite", "megatron"):
+            raise ValueError(f"loop must be 'minite' or 'megatron', got {loop!r}")
+        self.loop = loop
+        self.decoder = StaticBatchDecoder(self.model, vocab_size=self.vocab_size, hidden_size=self.config.hidden_size,
+                                          params_dtype=self.config.params_dtype, strict=strict,
+                                          cuda_graphs=cuda_graphs)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[RolloutResult]:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs at least one prompt and no empty prompts")
         flat = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
-        with cpu_generate_shims(), controller_log_softmax(self.strict):
-            controller = self._controller(len(flat), max(len(p) for _, p in flat) + params.max_new_tokens)
-            controller.sampling_rng.manual_seed(params.seed)
-            done = controller.generate_all_output_tokens_static_batch(self._requests(flat, params))
+        if self.loop == "minite":
+            device = next(self.model.parameters()).device
+            rng = torch.Generator(device=device)
+            rng.manual_seed(params.seed)
+            with cpu_generate_shims():
+                out = self.decoder.generate([p for _, p in flat], max_new_tokens=params.max_new_tokens,
+                                            temperature=float(params.temperature), top_p=float(params.top_p),
+                                            generator=rng, pad_id=self.pad_id, device=device)
+            tokens, logprobs = out.tokens, out.logprobs
+        else:
+            with cpu_generate_shims(), controller_log_softmax(self.strict):
+                controller = self._controller(len(flat), max(len(p) for _, p in flat) + params.max_new_tokens)
+                controller.sampling_rng.manual_seed(params.seed)
+                done = controller.generate_all_output_tokens_static_batch(self._requests(flat, params))
+            tokens = [req.generated_tokens.tolist() for req in done.values()]
+            logprobs = [list(req.generated_log_probs) for req in done.values()]
         if self.nvfp4 is not None:
             # the GPU's deferred NaN/Inf check: one host read per call, agreed over the ranks (under EP or TP a rank
             # that alone saw a NaN must not raise while the others wait in the next collective)
             self.nvfp4.finite.check("generate", group=_world_group())
         results = []
-        for (i, prompt), req in zip(flat, done.values()):
-            toks, lps, finished = truncate_at_stop(
-                req.generated_tokens.tolist(), list(req.generated_log_probs), params.stop_token_id
-            )
+        for (i, prompt), gen, lp in zip(flat, tokens, logprobs):
+            toks, lps, finished = truncate_at_stop(gen, lp, params.stop_token_id)
             results.append(RolloutResult(prompt_index=i, prompt=prompt, tokens=toks, logprobs=lps, finished=finished))
         return results
 
@@ -158,11 +181,32 @@ class EmbeddedEngine(RolloutEngine):
             )
         return reqs
 
+    @contextlib.contextmanager
+    def observed(self):
+        """While open, Python forward hooks see every step (op capture, route recording): no CUDA-graph replays, and
+        prefill materialises every prompt position's logits as Megatron's controller does, so captured rows line up
+        with the learner's full-sequence forward. The same tokens and log-probs either way."""
+        d = self.decoder
+        saved = (d.cuda_graphs, d.prefill_all_logits)
+        d.cuda_graphs, d.prefill_all_logits = False, True
+        try:
+            yield self
+        finally:
+            d.cuda_graphs, d.prefill_all_logits = saved
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Checked copy of the learner's tensors, then the NVFP4 re-quantisation of every weight (eager, so a weight
         sync costs what it costs and the next rollout's first step does not pay for it)."""
         checked_weight_copy(self._params, named_tensors)
-        quantize_weights_now(self.model)
+        # in place while decode graphs hold the caches' addresses (they replay whatever is there)
+        if self.decoder.graphs:
+            try:
+                quantize_weights_now(self.model, in_place=True)
+            except RuntimeError as e:  # a cache the graphs cannot see updated: capture them again
+                logger.warning("%s; the rollout's CUDA graphs are captured again", e)
+                self.decoder.reset()
+        else:
+            quantize_weights_now(self.model)
         self.weight_version += 1
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
@@ -178,4 +222,5 @@ def _world_group():
 def build_embedded(cfg, *, pad_id: int = 0) -> EmbeddedEngine:
     """An embedded engine over a fresh `build_model(cfg)` (the learner's layers, its own weights)."""
     strict = bool(cfg.alignment.strict)
-    return EmbeddedEngine(build_model(cfg, strict=strict), pad_id=pad_id, strict=strict)
+    return EmbeddedEngine(build_model(cfg, strict=strict), pad_id=pad_id, strict=strict,
+                          cuda_graphs=bool(cfg.rollout.cuda_graphs))

@@ -40,15 +40,16 @@ def test_cpu_smoke_run_writes_the_fixed_keys(tmp_path):
     out = tmp_path / "rollout.json"
     env = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1", MINITE_COMMIT="abc1234")
     cmd = [sys.executable, str(BENCH), "--tiny", "--batches", "1,3", "--prompt-len", "4", "--new-tokens", "12",
-           "--short-tokens", "2", "--reference-iters", "3", "--out", str(out)]
+           "--short-tokens", "2", "--reference-iters", "3", "--variants", "eager,megatron", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert {"device", "date", "commit", "command", "rows", "reference_rows"} <= set(doc)
     assert doc["device"].startswith("CPU") and doc["commit"] == "abc1234" and "bench_rollout.py" in doc["command"]
     assert doc["errors"] == []
-    assert sorted((r["precision"], r["strict"], r["batch"]) for r in doc["rows"]) == [
-        (p, s, b) for p in ("bf16", "nvfp4") for s in (False, True) for b in (1, 3)]
+    assert sorted((r["precision"], r["strict"], r["variant"], r["batch"]) for r in doc["rows"]) == [
+        (p, s, v, b) for p in ("bf16", "nvfp4") for s in (False, True) for v in ("eager", "megatron") for b in (1, 3)]
+    assert not any(r["cuda_graphs_replayed"] or r["graph_error"] for r in doc["rows"])  # no graphs on the CPU
     for r in doc["rows"]:
         assert ROW_KEYS <= set(r), r
         assert (r["prompt_len"], r["new_tokens"]) == (4, 12)
@@ -57,8 +58,8 @@ def test_cpu_smoke_run_writes_the_fixed_keys(tmp_path):
         step_s = (r["t_long_s"] - r["t_short_s"]) / (r["new_tokens"] - r["short_tokens"])  # the docstring's formula
         assert (r["decode_tokens_per_s"], r["step_ms"]) == (r["batch"] / step_s, step_s * 1e3)
     # counted on a GPU only (torch's CUDA sync debug mode), once per precision and mode, at the first batch
-    assert sorted((r["precision"], r["strict"]) for r in doc["rows"] if "host_syncs_per_step" in r) == [
-        (p, s) for p in ("bf16", "nvfp4") for s in (False, True)]
+    assert sorted((r["precision"], r["strict"], r["variant"]) for r in doc["rows"] if "host_syncs_per_step" in r) == [
+        (p, s, v) for p in ("bf16", "nvfp4") for s in (False, True) for v in ("eager", "megatron")]
     assert all(r["host_syncs_per_step"] is None for r in doc["rows"] if "host_syncs_per_step" in r)
     floors = {(r["precision"], r["batch"]): r["floor_ms"] for r in doc["rows"]}
     assert floors[("nvfp4", 3)] < floors[("bf16", 3)] and floors[("bf16", 1)] < floors[("bf16", 3)]
@@ -67,5 +68,6 @@ def test_cpu_smoke_run_writes_the_fixed_keys(tmp_path):
         assert r["graph"] is False and math.isfinite(r["step_ms"]) and r["step_ms"] > 0
     table = subprocess.run([sys.executable, str(BENCH), "--render", str(out)], capture_output=True, text=True,
                            check=True).stdout.splitlines()
-    assert table[2].startswith("| precision | mode | batch |") and len([t for t in table if t.startswith("| BF16")]) == 4
+    assert table[4].startswith("| precision | mode | loop | batch |")
+    assert len([t for t in table if t.startswith("| BF16")]) == 8 and any("| eager | 3 |" in t for t in table)
     assert any(t.startswith("| 3 | ") for t in table)

@@ -69,6 +69,10 @@ BYTES_PER_WEIGHT = {"bf16": 2.0, "nvfp4": 0.5 + 1 / 256}
 ROW_KEYS = ("precision", "strict", "batch", "prompt_len", "new_tokens", "decode_tokens_per_s", "step_ms", "floor_ms")
 
 
+VARIANTS = {"graphs": {"loop": "minite", "cuda_graphs": True}, "eager": {"loop": "minite", "cuda_graphs": False},
+            "megatron": {"loop": "megatron", "cuda_graphs": False}}
+
+
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="docs/benchmarks/rollout-h200.json")
@@ -80,6 +84,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=40, help="N_long")
     p.add_argument("--short-tokens", type=int, default=8, help="N_short")
+    p.add_argument("--variants", default="graphs",
+                   help="the engine's loop, comma-separated: graphs (miniTE's loop, CUDA-graph decode steps: what "
+                        "ships), eager (miniTE's loop without graphs), megatron (Megatron-Core's controller)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--reference-iters", type=int, default=20)
     p.add_argument("--no-reference", action="store_true", help="skip the plain-PyTorch reference rows")
@@ -91,6 +98,8 @@ def parse(argv=None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.new_tokens <= a.short_tokens or a.short_tokens < 1:
         p.error("--new-tokens must be larger than --short-tokens >= 1")
+    if set(a.variants.split(",")) - set(VARIANTS):
+        p.error(f"--variants takes {', '.join(VARIANTS)}")
     if set(a.modes.split(",")) - {"default", "strict"}:
         p.error("--modes takes default and/or strict")
     return a
@@ -175,6 +184,8 @@ def host_syncs_per_step(engine, a: argparse.Namespace, shape: dict, batch: int) 
     if not torch.cuda.is_available():
         return None
     prompts = torch.randint(1, shape["vocab_size"], (batch, a.prompt_len), generator=torch.Generator().manual_seed(1))
+    for n in (2, 4):  # untimed: a first call at a shape captures its graphs (capture synchronises)
+        _timed_generate(engine, prompts.tolist(), n)
     counts = []
     for n in (2, 4):
         with warnings.catch_warnings(record=True) as caught:
@@ -236,16 +247,19 @@ def run_engines(a: argparse.Namespace, shape: dict, doc: dict, out: Path) -> Non
 
     batches = [int(b) for b in a.batches.split(",")]
     for precision in a.precisions.split(","):
-        engine = build_embedded(engine_config(a, shape, precision))
-        for mode in ("default", "strict"):
+        model = build_embedded(engine_config(a, shape, precision)).model
+        for mode, variant in [(m, v) for m in ("default", "strict") for v in a.variants.split(",")]:
             if mode not in a.modes.split(","):
                 continue
-            if mode == "strict":
-                apply_strict(engine.model)
-                engine = EmbeddedEngine(engine.model, strict=True)
+            if mode == "strict" and not getattr(model, "minite_strict", False) and not getattr(
+                    getattr(model, "module", None), "minite_strict", False):
+                apply_strict(model)
+            engine = EmbeddedEngine(model, strict=mode == "strict", **VARIANTS[variant])
             for i, batch in enumerate(batches):
                 try:
                     row = measure_engine(engine, a, shape, precision, mode == "strict", batch)
+                    row.update(variant=variant, cuda_graphs_replayed=engine.decoder.graphs > 0,
+                               graph_error=engine.decoder.graph_error)
                     if i == 0:  # once per engine: the count does not depend on the batch
                         row["host_syncs_per_step"] = host_syncs_per_step(engine, a, shape, batch)
                         if a.profile:
@@ -253,15 +267,18 @@ def run_engines(a: argparse.Namespace, shape: dict, doc: dict, out: Path) -> Non
                             print_top(lambda: _timed_generate(engine, prompts, a.short_tokens), a.profile,
                                       f"{precision} {mode} batch {batch}, {a.short_tokens} new tokens")
                     doc["rows"].append(row)
-                    print(f"{precision:5s} {mode:7s} batch {batch:4d}: step {_ms(row['step_ms'])} "
+                    print(f"{precision:5s} {mode:7s} {variant:8s} batch {batch:4d}: step {_ms(row['step_ms'])} "
                           f"(floor {_ms(row['floor_ms'])}), {row['decode_tokens_per_s']:,.0f} tokens/s", flush=True)
                 except Exception as e:  # noqa: BLE001  (reported in the JSON; the next rows still run)
                     doc["errors"].append({"precision": precision, "strict": mode == "strict", "batch": batch,
+                                          "variant": variant,
                                           "error": f"{type(e).__name__}: {e}"[:500]})
                     print(f"{precision} {mode} batch {batch}: {doc['errors'][-1]['error']}", flush=True)
                     _free()
                 write(out, doc)
-        del engine
+            del engine
+            _free()
+        del model
         _free()
 
 
@@ -289,11 +306,15 @@ def render(doc: dict) -> str:
            "Each row names the commit it was measured at (rows of several invocations are merged by hand, "
            "`commit` per row). Decode step = (t(N_long) - t(N_short)) / (N_long - N_short); floor = bytes a step "
            f"must read / {doc['hbm_bytes_per_s'] / 1e12:.1f} TB/s.", "",
-           "| precision | mode | batch | prompt | new tokens | decode step | floor | step / floor | decode tokens/s "
-           "| host syncs / step | commit |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "Loop: megatron = Megatron-Core's controller (every row before the own loop), eager = miniTE's loop "
+           "(minite/rollout/decode.py), graphs = miniTE's loop replaying CUDA graphs.", "",
+           "| precision | mode | loop | batch | prompt | new tokens | decode step | floor | step / floor "
+           "| decode tokens/s | host syncs / step | commit |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(doc["rows"], key=lambda r: (r["precision"], r["strict"], r["batch"])):
         syncs = f"{r['host_syncs_per_step']:.1f}" if r.get("host_syncs_per_step") is not None else "-"
-        out.append(f"| {r['precision'].upper()} | {'strict' if r['strict'] else 'default'} | {r['batch']} | "
+        loop = r.get("variant", "megatron")
+        loop += " (none captured)" if loop == "graphs" and not r.get("cuda_graphs_replayed") else ""
+        out.append(f"| {r['precision'].upper()} | {'strict' if r['strict'] else 'default'} | {loop} | {r['batch']} | "
                    f"{r['prompt_len']} | {r['new_tokens']} | {_ms(r['step_ms'])} | {_ms(r['floor_ms'])} | "
                    f"{r['step_ms'] / r['floor_ms']:.1f}x | {r['decode_tokens_per_s']:,.0f} | {syncs} | "
                    f"{r.get('commit', doc['commit'])} |")

@@ -1,0 +1,216 @@
+"""The embedded engine's sampling loop: a static batch over a Megatron GPTModel and its KV cache.
+
+    tokens = prompts, padded to the longest prompt + max_new_tokens
+    prefill positions [0, shortest prompt)                     (one forward, Megatron's StaticInferenceContext)
+    for q in shortest prompt .. last position:
+        logits of position q - 1 -> sample a token for position q (Megatron's sampling arithmetic)
+        a row still inside its prompt keeps its prompt token; log p(token at q) = log_softmax(logits)[token]
+        forward the token at q (one position, the KV cache grows by one)
+    one read-back of the tokens and log-probs
+
+It computes what Megatron-Core 0.16.1's TextGenerationController.generate_all_output_tokens_static_batch computes
+for a static batch without early termination (the same forward calls through the same GPTInferenceWrapper, the same
+sampling ops in the same order on the same generator, the same log-softmax), tested bit for bit against it on the CPU
+(tests/rollout/test_decode.py). What differs is the host side: the controller keeps the prompt lengths in a CUDA
+tensor, so every context position and every "all done?" test is a device-to-host read (17 host synchronisations per
+decode step measured on the H200, docs/benchmarks.md); here positions are Python ints and the only reads are the
+final tokens and log-probs. Prefill materialises the logits of the last prompt position only (the controller
+materialises every prompt position's logits for prompt log-probs, which a rollout does not return).
+
+CUDA graphs (`cuda_graphs=True`, CUDA only): decode step q runs as a graph captured once for (batch, sequence
+length, q) and replayed in every later generate of that shape. Each step's graph differs because Megatron's static
+KV cache addresses positions with Python ints (the K/V write at q - 1, attention over [0, q)); an RL run
+generates the same shape every step, so its first rollout captures and every later one replays. Replays read every
+buffer at its captured address: the KV cache (kept between calls: one StaticInferenceContext per shape), the token
+buffer, the model's weights (updated in place by the engine) and their NVFP4 caches (re-quantised in place when
+graphs exist: `quantize_weights_now(model, in_place=True)`). All graphs share one memory pool; a step's temporaries
+are dead when it ends, and its logits are copied into one buffer allocated outside the pool. Sampling and the
+log-softmax stay eager (a few launches). A capture that fails (a host synchronisation inside the forward, e.g. strict
+BF16's host-side expert counts) turns graphs off for this decoder with one warning naming the error, and the step
+runs eagerly: the bits are the same either way (a graph replays the kernels the eager step launches).
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from minite.strict import ops as S
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Decoded:
+    """Per row of the flat batch: the max_new_tokens response tokens and their log-probs (host lists)."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+
+
+def sample(last_logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator,
+           vocab_size: int) -> torch.Tensor:
+    """One token per row of last_logits [B, V], with Megatron-Core 0.16.1's `_torch_sampling_func` arithmetic for
+    top_k = 0 (the same ops in the same order on the same generator, so the same tokens): temperature, then nucleus
+    filtering with its shifted mask (top_p < 1), softmax, one multinomial draw, clamped into the vocabulary."""
+    logits = last_logits.clone()
+    if temperature != 1.0:
+        logits.div_(temperature)
+    if 0.0 < top_p < 1.0:
+        sorted_logits, sorted_idx = torch.sort(logits, descending=True)
+        drop = sorted_logits.softmax(dim=-1).cumsum(dim=-1) > top_p
+        drop[:, 1:] = drop[:, :-1].clone()
+        drop[..., 0] = 0
+        logits.masked_fill_(drop.scatter(1, sorted_idx, drop), float("-inf"))
+    tokens = torch.multinomial(logits.softmax(dim=-1), num_samples=1, generator=generator).view(-1)
+    return torch.clamp(tokens, min=0, max=vocab_size - 1)
+
+
+class StaticBatchDecoder:
+    """The loop of the module docstring over `model` (a GPTModel, Float16Module-wrapped in BF16)."""
+
+    def __init__(self, model: torch.nn.Module, *, vocab_size: int, hidden_size: int, params_dtype: torch.dtype,
+                 strict: bool = False, cuda_graphs: bool = False):
+        self.model = model
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.params_dtype = params_dtype
+        self.strict = strict
+        self.cuda_graphs = cuda_graphs
+        self.graph_error: str | None = None  # why graphs were turned off, if they were
+        self.prefill_all_logits = False  # materialise every prompt position's logits (op capture lines up rows)
+        self._shapes: OrderedDict[tuple[int, int], _Shape] = OrderedDict()  # newest last
+
+    @property
+    def graphs(self) -> int:
+        """How many decode steps are held as captured graphs (all shapes)."""
+        return sum(len(st.graphs) for st in self._shapes.values())
+
+    def reset(self) -> None:
+        """Drop the kept KV caches, token buffers and graphs (the next generate builds them again)."""
+        self._shapes.clear()
+
+    def _state(self, batch: int, seq_len: int, device) -> "_Shape":
+        from megatron.core.inference.contexts import StaticInferenceContext
+        from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
+        from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import (
+            InferenceWrapperConfig,
+        )
+
+        key = (batch, seq_len)
+        if key in self._shapes:
+            self._shapes.move_to_end(key)
+            return self._shapes[key]
+        while len(self._shapes) >= KEPT_SHAPES:
+            self._shapes.popitem(last=False)
+        iwc = InferenceWrapperConfig(
+            hidden_size=self.hidden_size,
+            params_dtype=self.params_dtype,
+            inference_batch_times_seqlen_threshold=-1,
+            padded_vocab_size=self.vocab_size,
+            inference_max_requests=batch,
+            inference_max_seq_length=seq_len,
+        )
+        wrapper = GPTInferenceWrapper(self.model, iwc, StaticInferenceContext.from_config(iwc))
+        tokens = torch.empty(batch, seq_len, dtype=torch.long, device=device)
+        st = _Shape(wrapper=wrapper, tokens=tokens, inputs=wrapper.prep_inference_input(tokens))
+        self._shapes[key] = st
+        return st
+
+    def _log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
+        return S.log_softmax(logits, -1) if self.strict else F.log_softmax(logits, dim=-1)
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, top_p: float,
+                 generator: torch.Generator, pad_id: int, device) -> Decoded:
+        lengths = [len(p) for p in prompts]
+        batch, shortest, seq_len = len(prompts), min(lengths), max(lengths) + max_new_tokens
+        st = self._state(batch, seq_len, device)
+        wrapper, tokens, inputs = st.wrapper, st.tokens, st.inputs
+        padded = torch.full((batch, seq_len), pad_id, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            padded[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+        tokens.copy_(padded)  # one host-to-device copy
+        lengths_dev = torch.tensor(lengths, dtype=torch.long).to(device)
+        logprobs = torch.empty(batch, seq_len - 1, dtype=torch.float32, device=device)
+
+        wrapper.prep_model_for_inference()  # eval mode, KV offsets to 0 (the cache memory is kept)
+        ctx = wrapper.inference_context
+        for q in range(shortest, seq_len):
+            start = 0 if q == shortest else q - 1
+            ctx.materialize_only_last_token_logits = not (self.prefill_all_logits and start == 0)
+            last = self._step(st, start, q)
+            sampled = sample(last, temperature, top_p, generator, self.vocab_size)
+            started = lengths_dev <= q  # rows whose prompt ended: take the sample; the others keep their prompt
+            tokens[:, q] = torch.where(started, sampled, tokens[:, q])
+            lp = self._log_softmax(last.unsqueeze(1)).to(torch.float32)
+            logprobs[:, q - 1] = torch.gather(lp, 2, tokens[:, q].view(batch, 1, 1)).view(batch)
+            if not ctx.is_decode_only() and all(n <= q for n in lengths):
+                ctx.enable_decode_mode()
+
+        toks, lps = tokens.cpu().tolist(), logprobs.cpu().tolist()  # the one read-back
+        return Decoded(tokens=[toks[i][n: n + max_new_tokens] for i, n in enumerate(lengths)],
+                       logprobs=[lps[i][n - 1: n - 1 + max_new_tokens] for i, n in enumerate(lengths)])
+
+    def _step(self, st: "_Shape", start: int, end: int) -> torch.Tensor:
+        """Forward positions [start, end) and return the logits of position end - 1 [batch, vocab] (fp32)."""
+        decode = end - start == 1 and start > 0
+        if decode and st.warm and self.cuda_graphs and self.graph_error is None and st.tokens.is_cuda:
+            graph = st.graphs.get(end) or self._capture(st, start, end)
+            if graph is not None:
+                graph.replay()
+                st.wrapper.inference_context.increment_sequence_len_offset(end - start)
+                return st.logits
+        window = st.wrapper.get_batch_for_context_window(st.inputs, start, end)
+        logits = st.wrapper.run_one_forward_step(window)[:, -1, :]
+        st.warm = st.warm or decode
+        return logits
+
+    def _capture(self, st: "_Shape", start: int, end: int):
+        """Capture decode step `end` (the KV offset is start); None (and graphs off) if the capture fails."""
+        ctx = st.wrapper.inference_context
+        offset = ctx.sequence_len_offset
+        if st.logits is None:
+            st.logits = torch.empty(st.tokens.shape[0], self.vocab_size, dtype=torch.float32, device=st.tokens.device)
+            st.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        window = st.wrapper.get_batch_for_context_window(st.inputs, start, end)
+        try:
+            with torch.cuda.graph(graph, pool=st.pool):
+                st.logits.copy_(st.wrapper.run_one_forward_step(window)[:, -1, :])
+        except Exception as e:  # noqa: BLE001 - any capture failure: eager from now on, said once
+            self.graph_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            logger.warning("rollout CUDA graphs off, the decode step runs eagerly: capture failed (%s)",
+                           self.graph_error)
+            torch.cuda.synchronize()
+            self.reset_graphs()
+            ctx.sequence_len_offset = offset
+            return None
+        ctx.sequence_len_offset = offset  # the captured forward advanced it; the replay's caller does
+        st.graphs[end] = graph
+        return graph
+
+    def reset_graphs(self) -> None:
+        for st in self._shapes.values():
+            st.graphs.clear()
+
+
+KEPT_SHAPES = 4
+"""Batch shapes whose KV cache and graphs a decoder keeps (an RL run uses one; a benchmark alternates two)."""
+
+
+@dataclass(eq=False)
+class _Shape:
+    """What a decoder keeps per (batch, sequence length): the wrapper and its KV cache, the token buffer and the
+    wrapper's inputs over it (position ids), and the graphs, their pool and their output buffer."""
+
+    wrapper: object
+    tokens: torch.Tensor
+    inputs: dict
+    graphs: dict = field(default_factory=dict)
+    pool: object = None
+    logits: torch.Tensor | None = None
+    warm: bool = False  # an eager decode step ran at this shape (lazy caches and kernels exist)

@@ -1,0 +1,153 @@
+"""minite.rollout.decode: the embedded engine's own sampling loop gives Megatron-Core's controller's tokens and
+log-probs bit for bit (BF16 and NVFP4, default and strict, prompts of different lengths, groups, temperature and
+top-p), reads nothing back from the device until the end, and (on a GPU) replays its CUDA graphs with the same bits as
+the eager steps, across generates and weight updates."""
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from minite.config import load_config
+from minite.rollout import SamplingParams
+from minite.rollout.embedded import build_embedded
+
+TINY = ["model.num_layers=2", "model.hidden_size=64", "model.vocab_size=64", "model.num_experts=8",
+        "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32", "model.max_position_embeddings=64", "rl.seed=5"]
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10, 11, 12]]
+PARAMS = [SamplingParams(max_new_tokens=6, n=2, seed=3),
+          SamplingParams(max_new_tokens=5, seed=4, temperature=0.7, top_p=0.9)]
+aten = torch.ops.aten
+HOST_READS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
+              aten.item.default, aten.equal.default, aten.is_nonzero.default}
+
+
+def _engine(precision, strict, *extra):
+    return build_embedded(load_config(None, TINY + [f"precision.mode={precision}",
+                                                     f"alignment.strict={'true' if strict else 'false'}", *extra]))
+
+
+def _run(engine, params, prompts=PROMPTS):
+    return [(r.tokens, r.logprobs, r.finished) for r in engine.generate(prompts, params)]
+
+
+class _HostReads(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in HOST_READS:
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("strict", [False, True])
+def test_same_bits_as_megatrons_controller(precision, strict):
+    engine = _engine(precision, strict)
+    for params in PARAMS:
+        engine.loop = "minite"
+        ours = _run(engine, params)
+        engine.loop = "megatron"
+        assert ours == _run(engine, params)
+        assert all(len(t) == params.max_new_tokens for t, _, _ in ours)
+    # a different batch shape after the first (the decoder keeps one KV cache per shape)
+    engine.loop = "minite"
+    short = _run(engine, PARAMS[0], [[7, 8]])
+    engine.loop = "megatron"
+    assert short == _run(engine, PARAMS[0], [[7, 8]])
+
+
+def test_stop_token_and_reproducibility():
+    engine = _engine("nvfp4", False)
+    free = _run(engine, PARAMS[0])
+    stop = free[0][0][1]  # the second token of the first response
+    cut = _run(engine, SamplingParams(max_new_tokens=6, n=2, seed=3, stop_token_id=stop))
+    assert cut[0] == (free[0][0][:2], free[0][1][:2], True)
+    assert _run(engine, PARAMS[0]) == free  # the same seed, the same tokens
+    assert _run(engine, SamplingParams(max_new_tokens=6, n=2, seed=4)) != free
+
+
+def test_loop_reads_nothing_back_until_the_end():
+    """BF16 (the NVFP4 quantiser checks its input on the CPU, a read the GPU defers to the end of generate)."""
+    engine = _engine("bf16", False)
+    with _HostReads() as reads:
+        engine.generate(PROMPTS, PARAMS[0])
+    assert reads.ops == []
+    engine.loop = "megatron"
+    with _HostReads() as reads:
+        engine.generate(PROMPTS, PARAMS[0])
+    assert len(reads.ops) > 10  # what the loop replaces: Megatron's controller reads per step
+
+
+def test_bad_loop_name():
+    from minite.learner.model import build_model
+    from minite.rollout.embedded import EmbeddedEngine
+    with pytest.raises(ValueError, match="loop must be"):
+        EmbeddedEngine(build_model(load_config(None, TINY), strict=False), loop="hf")
+
+
+def test_in_place_requantisation_keeps_addresses_and_gives_fresh_bits():
+    from minite.megatron_patches.nvfp4_layers import quantize_weights_now
+    engine = _engine("nvfp4", False)
+    with pytest.raises(RuntimeError, match="cannot be updated in place"):
+        quantize_weights_now(engine.model, in_place=True)  # no cache yet
+    new = [(n, p.detach() * 0.5 + 0.01) for n, p in engine.named_weights()]
+    engine.update_weights(new)  # no graphs: fresh caches
+    fresh = {k: [t.clone() for t in v] for k, v in _caches(engine.model).items()}
+    held = {k: [t.data_ptr() for t in v] for k, v in _caches(engine.model).items()}
+
+    def write(scale):  # the parameters change under the caches (their version counters move)
+        with torch.no_grad():
+            for (_, p), (_, w) in zip(engine.named_weights(), new):
+                p.copy_(w * scale)
+        return quantize_weights_now(engine.model, in_place=True)
+
+    assert write(2.0) == len(held)
+    doubled = _caches(engine.model)
+    assert any(not torch.equal(a, b) for k, v in doubled.items() for a, b in zip(v, fresh[k]))
+    write(1.0)
+    for k, v in _caches(engine.model).items():
+        assert [t.data_ptr() for t in v] == held[k]  # the addresses a graph holds
+        assert all(torch.equal(a, b) for a, b in zip(v, fresh[k]))  # the bits a fresh quantisation gives
+
+
+def _caches(model):
+    from minite.megatron_patches.nvfp4_layers import _leaves
+    return {(id(m), n): [t for t in _leaves(v[1]) if torch.is_tensor(t)]
+            for m in model.modules() for n, v in vars(m).items() if n.startswith("_nvfp4_wq_cache_")}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("strict", [False, True])
+def test_cuda_graphs_replay_the_eager_bits(precision, strict):
+    """Graph replays equal the eager steps bit for bit, in the capturing generate, in later ones, and after weight
+    updates (in-place re-quantisation); where capture fails (strict BF16's host-side counts) the engine says why and
+    runs eagerly."""
+    eager, graphed = _engine(precision, strict, "rollout.cuda_graphs=false"), _engine(precision, strict)
+    graphed.update_weights(eager.named_weights())
+    for params in PARAMS * 2:
+        assert _run(graphed, params) == _run(eager, params)
+    if graphed.decoder.graph_error is None:
+        assert graphed.decoder.graphs > 0
+    new = [(n, p.detach() * 0.9) for n, p in eager.named_weights()]
+    for engine in (eager, graphed):
+        engine.update_weights(new)
+    assert _run(graphed, PARAMS[0]) == _run(eager, PARAMS[0])
+    print(f"{precision} strict={strict}: graphs {graphed.decoder.graphs}, error {graphed.decoder.graph_error}")
+
+
+def test_observed_engine_runs_every_step_eagerly_with_the_same_bits():
+    """Op capture and route recording need every step's Python hooks: observed() turns graphs off and materialises
+    every prefill position's logits for its duration, then restores the settings; tokens and log-probs unchanged."""
+    engine = _engine("nvfp4", False)
+    engine.decoder.cuda_graphs = True
+    plain = _run(engine, PARAMS[0])
+    calls = []
+    hook = engine.model.module.output_layer.register_forward_hook(lambda m, i, o: calls.append(o[0].shape[0]))
+    with engine.observed():
+        assert engine.decoder.cuda_graphs is False and engine.decoder.prefill_all_logits is True
+        assert _run(engine, PARAMS[0]) == plain
+    hook.remove()
+    assert engine.decoder.cuda_graphs is True and engine.decoder.prefill_all_logits is False
+    assert calls[0] == min(len(p) for p in PROMPTS)  # the prefill's logits cover every prompt position
