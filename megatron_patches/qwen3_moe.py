@@ -13,9 +13,11 @@ Architecture (Hugging Face Qwen3MoeForCausalLM) -> Megatron-Core 0.16.1 local-sp
 Precision: "bf16" builds upstream linears; "nvfp4" swaps in NVFP4 linears/experts for every module role the
 recipe does not keep in BF16 (recipe.bf16_modules, bf16_first_layers, bf16_last_layers). Router, embeddings,
 lm_head and the attention math (softmax(QK^T)V) always stay BF16: this builder has no NVFP4 version of them.
-Core attention: upstream's unfused DotProductAttention, except that a whole-sequence causal pass on a GPU (the
-learner's training forward) runs torch's scaled_dot_product_attention (flash backend; the [s, s] score matrix is
-never materialised); decode steps with a KV cache, explicit masks and CPU runs keep upstream's path.
+Core attention: upstream's unfused DotProductAttention, except on a GPU: a whole-sequence causal pass (the learner's
+training forward, the rollout's prefill) and a one-position decode step over the KV cache (Megatron passes no mask
+then: the one query sees every cached key) run torch's scaled_dot_product_attention (flash backend; no score matrix
+materialised; and, unlike upstream's path, no fork of Megatron's CUDA RNG tracker for a dropout of 0, which CUDA-graph
+capture refuses). Explicit masks, multi-position steps over a cache and CPU runs keep upstream's path.
 No dropout (RL on-policy forward passes must be deterministic); router aux loss 0 unless asked. With TP > 1 the
 config turns on sequence parallelism (Megatron refuses MoE + TP training without it), so the sequence length must
 be a multiple of TP (the learner pads).
@@ -92,14 +94,16 @@ class RMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
-def sdpa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention over a whole sequence with torch's SDPA: q [s, b, np, hn], k/v [s, b, ng, hn] (GQA groups
-    repeated as upstream does) -> [s, b, np * hn], the layout DotProductAttention returns."""
+def sdpa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                   causal: bool = True) -> torch.Tensor:
+    """Attention with torch's SDPA: q [s, b, np, hn], k/v [s_k, b, ng, hn] (GQA groups repeated as upstream does) ->
+    [s, b, np * hn], the layout DotProductAttention returns. causal: over a whole sequence (s = s_k); else every
+    query sees every key (a decode step's one query)."""
     rep = query.shape[2] // key.shape[2]
     if rep > 1:
         key, value = key.repeat_interleave(rep, dim=2), value.repeat_interleave(rep, dim=2)
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     s, b = query.shape[0], query.shape[1]
     return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
@@ -107,18 +111,25 @@ def sdpa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 class FusedDotProductAttention(DotProductAttention):
     """DotProductAttention that takes torch SDPA for whole-sequence causal passes on a GPU (module docstring)."""
 
-    def _sdpa_ok(self, query, key, attention_mask, attn_mask_type, attention_bias, packed_seq_params) -> bool:
+    def _sdpa_mode(self, query, key, attention_mask, attn_mask_type, attention_bias, packed_seq_params):
+        """"causal" (a whole sequence), "decode" (one query over the KV cache, no mask) or None (upstream's path)."""
         cfg = self.config
-        return (query.is_cuda and attention_mask is None and attention_bias is None and packed_seq_params is None
-                and self.attn_mask_type == AttnMaskType.causal and attn_mask_type in (None, AttnMaskType.causal)
-                and query.shape[0] == key.shape[0] and self.softmax_offset is None
+        if not (query.is_cuda and attention_mask is None and attention_bias is None and packed_seq_params is None
+                and self.attn_mask_type == AttnMaskType.causal and self.softmax_offset is None
                 and not cfg.apply_query_key_layer_scaling and cfg.window_size is None
-                and (self.attention_dropout.p == 0.0 or not self.training))
+                and (self.attention_dropout.p == 0.0 or not self.training)):
+            return None
+        if attn_mask_type in (None, AttnMaskType.causal) and query.shape[0] == key.shape[0]:
+            return "causal"
+        if attn_mask_type == AttnMaskType.no_mask and query.shape[0] == 1 and not self.training:
+            return "decode"
+        return None
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        if self._sdpa_ok(query, key, attention_mask, attn_mask_type, attention_bias, packed_seq_params):
-            return sdpa_attention(query, key, value, self.softmax_scale)
+        mode = self._sdpa_mode(query, key, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
+        if mode is not None:
+            return sdpa_attention(query, key, value, self.softmax_scale, causal=mode == "causal")
         return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
 
 

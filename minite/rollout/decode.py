@@ -82,6 +82,8 @@ class StaticBatchDecoder:
         self.cuda_graphs = cuda_graphs
         self.graph_error: str | None = None  # why graphs were turned off, if they were
         self.prefill_all_logits = False  # materialise every prompt position's logits (op capture lines up rows)
+        self.time_decode = False  # CUDA: time the decode steps with two events per generate (benchmarks)
+        self.last_decode: tuple[float, int] | None = None  # (seconds, steps) of the last generate's decode steps
         self._shapes: OrderedDict[tuple[int, int], _Shape] = OrderedDict()  # newest last
 
     @property
@@ -139,6 +141,9 @@ class StaticBatchDecoder:
 
         wrapper.prep_model_for_inference()  # eval mode, KV offsets to 0 (the cache memory is kept)
         ctx = wrapper.inference_context
+        events = None
+        if self.time_decode and tokens.is_cuda and seq_len - shortest > 1:
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
         for q in range(shortest, seq_len):
             start = 0 if q == shortest else q - 1
             ctx.materialize_only_last_token_logits = not (self.prefill_all_logits and start == 0)
@@ -150,8 +155,14 @@ class StaticBatchDecoder:
             logprobs[:, q - 1] = torch.gather(lp, 2, tokens[:, q].view(batch, 1, 1)).view(batch)
             if not ctx.is_decode_only() and all(n <= q for n in lengths):
                 ctx.enable_decode_mode()
+            if events is not None and q == shortest:
+                events[0].record()  # prefill and its sample done: decode steps from here
+        if events is not None:
+            events[1].record()
 
         toks, lps = tokens.cpu().tolist(), logprobs.cpu().tolist()  # the one read-back
+        if events is not None:  # complete: the read-back waited for the stream
+            self.last_decode = (events[0].elapsed_time(events[1]) / 1e3, seq_len - shortest - 1)
         return Decoded(tokens=[toks[i][n: n + max_new_tokens] for i, n in enumerate(lengths)],
                        logprobs=[lps[i][n - 1: n - 1 + max_new_tokens] for i, n in enumerate(lengths)])
 

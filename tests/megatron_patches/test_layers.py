@@ -203,7 +203,12 @@ def test_sdpa_attention_equals_upstream_dot_product_attention():
     got = sdpa_attention(q, k, v, up.softmax_scale)
     assert got.shape == want.shape == (9, 2, 64)
     torch.testing.assert_close(got, want, atol=TOLERANCES["sdpa_vs_unfused_fp32"][0], rtol=0)
-    assert fused._sdpa_ok(q, k, None, None, None, None) is False  # CPU tensors never take it
+    assert fused._sdpa_mode(q, k, None, None, None, None) is None  # CPU tensors never take it
+    # a decode step: one query over a 9-position KV cache, no mask (Megatron's no_mask past the prompt)
+    want1 = up(q[-1:], k, v, None, attn_mask_type=AttnMaskType.no_mask)
+    got1 = sdpa_attention(q[-1:], k, v, up.softmax_scale, causal=False)
+    torch.testing.assert_close(got1, want1, atol=TOLERANCES["sdpa_vs_unfused_fp32"][0], rtol=0)
+    torch.testing.assert_close(got1, got[-1:], atol=TOLERANCES["sdpa_vs_unfused_fp32"][0], rtol=0)
 
 
 @pytest.mark.gpu

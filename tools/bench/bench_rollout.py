@@ -14,7 +14,14 @@ precision share their weights and one model build.
 Decode isolated: `batch` prompts of `--prompt-len` random tokens, `generate` with `--new-tokens` (N_long) and with
 `--short-tokens` (N_short) new tokens (temperature 1, no stop token); both pay the same prefill, so
     step_ms = (t(N_long) - t(N_short)) / (N_long - N_short),  decode_tokens_per_s = batch / step.
-One untimed generate of N_short tokens first (Triton compiles per shape); --repeats pairs, median.
+One untimed generate of N_long tokens first (Triton compiles per shape; the first rollout of a shape captures its
+CUDA graphs); --repeats pairs, median. miniTE's loop on a GPU also times its decode steps itself (`time_decode`: a
+CUDA event after the prefill's sample, one after the last step): there step_ms is that time of the N_long run over
+its N_long - 1 steps (`step_method` "events"; the difference stays in `step_ms_difference`), because the prefill's
+run-to-run noise (tens of ms for strict prefill at batch 1) exceeded the whole decode time of graph-replayed steps.
+Loops (--variants): `graphs` (what ships), `eager` (miniTE's loop without graphs), `megatron` (Megatron's controller,
+the loop before minite/rollout/decode.py); each row names its `variant`, whether graphs were replayed
+(`cuda_graphs_replayed`) and why a capture failed (`graph_error`).
 
 floor_ms = bytes one decode step must read from HBM / HBM_BYTES_PER_S (`floor_bytes`):
 - experts: per layer the expected number of distinct experts a batch touches, E * (1 - (1 - k/E)^B) for top-k of E
@@ -147,6 +154,13 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _decode_step_s(engine) -> float | None:
+    """Seconds per decode step of the engine's last generate, from CUDA events around its decode steps (miniTE's
+    loop on a GPU), else None."""
+    last = getattr(getattr(engine, "decoder", None), "last_decode", None) if engine.loop == "minite" else None
+    return None if last is None else last[0] / last[1]
+
+
 def _timed_generate(engine, prompts, n: int) -> float:
     from minite.rollout import SamplingParams
 
@@ -165,16 +179,27 @@ def measure_engine(engine, a: argparse.Namespace, shape: dict, precision: str, s
     # untimed: the long generation reaches every context length the timed runs see (a first run at a new length may
     # compile or allocate, which must not land in a timed run)
     _timed_generate(engine, prompts, a.new_tokens)
-    pairs = [(_timed_generate(engine, prompts, a.new_tokens), _timed_generate(engine, prompts, a.short_tokens))
-             for _ in range(a.repeats)]
-    step = statistics.median(tl - ts for tl, ts in pairs) / (a.new_tokens - a.short_tokens)
+    engine.decoder.time_decode = True
+    pairs, events = [], []
+    for _ in range(a.repeats):
+        pairs.append((_timed_generate(engine, prompts, a.new_tokens), None))
+        events.append(_decode_step_s(engine))
+        pairs[-1] = (pairs[-1][0], _timed_generate(engine, prompts, a.short_tokens))
+    engine.decoder.time_decode = False
+    difference = statistics.median(tl - ts for tl, ts in pairs) / (a.new_tokens - a.short_tokens)
+    # miniTE's loop on a GPU: the decode steps' own time (CUDA events after the prefill and after the last step) of
+    # the long runs; else the difference of the long and short runs (noisy where the prefill varies more than the
+    # decode steps add up to: strict prefill at batch 1)
+    timed = all(e is not None for e in events)
+    step = statistics.median(events) if timed else difference
     context = a.prompt_len + (a.short_tokens + a.new_tokens) / 2
     fb = floor_bytes(shape, a.layers, precision, batch, context)
     return {"precision": precision, "strict": strict, "batch": batch, "prompt_len": a.prompt_len,
             "new_tokens": a.new_tokens, "decode_tokens_per_s": batch / step, "step_ms": step * 1e3,
             "floor_ms": fb / HBM_BYTES_PER_S * 1e3, "short_tokens": a.short_tokens, "floor_bytes": fb,
             "experts_touched": experts_touched(shape["num_experts"], shape["moe_router_topk"], batch),
-            "t_long_s": statistics.median(p[0] for p in pairs), "t_short_s": statistics.median(p[1] for p in pairs)}
+            "t_long_s": statistics.median(p[0] for p in pairs), "t_short_s": statistics.median(p[1] for p in pairs),
+            "step_method": "events" if timed else "difference", "step_ms_difference": difference * 1e3}
 
 
 def host_syncs_per_step(engine, a: argparse.Namespace, shape: dict, batch: int) -> float | None:
@@ -304,7 +329,9 @@ def render(doc: dict) -> str:
     """docs/benchmarks.md's table of one results file (numbers are never typed by hand)."""
     out = [f"Device {doc['device']}, last invocation {doc['date']} at commit {doc['commit']}: `{doc['command']}`. "
            "Each row names the commit it was measured at (rows of several invocations are merged by hand, "
-           "`commit` per row). Decode step = (t(N_long) - t(N_short)) / (N_long - N_short); floor = bytes a step "
+           "`commit` per row). Decode step = (t(N_long) - t(N_short)) / (N_long - N_short) (loop megatron, and rows "
+           "before 84dd093), or the CUDA-event time of the N_long run's decode steps over their count (miniTE's "
+           "loop since; the difference's noise, from the prefill, exceeded whole graph-replayed steps); floor = bytes a step "
            f"must read / {doc['hbm_bytes_per_s'] / 1e12:.1f} TB/s.", "",
            "Loop: megatron = Megatron-Core's controller (every row before the own loop), eager = miniTE's loop "
            "(minite/rollout/decode.py), graphs = miniTE's loop replaying CUDA graphs.", "",
