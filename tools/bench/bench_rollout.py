@@ -14,7 +14,7 @@ precision share their weights and one model build.
 Decode isolated: `batch` prompts of `--prompt-len` random tokens, `generate` with `--new-tokens` (N_long) and with
 `--short-tokens` (N_short) new tokens (temperature 1, no stop token); both pay the same prefill, so
     step_ms = (t(N_long) - t(N_short)) / (N_long - N_short),  decode_tokens_per_s = batch / step.
-One untimed generate of N_long tokens first (Triton compiles per shape; the first rollout of a shape captures its
+One untimed generate of N_long and one of N_short tokens first (Triton compiles per shape; the first rollout of a shape captures its
 CUDA graphs); --repeats pairs, median. miniTE's loop on a GPU also times its decode steps itself (`time_decode`: a
 CUDA event after the prefill's sample, one after the last step): there step_ms is that time of the N_long run over
 its N_long - 1 steps (`step_method` "events"; the difference stays in `step_ms_difference`), because the prefill's
@@ -176,9 +176,10 @@ def measure_engine(engine, a: argparse.Namespace, shape: dict, precision: str, s
     """One row: the engine's decode step at `batch` (module docstring)."""
     g = torch.Generator().manual_seed(batch)
     prompts = torch.randint(1, shape["vocab_size"], (batch, a.prompt_len), generator=g).tolist()
-    # untimed: the long generation reaches every context length the timed runs see (a first run at a new length may
-    # compile or allocate, which must not land in a timed run)
+    # untimed: a first run at a shape may compile, allocate or capture CUDA graphs, which must not land in a timed
+    # run (at 84dd093 only the long run was warmed: the first short run captured, inflating t(N_short))
     _timed_generate(engine, prompts, a.new_tokens)
+    _timed_generate(engine, prompts, a.short_tokens)
     engine.decoder.time_decode = True
     pairs, events = [], []
     for _ in range(a.repeats):
@@ -205,14 +206,14 @@ def measure_engine(engine, a: argparse.Namespace, shape: dict, precision: str, s
 def host_syncs_per_step(engine, a: argparse.Namespace, shape: dict, batch: int) -> float | None:
     """Host synchronisations per decode step on a GPU: torch's CUDA sync debug mode warns at every synchronising
     operation (a value read, a copy to pageable host memory, a data-dependent output size); counted over generate
-    calls of 2 and 4 new tokens (untimed). None off the GPU (nothing synchronises there)."""
+    calls of 4 and 8 new tokens (each after an untimed call of its shape). None off the GPU (nothing synchronises there)."""
     if not torch.cuda.is_available():
         return None
     prompts = torch.randint(1, shape["vocab_size"], (batch, a.prompt_len), generator=torch.Generator().manual_seed(1))
-    for n in (2, 4):  # untimed: a first call at a shape captures its graphs (capture synchronises)
+    for n in (4, 8):  # untimed: a first call at a shape captures its graphs (capture synchronises)
         _timed_generate(engine, prompts.tolist(), n)
     counts = []
-    for n in (2, 4):
+    for n in (4, 8):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
@@ -221,7 +222,7 @@ def host_syncs_per_step(engine, a: argparse.Namespace, shape: dict, batch: int) 
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         counts.append(sum("synchronizing" in str(w.message) for w in caught))
-    return (counts[1] - counts[0]) / 2
+    return (counts[1] - counts[0]) / 4
 
 
 def measure_reference(a: argparse.Namespace, shape: dict, batch: int) -> dict:
@@ -289,8 +290,8 @@ def run_engines(a: argparse.Namespace, shape: dict, doc: dict, out: Path) -> Non
                         row["host_syncs_per_step"] = host_syncs_per_step(engine, a, shape, batch)
                         if a.profile:
                             prompts = torch.randint(1, shape["vocab_size"], (batch, a.prompt_len)).tolist()
-                            print_top(lambda: _timed_generate(engine, prompts, a.short_tokens), a.profile,
-                                      f"{precision} {mode} batch {batch}, {a.short_tokens} new tokens")
+                            print_top(lambda: _timed_generate(engine, prompts, a.new_tokens), a.profile,
+                                      f"{precision} {mode} {variant} batch {batch}, {a.new_tokens} new tokens")
                     doc["rows"].append(row)
                     print(f"{precision:5s} {mode:7s} {variant:8s} batch {batch:4d}: step {_ms(row['step_ms'])} "
                           f"(floor {_ms(row['floor_ms'])}), {row['decode_tokens_per_s']:,.0f} tokens/s", flush=True)
