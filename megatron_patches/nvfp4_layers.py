@@ -33,7 +33,6 @@ so whoever writes that way calls `ctx.weights_updated()` (the Learner does after
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Optional
@@ -47,7 +46,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from minite.megatron_patches.cpu import gpu_present
 from minite.nvfp4 import NVFP4Recipe
-from minite.ops import (FiniteFlag, derive_seed, group_size, grouped_linear_bf16, nvfp4_grouped_linear, nvfp4_linear,
+from minite.ops import (FiniteFlag, derive_seed, refill_in_place, group_size, grouped_linear_bf16, nvfp4_grouped_linear, nvfp4_linear,
                         quantiser_checks_finite, quantize_expert_weights, quantize_weight, swiglu_experts)
 from minite.ops.experts import grouped_mm_applies
 
@@ -69,6 +68,10 @@ class NVFP4Context:
     finite: FiniteFlag = field(default_factory=FiniteFlag)
     """Where the quantiser does not check its input (on a GPU: `quantiser_checks_finite`), the modules record here
     whether every tensor they quantise is finite; the engine reads it once per generate (`finite.check`)."""
+    weight_values: bool = True
+    """Quantised weights keep fp16 block values for the kernels (2 B per element; the learner's large-M GEMMs) or
+    only the packed codes (0.56 B; the kernels decode them: the same bits, a quarter of the bytes, for a rollout
+    engine's decode steps, bound by weight bytes). Set before the first forward (or call weights_updated())."""
     track_finite: bool = False
     """Record into `finite` at all: set by the reader (the embedded engine). A model nobody checks (the learner, whose
     loss and grad norm show a NaN anyway) pays no extra read of every quantised tensor."""
@@ -140,7 +143,8 @@ def _linear_weight_q(layer, weight: torch.Tensor, record: bool = True):
     ctx = layer.nvfp4
     group = layer.tp_group if group_size(layer.tp_group) > 1 else None
     return cached_weight_q(layer, weight, lambda: quantize_weight(weight, ctx.recipe, backend=ctx.backend,
-                                                                   amax_group=group), record=record)
+                                                                   amax_group=group, values=ctx.weight_values),
+                           record=record)
 
 
 def _linear(layer, x: torch.Tensor, weight: torch.Tensor, sharded: str) -> torch.Tensor:
@@ -255,7 +259,8 @@ class GroupedExperts(MegatronModule):
 
     def _weight_q(self, weight: torch.Tensor, salt: int, record: bool = True):
         ctx = self.nvfp4
-        return cached_weight_q(self, weight, lambda: quantize_expert_weights(weight, ctx.recipe, backend=ctx.backend),
+        return cached_weight_q(self, weight, lambda: quantize_expert_weights(weight, ctx.recipe, backend=ctx.backend,
+                                                                         values=ctx.weight_values),
                                slot=f"fc{salt}", record=record)
 
     def forward(self, permuted_hidden: torch.Tensor, tokens_per_expert, permuted_probs: torch.Tensor):
@@ -303,40 +308,10 @@ def quantize_weights_now(model: torch.nn.Module, *, in_place: bool = False) -> i
             old = module.__dict__.get(name)
             new = make()
             if in_place and (old is None or old[1] is not new):
-                if old is None or not _same_layout(old[1], new):
+                if old is None or not refill_in_place(old[1], new):
                     raise RuntimeError(f"quantize_weights_now(in_place=True): {type(module).__name__}'s {slot} cache "
                                        "cannot be updated in place (none yet, or another layout)")
-                _copy_into(old[1], new)
                 module.__dict__[name] = (module.__dict__[name][0], old[1])
             n += 1
     return n
 
-
-def _leaves(x):
-    """The tensors and plain values of a cached quantised weight (dataclass fields, sequences), in a fixed order."""
-    if torch.is_tensor(x):
-        return [x]
-    if dataclasses.is_dataclass(x):  # "_" fields are derived caches (NVFP4Tensor._transposed): not the value
-        return [leaf for f in dataclasses.fields(x) if not f.name.startswith("_") for leaf in _leaves(getattr(x, f.name))]
-    if isinstance(x, (list, tuple)):
-        return [leaf for item in x for leaf in _leaves(item)]
-    return [x]
-
-
-def _same_layout(a, b) -> bool:
-    la, lb = _leaves(a), _leaves(b)
-    return len(la) == len(lb) and all(
-        (x.shape, x.dtype, x.device) == (y.shape, y.dtype, y.device) if torch.is_tensor(x) and torch.is_tensor(y)
-        else (not torch.is_tensor(x) and not torch.is_tensor(y) and x == y) for x, y in zip(la, lb))
-
-
-def _copy_into(old, new) -> None:
-    """old's tensors take new's values in place (_same_layout(old, new) holds); its derived caches are dropped."""
-    for x, y in zip(_leaves(old), _leaves(new)):
-        if torch.is_tensor(x) and x.data_ptr() != y.data_ptr():
-            x.copy_(y)
-    for obj in [old, *(old if isinstance(old, (list, tuple)) else [])]:
-        if dataclasses.is_dataclass(obj):
-            for f in dataclasses.fields(obj):
-                if f.name.startswith("_"):
-                    setattr(obj, f.name, None)

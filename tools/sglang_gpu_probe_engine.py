@@ -171,8 +171,12 @@ def tiny_learner_tensors(tmp: Path, seed: int):
 def engine_args(gpu: bool, graphs: bool, deterministic: bool) -> dict:
     if not gpu:  # SGLangEngine's CPU defaults (torch_native attention, no graphs)
         return {"log_level": "warning"}
+    # disable_radix_cache: the third probe's first prefill finished, then SGLang's radix cache (its compiled Rust tree
+    # core, mem_cache.cpython-*.so, built for torch 2.14) refused the int64 KV indices under the device's torch 2.11
+    # ("insert value must be an int64 tensor, got Int"); an RL rollout gains nothing from prefix caching across
+    # weight versions (every update flushes the cache)
     args = {"attention_backend": "triton", "sampling_backend": "pytorch", "mem_fraction_static": 0.3,
-            "max_total_tokens": 8192, "log_level": "warning",
+            "max_total_tokens": 8192, "log_level": "warning", "disable_radix_cache": True,
             "enable_deterministic_inference": deterministic, "disable_cuda_graph": not graphs}
     if graphs:
         args.update(cuda_graph_bs_decode=[1, 2, 4, 8], disable_prefill_cuda_graph=True)

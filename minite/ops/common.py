@@ -18,6 +18,7 @@ quantised inputs were finite in a device-side flag (`FiniteFlag`), which its own
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -113,7 +114,7 @@ class FiniteFlag:
 
 
 def quantize_scoped(x: torch.Tensor, op: OperandRecipe, *, seed: Optional[int], backend: str,
-                     amax_group=None) -> NVFP4Tensor:
+                     amax_group=None, values: bool = True) -> NVFP4Tensor:
     """`op.quantize(x)`, with the global-scale amax taken over `amax_group` (TP) when it has > 1 rank; block values
     kept when the kernels will read them; the NaN/Inf check only off the GPU (see the module docstring)."""
     amax = None
@@ -122,7 +123,9 @@ def quantize_scoped(x: torch.Tensor, op: OperandRecipe, *, seed: Optional[int], 
             raise ValueError("per-row scales with RHT are not supported under tensor parallelism")
         seen = apply_rht(x) if op.rht else x
         amax = group_amax(seen, 1 if op.scale_scope == "row" else None, amax_group)
-    return op.quantize(x, seed=seed, backend=backend, global_amax=amax, **quant_flags(backend, x))
+    flags = quant_flags(backend, x)
+    flags["values"] = flags["values"] and values
+    return op.quantize(x, seed=seed, backend=backend, global_amax=amax, **flags)
 
 
 
@@ -144,3 +147,37 @@ def pad_groups(t: torch.Tensor, counts: list[int], widths: list[int]) -> torch.T
     dest = torch.arange(t.shape[0], device=dev) + shift
     return t.new_zeros(sum(widths), t.shape[1]).index_copy_(0, dest, t)
 
+
+def refill_in_place(old, new) -> bool:
+    """Copy `new`'s tensors into `old`'s (an NVFP4Tensor, NVFP4Stack, or a dataclass / sequence of them) so that
+    whoever holds old's tensors, e.g. a CUDA graph that captured their addresses, sees new's values; old's derived
+    caches ("_" fields, e.g. a cached transpose) are dropped. False, with nothing copied, when the two differ in
+    layout (tensor shapes, dtypes, devices or plain fields). A tensor old shares with new (a view of the same
+    parameter) is left as it is."""
+    la, lb = _leaves(old), _leaves(new)
+    same = len(la) == len(lb) and all(
+        (x.shape, x.dtype, x.device) == (y.shape, y.dtype, y.device) if torch.is_tensor(x) and torch.is_tensor(y)
+        else (not torch.is_tensor(x) and not torch.is_tensor(y) and x == y) for x, y in zip(la, lb))
+    if not same:
+        return False
+    for x, y in zip(la, lb):
+        if torch.is_tensor(x) and x.data_ptr() != y.data_ptr():
+            x.copy_(y)
+    for obj in [old, *(old if isinstance(old, (list, tuple)) else [])]:
+        if dataclasses.is_dataclass(obj):
+            for f in dataclasses.fields(obj):
+                if f.name.startswith("_"):
+                    setattr(obj, f.name, None)
+    return True
+
+
+def _leaves(x) -> list:
+    """The tensors and plain values of a quantised weight (dataclass fields but its "_" caches, sequences), in a
+    fixed order."""
+    if torch.is_tensor(x):
+        return [x]
+    if dataclasses.is_dataclass(x):
+        return [leaf for f in dataclasses.fields(x) if not f.name.startswith("_") for leaf in _leaves(getattr(x, f.name))]
+    if isinstance(x, (list, tuple)):
+        return [leaf for item in x for leaf in _leaves(item)]
+    return [x]

@@ -41,17 +41,21 @@ def _kernels_read_counts(x: torch.Tensor, backend: str) -> bool:
     return resolve(backend, x, op="gemm")[0] == "triton"
 
 
-def quantize_expert_weights(weight: torch.Tensor, recipe: NVFP4Recipe, *, backend: str = "auto") -> NVFP4Stack:
+def quantize_expert_weights(weight: torch.Tensor, recipe: NVFP4Recipe, *, backend: str = "auto",
+                            values: bool = True) -> NVFP4Stack:
     """Expert weights [E, N, K] with the recipe's weight role, each expert its own tensor (16x16 blocks, one global
-    scale per expert): one launch on the kernels; fp16 block values kept when the kernels read them."""
+    scale per expert): one launch on the kernels; fp16 block values kept when the kernels read them, unless
+    values=False (`quantize_weight`)."""
     op = recipe.weight
     if weight.dim() != 3:
         raise ValueError(f"quantize_expert_weights expects [E, N, K], got shape {tuple(weight.shape)}")
     seeds = None
     if op.rounding == "stochastic":  # as quantize(seed=None): drawn from torch's generator
         seeds = [int(torch.randint(0, 2**32, ()).item()) for _ in range(weight.shape[0])]
+    flags = quant_flags(backend, weight)
+    flags["values"] = flags["values"] and values
     return quantize_stack(weight, block=op.block, rounding=op.rounding, seeds=seeds, rht=op.rht, backend=backend,
-                          **quant_flags(backend, weight))
+                          **flags)
 
 
 def _as_stack(w_q) -> NVFP4Stack:

@@ -30,11 +30,13 @@ from minite.nvfp4 import NVFP4Recipe, NVFP4Tensor, gemm
 from .common import ROLES, derive_seed, group_size, pad_groups, padded, quantize_scoped
 
 def quantize_weight(weight: torch.Tensor, recipe: NVFP4Recipe, *, backend: str = "auto",
-                    amax_group=None) -> NVFP4Tensor:
-    """W [N, K] with the recipe's weight role (16x16 blocks, one global scale)."""
+                    amax_group=None, values: bool = True) -> NVFP4Tensor:
+    """W [N, K] with the recipe's weight role (16x16 blocks, one global scale). values=False: no fp16 block values
+    even where the kernels would read them (they read the packed codes then: the same bits, a quarter of the
+    bytes; the rollout engine's choice where decoding is bound by weight bytes)."""
     if weight.dim() != 2:
         raise ValueError(f"quantize_weight expects a 2-D weight [N, K], got shape {tuple(weight.shape)}")
-    return quantize_scoped(weight, recipe.weight, seed=None, backend=backend, amax_group=amax_group)
+    return quantize_scoped(weight, recipe.weight, seed=None, backend=backend, amax_group=amax_group, values=values)
 
 
 def nvfp4_linear_forward(x: torch.Tensor, w_q: NVFP4Tensor, recipe: NVFP4Recipe, *, backend: str = "auto",

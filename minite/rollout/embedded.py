@@ -79,7 +79,7 @@ class EmbeddedEngine(RolloutEngine):
     """Megatron-Core static inference over an in-process GPTModel (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, *, pad_id: int = 0, strict: bool = False, local_moe_dispatch: bool = True,
-                 loop: str = "minite", cuda_graphs: bool = False):
+                 loop: str = "minite", cuda_graphs: bool = False, packed_weights: bool = False):
         from megatron.core.transformer.module import Float16Module
         from megatron.core.utils import get_model_config, unwrap_model
 
@@ -97,6 +97,9 @@ class EmbeddedEngine(RolloutEngine):
         self.nvfp4 = nvfp4_context(unwrap_model(model))
         if self.nvfp4 is not None:
             self.nvfp4.track_finite = True  # this engine reads the flag, once per generate
+            if self.nvfp4.weight_values == packed_weights:  # the GEMMs read packed codes or fp16 block values
+                self.nvfp4.weight_values = not packed_weights
+                self.nvfp4.weights_updated()
         self._params = {strip_wrapper_prefix(n): p for n, p in model.named_parameters()}
         self.weight_version = 0
         if loop not in ("minite", "megatron"):
@@ -223,4 +226,4 @@ def build_embedded(cfg, *, pad_id: int = 0) -> EmbeddedEngine:
     """An embedded engine over a fresh `build_model(cfg)` (the learner's layers, its own weights)."""
     strict = bool(cfg.alignment.strict)
     return EmbeddedEngine(build_model(cfg, strict=strict), pad_id=pad_id, strict=strict,
-                          cuda_graphs=bool(cfg.rollout.cuda_graphs))
+                          cuda_graphs=bool(cfg.rollout.cuda_graphs), packed_weights=bool(cfg.rollout.packed_weights))

@@ -112,7 +112,7 @@ def test_in_place_requantisation_keeps_addresses_and_gives_fresh_bits():
 
 
 def _caches(model):
-    from minite.megatron_patches.nvfp4_layers import _leaves
+    from minite.ops.common import _leaves
     return {(id(m), n): [t for t in _leaves(v[1]) if torch.is_tensor(t)]
             for m in model.modules() for n, v in vars(m).items() if n.startswith("_nvfp4_wq_cache_")}
 
@@ -151,3 +151,18 @@ def test_observed_engine_runs_every_step_eagerly_with_the_same_bits():
     hook.remove()
     assert engine.decoder.cuda_graphs is True and engine.decoder.prefill_all_logits is False
     assert calls[0] == min(len(p) for p in PROMPTS)  # the prefill's logits cover every prompt position
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("strict", [False, True])
+def test_packed_weights_give_the_same_bits(strict):
+    """rollout.packed_weights: the NVFP4 GEMMs read the weights' packed codes instead of fp16 block values (a quarter
+    of the bytes); the decoded operands are the same numbers, so tokens and log-probs are the same bits."""
+    values, packed = _engine("nvfp4", strict), _engine("nvfp4", strict, "rollout.packed_weights=true")
+    packed.update_weights(values.named_weights())
+    for params in PARAMS:
+        assert _run(packed, params) == _run(values, params)
+    held = [v[1] for m in packed.model.modules() for n, v in vars(m).items() if n.startswith("_nvfp4_wq_cache_")]
+    assert held and all(w.values is None for w in held)
+    assert all(v[1].values is not None for m in values.model.modules() for n, v in vars(m).items()
+               if n.startswith("_nvfp4_wq_cache_"))

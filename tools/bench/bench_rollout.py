@@ -77,6 +77,7 @@ ROW_KEYS = ("precision", "strict", "batch", "prompt_len", "new_tokens", "decode_
 
 
 VARIANTS = {"graphs": {"loop": "minite", "cuda_graphs": True}, "eager": {"loop": "minite", "cuda_graphs": False},
+            "packed": {"loop": "minite", "cuda_graphs": True, "packed_weights": True},
             "megatron": {"loop": "megatron", "cuda_graphs": False}}
 
 
@@ -93,7 +94,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--short-tokens", type=int, default=8, help="N_short")
     p.add_argument("--variants", default="graphs",
                    help="the engine's loop, comma-separated: graphs (miniTE's loop, CUDA-graph decode steps: what "
-                        "ships), eager (miniTE's loop without graphs), megatron (Megatron-Core's controller)")
+                        "ships), eager (miniTE's loop without graphs), megatron (Megatron-Core's controller), packed "
+                        "(graphs, the NVFP4 GEMMs reading packed weight codes: rollout.packed_weights)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--reference-iters", type=int, default=20)
     p.add_argument("--no-reference", action="store_true", help="skip the plain-PyTorch reference rows")

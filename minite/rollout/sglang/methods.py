@@ -6,11 +6,19 @@
 - MiniteNVFP4MoEMethod  FusedMoEMethodBase for FusedMoE: ModelOpt-layout expert parameters (w13_*, w2_*),
                         apply() = common.grouped_forward (the learner's grouped op functions).
 Parameters keep the checkpoint layout after loading (process_weights_after_loading repacks nothing), so weight
-updates can reload them any number of times.
+updates can reload them any number of times. process_weights_after_loading (at load, and again after every weight
+update: engine.end_weight_update) prepares each layer's NVFP4 view of them once (`layer.minite_weight`,
+`layer.minite_experts`): codes and scales as views of the parameters, the global scales derived from weight_scale_2
+and the amax, where deciding whether a fused weight's shards share one scale reads the device. apply() only reads
+the prepared view, so it has no host synchronisation and SGLang can capture it in its decode CUDA graphs (the second
+H200 probe's capture failed on that read, made per call); after an update the view is refreshed in place
+(`minite.ops.refill_in_place`: the addresses the graphs captured keep pointing at the new values).
 """
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
+
+import logging
 
 import torch
 
@@ -26,9 +34,23 @@ from sglang.srt.utils import set_weight_attrs
 
 from minite.nvfp4 import NVFP4Recipe
 from minite.nvfp4.modelopt import GROUP, expert_stack, recipe_from_json, weight_tensor
-from minite.ops import nvfp4_linear_forward
+from minite.ops import nvfp4_linear_forward, refill_in_place
 
 from .common import METHOD_NAME, grouped_forward
+
+logger = logging.getLogger(__name__)
+
+
+def _prepare(layer: torch.nn.Module, attr: str, view):
+    """Set layer.<attr> to `view`, in place where one of the same layout exists (module docstring); returns it."""
+    old = getattr(layer, attr, None)
+    if old is not None and refill_in_place(old, view):
+        return old
+    if old is not None:
+        logger.warning("minite_nvfp4: a weight update changed the layout of %s's global scales; CUDA graphs "
+                       "captured before it replay the old ones", type(layer).__name__)
+    setattr(layer, attr, view)
+    return view
 
 
 def _scale_param(shape, weight_loader, fill: Optional[float] = None) -> PerTensorScaleParameter:
@@ -69,10 +91,19 @@ class MiniteNVFP4LinearMethod(LinearMethodBase):
             t = getattr(layer, name)
             if t.dtype != dtype:
                 raise ValueError(f"minite_nvfp4: {name} has dtype {t.dtype}, expected {dtype}")
+        self.prepare(layer)
+
+    @staticmethod
+    def prepare(layer: torch.nn.Module):
+        """The layer's NVFP4 weight view (module docstring), made or refreshed now."""
+        return _prepare(layer, "minite_weight", weight_tensor(layer.weight.data, layer.weight_scale.data,
+                                                              layer.weight_scale_2.data, layer.logical_widths,
+                                                              layer.weight_scale_amax.data))
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        w = weight_tensor(layer.weight.data, layer.weight_scale.data, layer.weight_scale_2.data,
-                          layer.logical_widths, layer.weight_scale_amax.data)
+        w = getattr(layer, "minite_weight", None)
+        if w is None:  # used before process_weights_after_loading (a layer built by hand)
+            w = self.prepare(layer)
         y = nvfp4_linear_forward(x, w, self.config.recipe, backend=self.config.backend)
         return y + bias if bias is not None else y
 
@@ -125,8 +156,11 @@ class MiniteNVFP4MoEMethod(FusedMoEMethodBase):
             raise ValueError("minite_nvfp4: apply_router_weight_on_input is not supported")
         self.moe_runner_config = moe_runner_config
 
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        _prepare(layer, "minite_experts", self.experts(layer))
+
     def experts(self, layer: torch.nn.Module):
-        """(w13, w2): NVFP4Stacks over the loaded parameters (no copy)."""
+        """(w13, w2): NVFP4Stacks over the loaded parameters (no copy of codes or scales), made now."""
         return (expert_stack(layer.w13_weight.data, layer.w13_weight_scale.data, layer.w13_weight_scale_2.data,
                              layer.w13_weight_scale_amax.data),
                 expert_stack(layer.w2_weight.data, layer.w2_weight_scale.data, layer.w2_weight_scale_2.data,
@@ -137,7 +171,10 @@ class MiniteNVFP4MoEMethod(FusedMoEMethodBase):
 
         x = dispatch_output.hidden_states
         topk_weights, topk_ids = dispatch_output.topk_output[0], dispatch_output.topk_output[1]
-        w13, w2 = self.experts(layer)
+        prepared = getattr(layer, "minite_experts", None)
+        if prepared is None:  # used before process_weights_after_loading (a layer built by hand)
+            prepared = _prepare(layer, "minite_experts", self.experts(layer))
+        w13, w2 = prepared
         out = grouped_forward(x, w13, w2, topk_weights, topk_ids, self.config.recipe, backend=self.config.backend)
         scale = getattr(self.moe_runner_config, "routed_scaling_factor", None)
         if scale not in (None, 1.0):
