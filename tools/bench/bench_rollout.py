@@ -332,12 +332,13 @@ def render(doc: dict) -> str:
     """docs/benchmarks.md's table of one results file (numbers are never typed by hand)."""
     out = [f"Device {doc['device']}, last invocation {doc['date']} at commit {doc['commit']}: `{doc['command']}`. "
            "Each row names the commit it was measured at (rows of several invocations are merged by hand, "
-           "`commit` per row). Decode step = (t(N_long) - t(N_short)) / (N_long - N_short) (loop megatron, and rows "
-           "before 84dd093), or the CUDA-event time of the N_long run's decode steps over their count (miniTE's "
-           "loop since; the difference's noise, from the prefill, exceeded whole graph-replayed steps); floor = bytes a step "
+           "`commit` per row). Decode step = (t(N_long) - t(N_short)) / (N_long - N_short) (loop megatron, and every row "
+           "before 8fcedc1), or the CUDA-event time of the N_long run's decode steps over their count (miniTE's "
+           "loop since 8fcedc1: the difference's noise, from the prefill, exceeded whole graph-replayed steps); floor = bytes a step "
            f"must read / {doc['hbm_bytes_per_s'] / 1e12:.1f} TB/s.", "",
            "Loop: megatron = Megatron-Core's controller (every row before the own loop), eager = miniTE's loop "
-           "(minite/rollout/decode.py), graphs = miniTE's loop replaying CUDA graphs.", "",
+           "(minite/rollout/decode.py), graphs = miniTE's loop replaying CUDA graphs (what ships), packed = graphs "
+           "with the NVFP4 GEMMs reading packed weight codes (rollout.packed_weights).", "",
            "| precision | mode | loop | batch | prompt | new tokens | decode step | floor | step / floor "
            "| decode tokens/s | host syncs / step | commit |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(doc["rows"], key=lambda r: (r["precision"], r["strict"], r["batch"])):
