@@ -283,14 +283,19 @@ class GroupedExperts(MegatronModule):
         return out, None
 
 
+class CacheLayoutError(RuntimeError):
+    """A quantised-weight cache could not be updated in place (`quantize_weights_now(in_place=True)`)."""
+
+
 def quantize_weights_now(model: torch.nn.Module, *, in_place: bool = False) -> int:
     """Quantise every NVFP4 weight of `model` into its module's cache now, as its next forward would lazily: a rollout
     engine calls this after a weight update, so the update pays the re-quantisation (where it is timed as weight
     sync) and the first rollout step does not. Bits are those of the lazy path (the same cache, the same function).
     The weights are not recorded in the NaN/Inf flag: the caller has just checked them (checked_weight_copy).
     in_place: write the new quantised tensors into the cached ones (same addresses: CUDA graphs captured over the
-    caches replay the new weights); raises RuntimeError where a cache cannot be (none yet, or another layout), as
-    a graph would then replay the old weights.
+    caches replay the new weights; a cache made inside a generate holds inference tensors, which refill_in_place
+    writes under inference mode); raises CacheLayoutError where a cache cannot be (none yet, or another layout),
+    as a graph would then replay the old weights.
     Returns the number of weights quantised; 0 for a BF16 model."""
     n = 0
     for module in model.modules():
@@ -309,8 +314,8 @@ def quantize_weights_now(model: torch.nn.Module, *, in_place: bool = False) -> i
             new = make()
             if in_place and (old is None or old[1] is not new):
                 if old is None or not refill_in_place(old[1], new):
-                    raise RuntimeError(f"quantize_weights_now(in_place=True): {type(module).__name__}'s {slot} cache "
-                                       "cannot be updated in place (none yet, or another layout)")
+                    raise CacheLayoutError(f"quantize_weights_now(in_place=True): {type(module).__name__}'s {slot} "
+                                           "cache cannot be updated in place (none yet, or another layout)")
                 module.__dict__[name] = (module.__dict__[name][0], old[1])
             n += 1
     return n

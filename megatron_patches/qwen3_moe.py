@@ -109,7 +109,8 @@ def sdpa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
 
 class FusedDotProductAttention(DotProductAttention):
-    """DotProductAttention that takes torch SDPA for whole-sequence causal passes on a GPU (module docstring)."""
+    """DotProductAttention that takes torch SDPA on a GPU for whole-sequence causal passes and one-query decode steps
+    over the KV cache (module docstring)."""
 
     def _sdpa_mode(self, query, key, attention_mask, attn_mask_type, attention_bias, packed_seq_params):
         """"causal" (a whole sequence), "decode" (one query over the KV cache, no mask) or None (upstream's path)."""

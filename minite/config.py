@@ -132,7 +132,8 @@ class RolloutConfig:
     """Samples per prompt (the GRPO group)."""
     cuda_graphs: bool = True
     """embedded backend on a GPU: replay each decode step as a CUDA graph, captured in the first rollout of a shape
-    (minite/rollout/decode.py); off, or a capture that fails, runs the step eagerly (the same bits)."""
+    (minite/rollout/decode.py); off, or a capture that fails, runs the step eagerly (the same bits). With
+    alignment.routing_replay the engine records its routes with Python hooks, so every step runs eagerly then."""
     packed_weights: bool = False
     """embedded backend, NVFP4 on a GPU: the GEMMs read the weights' packed codes (0.56 B per element) instead of fp16
     block values (2 B): the same bits, a quarter of the weight bytes a decode step reads."""

@@ -151,7 +151,8 @@ def pad_groups(t: torch.Tensor, counts: list[int], widths: list[int]) -> torch.T
 def refill_in_place(old, new) -> bool:
     """Copy `new`'s tensors into `old`'s (an NVFP4Tensor, NVFP4Stack, or a dataclass / sequence of them) so that
     whoever holds old's tensors, e.g. a CUDA graph that captured their addresses, sees new's values; old's derived
-    caches ("_" fields, e.g. a cached transpose) are dropped. False, with nothing copied, when the two differ in
+    caches ("_" fields, e.g. a cached transpose) are dropped. The copies run under torch.inference_mode, so old may
+    hold inference tensors (a cache first made inside a generate). False, with nothing copied, when the two differ in
     layout (tensor shapes, dtypes, devices or plain fields). A tensor old shares with new (a view of the same
     parameter) is left as it is."""
     la, lb = _leaves(old), _leaves(new)
@@ -160,9 +161,10 @@ def refill_in_place(old, new) -> bool:
         else (not torch.is_tensor(x) and not torch.is_tensor(y) and x == y) for x, y in zip(la, lb))
     if not same:
         return False
-    for x, y in zip(la, lb):
-        if torch.is_tensor(x) and x.data_ptr() != y.data_ptr():
-            x.copy_(y)
+    with torch.inference_mode():  # old's tensors may be inference tensors (made inside a generate): writable here only
+        for x, y in zip(la, lb):
+            if torch.is_tensor(x) and x.data_ptr() != y.data_ptr():
+                x.copy_(y)
     for obj in [old, *(old if isinstance(old, (list, tuple)) else [])]:
         if dataclasses.is_dataclass(obj):
             for f in dataclasses.fields(obj):

@@ -10,8 +10,11 @@
 
 It computes what Megatron-Core 0.16.1's TextGenerationController.generate_all_output_tokens_static_batch computes
 for a static batch without early termination (the same forward calls through the same GPTInferenceWrapper, the same
-sampling ops in the same order on the same generator, the same log-softmax), tested bit for bit against it on the CPU
-(tests/rollout/test_decode.py). What differs is the host side: the controller keeps the prompt lengths in a CUDA
+sampling ops in the same order on the same generator, the same log-softmax, the same sequence-parallel guard), tested
+bit for bit against it on the CPU (tests/rollout/test_decode.py). One difference can show on a GPU in default mode:
+prefill materialises the logits of the last prompt position only, so the lm_head GEMM has batch rows where the
+controller's had batch x prompt rows, and cuBLAS may pick another kernel for it (strict mode's linears are batch
+invariant; `observed()` in the engine restores the controller's full prefill logits). What differs is the host side: the controller keeps the prompt lengths in a CUDA
 tensor, so every context position and every "all done?" test is a device-to-host read (17 host synchronisations per
 decode step measured on the H200, docs/benchmarks.md); here positions are Python ints and the only reads are the
 final tokens and log-probs. Prefill materialises the logits of the last prompt position only (the controller
@@ -23,7 +26,10 @@ KV cache addresses positions with Python ints (the K/V write at q - 1, attention
 generates the same shape every step, so its first rollout captures and every later one replays. Replays read every
 buffer at its captured address: the KV cache (kept between calls: one StaticInferenceContext per shape), the token
 buffer, the model's weights (updated in place by the engine) and their NVFP4 caches (re-quantised in place when
-graphs exist: `quantize_weights_now(model, in_place=True)`). All graphs share one memory pool; a step's temporaries
+graphs exist: `quantize_weights_now(model, in_place=True)`), and the RoPE tables: Megatron's (RotaryEmbedding's
+lru_cache) and strict mode's sin/cos (`minite.strict.ops._ROPE_CACHE`) are caches that evict, so each shape keeps a
+reference to every RoPE tensor its captures saw (the learner's many sequence lengths would otherwise evict the
+engine's table and free what a graph reads). The graphs of one shape share one memory pool; a step's temporaries
 are dead when it ends, and its logits are copied into one buffer allocated outside the pool. Sampling and the
 log-softmax stay eager (a few launches). A capture that fails (a host synchronisation inside the forward, e.g. strict
 BF16's host-side expert counts) turns graphs off for this decoder with one warning naming the error, and the step
@@ -140,6 +146,7 @@ class StaticBatchDecoder:
         logprobs = torch.empty(batch, seq_len - 1, dtype=torch.float32, device=device)
 
         wrapper.prep_model_for_inference()  # eval mode, KV offsets to 0 (the cache memory is kept)
+        _sequence_parallel_guard(self.model)
         ctx = wrapper.inference_context
         events = None
         if self.time_decode and tokens.is_cuda and seq_len - shortest > 1:
@@ -189,8 +196,12 @@ class StaticBatchDecoder:
             st.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         window = st.wrapper.get_batch_for_context_window(st.inputs, start, end)
+        seen = []  # the RoPE tables the captured forward reads (module docstring)
+        hooks = [m.register_forward_hook(lambda mod, args, out: seen.append(out)) for m in self.model.modules()
+                 if _is_rotary(m)]
         try:
-            with torch.cuda.graph(graph, pool=st.pool):
+            # thread_local: another thread's CUDA calls (NCCL's watchdog under several ranks) do not break the capture
+            with torch.cuda.graph(graph, pool=st.pool, capture_error_mode="thread_local"):
                 st.logits.copy_(st.wrapper.run_one_forward_step(window)[:, -1, :])
         except Exception as e:  # noqa: BLE001 - any capture failure: eager from now on, said once
             self.graph_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -200,7 +211,12 @@ class StaticBatchDecoder:
             self.reset_graphs()
             ctx.sequence_len_offset = offset
             return None
+        finally:
+            for h in hooks:
+                h.remove()
         ctx.sequence_len_offset = offset  # the captured forward advanced it; the replay's caller does
+        for t in [*seen, *S._ROPE_CACHE]:
+            st.keep.setdefault(id(t), t)
         st.graphs[end] = graph
         return graph
 
@@ -225,3 +241,25 @@ class _Shape:
     pool: object = None
     logits: torch.Tensor | None = None
     warm: bool = False  # an eager decode step ran at this shape (lazy caches and kernels exist)
+    keep: dict = field(default_factory=dict)  # RoPE tensors the graphs read, held so no cache eviction frees them
+
+
+def _is_rotary(module) -> bool:
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    return isinstance(module, RotaryEmbedding)
+
+
+def _sequence_parallel_guard(model) -> None:
+    """Megatron's controller's guard, as it runs it before every static generate: with TP > 1 and EP > 1 the
+    non-MoE modules run without sequence parallelism (a decode step has one position to split); sequence
+    parallelism otherwise is refused."""
+    from megatron.core.transformer.moe.moe_layer import BaseMoELayer
+    from megatron.core.transformer.utils import set_model_to_sequence_parallel
+    from megatron.core.utils import get_model_config, unwrap_model
+
+    cfg = get_model_config(unwrap_model(model))
+    tp, ep = cfg.tensor_model_parallel_size, cfg.expert_model_parallel_size
+    if tp > 1 and ep > 1:
+        set_model_to_sequence_parallel(unwrap_model(model), False, exclude_modules=[BaseMoELayer])
+    elif cfg.sequence_parallel:
+        raise NotImplementedError("Sequence parallellism is only supported for static batching with MoE models")

@@ -1,19 +1,20 @@
-"""The `embedded` rollout backend: Megatron-Core's own static-batch inference engine, in-process.
+"""The `embedded` rollout backend: Megatron-Core's model and static KV cache, in-process, sampled by miniTE's loop.
 
-What runs: `megatron.core.inference`'s TextGenerationController (the sampling loop of the legacy
-StaticInferenceEngine) over a GPTInferenceWrapper with a StaticInferenceContext (KV cache), on a
-GPTModel built by `minite.learner.model.build_model(cfg)`, so rollout and learner run the same
-Megatron layers (BF16 or NVFP4). Prefill covers the shortest prompt, then one token per step with
-the KV cache; log-probs are Megatron's log_softmax of the raw logits gathered at the sampled token,
-i.e. temperature 1 (base.py says why). A BF16 model is wrapped in Megatron's Float16Module so the
-logits reach log_softmax in fp32 (exact upcast of the bf16 logits), as in the learner; without it
-Megatron would take log_softmax in bf16 and the mismatch metric would mostly measure that rounding.
+What runs: `minite.rollout.decode.StaticBatchDecoder` (the sampling loop) over Megatron's GPTInferenceWrapper with a
+StaticInferenceContext (KV cache), on a GPTModel built by `minite.learner.model.build_model(cfg)`, so rollout and
+learner run the same Megatron layers (BF16 or NVFP4). Prefill covers the shortest prompt, then one token per step
+with the KV cache; log-probs are the log_softmax of the raw logits gathered at the sampled token, i.e. temperature 1
+(base.py says why). A BF16 model is wrapped in Megatron's Float16Module so the logits reach log_softmax in fp32
+(exact upcast of the bf16 logits), as in the learner; without it log_softmax would run in bf16 and the mismatch
+metric would mostly measure that rounding. On a GPU each decode step is a CUDA graph (`cuda_graphs`,
+cfg.rollout.cuda_graphs); `observed()` runs every step eagerly for Python hooks (op capture, route recording).
 
-Why the controller and not StaticInferenceEngine.generate: the engine's legacy path calls
-torch.random.manual_seed(1234) on every generate (it would reset the RL loop's global RNG and
-break exact resume), adds a scheduler and a tqdm bar per call, and does nothing else for a static
-batch. We call `generate_all_output_tokens_static_batch` directly and seed the controller's own
-sampling generator per call, so the global RNG is never touched.
+The loop (decode.py) computes what Megatron's TextGenerationController computes, bit for bit on the CPU, without
+its host reads; `loop="megatron"` runs the controller itself (benchmarks, and the tests that compare the two). Why
+not StaticInferenceEngine.generate either way: the engine's legacy path calls torch.random.manual_seed(1234) on
+every generate (it would reset the RL loop's global RNG and break exact resume), adds a scheduler and a tqdm bar per
+call, and does nothing else for a static batch. Both loops seed their own sampling generator per call, so the global
+RNG is never touched.
 
 Stopping: we pass no_early_termination and cut each response after its first stop token
 ourselves, so the stop token itself (and its log-prob) is part of the response the learner trains
@@ -35,7 +36,7 @@ LocalTokenDispatcher instead of Megatron's alltoall dispatcher (three host synch
 split/cat on a GPU; the same rows and bits without them); `local_moe_dispatch=False` keeps Megatron's.
 
 Strict mode is the engine's explicit setting (`strict`, from cfg.alignment.strict through build_model): the
-model's ops are switched at build time, and the controller's log-softmax while it generates.
+model's ops are switched at build time, and the loop takes the strict log-softmax.
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ import torch
 from minite.learner.model import build_model, nvfp4_context
 from minite.megatron_patches.cpu import cpu_generate_shims
 from minite.megatron_patches.moe_dispatch import use_local_dispatch
-from minite.megatron_patches.nvfp4_layers import quantize_weights_now
+from minite.megatron_patches.nvfp4_layers import CacheLayoutError, quantize_weights_now
 from minite.megatron_patches.strict import controller_log_softmax
 from minite.rollout.decode import StaticBatchDecoder
 from minite.rollout.base import (
@@ -188,7 +189,8 @@ class EmbeddedEngine(RolloutEngine):
     def observed(self):
         """While open, Python forward hooks see every step (op capture, route recording): no CUDA-graph replays, and
         prefill materialises every prompt position's logits as Megatron's controller does, so captured rows line up
-        with the learner's full-sequence forward. The same tokens and log-probs either way."""
+        with the learner's full-sequence forward. The same tokens and log-probs either way on the CPU and in strict
+        mode (in default mode on a GPU the prefill's lm_head GEMM then has more rows: decode.py's docstring)."""
         d = self.decoder
         saved = (d.cuda_graphs, d.prefill_all_logits)
         d.cuda_graphs, d.prefill_all_logits = False, True
@@ -205,7 +207,7 @@ class EmbeddedEngine(RolloutEngine):
         if self.decoder.graphs:
             try:
                 quantize_weights_now(self.model, in_place=True)
-            except RuntimeError as e:  # a cache the graphs cannot see updated: capture them again
+            except CacheLayoutError as e:  # a cache the graphs cannot see updated: capture them again
                 logger.warning("%s; the rollout's CUDA graphs are captured again", e)
                 self.decoder.reset()
         else:

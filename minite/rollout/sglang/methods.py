@@ -18,8 +18,6 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-import logging
-
 import torch
 
 from sglang.srt.layers.linear import LinearBase
@@ -38,19 +36,22 @@ from minite.ops import nvfp4_linear_forward, refill_in_place
 
 from .common import METHOD_NAME, grouped_forward
 
-logger = logging.getLogger(__name__)
-
 
 def _prepare(layer: torch.nn.Module, attr: str, view):
     """Set layer.<attr> to `view`, in place where one of the same layout exists (module docstring); returns it."""
     old = getattr(layer, attr, None)
     if old is not None and refill_in_place(old, view):
         return old
-    if old is not None:
-        logger.warning("minite_nvfp4: a weight update changed the layout of %s's global scales; CUDA graphs "
-                       "captured before it replay the old ones", type(layer).__name__)
+    if old is not None and layer_on_gpu(layer):  # SGLang's decode graphs would replay the old view
+        raise ValueError(f"minite_nvfp4: a weight update changed whether the shards of a fused weight in "
+                         f"{type(layer).__name__} share one global scale; the engine's CUDA graphs hold the old "
+                         "layout: start the engine again with these weights")
     setattr(layer, attr, view)
     return view
+
+
+def layer_on_gpu(layer: torch.nn.Module) -> bool:
+    return any(p.is_cuda for p in layer.parameters())
 
 
 def _scale_param(shape, weight_loader, fill: Optional[float] = None) -> PerTensorScaleParameter:
