@@ -46,8 +46,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from minite.megatron_patches.cpu import gpu_present
 from minite.nvfp4 import NVFP4Recipe
-from minite.ops import (FiniteFlag, derive_seed, refill_in_place, group_size, grouped_linear_bf16, nvfp4_grouped_linear, nvfp4_linear,
-                        quantiser_checks_finite, quantize_expert_weights, quantize_weight, swiglu_experts)
+from minite.ops import (FiniteFlag, derive_seed, group_size, grouped_linear_bf16, nvfp4_grouped_linear, nvfp4_linear,
+                        quantiser_checks_finite, quantize_expert_weights, quantize_weight, refill_in_place,
+                        swiglu_experts)
 from minite.ops.experts import grouped_mm_applies
 
 

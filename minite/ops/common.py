@@ -58,10 +58,12 @@ def quantiser_checks_finite(t: torch.Tensor) -> bool:
     return not t.is_cuda
 
 
-def quant_flags(backend: str, t: torch.Tensor) -> dict:
+def quant_flags(backend: str, t: torch.Tensor, values: bool = True) -> dict:
     """Keyword arguments for quantising `t` here: fp16 block values when the GEMMs run on the Triton kernels (they
-    read them), and the NaN/Inf check only where `quantiser_checks_finite`."""
-    return {"values": resolve(backend, t, op="gemm")[0] == "triton", "check_finite": quantiser_checks_finite(t)}
+    read them) unless values=False (the kernels then read the packed codes), and the NaN/Inf check only where
+    `quantiser_checks_finite`."""
+    return {"values": values and resolve(backend, t, op="gemm")[0] == "triton",
+            "check_finite": quantiser_checks_finite(t)}
 
 
 def collective_device(group=None) -> torch.device:
@@ -123,9 +125,7 @@ def quantize_scoped(x: torch.Tensor, op: OperandRecipe, *, seed: Optional[int], 
             raise ValueError("per-row scales with RHT are not supported under tensor parallelism")
         seen = apply_rht(x) if op.rht else x
         amax = group_amax(seen, 1 if op.scale_scope == "row" else None, amax_group)
-    flags = quant_flags(backend, x)
-    flags["values"] = flags["values"] and values
-    return op.quantize(x, seed=seed, backend=backend, global_amax=amax, **flags)
+    return op.quantize(x, seed=seed, backend=backend, global_amax=amax, **quant_flags(backend, x, values))
 
 
 

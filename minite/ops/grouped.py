@@ -52,10 +52,8 @@ def quantize_expert_weights(weight: torch.Tensor, recipe: NVFP4Recipe, *, backen
     seeds = None
     if op.rounding == "stochastic":  # as quantize(seed=None): drawn from torch's generator
         seeds = [int(torch.randint(0, 2**32, ()).item()) for _ in range(weight.shape[0])]
-    flags = quant_flags(backend, weight)
-    flags["values"] = flags["values"] and values
     return quantize_stack(weight, block=op.block, rounding=op.rounding, seeds=seeds, rht=op.rht, backend=backend,
-                          **flags)
+                          **quant_flags(backend, weight, values))
 
 
 def _as_stack(w_q) -> NVFP4Stack:

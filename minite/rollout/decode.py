@@ -91,6 +91,7 @@ class StaticBatchDecoder:
         self.time_decode = False  # CUDA: time the decode steps with two events per generate (benchmarks)
         self.last_decode: tuple[float, int] | None = None  # (seconds, steps) of the last generate's decode steps
         self._shapes: OrderedDict[tuple[int, int], _Shape] = OrderedDict()  # newest last
+        self._guarded = False  # Megatron's sequence-parallel guard ran on the model
 
     @property
     def graphs(self) -> int:
@@ -135,7 +136,8 @@ class StaticBatchDecoder:
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, top_p: float,
                  generator: torch.Generator, pad_id: int, device) -> Decoded:
         lengths = [len(p) for p in prompts]
-        batch, shortest, seq_len = len(prompts), min(lengths), max(lengths) + max_new_tokens
+        batch, shortest, longest = len(prompts), min(lengths), max(lengths)
+        seq_len = longest + max_new_tokens
         st = self._state(batch, seq_len, device)
         wrapper, tokens, inputs = st.wrapper, st.tokens, st.inputs
         padded = torch.full((batch, seq_len), pad_id, dtype=torch.long)
@@ -146,7 +148,9 @@ class StaticBatchDecoder:
         logprobs = torch.empty(batch, seq_len - 1, dtype=torch.float32, device=device)
 
         wrapper.prep_model_for_inference()  # eval mode, KV offsets to 0 (the cache memory is kept)
-        _sequence_parallel_guard(self.model)
+        if not self._guarded:
+            _sequence_parallel_guard(self.model)
+            self._guarded = True
         ctx = wrapper.inference_context
         events = None
         if self.time_decode and tokens.is_cuda and seq_len - shortest > 1:
@@ -160,7 +164,7 @@ class StaticBatchDecoder:
             tokens[:, q] = torch.where(started, sampled, tokens[:, q])
             lp = self._log_softmax(last.unsqueeze(1)).to(torch.float32)
             logprobs[:, q - 1] = torch.gather(lp, 2, tokens[:, q].view(batch, 1, 1)).view(batch)
-            if not ctx.is_decode_only() and all(n <= q for n in lengths):
+            if q >= longest:  # every row is past its prompt
                 ctx.enable_decode_mode()
             if events is not None and q == shortest:
                 events[0].record()  # prefill and its sample done: decode steps from here
@@ -250,7 +254,8 @@ def _is_rotary(module) -> bool:
 
 
 def _sequence_parallel_guard(model) -> None:
-    """Megatron's controller's guard, as it runs it before every static generate: with TP > 1 and EP > 1 the
+    """Megatron's controller's guard (which it runs before every static generate; the model's settings do not change
+    between calls, so the decoder runs it before its first): with TP > 1 and EP > 1 the
     non-MoE modules run without sequence parallelism (a decode step has one position to split); sequence
     parallelism otherwise is refused."""
     from megatron.core.transformer.moe.moe_layer import BaseMoELayer

@@ -42,16 +42,13 @@ def _prepare(layer: torch.nn.Module, attr: str, view):
     old = getattr(layer, attr, None)
     if old is not None and refill_in_place(old, view):
         return old
-    if old is not None and layer_on_gpu(layer):  # SGLang's decode graphs would replay the old view
+    if old is not None and any(p.is_cuda for p in layer.parameters()):  # SGLang's decode graphs replay the old view
         raise ValueError(f"minite_nvfp4: a weight update changed whether the shards of a fused weight in "
                          f"{type(layer).__name__} share one global scale; the engine's CUDA graphs hold the old "
                          "layout: start the engine again with these weights")
     setattr(layer, attr, view)
     return view
 
-
-def layer_on_gpu(layer: torch.nn.Module) -> bool:
-    return any(p.is_cuda for p in layer.parameters())
 
 
 def _scale_param(shape, weight_loader, fill: Optional[float] = None) -> PerTensorScaleParameter:
@@ -158,7 +155,11 @@ class MiniteNVFP4MoEMethod(FusedMoEMethodBase):
         self.moe_runner_config = moe_runner_config
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        _prepare(layer, "minite_experts", self.experts(layer))
+        self.prepare(layer)
+
+    def prepare(self, layer: torch.nn.Module):
+        """The layer's (w13, w2) view (module docstring), made or refreshed now."""
+        return _prepare(layer, "minite_experts", self.experts(layer))
 
     def experts(self, layer: torch.nn.Module):
         """(w13, w2): NVFP4Stacks over the loaded parameters (no copy of codes or scales), made now."""
@@ -174,7 +175,7 @@ class MiniteNVFP4MoEMethod(FusedMoEMethodBase):
         topk_weights, topk_ids = dispatch_output.topk_output[0], dispatch_output.topk_output[1]
         prepared = getattr(layer, "minite_experts", None)
         if prepared is None:  # used before process_weights_after_loading (a layer built by hand)
-            prepared = _prepare(layer, "minite_experts", self.experts(layer))
+            prepared = self.prepare(layer)
         w13, w2 = prepared
         out = grouped_forward(x, w13, w2, topk_weights, topk_ids, self.config.recipe, backend=self.config.backend)
         scale = getattr(self.moe_runner_config, "routed_scaling_factor", None)
