@@ -21,6 +21,7 @@
 #             ROLLOUT_ARGS: more of its arguments, e.g. "--repeats 3 --precisions nvfp4")
 #   (SLICE_ARGS, SCALE_ARGS, SYNC_ARGS: more arguments of those benchmarks, e.g. "--profile 25" or "--precisions nvfp4")
 #   sglang    tools/sglang_gpu_probe.sh (needs .sglwhl/ carried): how far SGLang's GPU path runs with the plugin
+#             (SGLANG_ARGS: more probe arguments, e.g. "--phases graphs,eager")
 # The device has no registry: megatron-core travels as a wheel in .whl/ (carried with the call), installed to
 # /tmp/site; kernels/ and megatron_patches/ are linked into minite/ as setup.py installs them.
 set -uo pipefail
@@ -52,7 +53,7 @@ stage() {  # name, seconds, command...
   # outlive a timeout of their launcher (still on the GPUs for the next stage's measurement): they are found by it
   export MINITE_STAGE_TAG="$name-$$-$RANDOM"
   if declare -F "$1" >/dev/null; then  # a function of this script: run it in a child bash that knows it
-    export -f "$1" rewards; export OUT LOGS GPU_TESTS GPU_TESTS_K ROLLOUT_ARGS DIST_TESTS TRAIN_STEPS TRAIN1_SETS TRAIN2_SETS SYNC_EP BATCHES SGLANG_BUDGET NPROC BENCH_1GPU BENCH_EP2 SYNC_ARGS SLICE_ARGS SCALE_ARGS
+    export -f "$1" rewards; export OUT LOGS GPU_TESTS GPU_TESTS_K ROLLOUT_ARGS DIST_TESTS TRAIN_STEPS TRAIN1_SETS TRAIN2_SETS SYNC_EP BATCHES SGLANG_BUDGET SGLANG_ARGS NPROC BENCH_1GPU BENCH_EP2 SYNC_ARGS SLICE_ARGS SCALE_ARGS
     timeout "$limit" bash -c "$*" >"$LOGS/$name.log" 2>&1
   else
     timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1
@@ -188,7 +189,7 @@ rollout() {  # issue 16's decode benchmark (the 4-layer full-width slice) and it
 }
 stage rollout ${T_ROLLOUT:-240} rollout
 sglangprobe() {  # SGLang 0.5.23 with the plugin on the GPU, as far as it goes without sgl-kernel (docs/sglang.md)
-  bash tools/sglang_gpu_probe.sh "$LOGS/sglang" "${SGLANG_BUDGET:-150}"; cp "$LOGS/sglang/probe.json" "$OUT/"
+  bash tools/sglang_gpu_probe.sh "$LOGS/sglang" "${SGLANG_BUDGET:-150}" ${SGLANG_ARGS:-}; cp "$LOGS/sglang/probe.json" "$OUT/"
 }
 stage sglang ${T_SGLANG:-200} sglangprobe
 echo "== summary"; { cat "$LOGS/device.txt"; printf '%s\n' "${SUMMARY[@]}"; } | tee "$OUT/summary.txt"
