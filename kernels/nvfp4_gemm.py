@@ -43,12 +43,41 @@ from minite.nvfp4.tensor import FACTOR_INV, NVFP4Tensor
 from ._interpreter import ensure_interpreter_compat, interpreting
 
 VALUES_DTYPE = torch.float16
+PTX_DECODE = True
+"""Decode packed operands with inline PTX on the GPU (False: the Triton decode, same bits; benchmarks compare them)."""
+
+
+# PTX of the packed decode on the GPU: two bytes (four E2M1 codes) in, the fp16 bits of code x 2^-14 out, the low
+# nibbles' in $0 and the high nibbles' in $1 (sign to bit 15, the three magnitude bits to bits 9..11 of each half).
+_E2M1_X2_PTX = """{
+.reg .b32 x, m, s;
+prmt.b32 x, $2, 0, 0x4140;
+and.b32 m, x, 0x00070007;
+shl.b32 m, m, 9;
+and.b32 s, x, 0x00080008;
+shl.b32 s, s, 12;
+or.b32 $0, m, s;
+and.b32 m, x, 0x00700070;
+shl.b32 m, m, 5;
+and.b32 s, x, 0x00800080;
+shl.b32 s, s, 8;
+or.b32 $1, m, s;
+}"""
+
+# A packed operand's block values enter the MMA as v * 2^-PACKED_SHIFT (one fp16 multiply of a code by a
+# pre-scaled block scale, exact: |v| * 2^-7 is in [2^-17, 21], every value has <= 6 significant bits, and fp16 holds
+# such values exactly down to 2^-24); the accumulator is multiplied back by 2^PACKED_SHIFT (exact in fp32). Products and
+# sums in the MMA are all scaled by the same power of two, which changes no bit of their fp32 arithmetic (no fp32
+# subnormal is reached), so the result equals the fp16-values path bit for bit (GPU tests, marker gpu).
+PACKED_SHIFT = 7  # _unshift multiplies by 128.0 = 2^PACKED_SHIFT per packed operand
 
 
 @triton.jit
 def _operand_tile(data_ptr, scale_ptr, vals_ptr, rows, rmask, k0, kmax, stride_d, stride_s, stride_v,
-                  SBR: tl.constexpr, PACKED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """fp16 block values [BLOCK_R, BLOCK_K] of rows `rows`, columns k0..k0+BLOCK_K (zero at and beyond kmax)."""
+                  SBR: tl.constexpr, PACKED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PTX: tl.constexpr = False):
+    """fp16 block values [BLOCK_R, BLOCK_K] of rows `rows`, columns k0..k0+BLOCK_K (zero at and beyond kmax); a packed
+    operand's are scaled by 2^-PACKED_SHIFT (module comment above)."""
     if PACKED:
         # (a 4-D [rows, group, byte, nibble] variant of this decode crashed Triton 3.6's dot-operand pass on sm_90)
         kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
@@ -57,11 +86,16 @@ def _operand_tile(data_ptr, scale_ptr, vals_ptr, rows, rmask, k0, kmax, stride_d
         ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
         s = tl.load(scale_ptr + (rows // SBR)[:, None].to(tl.int64) * stride_s + ks[None, :],
                     mask=rmask[:, None] & (ks < kmax // 16)[None, :], other=0)
-        c = tl.reshape(tl.join(d & 15, d >> 4), [BLOCK_R, BLOCK_K]).to(tl.uint16)
-        mag = (((c & 7) << 9) | ((c & 8) << 12)).to(tl.float16, bitcast=True)
-        e2m1 = mag * tl.full([], 16384.0, tl.float16)  # exact: fp16 bits (c & 7) << 9 encode e2m1 * 2^-14
-        sc = ((s.to(tl.uint16) & 0x7F) << 7).to(tl.float16, bitcast=True) * tl.full([], 256.0, tl.float16)
-        v = tl.reshape(e2m1, [BLOCK_R, BLOCK_K // 16, 16]) * sc[:, :, None]  # exact: <= 6 significant bits
+        if PTX:  # the same bits as the branch below, in 2.75 integer ops per code instead of ~6 (the decode's cost)
+            lo, hi = tl.inline_asm_elementwise(_E2M1_X2_PTX, "=r,=r,r", [d], dtype=(tl.float16, tl.float16),
+                                               is_pure=True, pack=2)
+            mag = tl.reshape(tl.join(lo, hi), [BLOCK_R, BLOCK_K])
+        else:
+            c = tl.reshape(tl.join(d & 15, d >> 4), [BLOCK_R, BLOCK_K]).to(tl.uint16)
+            mag = (((c & 7) << 9) | ((c & 8) << 12)).to(tl.float16, bitcast=True)  # e2m1 * 2^-14
+        # E4M3 bits (s & 0x7F) << 7 as fp16 are the scale * 2^-8; times 2^15 (exact, <= 448 * 2^7 = 57344)
+        sc = ((s.to(tl.uint16) & 0x7F) << 7).to(tl.float16, bitcast=True) * tl.full([], 32768.0, tl.float16)
+        v = tl.reshape(mag, [BLOCK_R, BLOCK_K // 16, 16]) * sc[:, :, None]  # e2m1 * scale * 2^-7, exact
         return tl.reshape(v, [BLOCK_R, BLOCK_K])
     else:
         kk = k0 + tl.arange(0, BLOCK_K)
@@ -71,7 +105,7 @@ def _operand_tile(data_ptr, scale_ptr, vals_ptr, rows, rmask, k0, kmax, stride_d
 
 @triton.jit
 def _b_tile(bd, bs, bv, cols, cmask, k0, N, K, B_SBR: tl.constexpr, B_PACKED: tl.constexpr, B_TRANS: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr):
     """fp16 block values [BLOCK_N, BLOCK_K] of b rows `cols`: from b [N, K] (packed or values), or with B_TRANS
     from the values of b^T [K, N] (element (n, k) at k * N + n)."""
     if B_TRANS:
@@ -79,7 +113,18 @@ def _b_tile(bd, bs, bv, cols, cmask, k0, N, K, B_SBR: tl.constexpr, B_PACKED: tl
         return tl.load(bv + kk[None, :].to(tl.int64) * N + cols[:, None], mask=cmask[:, None] & (kk < K)[None, :],
                        other=0.0)
     else:
-        return _operand_tile(bd, bs, bv, cols, cmask, k0, K, K // 2, K // 16, K, B_SBR, B_PACKED, BLOCK_N, BLOCK_K)
+        return _operand_tile(bd, bs, bv, cols, cmask, k0, K, K // 2, K // 16, K, B_SBR, B_PACKED, BLOCK_N, BLOCK_K,
+                             PTX)
+
+
+@triton.jit
+def _unshift(acc, A_PACKED: tl.constexpr, B_PACKED: tl.constexpr):
+    """Undo the 2^-PACKED_SHIFT of each packed operand (exact in fp32)."""
+    if A_PACKED:
+        acc = acc * 128.0
+    if B_PACKED:
+        acc = acc * 128.0
+    return acc
 
 
 @triton.jit
@@ -101,10 +146,11 @@ def _grouped_gemm_kernel(a_data, a_scale, a_vals, a_amax, a_amax_stride,
                          A_SBR: tl.constexpr, B_SBR: tl.constexpr, A_PACKED: tl.constexpr, B_PACKED: tl.constexpr,
                          BLOCK_E: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         SWAP_AB: tl.constexpr, B_TRANS: tl.constexpr = False):
+                         SWAP_AB: tl.constexpr, B_TRANS: tl.constexpr = False, PTX: tl.constexpr = False):
     """c[rows of expert e] = a[rows] @ b[e]^T, for rows grouped contiguously by expert (counts per expert).
     B_TRANS: b[e] is given as the block values of its transpose, [K, N] row-major (dgrad reads the forward
-    weight's values in place); the tiles hold the same values, so the result is bitwise the same."""
+    weight's values in place); the tiles hold the same values, so the result is bitwise the same.
+    PTX: decode packed operands with inline PTX (the GPU; the interpreter runs the Triton decode, same bits)."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     t = pid // num_n
@@ -134,17 +180,18 @@ def _grouped_gemm_kernel(a_data, a_scale, a_vals, a_amax, a_amax_stride,
         acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):  # fixed, sequential K order: the batch-invariance rule
             a = _operand_tile(a_data, a_scale, a_vals, rows, rmask, k0, K, K // 2, K // 16, K,
-                              A_SBR, A_PACKED, BLOCK_M, BLOCK_K)
-            b = _b_tile(bd, bs, bv, cols, cmask, k0, N, K, B_SBR, B_PACKED, B_TRANS, BLOCK_N, BLOCK_K)
+                              A_SBR, A_PACKED, BLOCK_M, BLOCK_K, PTX)
+            b = _b_tile(bd, bs, bv, cols, cmask, k0, N, K, B_SBR, B_PACKED, B_TRANS, BLOCK_N, BLOCK_K, PTX)
             acc_t = tl.dot(b, tl.trans(a), acc_t)
         acc = tl.trans(acc_t)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):  # fixed, sequential K order: the batch-invariance rule
             a = _operand_tile(a_data, a_scale, a_vals, rows, rmask, k0, K, K // 2, K // 16, K,
-                              A_SBR, A_PACKED, BLOCK_M, BLOCK_K)
-            b = _b_tile(bd, bs, bv, cols, cmask, k0, N, K, B_SBR, B_PACKED, B_TRANS, BLOCK_N, BLOCK_K)
+                              A_SBR, A_PACKED, BLOCK_M, BLOCK_K, PTX)
+            b = _b_tile(bd, bs, bv, cols, cmask, k0, N, K, B_SBR, B_PACKED, B_TRANS, BLOCK_N, BLOCK_K, PTX)
             acc = tl.dot(a, tl.trans(b), acc)
+    acc = _unshift(acc, A_PACKED, B_PACKED)
     ama = tl.load(a_amax + rows * a_amax_stride, mask=rmask, other=0.0)
     amb = tl.load(b_amax + e64 * b_amax_stride_e + cols * b_amax_stride_n, mask=cmask, other=0.0)
     out = acc * ((ama[:, None] * amb[None, :]) * factor_inv)
@@ -157,7 +204,8 @@ def _kgrouped_gemm_kernel(a_data, a_scale, a_vals, a_amax, a_amax_stride, a_amax
                           b_data, b_scale, b_vals, b_amax, b_amax_stride, b_amax_stride_e,
                           c_ptr, k_start_ptr, k_count_ptr, M, N, KT, factor_inv,
                           A_PACKED: tl.constexpr, B_PACKED: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          PTX: tl.constexpr = False):
     """c[e] = a[:, K range of e] @ b[:, K range of e]^T (the MoE wgrad: K = tokens, grouped by expert)."""
     e = tl.program_id(1)
     pid = tl.program_id(0)
@@ -173,10 +221,11 @@ def _kgrouped_gemm_kernel(a_data, a_scale, a_vals, a_amax, a_amax_stride, a_amax
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(ks, ke, BLOCK_K):  # fixed, sequential K order
         a = _operand_tile(a_data, a_scale, a_vals, rows, rmask, k0, ke, KT // 2, KT // 16, KT, 1, A_PACKED,
-                          BLOCK_M, BLOCK_K)
+                          BLOCK_M, BLOCK_K, PTX)
         b = _operand_tile(b_data, b_scale, b_vals, cols, cmask, k0, ke, KT // 2, KT // 16, KT, 1, B_PACKED,
-                          BLOCK_N, BLOCK_K)
+                          BLOCK_N, BLOCK_K, PTX)
         acc = tl.dot(a, tl.trans(b), acc)
+    acc = _unshift(acc, A_PACKED, B_PACKED)
     ama = tl.load(a_amax + e * a_amax_stride_e + rows * a_amax_stride, mask=rmask, other=0.0)
     amb = tl.load(b_amax + e * b_amax_stride_e + cols * b_amax_stride, mask=cmask, other=0.0)
     out = acc * ((ama[:, None] * amb[None, :]) * factor_inv)
@@ -311,7 +360,7 @@ def grouped_gemm_triton(a: NVFP4Tensor, weights, tokens_per_expert, out_dtype=to
         A_SBR=a.block[0], B_SBR=w.block_rows, A_PACKED=a_packed, B_PACKED=b_packed,
         BLOCK_E=max(16, triton.next_power_of_2(experts)),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SWAP_AB=cfg.swap_ab, B_TRANS=b_trans,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        PTX=PTX_DECODE and not interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
@@ -363,7 +412,7 @@ def kgrouped_gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, tokens_per_expert, out_
         b.data, b.scale.view(torch.uint8), b.data if b_values is None else b_values, b_am, b_rs, b_es,
         out, starts, counts, m, n, kt, FACTOR_INV,
         A_PACKED=a_values is None, B_PACKED=b_values is None,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PTX=PTX_DECODE and not interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 

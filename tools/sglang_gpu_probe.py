@@ -219,7 +219,7 @@ def run_phase(probe: Probe, name: str, args: list, env_extra: dict, limit: float
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     paths += [] if str(ROOT) in paths else [str(ROOT)]  # last: an installed minite layout comes first
     env["PYTHONPATH"] = os.pathsep.join([str(p) for p in stand_ins] + paths)
-    cmd = [sys.executable, str(WORKER), *args, "--json", str(out_json), "--start-timeout", str(int(budget * 0.6))]
+    cmd = [sys.executable, str(WORKER), *args, "--json", str(out_json), "--start-timeout", str(int(budget * 0.8))]
     t0 = time.perf_counter()
     rc, text = _run_group(cmd, env, budget)
     row = json.loads(out_json.read_text()) if out_json.exists() else {"steps": []}
@@ -248,7 +248,7 @@ def run_engine_phases(probe: Probe, gpu: bool, cpu_engine: bool, phases: list) -
         run_phase(probe, "eager", ["engine"], skip, 240, [GPU_STAND_IN, CPU_STUBS])
         return
     torch_ops = {**skip, "SGLANG_FORCE_FUSED_OP_BACKEND": "torch"}
-    spec = {"eager": (["engine"], torch_ops, 110), "graphs": (["engine", "--graphs"], torch_ops, 100),
+    spec = {"eager": (["engine"], torch_ops, 110), "graphs": (["engine", "--graphs"], torch_ops, 200),
             "graphs_bf16": (["engine", "--graphs", "--bf16"], torch_ops, 90),
             "sglang_ops": (["engine", "--graphs"], skip, 100),
             "deterministic": (["engine", "--graphs", "--deterministic"], torch_ops, 90)}

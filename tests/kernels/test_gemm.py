@@ -60,6 +60,29 @@ def test_packed_and_block_value_operands_bitwise():
     assert torch.equal(packed, gemm_triton(a, b, a_values=a_vals, b_values=b.block_values(torch.float16)))
 
 
+def test_packed_decode_every_code_and_scale_bitwise():
+    """Every byte of two E2M1 codes and every finite E4M3 scale byte (subnormal scales too): packed weights give the
+    bits of their fp16 block values (on the GPU this runs the inline-PTX decode and its 2^-7 operand scaling)."""
+    from minite.nvfp4.tensor import NVFP4Tensor
+    g = torch.Generator().manual_seed(7)
+    n, k = 64, 512
+    data = torch.arange(n * k // 2, dtype=torch.int64).remainder(256)
+    data = data[torch.randperm(data.numel(), generator=g)].to(torch.uint8).reshape(n, k // 2)
+    sbytes = torch.arange(n * k // 16, dtype=torch.int64).remainder(127)  # 0x00..0x7E: 0x7F is NaN
+    sbytes = sbytes[torch.randperm(sbytes.numel(), generator=g)].to(torch.uint8).reshape(n, k // 16)
+    amax = torch.rand(n, generator=g) + 0.5  # per-row global scales, as activations have
+    b = NVFP4Tensor(data.to(DEVICE), sbytes.view(torch.float8_e4m3fn).to(DEVICE), (2688.0 / amax).to(DEVICE), (n, k),
+                    (1, 16), amax=amax.to(DEVICE))
+    a, a_vals = quantize_with_values_triton(torch.randn(20, k, generator=g).to(DEVICE), (1, 16), "row", "nearest",
+                                            None, False)
+    b_vals = b.block_values(torch.float16)
+    assert torch.equal(b_vals.float(), b.block_values(torch.float32))  # every block value exact in fp16
+    ref = gemm_triton(a, b, a_values=a_vals, b_values=b_vals)
+    assert torch.equal(gemm_triton(a, b, a_values=a_vals), ref)  # packed weights
+    assert torch.equal(gemm_triton(a, b), ref)  # both packed
+    _assert_close_to_reference(ref, gemm_reference(a, b), _bound(a, b))
+
+
 def test_row_output_is_batch_invariant():
     torch.manual_seed(2)
     x = torch.randn(40, 128, device=DEVICE)

@@ -13,6 +13,9 @@ Sections:
           quantisation + packed-weight grouped GEMM, decode tiles) vs torch.bmm on bf16 weights. Both timed as CUDA
           graph replays over 8 rotating weight sets (the bf16 weights of one set fit in the 60 MB L2; rotating keeps
           the measurement on HBM for both).
+- rollout_gemm: the expert GEMMs (FC1, FC2) of one decode step of the rollout slice at batch 1, 8, 64, 256
+          (128 experts, top-8): BF16 torch._grouped_mm vs W4A4 reading fp16 block-value weights vs packed weights
+          (Triton and inline-PTX nibble decode, a sweep of tiles, each checked bitwise against the training tile).
 Timing: triton.testing.do_bench medians (events), after warm-up; every number in the JSON comes from this run.
 """
 from __future__ import annotations
@@ -351,6 +354,74 @@ def section_decode(res: dict, decode_cfg: GemmConfig | None) -> None:
             f"  speedup {t_b / t_w:.2f}x")
 
 
+# ---------------------------------------------------------------- rollout_gemm
+ROLLOUT_CANDIDATES = [GemmConfig(16, 64, 128, 4, 4, True), GemmConfig(16, 128, 128, 4, 4, True),
+                      GemmConfig(16, 64, 256, 4, 3, True), GemmConfig(16, 128, 256, 8, 3, True),
+                      GemmConfig(16, 256, 128, 8, 3, True), GemmConfig(16, 64, 64, 4, 6, True),
+                      GemmConfig(16, 64, 128, 4, 4), GemmConfig(16, 32, 128, 4, 4), GemmConfig(32, 64, 128, 4, 4, True),
+                      GemmConfig(64, 64, 128, 4, 4)]
+
+
+def section_rollout_gemm(res: dict, batches=(1, 8, 64, 256)) -> None:
+    """The expert GEMMs of one decode step of the rollout slice (128 experts, top-8 of `batch` tokens): BF16
+    torch._grouped_mm vs W4A4 on fp16 block-value weights (what the rollout read until now) vs packed weights with the
+    Triton and the PTX nibble decode, every W4A4 config checked bitwise against the training tile. Eight routings per
+    timed graph, so the experts read differ between calls (the 8-expert case would fit the 50 MB L2 otherwise)."""
+    from minite.kernels import nvfp4_gemm as ng
+    sets = 8
+    out = res.setdefault("rollout_gemm_us", {})
+    for fc, (n, k) in {"fc1": (2 * FFN, HIDDEN), "fc2": (HIDDEN, FFN)}.items():
+        g = torch.Generator(device="cuda").manual_seed(7)
+        wb = (torch.randn(EXPERTS, n, k, device="cuda", generator=g) * k ** -0.5).bfloat16()
+        qs = [quantize_triton(wb[e], (16, 16), "tensor", "nearest", None, False) for e in range(EXPERTS)]
+        packed = stack_expert_weights(qs)
+        values = stack_expert_weights(qs, values=True)
+        wt = wb.transpose(1, 2)  # [E, K, N] view for torch._grouped_mm
+        for b in batches:
+            rows = b * TOPK
+            cnts = []
+            for _ in range(sets):
+                ex = torch.rand(b, EXPERTS, device="cuda", generator=g).topk(TOPK, dim=1).indices.reshape(-1)
+                cnts.append(torch.bincount(ex, minlength=EXPERTS).to(torch.int32))
+            xs = [torch.randn(rows, k, device="cuda", generator=g).bfloat16() for _ in range(sets)]
+            qa = [quantize_with_values_triton(x, (1, 16), "row", "nearest", None, False) for x in xs]
+            offs = [c.cumsum(0, dtype=torch.int32) for c in cnts]
+            row = out.setdefault(fc, {}).setdefault(str(b), {})
+            row["bf16_grouped_mm"] = 1e3 * bench_graph(
+                lambda: [torch._grouped_mm(xs[i], wt, offs=offs[i]) for i in range(sets)], sets)
+            ref = grouped_gemm_triton(qa[0][0], values, cnts[0], torch.bfloat16, a_values=qa[0][1],
+                                      config=GemmConfig(128, 128, 64, 8, 4))
+            row["w4a4_values_default"] = 1e3 * bench_graph(
+                lambda: [grouped_gemm_triton(qa[i][0], values, cnts[i], torch.bfloat16, a_values=qa[i][1],
+                                             rows_hint=max(1, rows // EXPERTS)) for i in range(sets)], sets)
+            best = None
+            for ptx in (False, True):
+                ng.PTX_DECODE = ptx
+                for c in ROLLOUT_CANDIDATES:
+                    key = f"packed_{'ptx' if ptx else 'triton'}_{c.block_m}x{c.block_n}x{c.block_k}_w{c.num_warps}" \
+                          f"s{c.num_stages}{'_swap' if c.swap_ab else ''}"
+                    try:
+                        same = torch.equal(grouped_gemm_triton(qa[0][0], packed, cnts[0], torch.bfloat16,
+                                                               a_values=qa[0][1], config=c), ref)
+                        t = 1e3 * bench_graph(lambda: [grouped_gemm_triton(qa[i][0], packed, cnts[i], torch.bfloat16,
+                                                                           a_values=qa[i][1], config=c)
+                                                       for i in range(sets)], sets)
+                    except Exception as exc:
+                        log(f"  rollout_gemm {fc} b{b} {key} failed: {type(exc).__name__}: {str(exc)[:200]}")
+                        continue
+                    row[key] = t if same else None
+                    if not same:
+                        log(f"  rollout_gemm {fc} b{b} {key}: NOT bitwise equal to the training tile")
+                    elif ptx and (best is None or t < best[1]):
+                        best = (key, t)
+            ng.PTX_DECODE = True
+            if best:
+                row["best_packed"] = best[0]
+            log(f"rollout_gemm {fc} b{b:3d}: bf16 {row['bf16_grouped_mm']:6.1f} us  values {row['w4a4_values_default']:6.1f}"
+                f" us  best packed {best[1] if best else float('nan'):6.1f} us ({best[0] if best else '-'})")
+        del wb, qs, packed, values
+
+
 # ---------------------------------------------------------------- tile sweep
 def sweep_train_config() -> GemmConfig:
     """Pick the fastest training tile for the FC1 grouped GEMM (all candidates compute the same bits)."""
@@ -446,6 +517,8 @@ def main() -> None:
         log(f"training tile: {vars(cfg)}")
     if "block" in sections:
         guarded("block", section_block, res, cfg)
+    if "rollout_gemm" in sections:
+        guarded("rollout_gemm", section_rollout_gemm, res)
     if "decode" in sections:
         dcfg = GemmConfig(*map(int, args.decode_config.split(","))) if args.decode_config else None
         guarded("decode", section_decode, res, dcfg)
