@@ -47,22 +47,36 @@ PTX_DECODE = True
 """Decode packed operands with inline PTX on the GPU (False: the Triton decode, same bits; benchmarks compare them)."""
 
 
-# PTX of the packed decode on the GPU: two bytes (four E2M1 codes) in, the fp16 bits of code x 2^-14 out, the low
-# nibbles' in $0 and the high nibbles' in $1 (sign to bit 15, the three magnitude bits to bits 9..11 of each half).
-_E2M1_X2_PTX = """{
-.reg .b32 x, m, s;
-prmt.b32 x, $2, 0, 0x4140;
-and.b32 m, x, 0x00070007;
-shl.b32 m, m, 9;
-and.b32 s, x, 0x00080008;
-shl.b32 s, s, 12;
-or.b32 $0, m, s;
-and.b32 m, x, 0x00700070;
-shl.b32 m, m, 5;
-and.b32 s, x, 0x00800080;
-shl.b32 s, s, 8;
-or.b32 $1, m, s;
-}"""
+# PTX of the packed decode on the GPU: four bytes in, per byte b one register holding the fp16 bits of its two codes
+# x 2^-14 (low nibble in the low half). With y = b | b << 12 (b * 0x1001) both nibbles sit alike in their halves: the
+# magnitude bits 0..2 go to 9..11 (y << 9), the sign bit 3 to 15 (y << 12); the shifted y come from one multiply each.
+_E2M1_X2_PTX = tl.constexpr("""{
+.reg .b32 b, y9, y12, t;
+prmt.b32 b, $4, 0, 0x4440;
+mul.lo.u32 y9, b, 0x200200;
+mul.lo.u32 y12, b, 0x1001000;
+and.b32 t, y12, 0x80008000;
+and.b32 y9, y9, 0x0E000E00;
+or.b32 $0, y9, t;
+prmt.b32 b, $4, 0, 0x4441;
+mul.lo.u32 y9, b, 0x200200;
+mul.lo.u32 y12, b, 0x1001000;
+and.b32 t, y12, 0x80008000;
+and.b32 y9, y9, 0x0E000E00;
+or.b32 $1, y9, t;
+prmt.b32 b, $4, 0, 0x4442;
+mul.lo.u32 y9, b, 0x200200;
+mul.lo.u32 y12, b, 0x1001000;
+and.b32 t, y12, 0x80008000;
+and.b32 y9, y9, 0x0E000E00;
+or.b32 $2, y9, t;
+prmt.b32 b, $4, 0, 0x4443;
+mul.lo.u32 y9, b, 0x200200;
+mul.lo.u32 y12, b, 0x1001000;
+and.b32 t, y12, 0x80008000;
+and.b32 y9, y9, 0x0E000E00;
+or.b32 $3, y9, t;
+}""")
 
 # A packed operand's block values enter the MMA as v * 2^-PACKED_SHIFT (one fp16 multiply of a code by a
 # pre-scaled block scale, exact: |v| * 2^-7 is in [2^-17, 21], every value has <= 6 significant bits, and fp16 holds
@@ -75,20 +89,31 @@ PACKED_SHIFT = 7  # _unshift multiplies by 128.0 = 2^PACKED_SHIFT per packed ope
 @triton.jit
 def _operand_tile(data_ptr, scale_ptr, vals_ptr, rows, rmask, k0, kmax, stride_d, stride_s, stride_v,
                   SBR: tl.constexpr, PACKED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                  PTX: tl.constexpr = False):
+                  PTX: tl.constexpr = False, EVEN_K: tl.constexpr = False, SHUFFLED: tl.constexpr = False):
     """fp16 block values [BLOCK_R, BLOCK_K] of rows `rows`, columns k0..k0+BLOCK_K (zero at and beyond kmax); a packed
-    operand's are scaled by 2^-PACKED_SHIFT (module comment above)."""
+    operand's are scaled by 2^-PACKED_SHIFT (module comment above). EVEN_K: kmax is a multiple of BLOCK_K (no column
+    mask). Row strides are multiples of 8 codes (K % 16 == 0): with the column mask gone, the hints let the loads be
+    vectors (byte loads otherwise, the packed path's cost on the H200)."""
     if PACKED:
         # (a 4-D [rows, group, byte, nibble] variant of this decode crashed Triton 3.6's dot-operand pass on sm_90)
-        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        d = tl.load(data_ptr + rows[:, None].to(tl.int64) * stride_d + kb[None, :],
-                    mask=rmask[:, None] & (kb < kmax // 2)[None, :], other=0)
+        kb = tl.max_contiguous(tl.multiple_of(k0 // 2 + tl.arange(0, BLOCK_K // 2), BLOCK_K // 2), BLOCK_K // 2)
+        d_ptrs = data_ptr + rows[:, None].to(tl.int64) * tl.multiple_of(stride_d, 8) + kb[None, :]
         ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-        s = tl.load(scale_ptr + (rows // SBR)[:, None].to(tl.int64) * stride_s + ks[None, :],
-                    mask=rmask[:, None] & (ks < kmax // 16)[None, :], other=0)
+        s_ptrs = scale_ptr + (rows // SBR)[:, None].to(tl.int64) * stride_s + ks[None, :]
+        if EVEN_K:
+            d = tl.load(d_ptrs, mask=rmask[:, None], other=0)
+            s = tl.load(s_ptrs, mask=rmask[:, None], other=0)
+        else:
+            d = tl.load(d_ptrs, mask=rmask[:, None] & (kb < kmax // 2)[None, :], other=0)
+            s = tl.load(s_ptrs, mask=rmask[:, None] & (ks < kmax // 16)[None, :], other=0)
+        if SHUFFLED:  # stored order t*16 + c*2 + h in each 64-byte block holds logical byte 8c + 4h + t
+            d = tl.reshape(tl.permute(tl.reshape(d, [BLOCK_R, BLOCK_K // 128, 4, 8, 2]), [0, 1, 3, 4, 2]),
+                           [BLOCK_R, BLOCK_K // 2])
         if PTX:  # the same bits as the branch below, in 2.75 integer ops per code instead of ~6 (the decode's cost)
-            lo, hi = tl.inline_asm_elementwise(_E2M1_X2_PTX, "=r,=r,r", [d], dtype=(tl.float16, tl.float16),
-                                               is_pure=True, pack=2)
+            pair = tl.inline_asm_elementwise(_E2M1_X2_PTX, "=r,=r,=r,=r,r", [d], dtype=tl.int32, is_pure=True,
+                                             pack=4)
+            lo = pair.to(tl.int16).to(tl.float16, bitcast=True)
+            hi = (pair >> 16).to(tl.int16).to(tl.float16, bitcast=True)
             mag = tl.reshape(tl.join(lo, hi), [BLOCK_R, BLOCK_K])
         else:
             c = tl.reshape(tl.join(d & 15, d >> 4), [BLOCK_R, BLOCK_K]).to(tl.uint16)
@@ -98,14 +123,17 @@ def _operand_tile(data_ptr, scale_ptr, vals_ptr, rows, rmask, k0, kmax, stride_d
         v = tl.reshape(mag, [BLOCK_R, BLOCK_K // 16, 16]) * sc[:, :, None]  # e2m1 * scale * 2^-7, exact
         return tl.reshape(v, [BLOCK_R, BLOCK_K])
     else:
-        kk = k0 + tl.arange(0, BLOCK_K)
-        return tl.load(vals_ptr + rows[:, None].to(tl.int64) * stride_v + kk[None, :],
-                       mask=rmask[:, None] & (kk < kmax)[None, :], other=0.0)
+        kk = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
+        v_ptrs = vals_ptr + rows[:, None].to(tl.int64) * tl.multiple_of(stride_v, 16) + kk[None, :]
+        if EVEN_K:
+            return tl.load(v_ptrs, mask=rmask[:, None], other=0.0)
+        return tl.load(v_ptrs, mask=rmask[:, None] & (kk < kmax)[None, :], other=0.0)
 
 
 @triton.jit
 def _b_tile(bd, bs, bv, cols, cmask, k0, N, K, B_SBR: tl.constexpr, B_PACKED: tl.constexpr, B_TRANS: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr):
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr, EVEN_K: tl.constexpr,
+            SHUFFLED: tl.constexpr = False):
     """fp16 block values [BLOCK_N, BLOCK_K] of b rows `cols`: from b [N, K] (packed or values), or with B_TRANS
     from the values of b^T [K, N] (element (n, k) at k * N + n)."""
     if B_TRANS:
@@ -114,7 +142,7 @@ def _b_tile(bd, bs, bv, cols, cmask, k0, N, K, B_SBR: tl.constexpr, B_PACKED: tl
                        other=0.0)
     else:
         return _operand_tile(bd, bs, bv, cols, cmask, k0, K, K // 2, K // 16, K, B_SBR, B_PACKED, BLOCK_N, BLOCK_K,
-                             PTX)
+                             PTX, EVEN_K, SHUFFLED)
 
 
 @triton.jit
@@ -146,7 +174,8 @@ def _grouped_gemm_kernel(a_data, a_scale, a_vals, a_amax, a_amax_stride,
                          A_SBR: tl.constexpr, B_SBR: tl.constexpr, A_PACKED: tl.constexpr, B_PACKED: tl.constexpr,
                          BLOCK_E: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         SWAP_AB: tl.constexpr, B_TRANS: tl.constexpr = False, PTX: tl.constexpr = False):
+                         SWAP_AB: tl.constexpr, B_TRANS: tl.constexpr = False, PTX: tl.constexpr = False,
+                         EVEN_K: tl.constexpr = False, SHUFFLED: tl.constexpr = False):
     """c[rows of expert e] = a[rows] @ b[e]^T, for rows grouped contiguously by expert (counts per expert).
     B_TRANS: b[e] is given as the block values of its transpose, [K, N] row-major (dgrad reads the forward
     weight's values in place); the tiles hold the same values, so the result is bitwise the same.
@@ -180,16 +209,16 @@ def _grouped_gemm_kernel(a_data, a_scale, a_vals, a_amax, a_amax_stride,
         acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):  # fixed, sequential K order: the batch-invariance rule
             a = _operand_tile(a_data, a_scale, a_vals, rows, rmask, k0, K, K // 2, K // 16, K,
-                              A_SBR, A_PACKED, BLOCK_M, BLOCK_K, PTX)
-            b = _b_tile(bd, bs, bv, cols, cmask, k0, N, K, B_SBR, B_PACKED, B_TRANS, BLOCK_N, BLOCK_K, PTX)
+                              A_SBR, A_PACKED, BLOCK_M, BLOCK_K, PTX, EVEN_K)
+            b = _b_tile(bd, bs, bv, cols, cmask, k0, N, K, B_SBR, B_PACKED, B_TRANS, BLOCK_N, BLOCK_K, PTX, EVEN_K, SHUFFLED)
             acc_t = tl.dot(b, tl.trans(a), acc_t)
         acc = tl.trans(acc_t)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):  # fixed, sequential K order: the batch-invariance rule
             a = _operand_tile(a_data, a_scale, a_vals, rows, rmask, k0, K, K // 2, K // 16, K,
-                              A_SBR, A_PACKED, BLOCK_M, BLOCK_K, PTX)
-            b = _b_tile(bd, bs, bv, cols, cmask, k0, N, K, B_SBR, B_PACKED, B_TRANS, BLOCK_N, BLOCK_K, PTX)
+                              A_SBR, A_PACKED, BLOCK_M, BLOCK_K, PTX, EVEN_K)
+            b = _b_tile(bd, bs, bv, cols, cmask, k0, N, K, B_SBR, B_PACKED, B_TRANS, BLOCK_N, BLOCK_K, PTX, EVEN_K, SHUFFLED)
             acc = tl.dot(a, tl.trans(b), acc)
     acc = _unshift(acc, A_PACKED, B_PACKED)
     ama = tl.load(a_amax + rows * a_amax_stride, mask=rmask, other=0.0)
@@ -278,10 +307,32 @@ class ExpertWeights:
     values: torch.Tensor | None
     block_rows: int
     shape: tuple[int, int]
+    shuffled: bool = False
+    """data holds the codes in the decode kernel's order (shuffle_packed), read only without values."""
 
     @property
     def num_experts(self) -> int:
         return self.data.shape[0]
+
+
+SHUFFLE_BLOCK = 64
+"""Bytes (128 codes along K) per block of the decode order: stored byte t*16 + c*2 + h holds logical byte 8c + 4h + t
+(t: the MMA fragment's column pair 0..3, c: 16-code group 0..7, h: 0..1), so the bytes one thread decodes for its
+fragment lie next to each other and load as vectors."""
+
+
+def shuffle_packed(data: torch.Tensor) -> torch.Tensor:
+    """Packed codes [..., K/2] in the decode order (K a multiple of 128); a copy."""
+    *lead, kb = data.shape
+    if kb % SHUFFLE_BLOCK:
+        raise ValueError(f"shuffle_packed: K = {2 * kb} is not a multiple of {2 * SHUFFLE_BLOCK}")
+    x = data.reshape(*lead, kb // SHUFFLE_BLOCK, 8, 2, 4)  # logical byte 8c + 4h + t -> [c, h, t]
+    return x.permute(*range(len(lead) + 1), -1, -3, -2).reshape(data.shape).contiguous()  # stored [t, c, h]
+
+
+def shuffled_weights(w: "ExpertWeights") -> "ExpertWeights":
+    """The same weights with packed codes in the decode order and no fp16 values (the small-M path)."""
+    return ExpertWeights(shuffle_packed(w.data), w.scale, w.amax, None, w.block_rows, w.shape, shuffled=True)
 
 
 def _from_stack(st: NVFP4Stack) -> ExpertWeights:
@@ -351,6 +402,9 @@ def grouped_gemm_triton(a: NVFP4Tensor, weights, tokens_per_expert, out_dtype=to
     grid = (max_tiles * triton.cdiv(n, cfg.block_n),)
     a_packed = a_values is None
     b_packed = w.values is None
+    shuffled = b_packed and w.shuffled
+    if shuffled and (cfg.block_k % 128 or b_trans):
+        raise ValueError(f"weights in the decode order need BLOCK_K % 128 == 0 and no transpose, got {vars(cfg)}")
     _grouped_gemm_kernel[grid](
         a.data, a.scale.view(torch.uint8), a.data if a_packed else a_values, a.decode_amax(),
         1 if a.per_row else 0,
@@ -360,7 +414,8 @@ def grouped_gemm_triton(a: NVFP4Tensor, weights, tokens_per_expert, out_dtype=to
         A_SBR=a.block[0], B_SBR=w.block_rows, A_PACKED=a_packed, B_PACKED=b_packed,
         BLOCK_E=max(16, triton.next_power_of_2(experts)),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SWAP_AB=cfg.swap_ab, B_TRANS=b_trans,
-        PTX=PTX_DECODE and not interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        PTX=PTX_DECODE and not interpreting(), EVEN_K=k % cfg.block_k == 0, SHUFFLED=shuffled,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 

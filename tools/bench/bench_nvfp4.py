@@ -356,10 +356,9 @@ def section_decode(res: dict, decode_cfg: GemmConfig | None) -> None:
 
 # ---------------------------------------------------------------- rollout_gemm
 ROLLOUT_CANDIDATES = [GemmConfig(16, 64, 128, 4, 4, True), GemmConfig(16, 128, 128, 4, 4, True),
-                      GemmConfig(16, 64, 256, 4, 3, True), GemmConfig(16, 128, 256, 8, 3, True),
-                      GemmConfig(16, 256, 128, 8, 3, True), GemmConfig(16, 64, 64, 4, 6, True),
-                      GemmConfig(16, 64, 128, 4, 4), GemmConfig(16, 32, 128, 4, 4), GemmConfig(32, 64, 128, 4, 4, True),
-                      GemmConfig(64, 64, 128, 4, 4)]
+                      GemmConfig(16, 128, 128, 8, 4, True), GemmConfig(16, 64, 256, 4, 3, True),
+                      GemmConfig(16, 128, 256, 8, 3, True), GemmConfig(32, 64, 128, 4, 4, True),
+                      GemmConfig(16, 64, 128, 4, 4)]
 
 
 def section_rollout_gemm(res: dict, batches=(1, 8, 64, 256)) -> None:
@@ -376,6 +375,7 @@ def section_rollout_gemm(res: dict, batches=(1, 8, 64, 256)) -> None:
         qs = [quantize_triton(wb[e], (16, 16), "tensor", "nearest", None, False) for e in range(EXPERTS)]
         packed = stack_expert_weights(qs)
         values = stack_expert_weights(qs, values=True)
+        shuffled = ng.shuffled_weights(packed)
         wt = wb.transpose(1, 2)  # [E, K, N] view for torch._grouped_mm
         for b in batches:
             rows = b * TOPK
@@ -395,31 +395,34 @@ def section_rollout_gemm(res: dict, batches=(1, 8, 64, 256)) -> None:
                 lambda: [grouped_gemm_triton(qa[i][0], values, cnts[i], torch.bfloat16, a_values=qa[i][1],
                                              rows_hint=max(1, rows // EXPERTS)) for i in range(sets)], sets)
             best = None
-            for ptx in (False, True):
-                ng.PTX_DECODE = ptx
-                for c in ROLLOUT_CANDIDATES:
-                    key = f"packed_{'ptx' if ptx else 'triton'}_{c.block_m}x{c.block_n}x{c.block_k}_w{c.num_warps}" \
-                          f"s{c.num_stages}{'_swap' if c.swap_ab else ''}"
-                    try:
-                        same = torch.equal(grouped_gemm_triton(qa[0][0], packed, cnts[0], torch.bfloat16,
-                                                               a_values=qa[0][1], config=c), ref)
-                        t = 1e3 * bench_graph(lambda: [grouped_gemm_triton(qa[i][0], packed, cnts[i], torch.bfloat16,
-                                                                           a_values=qa[i][1], config=c)
-                                                       for i in range(sets)], sets)
-                    except Exception as exc:
-                        log(f"  rollout_gemm {fc} b{b} {key} failed: {type(exc).__name__}: {str(exc)[:200]}")
-                        continue
-                    row[key] = t if same else None
-                    if not same:
-                        log(f"  rollout_gemm {fc} b{b} {key}: NOT bitwise equal to the training tile")
-                    elif ptx and (best is None or t < best[1]):
-                        best = (key, t)
+            variants = [("triton", packed, c) for c in ROLLOUT_CANDIDATES[:2]] \
+                + [("ptx", packed, c) for c in ROLLOUT_CANDIDATES] \
+                + [("ptx_shuffled", shuffled, c) for c in ROLLOUT_CANDIDATES]
+            for name, wts, c in variants:
+                ng.PTX_DECODE = name != "triton"
+                key = f"packed_{name}_{c.block_m}x{c.block_n}x{c.block_k}_w{c.num_warps}" \
+                      f"s{c.num_stages}{'_swap' if c.swap_ab else ''}"
+                try:
+                    same = torch.equal(grouped_gemm_triton(qa[0][0], wts, cnts[0], torch.bfloat16,
+                                                           a_values=qa[0][1], config=c), ref)
+                    t = 1e3 * bench_graph(lambda: [grouped_gemm_triton(qa[i][0], wts, cnts[i], torch.bfloat16,
+                                                                       a_values=qa[i][1], config=c)
+                                                   for i in range(sets)], sets)
+                except Exception as exc:
+                    log(f"  rollout_gemm {fc} b{b} {key} failed: {type(exc).__name__}: {str(exc)[-600:]}")
+                    continue
+                row[key] = t if same else None
+                if not same:
+                    log(f"  rollout_gemm {fc} b{b} {key}: NOT bitwise equal to the training tile")
+                elif best is None or t < best[1]:
+                    best = (key, t)
             ng.PTX_DECODE = True
+            log(f"  rollout_gemm {fc} b{b} all (us): " + ", ".join(
+                f"{kk[7:]} {'%.1f' % v if v else 'NOT-BITWISE'}" for kk, v in row.items() if kk.startswith("packed_")))
             if best:
                 row["best_packed"] = best[0]
             log(f"rollout_gemm {fc} b{b:3d}: bf16 {row['bf16_grouped_mm']:6.1f} us  values {row['w4a4_values_default']:6.1f}"
                 f" us  best packed {best[1] if best else float('nan'):6.1f} us ({best[0] if best else '-'})")
-        del wb, qs, packed, values
 
 
 # ---------------------------------------------------------------- tile sweep
