@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from minite.nvfp4.device_copy import int32_to
-from minite.nvfp4.grouped import NVFP4Segments, NVFP4Stack
+from minite.nvfp4.grouped import NVFP4Segments, NVFP4Stack, decode_order
 from minite.nvfp4.tensor import FACTOR_INV, NVFP4Tensor
 
 from ._interpreter import ensure_interpreter_compat, interpreting
@@ -89,7 +89,7 @@ PACKED_SHIFT = 7  # _unshift multiplies by 128.0 = 2^PACKED_SHIFT per packed ope
 @triton.jit
 def _operand_tile(data_ptr, scale_ptr, vals_ptr, rows, rmask, k0, kmax, stride_d, stride_s, stride_v,
                   SBR: tl.constexpr, PACKED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                  PTX: tl.constexpr = False, EVEN_K: tl.constexpr = False, SHUFFLED: tl.constexpr = False):
+                  PTX: tl.constexpr = False, EVEN_K: tl.constexpr = False, DECODE_ORDER: tl.constexpr = False):
     """fp16 block values [BLOCK_R, BLOCK_K] of rows `rows`, columns k0..k0+BLOCK_K (zero at and beyond kmax); a packed
     operand's are scaled by 2^-PACKED_SHIFT (module comment above). EVEN_K: kmax is a multiple of BLOCK_K (no column
     mask). Row strides are multiples of 8 codes (K % 16 == 0): with the column mask gone, the hints let the loads be
@@ -106,7 +106,7 @@ def _operand_tile(data_ptr, scale_ptr, vals_ptr, rows, rmask, k0, kmax, stride_d
         else:
             d = tl.load(d_ptrs, mask=rmask[:, None] & (kb < kmax // 2)[None, :], other=0)
             s = tl.load(s_ptrs, mask=rmask[:, None] & (ks < kmax // 16)[None, :], other=0)
-        if SHUFFLED:  # stored order t*16 + c*2 + h in each 64-byte block holds logical byte 8c + 4h + t
+        if DECODE_ORDER:  # minite.nvfp4.decode_order: stored byte t*16 + c*2 + h of a 64-byte block is byte 8c + 4h + t
             d = tl.reshape(tl.permute(tl.reshape(d, [BLOCK_R, BLOCK_K // 128, 4, 8, 2]), [0, 1, 3, 4, 2]),
                            [BLOCK_R, BLOCK_K // 2])
         if PTX:  # the same bits as the branch below, in 2.75 integer ops per code instead of ~6 (the decode's cost)
@@ -133,7 +133,7 @@ def _operand_tile(data_ptr, scale_ptr, vals_ptr, rows, rmask, k0, kmax, stride_d
 @triton.jit
 def _b_tile(bd, bs, bv, cols, cmask, k0, N, K, B_SBR: tl.constexpr, B_PACKED: tl.constexpr, B_TRANS: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr, EVEN_K: tl.constexpr,
-            SHUFFLED: tl.constexpr = False):
+            DECODE_ORDER: tl.constexpr = False):
     """fp16 block values [BLOCK_N, BLOCK_K] of b rows `cols`: from b [N, K] (packed or values), or with B_TRANS
     from the values of b^T [K, N] (element (n, k) at k * N + n)."""
     if B_TRANS:
@@ -142,7 +142,7 @@ def _b_tile(bd, bs, bv, cols, cmask, k0, N, K, B_SBR: tl.constexpr, B_PACKED: tl
                        other=0.0)
     else:
         return _operand_tile(bd, bs, bv, cols, cmask, k0, K, K // 2, K // 16, K, B_SBR, B_PACKED, BLOCK_N, BLOCK_K,
-                             PTX, EVEN_K, SHUFFLED)
+                             PTX, EVEN_K, DECODE_ORDER)
 
 
 @triton.jit
@@ -175,7 +175,7 @@ def _grouped_gemm_kernel(a_data, a_scale, a_vals, a_amax, a_amax_stride,
                          BLOCK_E: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          SWAP_AB: tl.constexpr, B_TRANS: tl.constexpr = False, PTX: tl.constexpr = False,
-                         EVEN_K: tl.constexpr = False, SHUFFLED: tl.constexpr = False):
+                         EVEN_K: tl.constexpr = False, DECODE_ORDER: tl.constexpr = False):
     """c[rows of expert e] = a[rows] @ b[e]^T, for rows grouped contiguously by expert (counts per expert).
     B_TRANS: b[e] is given as the block values of its transpose, [K, N] row-major (dgrad reads the forward
     weight's values in place); the tiles hold the same values, so the result is bitwise the same.
@@ -210,7 +210,8 @@ def _grouped_gemm_kernel(a_data, a_scale, a_vals, a_amax, a_amax_stride,
         for k0 in range(0, K, BLOCK_K):  # fixed, sequential K order: the batch-invariance rule
             a = _operand_tile(a_data, a_scale, a_vals, rows, rmask, k0, K, K // 2, K // 16, K,
                               A_SBR, A_PACKED, BLOCK_M, BLOCK_K, PTX, EVEN_K)
-            b = _b_tile(bd, bs, bv, cols, cmask, k0, N, K, B_SBR, B_PACKED, B_TRANS, BLOCK_N, BLOCK_K, PTX, EVEN_K, SHUFFLED)
+            b = _b_tile(bd, bs, bv, cols, cmask, k0, N, K, B_SBR, B_PACKED, B_TRANS, BLOCK_N, BLOCK_K, PTX, EVEN_K,
+                        DECODE_ORDER)
             acc_t = tl.dot(b, tl.trans(a), acc_t)
         acc = tl.trans(acc_t)
     else:
@@ -218,7 +219,8 @@ def _grouped_gemm_kernel(a_data, a_scale, a_vals, a_amax, a_amax_stride,
         for k0 in range(0, K, BLOCK_K):  # fixed, sequential K order: the batch-invariance rule
             a = _operand_tile(a_data, a_scale, a_vals, rows, rmask, k0, K, K // 2, K // 16, K,
                               A_SBR, A_PACKED, BLOCK_M, BLOCK_K, PTX, EVEN_K)
-            b = _b_tile(bd, bs, bv, cols, cmask, k0, N, K, B_SBR, B_PACKED, B_TRANS, BLOCK_N, BLOCK_K, PTX, EVEN_K, SHUFFLED)
+            b = _b_tile(bd, bs, bv, cols, cmask, k0, N, K, B_SBR, B_PACKED, B_TRANS, BLOCK_N, BLOCK_K, PTX, EVEN_K,
+                        DECODE_ORDER)
             acc = tl.dot(a, tl.trans(b), acc)
     acc = _unshift(acc, A_PACKED, B_PACKED)
     ama = tl.load(a_amax + rows * a_amax_stride, mask=rmask, other=0.0)
@@ -275,15 +277,18 @@ class GemmConfig:
     """Compute out^T = b @ a^T (weights as the first MMA operand); used only where the GPU tests prove it bitwise."""
 
 
-def default_config(rows_per_group: int, interpreter: bool) -> GemmConfig:
-    """Training-sized tiles for many rows per group, decode tiles (BLOCK_M=16, narrow N, long K) for few."""
+def default_config(rows_per_group: int, interpreter: bool, packed: bool = False) -> GemmConfig:
+    """Training-sized tiles for many rows per group, decode tiles (BLOCK_M=16, narrow N, long K) for few; packed
+    weights (the nibble decode is the cost) take 32-row tiles from 9 rows per group on."""
     if interpreter:
         return GemmConfig(16, 32, 64, 4, 1)
     # measured on the H200 (docs/benchmarks.md): FC1 of the expert block, 131072 rows, 128x256x64: 525 TFLOP/s
     # (128x128x64: 453); decode of 8 experts' FC1 with 1..16 tokens each: 16x64x128 with swapped operands 22.6 us
     # (unswapped 29.4-30.7 us), 32 tokens: 32x64x128 swapped 28.6 us (unswapped 44.0 us); all bitwise equal to the
     # training tile in the same run and in the GPU tests (marker gpu).
-    if rows_per_group <= 16:
+    # packed weights in the decode order (bench_nvfp4.py --sections rollout_gemm, 2026-11-30, f5b08c7): 128 experts,
+    # 4 rows each: FC1 16x64x128 swapped 140.2 us (32 rows: 162.3); 16 rows each: 16x64x128 197.4, 32x64x128 167.5
+    if rows_per_group <= (8 if packed else 16):
         return GemmConfig(16, 64, 128, 4, 4, swap_ab=True)
     if rows_per_group <= 32:
         return GemmConfig(32, 64, 128, 4, 4, swap_ab=True)
@@ -307,32 +312,13 @@ class ExpertWeights:
     values: torch.Tensor | None
     block_rows: int
     shape: tuple[int, int]
-    shuffled: bool = False
-    """data holds the codes in the decode kernel's order (shuffle_packed), read only without values."""
+    decode_data: torch.Tensor | None = None
+    """The codes again in the decode order (minite.nvfp4.decode_order) or None: read instead of data by packed
+    launches whose tile allows it (BLOCK_K % 128 == 0, no transpose)."""
 
     @property
     def num_experts(self) -> int:
         return self.data.shape[0]
-
-
-SHUFFLE_BLOCK = 64
-"""Bytes (128 codes along K) per block of the decode order: stored byte t*16 + c*2 + h holds logical byte 8c + 4h + t
-(t: the MMA fragment's column pair 0..3, c: 16-code group 0..7, h: 0..1), so the bytes one thread decodes for its
-fragment lie next to each other and load as vectors."""
-
-
-def shuffle_packed(data: torch.Tensor) -> torch.Tensor:
-    """Packed codes [..., K/2] in the decode order (K a multiple of 128); a copy."""
-    *lead, kb = data.shape
-    if kb % SHUFFLE_BLOCK:
-        raise ValueError(f"shuffle_packed: K = {2 * kb} is not a multiple of {2 * SHUFFLE_BLOCK}")
-    x = data.reshape(*lead, kb // SHUFFLE_BLOCK, 8, 2, 4)  # logical byte 8c + 4h + t -> [c, h, t]
-    return x.permute(*range(len(lead) + 1), -1, -3, -2).reshape(data.shape).contiguous()  # stored [t, c, h]
-
-
-def shuffled_weights(w: "ExpertWeights") -> "ExpertWeights":
-    """The same weights with packed codes in the decode order and no fp16 values (the small-M path)."""
-    return ExpertWeights(shuffle_packed(w.data), w.scale, w.amax, None, w.block_rows, w.shape, shuffled=True)
 
 
 def _from_stack(st: NVFP4Stack) -> ExpertWeights:
@@ -341,14 +327,17 @@ def _from_stack(st: NVFP4Stack) -> ExpertWeights:
         raise ValueError("NVFP4Stack has no amax (the GEMM alpha needs it): build it with quantize_stack or "
                          "NVFP4Stack.from_tensors of quantised tensors, or pass amax=")
     am = st.amax if st.amax.dim() == 2 else st.amax.reshape(-1, 1)
-    return ExpertWeights(st.data, st.scale.view(torch.uint8), am, st.values, st.block[0], st.shape)
+    return ExpertWeights(st.data, st.scale.view(torch.uint8), am, st.values, st.block[0], st.shape, st.decode_data)
 
 
-def stack_expert_weights(weights: list[NVFP4Tensor], values: bool = False) -> ExpertWeights:
-    """Stack per-expert NVFP4 weights [N, K]; with values=True also keep fp16 block values for large-M GEMMs."""
+def stack_expert_weights(weights: list[NVFP4Tensor], values: bool = False, decode: bool = False) -> ExpertWeights:
+    """Stack per-expert NVFP4 weights [N, K]; with values=True also keep fp16 block values for large-M GEMMs, with
+    decode=True the codes in the decode order for small-M GEMMs on packed weights."""
     st = NVFP4Stack.from_tensors(weights)
     if values:
         st.values = torch.stack([w.block_values(VALUES_DTYPE) for w in weights])
+    if decode:
+        st.decode_data = decode_order(st.data)
     return _from_stack(st)
 
 
@@ -396,25 +385,24 @@ def grouped_gemm_triton(a: NVFP4Tensor, weights, tokens_per_expert, out_dtype=to
     experts = w.num_experts
     dev = a.data.device
     counts = _as_group_tensors(tokens_per_expert, experts, dev)
-    cfg = config or default_config(rows_hint or max(1, t_rows // experts), interpreting())
+    cfg = config or default_config(rows_hint or max(1, t_rows // experts), interpreting(), w.values is None)
     out = torch.empty(t_rows, n, dtype=out_dtype, device=dev)
     max_tiles = triton.cdiv(t_rows, cfg.block_m) + experts
     grid = (max_tiles * triton.cdiv(n, cfg.block_n),)
     a_packed = a_values is None
     b_packed = w.values is None
-    shuffled = b_packed and w.shuffled
-    if shuffled and (cfg.block_k % 128 or b_trans):
-        raise ValueError(f"weights in the decode order need BLOCK_K % 128 == 0 and no transpose, got {vars(cfg)}")
+    in_order = b_packed and w.decode_data is not None and cfg.block_k % 128 == 0 and not b_trans
+    b_data = w.decode_data if in_order else w.data
     _grouped_gemm_kernel[grid](
         a.data, a.scale.view(torch.uint8), a.data if a_packed else a_values, a.decode_amax(),
         1 if a.per_row else 0,
-        w.data, w.scale, w.data if b_packed else w.values, w.amax, w.amax.stride(0),
+        b_data, w.scale, b_data if b_packed else w.values, w.amax, w.amax.stride(0),
         1 if w.amax.shape[1] > 1 else 0,
         out, counts, experts, n, k, FACTOR_INV,
         A_SBR=a.block[0], B_SBR=w.block_rows, A_PACKED=a_packed, B_PACKED=b_packed,
         BLOCK_E=max(16, triton.next_power_of_2(experts)),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SWAP_AB=cfg.swap_ab, B_TRANS=b_trans,
-        PTX=PTX_DECODE and not interpreting(), EVEN_K=k % cfg.block_k == 0, SHUFFLED=shuffled,
+        PTX=PTX_DECODE and not interpreting(), EVEN_K=k % cfg.block_k == 0, DECODE_ORDER=in_order,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 

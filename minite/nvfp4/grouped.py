@@ -29,12 +29,30 @@ from .tensor import BLOCK_1D, BLOCK_2D, NVFP4Tensor, pack_codes, unpack_codes
 VALUES_DTYPE = torch.float16
 
 
+DECODE_BLOCK = 64
+"""Bytes (128 codes along K) per block of the decode order: stored byte t*16 + c*2 + h holds logical byte 8c + 4h + t
+(t 0..3, c 0..7, h 0..1). On Hopper, the small-M W4A4 kernel's MMA fragment gives thread t of a quad the code pairs
+2t, 2t+1 and 2t+8, 2t+9 of each 16-code group (logical bytes t and t+4): in this order those bytes lie next to each
+other and load as vectors (kernels/nvfp4_gemm.py)."""
+
+
+def decode_order(data: torch.Tensor) -> torch.Tensor:
+    """Packed codes [..., C/2] (C a multiple of 128) in the decode order; a copy. A permutation of bytes within each
+    row: the codes, scales and results do not change."""
+    *lead, nb = data.shape
+    if nb % DECODE_BLOCK:
+        raise ValueError(f"decode_order: K = {2 * nb} is not a multiple of {2 * DECODE_BLOCK}")
+    x = data.reshape(*lead, nb // DECODE_BLOCK, 8, 2, 4)  # logical byte 8c + 4h + t as [c, h, t]
+    return x.permute(*range(len(lead) + 1), -1, -3, -2).reshape(data.shape).contiguous()  # stored as [t, c, h]
+
+
 @dataclass
 class NVFP4Stack:
     """E NVFP4 tensors of one shape, stored stacked: data uint8 [E, R, C/2], scale e4m3 [E, R/br, C/16],
     global_scale fp32 [E] (one per member) or [E, R] (per row, (1, 16) blocks: e.g. a ModelOpt gate/up weight whose
     two halves carry different scales), values fp16 [E, R, C] block values or None, amax fp32 of global_scale's
-    shape (each member's decode amax, NVFP4Tensor.amax)."""
+    shape (each member's decode amax, NVFP4Tensor.amax), decode_data uint8 [E, R, C/2] the codes again in the decode
+    kernel's order (`decode_order`) or None (small-M GEMMs on packed weights read it; the layout has no other use)."""
 
     data: torch.Tensor
     scale: torch.Tensor
@@ -43,6 +61,7 @@ class NVFP4Stack:
     block: tuple[int, int]
     values: Optional[torch.Tensor] = None
     amax: Optional[torch.Tensor] = None
+    decode_data: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
     _transposed: Optional["NVFP4Stack"] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
@@ -58,6 +77,8 @@ class NVFP4Stack:
             want["values"] = (self.values, VALUES_DTYPE, (e, rows, cols))
         if self.amax is not None:
             want["amax"] = (self.amax, torch.float32, tuple(self.global_scale.shape))
+        if self.decode_data is not None:
+            want["decode_data"] = (self.decode_data, torch.uint8, (e, rows, cols // 2))
         for name, (t, dtype, shape) in want.items():
             if t.dtype != dtype or tuple(t.shape) != shape:
                 raise ValueError(f"NVFP4Stack.{name}: expected {dtype} {shape}, got {t.dtype} {tuple(t.shape)}")

@@ -12,8 +12,8 @@ from typing import Optional
 
 import torch
 
-from minite.nvfp4 import (NVFP4Recipe, NVFP4Stack, OperandRecipe, grouped_gemm, quantize_column_segments,
-                          quantize_stack, segmented_gemm)
+from minite.nvfp4 import (NVFP4Recipe, NVFP4Stack, OperandRecipe, decode_order, grouped_gemm,
+                          quantize_column_segments, quantize_stack, segmented_gemm)
 
 from minite.nvfp4.backend import resolve
 
@@ -45,15 +45,20 @@ def quantize_expert_weights(weight: torch.Tensor, recipe: NVFP4Recipe, *, backen
                             values: bool = True) -> NVFP4Stack:
     """Expert weights [E, N, K] with the recipe's weight role, each expert its own tensor (16x16 blocks, one global
     scale per expert): one launch on the kernels; fp16 block values kept when the kernels read them, unless
-    values=False (`quantize_weight`)."""
+    values=False (`quantize_weight`): then the kernels read the packed codes, and the stack also keeps them in the
+    decode order (`decode_order`, where K % 128 == 0) for the small-M GEMMs of a rollout."""
     op = recipe.weight
     if weight.dim() != 3:
         raise ValueError(f"quantize_expert_weights expects [E, N, K], got shape {tuple(weight.shape)}")
     seeds = None
     if op.rounding == "stochastic":  # as quantize(seed=None): drawn from torch's generator
         seeds = [int(torch.randint(0, 2**32, ()).item()) for _ in range(weight.shape[0])]
-    return quantize_stack(weight, block=op.block, rounding=op.rounding, seeds=seeds, rht=op.rht, backend=backend,
-                          **quant_flags(backend, weight, values))
+    flags = quant_flags(backend, weight, values)
+    st = quantize_stack(weight, block=op.block, rounding=op.rounding, seeds=seeds, rht=op.rht, backend=backend,
+                        **flags)
+    if not values and weight.shape[2] % 128 == 0 and quant_flags(backend, weight)["values"]:  # packed, on the kernels
+        st.decode_data = decode_order(st.data)
+    return st
 
 
 def _as_stack(w_q) -> NVFP4Stack:

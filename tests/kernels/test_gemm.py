@@ -175,22 +175,26 @@ def test_public_gemm_dispatches_to_triton():
     assert torch.equal(gemm(a, b, backend="triton"), gemm_triton(a, b))
 
 
-def test_shuffled_packed_weights_bitwise():
-    """Expert weights with their codes in the decode kernel's order give the bits of the plain order."""
-    from minite.kernels.nvfp4_gemm import shuffled_weights, shuffle_packed
+def test_decode_order_weights_bitwise():
+    """Expert weights whose codes are also kept in the decode order give the bits of the plain order, with tiles
+    that read that order (BLOCK_K % 128 == 0) and tiles that cannot (they read the plain codes)."""
+    from minite.nvfp4 import decode_order
     torch.manual_seed(9)
     experts, n, k = 3, 32, 256
-    ws = stack_expert_weights([_weights(n, k, 20 + e) for e in range(experts)])
+    ws = [_weights(n, k, 20 + e) for e in range(experts)]
+    plain = stack_expert_weights(ws)
+    ordered = stack_expert_weights(ws, decode=True)
+    assert not torch.equal(ordered.decode_data, plain.data)
+    assert torch.equal(decode_order(plain.data), ordered.decode_data)
     counts = [2, 0, 5]
     a, a_vals = quantize_with_values_triton(torch.randn(sum(counts), k, device=DEVICE), (1, 16), "row", "nearest",
                                             None, False)
-    cfg = GemmConfig(16, 32, 128, 4, 1, swap_ab=True)
-    ref = grouped_gemm_triton(a, ws, counts, a_values=a_vals, config=cfg)
-    sw = shuffled_weights(ws)
-    assert not torch.equal(sw.data, ws.data)
-    assert torch.equal(grouped_gemm_triton(a, sw, counts, a_values=a_vals, config=cfg), ref)
-    assert torch.equal(grouped_gemm_triton(a, sw, counts, a_values=a_vals, config=GemmConfig(16, 32, 256, 4, 1)), ref)
-    with pytest.raises(ValueError, match="BLOCK_K % 128"):
-        grouped_gemm_triton(a, sw, counts, a_values=a_vals, config=GemmConfig(16, 32, 64, 4, 1))
+    for cfg in (GemmConfig(16, 32, 128, 4, 1, swap_ab=True), GemmConfig(16, 32, 256, 4, 1), GemmConfig(16, 32, 64, 4, 1)):
+        ref = grouped_gemm_triton(a, plain, counts, a_values=a_vals, config=cfg)
+        assert torch.equal(grouped_gemm_triton(a, ordered, counts, a_values=a_vals, config=cfg), ref), vars(cfg)
+    garbled = stack_expert_weights(ws, decode=True)
+    garbled.decode_data = plain.data  # the plain order read as the decode order: the test can fail
+    assert not torch.equal(grouped_gemm_triton(a, garbled, counts, a_values=a_vals, config=GemmConfig(16, 32, 128, 4, 1)),
+                           grouped_gemm_triton(a, plain, counts, a_values=a_vals, config=GemmConfig(16, 32, 128, 4, 1)))
     with pytest.raises(ValueError, match="multiple of 128"):
-        shuffle_packed(torch.zeros(4, 40, dtype=torch.uint8))
+        decode_order(torch.zeros(4, 40, dtype=torch.uint8))

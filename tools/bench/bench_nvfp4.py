@@ -375,7 +375,7 @@ def section_rollout_gemm(res: dict, batches=(1, 8, 64, 256)) -> None:
         qs = [quantize_triton(wb[e], (16, 16), "tensor", "nearest", None, False) for e in range(EXPERTS)]
         packed = stack_expert_weights(qs)
         values = stack_expert_weights(qs, values=True)
-        shuffled = ng.shuffled_weights(packed)
+        ordered = stack_expert_weights(qs, decode=True)
         wt = wb.transpose(1, 2)  # [E, K, N] view for torch._grouped_mm
         for b in batches:
             rows = b * TOPK
@@ -397,7 +397,7 @@ def section_rollout_gemm(res: dict, batches=(1, 8, 64, 256)) -> None:
             best = None
             variants = [("triton", packed, c) for c in ROLLOUT_CANDIDATES[:2]] \
                 + [("ptx", packed, c) for c in ROLLOUT_CANDIDATES] \
-                + [("ptx_shuffled", shuffled, c) for c in ROLLOUT_CANDIDATES]
+                + [("ptx_decode_order", ordered, c) for c in ROLLOUT_CANDIDATES]
             for name, wts, c in variants:
                 ng.PTX_DECODE = name != "triton"
                 key = f"packed_{name}_{c.block_m}x{c.block_n}x{c.block_k}_w{c.num_warps}" \

@@ -76,7 +76,8 @@ BYTES_PER_WEIGHT = {"bf16": 2.0, "nvfp4": 0.5 + 1 / 256}
 ROW_KEYS = ("precision", "strict", "batch", "prompt_len", "new_tokens", "decode_tokens_per_s", "step_ms", "floor_ms")
 
 
-VARIANTS = {"graphs": {"loop": "minite", "cuda_graphs": True}, "eager": {"loop": "minite", "cuda_graphs": False},
+VARIANTS = {"graphs": {"loop": "minite", "cuda_graphs": True, "packed_weights": False},
+            "eager": {"loop": "minite", "cuda_graphs": False, "packed_weights": False},
             "packed": {"loop": "minite", "cuda_graphs": True, "packed_weights": True},
             "megatron": {"loop": "megatron", "cuda_graphs": False}}
 
@@ -93,9 +94,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=40, help="N_long")
     p.add_argument("--short-tokens", type=int, default=8, help="N_short")
     p.add_argument("--variants", default="graphs",
-                   help="the engine's loop, comma-separated: graphs (miniTE's loop, CUDA-graph decode steps: what "
-                        "ships), eager (miniTE's loop without graphs), megatron (Megatron-Core's controller), packed "
-                        "(graphs, the NVFP4 GEMMs reading packed weight codes: rollout.packed_weights)")
+                   help="the engine's loop, comma-separated: graphs (miniTE's loop, CUDA-graph decode steps, fp16 "
+                        "block-value weights), eager (miniTE's loop without graphs), megatron (Megatron-Core's "
+                        "controller), packed (graphs, the NVFP4 GEMMs reading packed weight codes: "
+                        "rollout.packed_weights, what ships)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--reference-iters", type=int, default=20)
     p.add_argument("--no-reference", action="store_true", help="skip the plain-PyTorch reference rows")
@@ -336,8 +338,10 @@ def render(doc: dict) -> str:
            "loop since 8fcedc1: the difference's noise, from the prefill, exceeded whole graph-replayed steps); floor = bytes a step "
            f"must read / {doc['hbm_bytes_per_s'] / 1e12:.1f} TB/s.", "",
            "Loop: megatron = Megatron-Core's controller (every row before the own loop), eager = miniTE's loop "
-           "(minite/rollout/decode.py), graphs = miniTE's loop replaying CUDA graphs (what ships), packed = graphs "
-           "with the NVFP4 GEMMs reading packed weight codes (rollout.packed_weights).", "",
+           "(minite/rollout/decode.py), graphs = miniTE's loop replaying CUDA graphs, NVFP4 GEMMs on fp16 block-value "
+           "weights (what shipped until rollout.packed_weights became the default), packed = graphs with the NVFP4 "
+           "GEMMs reading packed weight codes, the experts' in the decode order (rollout.packed_weights, what ships "
+           "since 2026-11-30).", "",
            "| precision | mode | loop | batch | prompt | new tokens | decode step | floor | step / floor "
            "| decode tokens/s | host syncs / step | commit |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(doc["rows"], key=lambda r: (r["precision"], r["strict"], r["batch"])):
