@@ -70,9 +70,11 @@ class NVFP4Context:
     """Where the quantiser does not check its input (on a GPU: `quantiser_checks_finite`), the modules record here
     whether every tensor they quantise is finite; the engine reads it once per generate (`finite.check`)."""
     weight_values: bool = True
-    """Quantised weights keep fp16 block values for the kernels (2 B per element; the learner's large-M GEMMs) or
-    only the packed codes (0.56 B; the kernels decode them: the same bits, a quarter of the bytes, for a rollout
-    engine's decode steps, bound by weight bytes). Set before the first forward (or call weights_updated())."""
+    """Quantised expert weights keep fp16 block values for the kernels (2 B per element; the learner's large-M GEMMs)
+    or only the packed codes, also in the decode order (0.56 B each; the kernels decode them: the same bits, a quarter
+    of the bytes, for a rollout engine's decode steps). The dense linears keep values either way: at decode sizes
+    their GEMMs run on few CTAs, where decoding nibbles costs more than the bytes save, and they hold ~3% of a
+    Qwen3-MoE layer's weights. Set before the first forward (or call weights_updated())."""
     track_finite: bool = False
     """Record into `finite` at all: set by the reader (the embedded engine). A model nobody checks (the learner, whose
     loss and grad norm show a NaN anyway) pays no extra read of every quantised tensor."""
@@ -144,7 +146,7 @@ def _linear_weight_q(layer, weight: torch.Tensor, record: bool = True):
     ctx = layer.nvfp4
     group = layer.tp_group if group_size(layer.tp_group) > 1 else None
     return cached_weight_q(layer, weight, lambda: quantize_weight(weight, ctx.recipe, backend=ctx.backend,
-                                                                   amax_group=group, values=ctx.weight_values),
+                                                                   amax_group=group),  # values: NVFP4Context
                            record=record)
 
 

@@ -134,10 +134,11 @@ class RolloutConfig:
     """embedded backend on a GPU: replay each decode step as a CUDA graph, captured in the first rollout of a shape
     (minite/rollout/decode.py); off, or a capture that fails, runs the step eagerly (the same bits). With
     alignment.routing_replay the engine records its routes with Python hooks, so every step runs eagerly then."""
-    packed_weights: bool = True
-    """embedded backend, NVFP4 on a GPU: the GEMMs read the weights' packed codes (0.56 B per element; the experts'
-    also in the decode kernel's order) instead of fp16 block values (2 B): the same bits, a quarter of the weight
-    bytes a decode step reads (docs/benchmarks.md, rollout). Off: fp16 block values."""
+    packed_weights: bool = False
+    """embedded backend, NVFP4 on a GPU: the expert GEMMs read the weights' packed codes, also kept in the decode
+    kernel's order (0.56 B per element), instead of fp16 block values (2 B): the same bits, a quarter of the bytes.
+    Off by default: with the dense linears packed too it measured 1-4% slower end to end (docs/benchmarks.md); the
+    experts-only form is not yet measured end to end."""
 
     def __post_init__(self):
         if self.temperature <= 0 or not 0 < self.top_p <= 1:

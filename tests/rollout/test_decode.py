@@ -184,16 +184,23 @@ def test_observed_engine_runs_every_step_eagerly_with_the_same_bits():
 @pytest.mark.gpu
 @pytest.mark.parametrize("strict", [False, True])
 def test_packed_weights_give_the_same_bits(strict):
-    """rollout.packed_weights: the NVFP4 GEMMs read the weights' packed codes instead of fp16 block values (a quarter
-    of the bytes); the decoded operands are the same numbers, so tokens and log-probs are the same bits."""
-    values, packed = _engine("nvfp4", strict), _engine("nvfp4", strict, "rollout.packed_weights=true")
+    """rollout.packed_weights: the expert GEMMs read the weights' packed codes (in the decode order where K % 128 == 0)
+    instead of fp16 block values (a quarter of the bytes); the decoded operands are the same numbers, so tokens and
+    log-probs are the same bits. The dense linears keep their values either way."""
+    from minite.nvfp4 import NVFP4Stack
+    values = _engine("nvfp4", strict, "rollout.packed_weights=false")
+    packed = _engine("nvfp4", strict, "rollout.packed_weights=true")
     packed.update_weights(values.named_weights())
     for params in PARAMS:
         assert _run(packed, params) == _run(values, params)
-    held = [v[1] for m in packed.model.modules() for n, v in vars(m).items() if n.startswith("_nvfp4_wq_cache_")]
-    assert held and all(w.values is None for w in held)
-    assert all(v[1].values is not None for m in values.model.modules() for n, v in vars(m).items()
-               if n.startswith("_nvfp4_wq_cache_"))
+
+    def caches(engine):
+        return [v[1] for m in engine.model.modules() for n, v in vars(m).items() if n.startswith("_nvfp4_wq_cache_")]
+    experts = [w for w in caches(packed) if isinstance(w, NVFP4Stack)]
+    dense = [w for w in caches(packed) if not isinstance(w, NVFP4Stack)]
+    assert experts and dense and all(w.values is None for w in experts) and all(w.values is not None for w in dense)
+    assert all((w.decode_data is not None) == (w.shape[1] % 128 == 0) for w in experts)
+    assert all(w.values is not None and w.decode_data is None for w in caches(values))
 
 
 def _churn_rope_caches(model):
