@@ -57,6 +57,19 @@ def render(d: dict) -> str:
         src = d["decode_measured_in"]
         out.append(f"Decode rows and numbers: {src['file']}, {src['date']}, commit {src['commit']}, command "
                    f"`{src['command']}` ({src['note']}).")
+    rg = d.get("rollout_gemm_us")
+    if rg:
+        src = d.get("rollout_gemm_measured_in", {})
+        out += ["", f"Expert GEMMs of one decode step of the rollout slice (us; {src.get('date', '')}, commit "
+                f"{src.get('commit', '')}; best packed = fastest packed-weight variant, every one bitwise equal to the "
+                "training tile):", "", "| GEMM | batch | BF16 grouped_mm | W4A4, fp16 block-value weights | "
+                "W4A4, packed weights (best) | best variant |", "|---|---|---|---|---|---|"]
+        for fc, rows in rg.items():
+            for b, r in rows.items():
+                best = r.get("best_packed")
+                out.append(f"| {fc} | {b} | {r['bf16_grouped_mm']:.1f} | {r['w4a4_values_default']:.1f} | "
+                           f"{r[best]:.1f} | {best[len('packed_'):]} |" if best else
+                           f"| {fc} | {b} | {r['bf16_grouped_mm']:.1f} | {r['w4a4_values_default']:.1f} | - | - |")
     if "decode_m1_values_weights_us" in d:
         out.append(f"(same decode kernel, M=1, fp16 block-value weights instead of packed nibbles: "
                    f"{d['decode_m1_values_weights_us']:.1f} us)")
