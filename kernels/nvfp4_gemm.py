@@ -89,14 +89,18 @@ PACKED_SHIFT = 7  # _unshift multiplies by 128.0 = 2^PACKED_SHIFT per packed ope
 @triton.jit
 def _operand_tile(data_ptr, scale_ptr, vals_ptr, rows, rmask, k0, kmax, stride_d, stride_s, stride_v,
                   SBR: tl.constexpr, PACKED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                  PTX: tl.constexpr = False, EVEN_K: tl.constexpr = False, DECODE_ORDER: tl.constexpr = False):
+                  PTX: tl.constexpr = False, EVEN_K: tl.constexpr = False, DECODE_ORDER: tl.constexpr = False,
+                  K0_ALIGNED: tl.constexpr = False):
     """fp16 block values [BLOCK_R, BLOCK_K] of rows `rows`, columns k0..k0+BLOCK_K (zero at and beyond kmax); a packed
     operand's are scaled by 2^-PACKED_SHIFT (module comment above). EVEN_K: kmax is a multiple of BLOCK_K (no column
-    mask). Row strides are multiples of 8 codes (K % 16 == 0): with the column mask gone, the hints let the loads be
-    vectors (byte loads otherwise, the packed path's cost on the H200)."""
+    mask). K0_ALIGNED: k0 is a multiple of BLOCK_K (the grouped kernel; not the K-grouped one, whose segments start at
+    multiples of 16). Row strides are multiples of 8 codes (K % 16 == 0): with the column mask gone, the hints let the
+    loads be vectors (byte loads otherwise, the packed path's cost on the H200)."""
     if PACKED:
         # (a 4-D [rows, group, byte, nibble] variant of this decode crashed Triton 3.6's dot-operand pass on sm_90)
-        kb = tl.max_contiguous(tl.multiple_of(k0 // 2 + tl.arange(0, BLOCK_K // 2), BLOCK_K // 2), BLOCK_K // 2)
+        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        if K0_ALIGNED:
+            kb = tl.max_contiguous(tl.multiple_of(kb, BLOCK_K // 2), BLOCK_K // 2)
         d_ptrs = data_ptr + rows[:, None].to(tl.int64) * tl.multiple_of(stride_d, 8) + kb[None, :]
         ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
         s_ptrs = scale_ptr + (rows // SBR)[:, None].to(tl.int64) * stride_s + ks[None, :]
@@ -123,7 +127,9 @@ def _operand_tile(data_ptr, scale_ptr, vals_ptr, rows, rmask, k0, kmax, stride_d
         v = tl.reshape(mag, [BLOCK_R, BLOCK_K // 16, 16]) * sc[:, :, None]  # e2m1 * scale * 2^-7, exact
         return tl.reshape(v, [BLOCK_R, BLOCK_K])
     else:
-        kk = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
+        kk = k0 + tl.arange(0, BLOCK_K)
+        if K0_ALIGNED:
+            kk = tl.max_contiguous(tl.multiple_of(kk, BLOCK_K), BLOCK_K)
         v_ptrs = vals_ptr + rows[:, None].to(tl.int64) * tl.multiple_of(stride_v, 16) + kk[None, :]
         if EVEN_K:
             return tl.load(v_ptrs, mask=rmask[:, None], other=0.0)
@@ -135,14 +141,14 @@ def _b_tile(bd, bs, bv, cols, cmask, k0, N, K, B_SBR: tl.constexpr, B_PACKED: tl
             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr, EVEN_K: tl.constexpr,
             DECODE_ORDER: tl.constexpr = False):
     """fp16 block values [BLOCK_N, BLOCK_K] of b rows `cols`: from b [N, K] (packed or values), or with B_TRANS
-    from the values of b^T [K, N] (element (n, k) at k * N + n)."""
+    from the values of b^T [K, N] (element (n, k) at k * N + n). k0: a multiple of BLOCK_K (the grouped kernel)."""
     if B_TRANS:
         kk = k0 + tl.arange(0, BLOCK_K)
         return tl.load(bv + kk[None, :].to(tl.int64) * N + cols[:, None], mask=cmask[:, None] & (kk < K)[None, :],
                        other=0.0)
     else:
         return _operand_tile(bd, bs, bv, cols, cmask, k0, K, K // 2, K // 16, K, B_SBR, B_PACKED, BLOCK_N, BLOCK_K,
-                             PTX, EVEN_K, DECODE_ORDER)
+                             PTX, EVEN_K, DECODE_ORDER, True)
 
 
 @triton.jit
@@ -209,7 +215,8 @@ def _grouped_gemm_kernel(a_data, a_scale, a_vals, a_amax, a_amax_stride,
         acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):  # fixed, sequential K order: the batch-invariance rule
             a = _operand_tile(a_data, a_scale, a_vals, rows, rmask, k0, K, K // 2, K // 16, K,
-                              A_SBR, A_PACKED, BLOCK_M, BLOCK_K, PTX, EVEN_K)
+                              A_SBR, A_PACKED, BLOCK_M, BLOCK_K, PTX, EVEN_K,
+                              K0_ALIGNED=True)
             b = _b_tile(bd, bs, bv, cols, cmask, k0, N, K, B_SBR, B_PACKED, B_TRANS, BLOCK_N, BLOCK_K, PTX, EVEN_K,
                         DECODE_ORDER)
             acc_t = tl.dot(b, tl.trans(a), acc_t)
@@ -218,7 +225,8 @@ def _grouped_gemm_kernel(a_data, a_scale, a_vals, a_amax, a_amax_stride,
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):  # fixed, sequential K order: the batch-invariance rule
             a = _operand_tile(a_data, a_scale, a_vals, rows, rmask, k0, K, K // 2, K // 16, K,
-                              A_SBR, A_PACKED, BLOCK_M, BLOCK_K, PTX, EVEN_K)
+                              A_SBR, A_PACKED, BLOCK_M, BLOCK_K, PTX, EVEN_K,
+                              K0_ALIGNED=True)
             b = _b_tile(bd, bs, bv, cols, cmask, k0, N, K, B_SBR, B_PACKED, B_TRANS, BLOCK_N, BLOCK_K, PTX, EVEN_K,
                         DECODE_ORDER)
             acc = tl.dot(a, tl.trans(b), acc)

@@ -146,7 +146,7 @@ def _linear_weight_q(layer, weight: torch.Tensor, record: bool = True):
     ctx = layer.nvfp4
     group = layer.tp_group if group_size(layer.tp_group) > 1 else None
     return cached_weight_q(layer, weight, lambda: quantize_weight(weight, ctx.recipe, backend=ctx.backend,
-                                                                   amax_group=group),  # values: NVFP4Context
+                                                                   amax_group=group),  # always values (NVFP4Context.weight_values)
                            record=record)
 
 

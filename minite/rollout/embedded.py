@@ -98,7 +98,7 @@ class EmbeddedEngine(RolloutEngine):
         self.nvfp4 = nvfp4_context(unwrap_model(model))
         if self.nvfp4 is not None:
             self.nvfp4.track_finite = True  # this engine reads the flag, once per generate
-            if self.nvfp4.weight_values == packed_weights:  # the GEMMs read packed codes or fp16 block values
+            if self.nvfp4.weight_values == packed_weights:  # the expert GEMMs read packed codes or fp16 block values
                 self.nvfp4.weight_values = not packed_weights
                 self.nvfp4.weights_updated()
         self._params = {strip_wrapper_prefix(n): p for n, p in model.named_parameters()}

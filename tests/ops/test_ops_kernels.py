@@ -50,3 +50,22 @@ def test_expert_weights_carry_block_values_only_for_the_kernels():
     ref = quantize_expert_weights(w, NVFP4Recipe(), backend="reference")
     assert tri.values is not None and ref.values is None
     assert all(tri[e].equal(ref[e]) for e in range(3))
+
+
+def test_packed_expert_weights_keep_the_decode_order_and_refill_it_in_place():
+    """values=False on the kernels: no fp16 values, the codes also in the decode order where K % 128 == 0 (not for
+    K = 272); an in-place refill writes the new weights' decode order into the old tensors; a values cache cannot
+    take a packed one in place."""
+    from minite.nvfp4 import decode_order
+    from minite.ops.common import refill_in_place
+    torch.manual_seed(3)
+    old = quantize_expert_weights(torch.randn(2, 32, 256, device=DEVICE), NVFP4Recipe(), backend="triton", values=False)
+    assert old.values is None and torch.equal(old.decode_data, decode_order(old.data))
+    odd = quantize_expert_weights(torch.randn(2, 32, 272, device=DEVICE), NVFP4Recipe(), backend="triton", values=False)
+    assert odd.values is None and odd.decode_data is None
+    new = quantize_expert_weights(torch.randn(2, 32, 256, device=DEVICE), NVFP4Recipe(), backend="triton", values=False)
+    ptr = old.decode_data.data_ptr()
+    assert refill_in_place(old, new)
+    assert old.decode_data.data_ptr() == ptr and torch.equal(old.decode_data, decode_order(new.data))
+    vals = quantize_expert_weights(torch.randn(2, 32, 256, device=DEVICE), NVFP4Recipe(), backend="triton")
+    assert vals.decode_data is None and not refill_in_place(vals, new)

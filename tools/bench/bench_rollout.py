@@ -95,9 +95,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--short-tokens", type=int, default=8, help="N_short")
     p.add_argument("--variants", default="graphs",
                    help="the engine's loop, comma-separated: graphs (miniTE's loop, CUDA-graph decode steps, fp16 "
-                        "block-value weights), eager (miniTE's loop without graphs), megatron (Megatron-Core's "
-                        "controller), packed (graphs, the NVFP4 GEMMs reading packed weight codes: "
-                        "rollout.packed_weights, what ships)")
+                        "block-value weights: what ships), eager (miniTE's loop without graphs), megatron "
+                        "(Megatron-Core's controller), packed (graphs with rollout.packed_weights: the expert GEMMs "
+                        "read packed weight codes)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--reference-iters", type=int, default=20)
     p.add_argument("--no-reference", action="store_true", help="skip the plain-PyTorch reference rows")
@@ -339,9 +339,9 @@ def render(doc: dict) -> str:
            f"must read / {doc['hbm_bytes_per_s'] / 1e12:.1f} TB/s.", "",
            "Loop: megatron = Megatron-Core's controller (every row before the own loop), eager = miniTE's loop "
            "(minite/rollout/decode.py), graphs = miniTE's loop replaying CUDA graphs, NVFP4 GEMMs on fp16 block-value "
-           "weights (what shipped until rollout.packed_weights became the default), packed = graphs with the NVFP4 "
-           "GEMMs reading packed weight codes, the experts' in the decode order (rollout.packed_weights, what ships "
-           "since 2026-11-30).", "",
+           "weights (what ships), packed = graphs with rollout.packed_weights (opt-in): the NVFP4 GEMMs read packed "
+           "weight codes (before d5ff83e the dense linears' and the experts', since then the experts' only, in the "
+           "decode order from cd42429 on).", "",
            "| precision | mode | loop | batch | prompt | new tokens | decode step | floor | step / floor "
            "| decode tokens/s | host syncs / step | commit |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(doc["rows"], key=lambda r: (r["precision"], r["strict"], r["batch"])):
