@@ -1,0 +1,32 @@
+"""tools/bench/sass_census.py: the decode GEMM compiled for sm_90 on this machine (Triton's bundled ptxas and
+nvdisasm), its K loop found and counted. Runs the tool in a subprocess: the tests' Triton interpreter
+(TRITON_INTERPRET=1, conftest.py) cannot compile."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import triton
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+NVDISASM = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+pytestmark = pytest.mark.skipif(not os.path.exists(NVDISASM), reason="Triton without its NVIDIA tools")
+
+
+def test_decode_loop_census(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "census.json"
+    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench", "sass_census.py"), "--variants",
+                    "triton,ptx_decode_order", "--json", str(out)], env=env, check=True, capture_output=True,
+                   timeout=300)
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    for r in rows.values():
+        assert any(op.startswith("HGMMA") for op in r["opcodes"]), "the K loop holds the MMAs"
+        assert r["codes_per_thread"] == 64
+    # the decode order's point: the codes' bytes leave shared memory as vectors (byte loads remain for the scales:
+    # 8 per iteration against 40 with the Triton decode, Triton 3.6 and 3.9), and fewer instructions in all
+    def byte_loads(r):
+        return sum(n for op, n in r["opcodes"].items() if op.startswith("LDS.U8"))
+    assert 0 < 4 * byte_loads(rows["ptx_decode_order"]) <= byte_loads(rows["triton"])
+    assert rows["ptx_decode_order"]["loop_instructions"] < rows["triton"]["loop_instructions"]

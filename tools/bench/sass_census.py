@@ -1,0 +1,116 @@
+"""Instruction census of the W4A4 decode GEMM's main loop, compiled for the H200 (sm_90) on a machine without a GPU.
+
+    python tools/bench/sass_census.py [--config 16,64,128,4,4,swap] [--variants triton,ptx,ptx_decode_order] [--json F]
+
+Triton compiles `kernels/nvfp4_gemm.py`'s `_grouped_gemm_kernel` to a cubin for sm_90 (its bundled ptxas), its bundled
+nvdisasm prints the SASS, and the body of the kernel's longest loop (the K loop: one BLOCK_N x BLOCK_K weight tile per
+iteration) is counted by opcode. Variants: packed weights decoded by the Triton decode (`triton`), by the inline PTX
+(`ptx`), and by the PTX from the decode order (`ptx_decode_order`); the activations as fp16 block values, as in a
+rollout. Integer arguments divisible by 16 and 16-byte-aligned pointers are declared, as Triton specialises them at a
+real launch. The counts say where a decode step's instructions go (docs/benchmarks.md, rollout section); they are a
+static census of one loop iteration per thread, not a timing: the GPU measures the time (`bench_nvfp4.py --sections
+rollout_gemm`).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from minite.kernels import nvfp4_gemm as ng  # noqa: E402
+
+SIGNATURE = {"a_data": "*u8", "a_scale": "*u8", "a_vals": "*fp16", "a_amax": "*fp32", "a_amax_stride": "i32",
+             "b_data": "*u8", "b_scale": "*u8", "b_vals": "*u8", "b_amax": "*fp32", "b_amax_stride_e": "i32",
+             "b_amax_stride_n": "i32", "c_ptr": "*bf16", "count_ptr": "*i32", "E": "i32", "N": "i32", "K": "i32",
+             "factor_inv": "fp32"}
+VARIANTS = {"triton": dict(PTX=False, DECODE_ORDER=False), "ptx": dict(PTX=True, DECODE_ORDER=False),
+            "ptx_decode_order": dict(PTX=True, DECODE_ORDER=True)}
+_INSTR = re.compile(r"^\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P[0-9T]+\s+)?([A-Z][A-Z0-9_.]*)")
+_LABEL = re.compile(r"^(\.L_x_\d+):")
+_BRANCH = re.compile(r"BRA\s+`\((\.L_x_\d+)\)")
+
+
+def compile_sass(variant: str, block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
+                 swap_ab: bool) -> str:
+    """SASS text of the decode kernel for sm_90."""
+    names = list(SIGNATURE)
+    div = [k for k in names if SIGNATURE[k].startswith("*")] + ["N", "K"]
+    constexprs = dict(A_SBR=1, B_SBR=16, A_PACKED=False, B_PACKED=True, BLOCK_E=128, BLOCK_M=block_m,
+                      BLOCK_N=block_n, BLOCK_K=block_k, SWAP_AB=swap_ab, B_TRANS=False, EVEN_K=True,
+                      **VARIANTS[variant])
+    src = ASTSource(fn=ng._grouped_gemm_kernel, signature=SIGNATURE, constexprs=constexprs,
+                    attrs={(names.index(k),): [["tt.divisibility", 16]] for k in div})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        return subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def loop_census(sass: str) -> collections.Counter:
+    """Opcode counts (with modifiers) of the longest loop body: from a label to the last branch back to it."""
+    labels, instrs = {}, []
+    for line in sass.splitlines():
+        m = _LABEL.match(line.strip())
+        if m:
+            labels[m.group(1)] = len(instrs)
+            continue
+        m = _INSTR.match(line)
+        if m:
+            instrs.append((m.group(2), line))
+    best = (0, 0)
+    for i, (_, line) in enumerate(instrs):
+        b = _BRANCH.search(line)
+        if b and b.group(1) in labels and labels[b.group(1)] <= i and i - labels[b.group(1)] > best[1] - best[0]:
+            best = (labels[b.group(1)], i)
+    if best == (0, 0):
+        raise RuntimeError("no loop found in the SASS")
+    return collections.Counter(op for op, _ in instrs[best[0]:best[1]])
+
+
+def census(variant: str, config: tuple) -> dict:
+    bm, bn, bk, warps, stages, swap = config
+    ops = loop_census(compile_sass(variant, bm, bn, bk, warps, stages, swap))
+    codes_per_thread = bn * bk // (32 * warps)
+    total = sum(ops.values())
+    return {"variant": variant, "config": list(config), "loop_instructions": total,
+            "codes_per_thread": codes_per_thread, "instructions_per_code": total / codes_per_thread,
+            "opcodes": dict(ops.most_common())}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="16,64,128,4,4,swap", help="BLOCK_M,BLOCK_N,BLOCK_K,warps,stages[,swap]")
+    p.add_argument("--variants", default="triton,ptx,ptx_decode_order")
+    p.add_argument("--json", default="", help="also write the rows here")
+    a = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("sass_census: TRITON_INTERPRET=1 makes Triton interpret, not compile; unset it")
+    parts = a.config.split(",")
+    config = (*map(int, parts[:5]), len(parts) > 5 and parts[5] == "swap")
+    rows = [census(v, config) for v in a.variants.split(",")]
+    print(f"triton {triton.__version__}, sm_90, config {a.config}: the K loop's body, one iteration per thread")
+    for r in rows:
+        top = ", ".join(f"{k} {v}" for k, v in list(r["opcodes"].items())[:8])
+        print(f"{r['variant']:>18}: {r['loop_instructions']:4d} instructions, {r['instructions_per_code']:.2f} per "
+              f"code ({r['codes_per_thread']} codes) | {top}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"triton": triton.__version__, "target": "sm_90", "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
