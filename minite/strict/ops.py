@@ -48,7 +48,7 @@ import math
 
 import torch
 
-from . import triton_gemm
+from . import triton_exp, triton_gemm
 
 _CHUNK_ELEMS = 1 << 24  # products held at once by `linear` and `attention` (64 MiB of fp32)
 
@@ -85,7 +85,10 @@ def _pow2(n: torch.Tensor) -> torch.Tensor:
 
 
 def exp(x: torch.Tensor) -> torch.Tensor:
-    """exp(x) in float32 (see the module docstring); -inf -> 0, NaN -> NaN, overflow -> inf."""
+    """exp(x) in float32 (see the module docstring); -inf -> 0, NaN -> NaN, overflow -> inf. On CUDA with
+    `triton_exp.ENABLED`: the same operations in one Triton kernel (the same bits; off until proven on the GPU)."""
+    if triton_exp.ENABLED and x.is_cuda and triton_exp.available(x):
+        return triton_exp.exp(x)
     x64 = x.double()
     xc = torch.nan_to_num(x64, nan=0.0).clamp(-150.0, 89.0)  # fp32 exp is 0 below -104, inf above 88.8
     n = torch.round(xc * _LOG2E)

@@ -53,3 +53,22 @@ def test_strict_gap_is_zero_on_the_gpu(precision):
                                                    "model.max_position_embeddings=64"])
     r = run_diagnose(cfg, params=DiagnoseParams(num_prompts=8, max_new_tokens=8, max_prompt_len=12))
     assert r["max_abs_logp_gap"] == 0.0 and r["first_divergent_op"] is None, r["histogram"]
+
+
+def test_fused_strict_exp_is_bitwise_the_torch_ops_on_cuda(monkeypatch):
+    """minite.strict.triton_exp (off until this passes on the H200): the same fp64 operations as ops.exp in one
+    kernel, FMA contraction off: the same bits as torch's CUDA ops, for every input class and input dtype."""
+    import math
+
+    from minite.strict import ops as S, triton_exp
+    monkeypatch.setattr(triton_exp, "ENABLED", False)  # S.exp: the torch ops
+    g = torch.Generator(device="cuda").manual_seed(3)
+    special = torch.tensor([0.0, -0.0, 88.7, 89.0, 89.5, -103.9, -150.0, -150.5, math.inf, -math.inf, math.nan],
+                           device="cuda")
+    x = torch.cat([special, torch.randn(1_000_000, device="cuda", generator=g) * 40,
+                   torch.empty(1_000_000, device="cuda").uniform_(-160, 95, generator=g)])
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        xd = x.to(dtype)
+        ref, got = S.exp(xd), triton_exp.exp(xd)
+        same = (got.view(torch.int32) == ref.view(torch.int32)) | (torch.isnan(got) & torch.isnan(ref))
+        assert bool(same.all()), f"{dtype}: {int((~same).sum())} differ"

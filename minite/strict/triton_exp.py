@@ -1,0 +1,98 @@
+"""Strict mode's exp in one Triton kernel: the same float64 operations as `minite.strict.ops.exp`, in the same order.
+
+Why: a strict decode step launches ~42 torch ops per exp call (the range reduction, a 14-term Horner polynomial, the
+2^n from exponent bits, the special cases), about 40% of a strict NVFP4 step's launches (tools/bench/op_census.py,
+docs/benchmarks.md). One elementwise kernel does the same arithmetic per element.
+
+Why the bits are the same: every step is an IEEE-754 basic operation on float64 (correctly rounded, so the same
+result in torch's kernels, in numpy under Triton's interpreter and in PTX), with two cares:
+  * no FMA contraction: Triton contracts a * b + c by default on the GPU, which rounds once where torch rounds twice;
+    the launch passes enable_fp_fusion=False;
+  * round-half-to-even of x * log2(e) (torch.round) as (t + 1.5 * 2^52) - 1.5 * 2^52, exact for |t| < 2^51 (here
+    |t| <= 217), so no library rint is needed.
+The CPU tests compare it with ops.exp bit for bit under the interpreter (random, boundary, +-inf, NaN, subnormal
+results). On the GPU it is not used until its GPU test has run there (`ENABLED`, minite.strict.ops.exp): the claim is
+the same, the proof is the device's.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from minite.kernels._interpreter import ensure_interpreter_compat, interpreting
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is a dependency, but keep CPU imports cheap and safe
+    triton = None
+
+ENABLED = False
+"""Whether `minite.strict.ops.exp` routes CUDA tensors here. Off until tests/alignment/test_strict_alignment_gpu.py's
+bitwise test of this kernel has passed on the H200 (written 2026-11-30; not yet run there)."""
+
+BLOCK = 1024
+_LOG2E = 1.4426950408889634
+_LN2_HI = 6.93147180369123816490e-01
+_LN2_LO = 1.90821492927058770002e-10
+_RNE = 6755399441055744.0  # 1.5 * 2^52
+_EXP_COEFFS = [1.0 / math.factorial(i) for i in range(14)]
+
+if triton is not None:
+    @triton.jit
+    def _exp_kernel(x_ptr, y_ptr, n, C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr,
+                    C4: tl.constexpr, C5: tl.constexpr, C6: tl.constexpr, C7: tl.constexpr, C8: tl.constexpr,
+                    C9: tl.constexpr, C10: tl.constexpr, C11: tl.constexpr, C12: tl.constexpr, C13: tl.constexpr,
+                    LOG2E: tl.constexpr, LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, RNE: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+        mask = offs < n
+        x64 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float64)
+        nan = x64 != x64
+        xc = tl.where(nan, 0.0, x64)
+        xc = tl.minimum(tl.maximum(xc, -150.0), 89.0)
+        t = xc * LOG2E
+        k = (t + RNE) - RNE
+        r = (xc - k * LN2_HI) - k * LN2_LO
+        acc = tl.full(r.shape, C13, tl.float64)
+        acc = acc * r + C12
+        acc = acc * r + C11
+        acc = acc * r + C10
+        acc = acc * r + C9
+        acc = acc * r + C8
+        acc = acc * r + C7
+        acc = acc * r + C6
+        acc = acc * r + C5
+        acc = acc * r + C4
+        acc = acc * r + C3
+        acc = acc * r + C2
+        acc = acc * r + C1
+        acc = acc * r + C0
+        p2 = ((k.to(tl.int64) + 1023) << 52).to(tl.float64, bitcast=True)
+        y = (acc * p2).to(tl.float32)
+        y = tl.where(x64 < -150.0, 0.0, y)
+        y = tl.where(x64 > 89.0, float("inf"), y)
+        y = tl.where(nan, float("nan"), y)
+        tl.store(y_ptr + offs, y, mask=mask)
+
+
+def available(x: torch.Tensor) -> bool:
+    """Whether the kernel applies: Triton present and a floating tensor on a GPU or under the interpreter."""
+    return triton is not None and x.is_floating_point() and (x.is_cuda or interpreting())
+
+
+def exp(x: torch.Tensor) -> torch.Tensor:
+    """exp(x) in float32 with ops.exp's bits (module docstring), one launch."""
+    if not available(x):
+        raise ValueError("strict triton_exp needs a floating CUDA tensor (or TRITON_INTERPRET=1)")
+    ensure_interpreter_compat()
+    xc = x.contiguous()
+    y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    n = xc.numel()
+    if n == 0:
+        return y
+    c = {f"C{i}": v for i, v in enumerate(_EXP_COEFFS)}
+    _exp_kernel[(triton.cdiv(n, BLOCK),)](xc, y, n, **c, LOG2E=_LOG2E, LN2_HI=_LN2_HI, LN2_LO=_LN2_LO, RNE=_RNE,
+                                          BLOCK_SIZE=BLOCK, enable_fp_fusion=False)
+    return y
