@@ -48,7 +48,7 @@ import math
 
 import torch
 
-from . import triton_exp, triton_gemm
+from . import fused, triton_gemm
 
 _CHUNK_ELEMS = 1 << 24  # products held at once by `linear` and `attention` (64 MiB of fp32)
 
@@ -86,9 +86,9 @@ def _pow2(n: torch.Tensor) -> torch.Tensor:
 
 def exp(x: torch.Tensor) -> torch.Tensor:
     """exp(x) in float32 (see the module docstring); -inf -> 0, NaN -> NaN, overflow -> inf. On CUDA with
-    `triton_exp.ENABLED`: the same operations in one Triton kernel (the same bits; off until proven on the GPU)."""
-    if triton_exp.ENABLED and x.is_cuda and triton_exp.available(x):
-        return triton_exp.exp(x)
+    `fused.ENABLED`: the same operations in one Triton kernel (the same bits; off until proven on the GPU)."""
+    if fused.ENABLED and x.is_cuda and fused.available(x):
+        return fused.exp(x)
     x64 = x.double()
     xc = torch.nan_to_num(x64, nan=0.0).clamp(-150.0, 89.0)  # fp32 exp is 0 below -104, inf above 88.8
     n = torch.round(xc * _LOG2E)
@@ -229,7 +229,10 @@ def silu(x: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) * weight over the last dim, fp32 inside, output in x's dtype."""
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim, fp32 inside, output in x's dtype. On CUDA with
+    `fused.ENABLED`: one Triton kernel, the same operations (off until proven on the GPU)."""
+    if fused.ENABLED and x.is_cuda and fused.available(x):
+        return fused.rms_norm(x, weight, eps)
     xf = x.float()
     ms = tree_sum(xf * xf, -1) / xf.shape[-1]
     inv = 1.0 / torch.sqrt(ms + eps)

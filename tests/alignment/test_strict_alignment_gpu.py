@@ -55,13 +55,14 @@ def test_strict_gap_is_zero_on_the_gpu(precision):
     assert r["max_abs_logp_gap"] == 0.0 and r["first_divergent_op"] is None, r["histogram"]
 
 
-def test_fused_strict_exp_is_bitwise_the_torch_ops_on_cuda(monkeypatch):
-    """minite.strict.triton_exp (off until this passes on the H200): the same fp64 operations as ops.exp in one
-    kernel, FMA contraction off: the same bits as torch's CUDA ops, for every input class and input dtype."""
+def test_fused_strict_ops_are_bitwise_the_torch_ops_on_cuda(monkeypatch):
+    """minite.strict.fused (off until this passes on the H200): exp and rms_norm, the same IEEE operations as the
+    torch ops of minite.strict.ops in one kernel each, FMA contraction off: the same bits on CUDA, for every input
+    class and dtype; and rms_norm rows do not depend on how many rows share the call."""
     import math
 
-    from minite.strict import ops as S, triton_exp
-    monkeypatch.setattr(triton_exp, "ENABLED", False)  # S.exp: the torch ops
+    from minite.strict import fused, ops as S
+    monkeypatch.setattr(fused, "ENABLED", False)  # S.exp / S.rms_norm: the torch ops
     g = torch.Generator(device="cuda").manual_seed(3)
     special = torch.tensor([0.0, -0.0, 88.7, 89.0, 89.5, -103.9, -150.0, -150.5, math.inf, -math.inf, math.nan],
                            device="cuda")
@@ -69,6 +70,13 @@ def test_fused_strict_exp_is_bitwise_the_torch_ops_on_cuda(monkeypatch):
                    torch.empty(1_000_000, device="cuda").uniform_(-160, 95, generator=g)])
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         xd = x.to(dtype)
-        ref, got = S.exp(xd), triton_exp.exp(xd)
+        ref, got = S.exp(xd), fused.exp(xd)
         same = (got.view(torch.int32) == ref.view(torch.int32)) | (torch.isnan(got) & torch.isnan(ref))
-        assert bool(same.all()), f"{dtype}: {int((~same).sum())} differ"
+        assert bool(same.all()), f"exp {dtype}: {int((~same).sum())} differ"
+    for n in (2048, 4096, 1000, 1):
+        for dtype in (torch.bfloat16, torch.float32):
+            h = (torch.randn(64, 7, n, device="cuda", generator=g) * 3).to(dtype)
+            w = (torch.randn(n, device="cuda", generator=g) + 1).to(dtype)
+            full = fused.rms_norm(h, w, 1e-6)
+            assert torch.equal(full, S.rms_norm(h, w, 1e-6)), f"rms_norm n={n} {dtype}"
+            assert torch.equal(fused.rms_norm(h[3:4], w, 1e-6), full[3:4])

@@ -104,9 +104,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
     p.add_argument("--profile", type=int, default=0, metavar="TOP",
                    help="profile one more generate of N_short tokens at the first batch of each engine, print TOP ops")
-    p.add_argument("--strict-fused-exp", action="store_true",
-                   help="strict rows with minite.strict.triton_exp.ENABLED (one-kernel exp; off by default until its "
-                        "GPU test has run): the command line and each row say so")
+    p.add_argument("--strict-fused", action="store_true",
+                   help="strict rows with minite.strict.fused.ENABLED (one-kernel exp and RMSNorm; off by default "
+                        "until their GPU test has run): the command line and each row say so")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="more config overrides for the engine (e.g. rollout switches)")
     a = p.parse_args(argv)
@@ -298,8 +298,8 @@ def run_engines(a: argparse.Namespace, shape: dict, doc: dict, out: Path) -> Non
                             prompts = torch.randint(1, shape["vocab_size"], (batch, a.prompt_len)).tolist()
                             print_top(lambda: _timed_generate(engine, prompts, a.new_tokens), a.profile,
                                       f"{precision} {mode} {variant} batch {batch}, {a.new_tokens} new tokens")
-                    if mode == "strict" and a.strict_fused_exp:
-                        row["strict_fused_exp"] = True
+                    if mode == "strict" and a.strict_fused:
+                        row["strict_fused"] = True
                     doc["rows"].append(row)
                     print(f"{precision:5s} {mode:7s} {variant:8s} batch {batch:4d}: step {_ms(row['step_ms'])} "
                           f"(floor {_ms(row['floor_ms'])}), {row['decode_tokens_per_s']:,.0f} tokens/s", flush=True)
@@ -377,9 +377,9 @@ def main(argv=None) -> int:
         return 0
     shape = TINY if a.tiny else FULL
     out = Path(a.out)
-    if a.strict_fused_exp:
-        from minite.strict import triton_exp
-        triton_exp.ENABLED = True
+    if a.strict_fused:
+        from minite.strict import fused
+        fused.ENABLED = True
     doc = {"device": device_name(), "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "commit": commit(), "command": " ".join(shlex.quote(x) for x in [Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
            "torch": torch.__version__, "hbm_bytes_per_s": HBM_BYTES_PER_S, "shape": dict(shape, num_layers=a.layers),

@@ -1,18 +1,21 @@
-"""Strict mode's exp in one Triton kernel: the same float64 operations as `minite.strict.ops.exp`, in the same order.
+"""Strict-mode ops fused into single Triton kernels: the same IEEE operations as `minite.strict.ops`, in the same order.
 
 Why: a strict decode step launches ~42 torch ops per exp call (the range reduction, a 14-term Horner polynomial, the
-2^n from exponent bits, the special cases), about 40% of a strict NVFP4 step's launches (tools/bench/op_census.py,
-docs/benchmarks.md). One elementwise kernel does the same arithmetic per element.
+2^n from exponent bits, the special cases) and ~11 per RMSNorm, about 40% and 10% of a strict NVFP4 step's launches
+(tools/bench/op_census.py, docs/benchmarks.md). One kernel does the same arithmetic per element (exp) or per row
+(rms_norm: the tree sum of squares by adjacent pairs after zero padding to a power of two, as `ops.tree_sum`).
 
-Why the bits are the same: every step is an IEEE-754 basic operation on float64 (correctly rounded, so the same
-result in torch's kernels, in numpy under Triton's interpreter and in PTX), with two cares:
+Why the bits are the same: every step is an IEEE-754 basic operation (correctly rounded, so the same result in
+torch's kernels, in numpy under Triton's interpreter and in PTX), with three cares:
   * no FMA contraction: Triton contracts a * b + c by default on the GPU, which rounds once where torch rounds twice;
-    the launch passes enable_fp_fusion=False;
+    the launches pass enable_fp_fusion=False;
+  * correctly rounded division and square root: `tl.div_rn` and `tl.sqrt_rn` (Triton's `/` and `tl.sqrt` on fp32
+    are the GPU's approximate instructions);
   * round-half-to-even of x * log2(e) (torch.round) as (t + 1.5 * 2^52) - 1.5 * 2^52, exact for |t| < 2^51 (here
     |t| <= 217), so no library rint is needed.
-The CPU tests compare it with ops.exp bit for bit under the interpreter (random, boundary, +-inf, NaN, subnormal
-results). On the GPU it is not used until its GPU test has run there (`ENABLED`, minite.strict.ops.exp): the claim is
-the same, the proof is the device's.
+The CPU tests compare them with ops.exp and ops.rms_norm bit for bit under the interpreter. On the GPU they are not
+used until their GPU tests have run there (`ENABLED`, read by minite.strict.ops): the claim is the same, the proof
+is the device's.
 """
 from __future__ import annotations
 
@@ -25,12 +28,15 @@ from minite.kernels._interpreter import ensure_interpreter_compat, interpreting
 try:
     import triton
     import triton.language as tl
+
+    from minite.kernels.nvfp4_gemm import _cast_out
 except ImportError:  # pragma: no cover - triton is a dependency, but keep CPU imports cheap and safe
     triton = None
 
 ENABLED = False
-"""Whether `minite.strict.ops.exp` routes CUDA tensors here. Off until tests/alignment/test_strict_alignment_gpu.py's
-bitwise test of this kernel has passed on the H200 (written 2026-11-30; not yet run there)."""
+"""Whether `minite.strict.ops.exp` and `ops.rms_norm` route CUDA tensors here. Off until the bitwise tests of these
+kernels in tests/alignment/test_strict_alignment_gpu.py have passed on the H200 (written 2026-11-30; not yet run
+there)."""
 
 BLOCK = 1024
 _LOG2E = 1.4426950408889634
@@ -76,16 +82,51 @@ if triton is not None:
         y = tl.where(nan, float("nan"), y)
         tl.store(y_ptr + offs, y, mask=mask)
 
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n, eps, WIDTH: tl.constexpr, LEVELS: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, WIDTH)
+        mask = cols < n
+        xf = tl.load(x_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32)
+        acc = xf * xf  # zero past n: the padding of ops.tree_sum
+        for _ in tl.static_range(LEVELS):  # adjacent pairs: (a0 + a1), (a2 + a3), ... as ops.tree_sum
+            a, b = tl.split(tl.reshape(acc, [acc.shape[0] // 2, 2]))
+            acc = a + b
+        ms = tl.div_rn(tl.sum(acc, axis=0), n.to(tl.float32))  # one element left: the sum is exact
+        inv = tl.div_rn(1.0, tl.sqrt_rn(ms + eps))
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = (xf * inv) * w
+        tl.store(y_ptr + row * n + cols, _cast_out(y, y_ptr.dtype.element_ty), mask=mask)  # RNE, also interpreted
+
 
 def available(x: torch.Tensor) -> bool:
     """Whether the kernel applies: Triton present and a floating tensor on a GPU or under the interpreter."""
     return triton is not None and x.is_floating_point() and (x.is_cuda or interpreting())
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """ops.rms_norm's bits in one launch: one program per row of the last dim (module docstring)."""
+    if not available(x):
+        raise ValueError("strict fused rms_norm needs a floating CUDA tensor (or TRITON_INTERPRET=1)")
+    n = x.shape[-1]
+    if weight.shape != (n,):
+        raise ValueError(f"strict fused rms_norm: weight {tuple(weight.shape)} for rows of {n}")
+    ensure_interpreter_compat()
+    xc, wc = x.contiguous(), weight.contiguous()
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rows = xc.numel() // max(n, 1)
+    if rows == 0 or n == 0:
+        return y
+    width = 1 << (n - 1).bit_length()
+    _rms_norm_kernel[(rows,)](xc, wc, y, n, float(eps), WIDTH=max(width, 2), LEVELS=max(width, 2).bit_length() - 1,
+                              num_warps=4 if width <= 4096 else 8, enable_fp_fusion=False)
+    return y
+
+
 def exp(x: torch.Tensor) -> torch.Tensor:
     """exp(x) in float32 with ops.exp's bits (module docstring), one launch."""
     if not available(x):
-        raise ValueError("strict triton_exp needs a floating CUDA tensor (or TRITON_INTERPRET=1)")
+        raise ValueError("strict fused exp needs a floating CUDA tensor (or TRITON_INTERPRET=1)")
     ensure_interpreter_compat()
     xc = x.contiguous()
     y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
