@@ -13,7 +13,10 @@ What these ops guarantee. Each op is written with elementwise IEEE-754 basic ope
 comparisons, round/floor, integer bit manipulation) and explicit reductions:
   * IEEE-754 requires +, -, *, /, sqrt to be correctly rounded, so the vector and scalar code paths of a torch
     elementwise kernel give the same bits, on any thread split, on CPU and on CUDA (PyTorch builds without fast
-    math; two separate torch ops are never contracted into an FMA).
+    math; two separate torch ops are never contracted into an FMA). One measured exception to the premise, not to
+    the conclusion: torch 2.13's fp32 sqrt on this project's CPU is not always correctly rounded (one ulp off for
+    some inputs), but its vector and scalar paths give the same bits (tests/strict/test_fused.py), so strict mode
+    still agrees with itself on a CPU; CUDA's sqrt is correctly rounded.
   * `tree_sum` reduces a dim by adjacent pairs, (x0+x1), (x2+x3), ..., then pairs of pairs, after zero padding
     to a power of two. The tree depends only on absolute positions, and x + 0 == x exactly, so summing the first
     n keys of a length-12 row and of a length-7 row gives the same bits when the extra keys carry zeros. That is

@@ -73,6 +73,9 @@ def test_torch_cpu_sqrt_is_not_always_correctly_rounded():
     gives 0.26692596 for sqrt(0.07124948), the correctly rounded value being 0.26692599 (one ulp off). It is the same
     on the vector and the scalar path, so strict mode's learner and rollout still agree on a CPU; on CUDA torch's
     sqrt is sqrt.rn, which the fused kernel's tl.sqrt_rn matches (the GPU test)."""
+    g = torch.Generator().manual_seed(5)
+    many = torch.rand(4099, generator=g) * 10
+    assert torch.equal(torch.sqrt(many), torch.stack([torch.sqrt(many[i:i + 1])[0] for i in range(4099)]))  # paths agree
     v = torch.tensor([0.07124948] * 17, dtype=torch.float32)
     exact = torch.sqrt(v.double()).float()
     got = torch.sqrt(v)
