@@ -1,9 +1,10 @@
 """Strict-mode ops fused into single Triton kernels: the same IEEE operations as `minite.strict.ops`, in the same order.
 
 Why: a strict decode step launches ~42 torch ops per exp call (the range reduction, a 14-term Horner polynomial, the
-2^n from exponent bits, the special cases) and ~11 per RMSNorm, about 40% and 10% of a strict NVFP4 step's launches
-(tools/bench/op_census.py, docs/benchmarks.md). One kernel does the same arithmetic per element (exp) or per row
-(rms_norm: the tree sum of squares by adjacent pairs after zero padding to a power of two, as `ops.tree_sum`).
+2^n from exponent bits, the special cases), ~11 per RMSNorm and log2(n) + 2 per tree sum, about 40%, 10% and 10% of
+a strict NVFP4 step's launches (tools/bench/op_census.py, docs/benchmarks.md). One kernel does the same arithmetic
+per element (exp) or per row (rms_norm, tree_sum: sums by adjacent pairs after zero padding to a power of two, as
+`ops.tree_sum`).
 
 Why the bits are the same: every step is an IEEE-754 basic operation (correctly rounded, so the same result in
 torch's kernels, in numpy under Triton's interpreter and in PTX), with three cares:
@@ -34,7 +35,7 @@ except ImportError:  # pragma: no cover - triton is a dependency, but keep CPU i
     triton = None
 
 ENABLED = False
-"""Whether `minite.strict.ops.exp` and `ops.rms_norm` route CUDA tensors here. Off until the bitwise tests of these
+"""Whether `minite.strict.ops.exp`, `ops.rms_norm` and `ops.tree_sum` (float32) route CUDA tensors here. Off until the bitwise tests of these
 kernels in tests/alignment/test_strict_alignment_gpu.py have passed on the H200 (written 2026-11-30; not yet run
 there)."""
 
@@ -98,10 +99,42 @@ if triton is not None:
         y = (xf * inv) * w
         tl.store(y_ptr + row * n + cols, _cast_out(y, y_ptr.dtype.element_ty), mask=mask)  # RNE, also interpreted
 
+    @triton.jit
+    def _tree_sum_kernel(x_ptr, y_ptr, rows, n, BLOCK_R: tl.constexpr, WIDTH: tl.constexpr, LEVELS: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.arange(0, WIDTH)
+        acc = tl.load(x_ptr + r[:, None] * n + cols[None, :], mask=(r < rows)[:, None] & (cols < n)[None, :],
+                      other=0.0)  # zero past n: the padding of ops.tree_sum
+        for _ in tl.static_range(LEVELS):  # adjacent pairs, as ops.tree_sum
+            a, b = tl.split(tl.reshape(acc, [BLOCK_R, acc.shape[1] // 2, 2]))
+            acc = a + b
+        tl.store(y_ptr + r, tl.reshape(acc, [BLOCK_R]), mask=r < rows)
+
 
 def available(x: torch.Tensor) -> bool:
     """Whether the kernel applies: Triton present and a floating tensor on a GPU or under the interpreter."""
     return triton is not None and x.is_floating_point() and (x.is_cuda or interpreting())
+
+
+def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """ops.tree_sum's bits for float32 in one launch: rows of the reduced dim, several per program when short."""
+    if not available(x) or x.dtype != torch.float32:
+        raise ValueError("strict fused tree_sum needs a float32 CUDA tensor (or TRITON_INTERPRET=1)")
+    xm = x.movedim(dim, -1)
+    n = xm.shape[-1]
+    out = torch.empty(xm.shape[:-1], dtype=x.dtype, device=x.device)
+    rows = out.numel()
+    if rows == 0:
+        return out
+    if n == 0:
+        return out.zero_()
+    ensure_interpreter_compat()
+    width = max(2, 1 << (n - 1).bit_length())
+    block_r = max(1, min(64, 4096 // width))
+    _tree_sum_kernel[(triton.cdiv(rows, block_r),)](xm.contiguous(), out, rows, n, BLOCK_R=block_r, WIDTH=width,
+                                                    LEVELS=width.bit_length() - 1, num_warps=4,
+                                                    enable_fp_fusion=False)
+    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -161,7 +161,10 @@ def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 
 def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Sum over `dim` by adjacent pairs after zero padding to a power of two (the order depends on positions only)."""
+    """Sum over `dim` by adjacent pairs after zero padding to a power of two (the order depends on positions only).
+    On CUDA with `fused.ENABLED`, float32: one Triton kernel, the same additions (off until proven on the GPU)."""
+    if fused.ENABLED and x.is_cuda and x.dtype == torch.float32 and fused.available(x):
+        return fused.tree_sum(x, dim)
     x = x.movedim(dim, -1)
     n = x.shape[-1]
     if n == 0:

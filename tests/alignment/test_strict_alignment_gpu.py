@@ -56,7 +56,7 @@ def test_strict_gap_is_zero_on_the_gpu(precision):
 
 
 def test_fused_strict_ops_are_bitwise_the_torch_ops_on_cuda(monkeypatch):
-    """minite.strict.fused (off until this passes on the H200): exp and rms_norm, the same IEEE operations as the
+    """minite.strict.fused (off until this passes on the H200): exp, rms_norm, tree_sum, the same IEEE operations as the
     torch ops of minite.strict.ops in one kernel each, FMA contraction off: the same bits on CUDA, for every input
     class and dtype; and rms_norm rows do not depend on how many rows share the call."""
     import math
@@ -80,3 +80,7 @@ def test_fused_strict_ops_are_bitwise_the_torch_ops_on_cuda(monkeypatch):
             full = fused.rms_norm(h, w, 1e-6)
             assert torch.equal(full, S.rms_norm(h, w, 1e-6)), f"rms_norm n={n} {dtype}"
             assert torch.equal(fused.rms_norm(h[3:4], w, 1e-6), full[3:4])
+    for n in (1, 3, 128, 1000, 2048, 8192):
+        t = torch.randn(5, n, 3, device="cuda", generator=g) * 100
+        for dim in (1, -1):
+            assert torch.equal(fused.tree_sum(t, dim), S.tree_sum(t, dim)), f"tree_sum n={n} dim={dim}"

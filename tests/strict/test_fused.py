@@ -42,11 +42,13 @@ def test_ops_route_to_the_kernels_only_when_enabled_on_cuda(monkeypatch):
     calls = []
     monkeypatch.setattr(fused, "exp", lambda x: calls.append(1) or torch.zeros(x.shape))
     monkeypatch.setattr(fused, "rms_norm", lambda x, w, e: calls.append(1) or x)
+    monkeypatch.setattr(fused, "tree_sum", lambda x, d=-1: calls.append(1) or x.sum(d))
     ops.exp(torch.randn(4))
     assert calls == []  # off (the default) and a CPU tensor: the torch ops
     monkeypatch.setattr(fused, "ENABLED", True)
     ops.exp(torch.randn(4))
     ops.rms_norm(torch.randn(2, 4), torch.ones(4), 1e-6)
+    ops.tree_sum(torch.randn(2, 4))
     assert calls == []  # a CPU tensor stays on the torch ops even when enabled
 
 
@@ -82,6 +84,24 @@ def test_torch_cpu_sqrt_is_not_always_correctly_rounded():
     if torch.equal(got, exact):
         pytest.skip("this torch build's CPU sqrt is correctly rounded here")
     assert (got.view(torch.int32) - exact.view(torch.int32)).abs().max() == 1
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 128, 1000, 2048])
+def test_fused_tree_sum_is_bitwise_ops_tree_sum(n):
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(3, n, 5, generator=g) * torch.logspace(-8, 8, 5)).to(DEVICE)  # summands of mixed magnitude
+    for dim in (1, -1, 0):
+        assert torch.equal(fused.tree_sum(x, dim), ops.tree_sum(x, dim)), dim
+    assert fused.tree_sum(torch.empty(4, 0, device=DEVICE), -1).eq(0).all()
+    with pytest.raises(ValueError, match="float32"):
+        fused.tree_sum(x.double())
+
+
+def test_fused_tree_sum_is_not_a_plain_sum():
+    """The order shows: 1e8 + 1 - 1e8 + 1 summed in pairs is (1e8 + 1) + (-1e8 + 1) = 0 in fp32, a sequential sum
+    gives 1."""
+    x = torch.tensor([[1e8, 1.0, -1e8, 1.0]], device=DEVICE)
+    assert fused.tree_sum(x).item() == 0.0 and ((x[0, 0] + x[0, 1]) + x[0, 2] + x[0, 3]).item() == 1.0
 
 
 def test_fused_rms_norm_refuses_a_wrong_weight():
