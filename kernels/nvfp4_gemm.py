@@ -164,11 +164,12 @@ def _unshift(acc, A_PACKED: tl.constexpr, B_PACKED: tl.constexpr):
 @triton.jit
 def _cast_out(x, out_ty: tl.constexpr):
     """fp32 -> out dtype. bf16 rounds to nearest even in integer arithmetic first (Triton's interpreter truncates
-    fp32 -> bf16; on the GPU the cast is already RNE, so this is the same value), then the cast is exact."""
+    fp32 -> bf16; on the GPU the cast is already RNE, so this is the same value), then the cast is exact. A NaN is
+    cast as it is (the rounding carry would turn the GPU's NaN 0x7FFFFFFF into -0.0)."""
     if out_ty == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True)).to(tl.bfloat16)
     else:
         return x.to(out_ty)
 

@@ -14,9 +14,11 @@ torch's kernels, in numpy under Triton's interpreter and in PTX), with three car
     are the GPU's approximate instructions);
   * round-half-to-even of x * log2(e) (torch.round) as (t + 1.5 * 2^52) - 1.5 * 2^52, exact for |t| < 2^51 (here
     |t| <= 217), so no library rint is needed.
-The CPU tests compare them with ops.exp and ops.rms_norm bit for bit under the interpreter. On the GPU they are not
-used until their GPU tests have run there (`ENABLED`, read by minite.strict.ops): the claim is the same, the proof
-is the device's.
+Two more: rms_norm's mean is `tl.div_rn(sum, n)`, which is what `ops.rms_norm` computes since it divides by a
+tensor (torch's CUDA `t / python_number` is t * (1 / n), another rounding); a NaN stays NaN through the bf16 cast.
+The CPU tests compare them with ops.exp, ops.rms_norm and ops.tree_sum bit for bit under the interpreter. On the GPU
+they are not used until their GPU test has passed there (`ENABLED`, read by `routes`): the claim is the same, the
+proof is the device's. They have no backward, so calls that record a gradient stay on the torch ops.
 """
 from __future__ import annotations
 
@@ -36,10 +38,13 @@ except ImportError:  # pragma: no cover - triton is a dependency, but keep CPU i
 
 ENABLED = False
 """Whether `minite.strict.ops.exp`, `ops.rms_norm` and `ops.tree_sum` (float32) route CUDA tensors here. Off until the bitwise tests of these
-kernels in tests/alignment/test_strict_alignment_gpu.py have passed on the H200 (written 2026-11-30; not yet run
-there)."""
+kernels in tests/alignment/test_strict_alignment_gpu.py have passed on the H200 (written 2026-11-30)."""
 
 BLOCK = 1024
+MAX_WIDTH = 2048
+"""The widest row (tree_sum's reduced dim, rms_norm's last dim) routed to the kernels; see `routes`. Compiling for
+sm_90 with Triton 3.6 (`triton.compile` for GPUTarget("cuda", 90, 32) on the 2-core CPU machine, 2026-12-01):
+rms_norm at width 2048 15 s (fp32) to 37 s (bf16), at 4096 68 s (fp32); tree_sum 4 s at 2048, 43 s at 4096."""
 _LOG2E = 1.4426950408889634
 _LN2_HI = 6.93147180369123816490e-01
 _LN2_LO = 1.90821492927058770002e-10
@@ -47,7 +52,7 @@ _RNE = 6755399441055744.0  # 1.5 * 2^52
 _EXP_COEFFS = [1.0 / math.factorial(i) for i in range(14)]
 
 if triton is not None:
-    @triton.jit
+    @triton.jit(do_not_specialize=["n"])
     def _exp_kernel(x_ptr, y_ptr, n, C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr,
                     C4: tl.constexpr, C5: tl.constexpr, C6: tl.constexpr, C7: tl.constexpr, C8: tl.constexpr,
                     C9: tl.constexpr, C10: tl.constexpr, C11: tl.constexpr, C12: tl.constexpr, C13: tl.constexpr,
@@ -83,7 +88,7 @@ if triton is not None:
         y = tl.where(nan, float("nan"), y)
         tl.store(y_ptr + offs, y, mask=mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n"])  # n == 1 would become a constant, and n.to(tl.float32) fail to compile
     def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n, eps, WIDTH: tl.constexpr, LEVELS: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, WIDTH)
@@ -99,7 +104,7 @@ if triton is not None:
         y = (xf * inv) * w
         tl.store(y_ptr + row * n + cols, _cast_out(y, y_ptr.dtype.element_ty), mask=mask)  # RNE, also interpreted
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["rows", "n"])
     def _tree_sum_kernel(x_ptr, y_ptr, rows, n, BLOCK_R: tl.constexpr, WIDTH: tl.constexpr, LEVELS: tl.constexpr):
         r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.arange(0, WIDTH)
@@ -113,7 +118,21 @@ if triton is not None:
 
 def available(x: torch.Tensor) -> bool:
     """Whether the kernel applies: Triton present and a floating tensor on a GPU or under the interpreter."""
-    return triton is not None and x.is_floating_point() and (x.is_cuda or interpreting())
+    return triton is not None and x.is_floating_point() and (_gpu(x) or interpreting())
+
+
+def _gpu(x: torch.Tensor) -> bool:
+    return x.is_cuda
+
+
+def routes(x: torch.Tensor, *others: torch.Tensor, width: int = 0) -> bool:
+    """Whether `minite.strict.ops` sends this call here: `ENABLED`, a CUDA tensor, a reduced width of at most
+    `MAX_WIDTH` (the whole padded row lives in one program: wider rows compile for minutes, so they stay on the torch
+    ops, e.g. a log-softmax over a 151,936-token vocabulary) and no gradient to record (the kernels have no
+    backward; the learner's strict forward keeps the torch ops, which give the same bits)."""
+    if not (ENABLED and _gpu(x) and available(x) and width <= MAX_WIDTH):
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *others)))
 
 
 def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -129,7 +148,7 @@ def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     if n == 0:
         return out.zero_()
     ensure_interpreter_compat()
-    width = max(2, 1 << (n - 1).bit_length())
+    width = 1 << (n - 1).bit_length()  # n == 1: width 1, no addition (adding the +0 padding would turn -0.0 into +0.0)
     block_r = max(1, min(64, 4096 // width))
     _tree_sum_kernel[(triton.cdiv(rows, block_r),)](xm.contiguous(), out, rows, n, BLOCK_R=block_r, WIDTH=width,
                                                     LEVELS=width.bit_length() - 1, num_warps=4,

@@ -16,7 +16,8 @@ comparisons, round/floor, integer bit manipulation) and explicit reductions:
     math; two separate torch ops are never contracted into an FMA). One measured exception to the premise, not to
     the conclusion: torch 2.13's fp32 sqrt on this project's CPU is not always correctly rounded (one ulp off for
     some inputs), but its vector and scalar paths give the same bits (tests/strict/test_fused.py), so strict mode
-    still agrees with itself on a CPU; CUDA's sqrt is correctly rounded.
+    still agrees with itself on a CPU; CUDA's sqrt is correctly rounded. And one trap: torch's CUDA division of a
+    tensor by a Python number computes t * (1 / n), not t / n, so these ops divide by tensors (as rms_norm's mean).
   * `tree_sum` reduces a dim by adjacent pairs, (x0+x1), (x2+x3), ..., then pairs of pairs, after zero padding
     to a power of two. The tree depends only on absolute positions, and x + 0 == x exactly, so summing the first
     n keys of a length-12 row and of a length-7 row gives the same bits when the extra keys carry zeros. That is
@@ -90,7 +91,7 @@ def _pow2(n: torch.Tensor) -> torch.Tensor:
 def exp(x: torch.Tensor) -> torch.Tensor:
     """exp(x) in float32 (see the module docstring); -inf -> 0, NaN -> NaN, overflow -> inf. On CUDA with
     `fused.ENABLED`: the same operations in one Triton kernel (the same bits; off until proven on the GPU)."""
-    if fused.ENABLED and x.is_cuda and fused.available(x):
+    if fused.routes(x):
         return fused.exp(x)
     x64 = x.double()
     xc = torch.nan_to_num(x64, nan=0.0).clamp(-150.0, 89.0)  # fp32 exp is 0 below -104, inf above 88.8
@@ -163,7 +164,7 @@ def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Sum over `dim` by adjacent pairs after zero padding to a power of two (the order depends on positions only).
     On CUDA with `fused.ENABLED`, float32: one Triton kernel, the same additions (off until proven on the GPU)."""
-    if fused.ENABLED and x.is_cuda and x.dtype == torch.float32 and fused.available(x):
+    if x.dtype == torch.float32 and x.dim() and fused.routes(x, width=x.shape[dim]):
         return fused.tree_sum(x, dim)
     x = x.movedim(dim, -1)
     n = x.shape[-1]
@@ -237,10 +238,11 @@ def silu(x: torch.Tensor) -> torch.Tensor:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) * weight over the last dim, fp32 inside, output in x's dtype. On CUDA with
     `fused.ENABLED`: one Triton kernel, the same operations (off until proven on the GPU)."""
-    if fused.ENABLED and x.is_cuda and fused.available(x):
+    if x.dim() and fused.routes(x, weight, width=x.shape[-1]):
         return fused.rms_norm(x, weight, eps)
     xf = x.float()
-    ms = tree_sum(xf * xf, -1) / xf.shape[-1]
+    s = tree_sum(xf * xf, -1)
+    ms = s / torch.full_like(s, xf.shape[-1])  # a tensor divisor: torch's CUDA `t / python_number` is t * (1 / n)
     inv = 1.0 / torch.sqrt(ms + eps)
     return ((xf * inv.unsqueeze(-1)) * weight.float()).to(x.dtype)
 

@@ -73,14 +73,36 @@ def test_fused_strict_ops_are_bitwise_the_torch_ops_on_cuda(monkeypatch):
         ref, got = S.exp(xd), fused.exp(xd)
         same = (got.view(torch.int32) == ref.view(torch.int32)) | (torch.isnan(got) & torch.isnan(ref))
         assert bool(same.all()), f"exp {dtype}: {int((~same).sum())} differ"
-    for n in (2048, 4096, 1000, 1):
+
+    def same_bits(a, b):  # any NaN matches any NaN
+        ia, ib = (t.view(torch.int16 if t.element_size() == 2 else torch.int32) for t in (a, b))
+        return a.dtype == b.dtype and a.shape == b.shape and bool(((ia == ib) | (a.isnan() & b.isnan())).all())
+
+    for n in (fused.MAX_WIDTH, 1000, 128, 1):
         for dtype in (torch.bfloat16, torch.float32):
             h = (torch.randn(64, 7, n, device="cuda", generator=g) * 3).to(dtype)
+            h[0, 0] = 0
+            h[0, 1, 0] = math.nan
+            h[0, 2, -1] = math.inf
+            h[0, 3, 0] = torch.finfo(dtype).max
             w = (torch.randn(n, device="cuda", generator=g) + 1).to(dtype)
             full = fused.rms_norm(h, w, 1e-6)
-            assert torch.equal(full, S.rms_norm(h, w, 1e-6)), f"rms_norm n={n} {dtype}"
+            assert same_bits(full, S.rms_norm(h, w, 1e-6)), f"rms_norm n={n} {dtype}"
             assert torch.equal(fused.rms_norm(h[3:4], w, 1e-6), full[3:4])
-    for n in (1, 3, 128, 1000, 2048, 8192):
+    for n in (1, 3, 128, 1000, fused.MAX_WIDTH):
         t = torch.randn(5, n, 3, device="cuda", generator=g) * 100
+        t[0, 0, 0] = -0.0
+        t[1, -1, 1] = math.nan
+        t[2, 0, 2] = -math.inf
         for dim in (1, -1):
-            assert torch.equal(fused.tree_sum(t, dim), S.tree_sum(t, dim)), f"tree_sum n={n} dim={dim}"
+            assert same_bits(fused.tree_sum(t, dim), S.tree_sum(t, dim)), f"tree_sum n={n} dim={dim}"
+    monkeypatch.setattr(fused, "ENABLED", True)  # the routing itself: a strict log-softmax over a vocabulary row
+    logits = torch.randn(16, 151936, device="cuda", generator=g) * 5  # (exp fused, the wide tree sum not)
+    calls, fused_exp = [], fused.exp
+    monkeypatch.setattr(fused, "exp", lambda x: calls.append(x.shape) or fused_exp(x))
+    with torch.no_grad():
+        routed = S.log_softmax(logits)
+    assert calls == [logits.shape]
+    monkeypatch.setattr(fused, "ENABLED", False)
+    with torch.no_grad():
+        assert torch.equal(routed, S.log_softmax(logits))

@@ -1,4 +1,4 @@
-"""minite.strict.fused: ops.exp's and ops.rms_norm's operations in one Triton kernel each, bit for bit (the
+"""minite.strict.fused: ops.exp's, ops.rms_norm's and ops.tree_sum's operations in one Triton kernel each, bit for bit (the
 interpreter on the CPU; the GPU tests are in tests/alignment/test_strict_alignment_gpu.py)."""
 import math
 
@@ -40,9 +40,9 @@ def test_fused_exp_shapes_and_strides():
 
 def test_ops_route_to_the_kernels_only_when_enabled_on_cuda(monkeypatch):
     calls = []
-    monkeypatch.setattr(fused, "exp", lambda x: calls.append(1) or torch.zeros(x.shape))
-    monkeypatch.setattr(fused, "rms_norm", lambda x, w, e: calls.append(1) or x)
-    monkeypatch.setattr(fused, "tree_sum", lambda x, d=-1: calls.append(1) or x.sum(d))
+    monkeypatch.setattr(fused, "exp", lambda x: calls.append("exp") or torch.zeros(x.shape))
+    monkeypatch.setattr(fused, "rms_norm", lambda x, w, e: calls.append("rms_norm") or x)
+    monkeypatch.setattr(fused, "tree_sum", lambda x, d=-1: calls.append("tree_sum") or x.sum(d))
     ops.exp(torch.randn(4))
     assert calls == []  # off (the default) and a CPU tensor: the torch ops
     monkeypatch.setattr(fused, "ENABLED", True)
@@ -50,6 +50,36 @@ def test_ops_route_to_the_kernels_only_when_enabled_on_cuda(monkeypatch):
     ops.rms_norm(torch.randn(2, 4), torch.ones(4), 1e-6)
     ops.tree_sum(torch.randn(2, 4))
     assert calls == []  # a CPU tensor stays on the torch ops even when enabled
+    monkeypatch.setattr(fused, "_gpu", lambda x: True)  # as if on CUDA: what else decides
+    ops.exp(torch.randn(4))
+    ops.rms_norm(torch.randn(2, 4), torch.ones(4), 1e-6)
+    ops.tree_sum(torch.randn(2, 4))
+    ops.tree_sum(torch.randn(2, 4, dtype=torch.float64))  # float32 only
+    assert calls == ["exp", "rms_norm", "tree_sum"]
+    calls.clear()
+    wide = torch.randn(2, fused.MAX_WIDTH + 1)
+    ops.tree_sum(wide)  # a row wider than one program takes
+    ops.tree_sum(wide, 0)  # ... but the reduced dim decides
+    ops.rms_norm(wide, torch.ones(wide.shape[-1]), 1e-6)
+    assert calls == ["tree_sum"]
+    calls.clear()
+    x = torch.randn(2, 4, requires_grad=True)  # the kernels record no backward: a tensor that needs one stays
+    w = torch.ones(4, requires_grad=True)
+    ops.exp(x), ops.tree_sum(x)
+    assert calls == []
+    ops.rms_norm(x.detach(), w, 1e-6)
+    assert calls == ["tree_sum"]  # the norm stays (w needs a gradient); its sum of squares needs none
+    calls.clear()
+    with torch.no_grad():
+        ops.exp(x), ops.rms_norm(x, w, 1e-6)
+    assert calls == ["exp", "rms_norm"]
+
+
+def _same_bits(a, b):
+    """Bit for bit, any NaN matching any NaN (torch and the kernels may pick different NaN payloads)."""
+    ai = a.view(torch.int16 if a.element_size() == 2 else torch.int32)
+    bi = b.view(torch.int16 if b.element_size() == 2 else torch.int32)
+    return a.dtype == b.dtype and a.shape == b.shape and bool(((ai == bi) | (a.isnan() & b.isnan())).all())
 
 
 @pytest.mark.parametrize("n", [1, 3, 96, 1000, 2048])
@@ -58,16 +88,22 @@ def test_fused_rms_norm_is_bitwise_ops_rms_norm(n, dtype):
     g = torch.Generator().manual_seed(n)
     x = (torch.randn(2, 5, n, generator=g) * torch.logspace(-3, 3, n)).to(dtype).to(DEVICE)
     x[0, 0] = 0  # an all-zero row: 0 * 1/sqrt(eps)
+    x[0, 1, 0] = -0.0
+    x[1, 0, 0] = math.nan  # a NaN row stays NaN (bf16: the rounding carry must not make it -0.0)
+    x[1, 1, -1] = math.inf
+    x[1, 2, 0] = torch.finfo(dtype).max  # its square overflows: the row is 0, NaN where x is inf... as torch does
     w = (torch.randn(n, generator=g) + 1).to(dtype).to(DEVICE)
     got = fused.rms_norm(x, w, 1e-6)
     if x.is_cuda:  # torch's CUDA sqrt is correctly rounded (sqrt.rn): ops.rms_norm itself is the reference
         ref = ops.rms_norm(x, w, 1e-6)
     else:  # ops.rms_norm's operations with a correctly rounded sqrt (torch's CPU sqrt is not always: below)
         xf = x.float()
-        ms = ops.tree_sum(xf * xf, -1) / n
+        s = ops.tree_sum(xf * xf, -1)
+        ms = s / torch.full_like(s, n)
         inv = 1.0 / torch.sqrt((ms + 1e-6).double()).float()  # binary64 sqrt rounded to binary32: correctly rounded
         ref = ((xf * inv.unsqueeze(-1)) * w.float()).to(dtype)
-    assert got.dtype == ref.dtype and torch.equal(got, ref)
+    assert _same_bits(got, ref)
+    assert bool(got[1, 0].isnan().all()) and not bool(got[0, 2].isnan().any())
 
 
 def test_torch_cpu_sqrt_is_not_always_correctly_rounded():
@@ -90,8 +126,11 @@ def test_torch_cpu_sqrt_is_not_always_correctly_rounded():
 def test_fused_tree_sum_is_bitwise_ops_tree_sum(n):
     g = torch.Generator().manual_seed(n)
     x = (torch.randn(3, n, 5, generator=g) * torch.logspace(-8, 8, 5)).to(DEVICE)  # summands of mixed magnitude
+    x[0, 0, 0] = -0.0  # n == 1: the sum is the element itself, sign of zero included
+    x[1, 0, 1] = math.inf
+    x[2, -1, 2] = math.nan
     for dim in (1, -1, 0):
-        assert torch.equal(fused.tree_sum(x, dim), ops.tree_sum(x, dim)), dim
+        assert _same_bits(fused.tree_sum(x, dim), ops.tree_sum(x, dim)), dim
     assert fused.tree_sum(torch.empty(4, 0, device=DEVICE), -1).eq(0).all()
     with pytest.raises(ValueError, match="float32"):
         fused.tree_sum(x.double())

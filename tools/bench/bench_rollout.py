@@ -105,7 +105,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", type=int, default=0, metavar="TOP",
                    help="profile one more generate of N_short tokens at the first batch of each engine, print TOP ops")
     p.add_argument("--strict-fused", action="store_true",
-                   help="strict rows with minite.strict.fused.ENABLED (one-kernel exp and RMSNorm; off by default "
+                   help="strict rows with minite.strict.fused.ENABLED (one-kernel exp, RMSNorm and tree sum; off by default "
                         "until their GPU test has run): the command line and each row say so")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="more config overrides for the engine (e.g. rollout switches)")
