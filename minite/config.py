@@ -134,11 +134,15 @@ class RolloutConfig:
     """embedded backend on a GPU: replay each decode step as a CUDA graph, captured in the first rollout of a shape
     (minite/rollout/decode.py); off, or a capture that fails, runs the step eagerly (the same bits). With
     alignment.routing_replay the engine records its routes with Python hooks, so every step runs eagerly then."""
-    packed_weights: bool = False
+    packed_weights: bool = True
     """embedded backend, NVFP4 on a GPU: the expert GEMMs read the weights' packed codes, also kept in the decode
     kernel's order (0.56 B per element), instead of fp16 block values (2 B): the same bits, a quarter of the bytes.
-    Off by default: with the dense linears packed too it measured 1-4% slower end to end (docs/benchmarks.md); the
-    experts-only form is not yet measured end to end."""
+    The dense linears keep fp16 values (packed they measured slower end to end). On the H200 (2026-12-01, 8cadb07)
+    the rollout slice's decode step took 3.26 vs 3.57 ms at batch 64, 5.87 vs 6.16 at 256, 1.65 vs 1.64 at 1
+    (docs/benchmarks.md)."""
+    sglang_args: dict[str, Any] = field(default_factory=dict)
+    """sglang backend: more `sglang.Engine` keyword arguments, over miniTE's defaults (minite.rollout.sglang.engine
+    `engine_args_for`), e.g. --set 'rollout.sglang_args={attention_backend: triton, mem_fraction_static: 0.3}'."""
 
     def __post_init__(self):
         if self.temperature <= 0 or not 0 < self.top_p <= 1:

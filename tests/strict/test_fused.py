@@ -1,5 +1,5 @@
-"""minite.strict.fused: ops.exp's, ops.rms_norm's and ops.tree_sum's operations in one Triton kernel each, bit for bit (the
-interpreter on the CPU; the GPU tests are in tests/alignment/test_strict_alignment_gpu.py)."""
+"""minite.strict.fused: ops.exp's, ops.rms_norm's and ops.tree_sum's operations in one Triton kernel each, bit for
+bit (the interpreter on the CPU; the GPU tests are in tests/alignment/test_strict_alignment_gpu.py)."""
 import math
 
 import pytest
@@ -43,14 +43,16 @@ def test_ops_route_to_the_kernels_only_when_enabled_on_cuda(monkeypatch):
     monkeypatch.setattr(fused, "exp", lambda x: calls.append("exp") or torch.zeros(x.shape))
     monkeypatch.setattr(fused, "rms_norm", lambda x, w, e: calls.append("rms_norm") or x)
     monkeypatch.setattr(fused, "tree_sum", lambda x, d=-1: calls.append("tree_sum") or x.sum(d))
-    ops.exp(torch.randn(4))
-    assert calls == []  # off (the default) and a CPU tensor: the torch ops
-    monkeypatch.setattr(fused, "ENABLED", True)
+    assert fused.ENABLED  # on by default
     ops.exp(torch.randn(4))
     ops.rms_norm(torch.randn(2, 4), torch.ones(4), 1e-6)
     ops.tree_sum(torch.randn(2, 4))
     assert calls == []  # a CPU tensor stays on the torch ops even when enabled
     monkeypatch.setattr(fused, "_gpu", lambda x: True)  # as if on CUDA: what else decides
+    monkeypatch.setattr(fused, "ENABLED", False)
+    ops.exp(torch.randn(4))
+    assert calls == []  # off: the torch ops, even on a GPU
+    monkeypatch.setattr(fused, "ENABLED", True)
     ops.exp(torch.randn(4))
     ops.rms_norm(torch.randn(2, 4), torch.ones(4), 1e-6)
     ops.tree_sum(torch.randn(2, 4))

@@ -19,7 +19,8 @@ CUDA graphs); --repeats pairs, median. miniTE's loop on a GPU also times its dec
 CUDA event after the prefill's sample, one after the last step): there step_ms is that time of the N_long run over
 its N_long - 1 steps (`step_method` "events"; the difference stays in `step_ms_difference`), because the prefill's
 run-to-run noise (tens of ms for strict prefill at batch 1) exceeded the whole decode time of graph-replayed steps.
-Loops (--variants): `graphs` (what ships), `eager` (miniTE's loop without graphs), `megatron` (Megatron's controller,
+Loops (--variants): `graphs` (BF16: what ships), `packed` (graphs with the experts' packed NVFP4 weights: what
+ships for NVFP4 since 2026-12-01), `eager` (miniTE's loop without graphs), `megatron` (Megatron's controller,
 the loop before minite/rollout/decode.py); each row names its `variant`, whether graphs were replayed
 (`cuda_graphs_replayed`) and why a capture failed (`graph_error`).
 
@@ -95,18 +96,18 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--short-tokens", type=int, default=8, help="N_short")
     p.add_argument("--variants", default="graphs",
                    help="the engine's loop, comma-separated: graphs (miniTE's loop, CUDA-graph decode steps, fp16 "
-                        "block-value weights: what ships), eager (miniTE's loop without graphs), megatron "
-                        "(Megatron-Core's controller), packed (graphs with rollout.packed_weights: the expert GEMMs "
-                        "read packed weight codes)")
+                        "block-value weights: what shipped until 2026-12-01), eager (miniTE's loop without graphs), "
+                        "megatron (Megatron-Core's controller), packed (graphs with rollout.packed_weights: the expert "
+                        "GEMMs read packed weight codes; what ships since 2026-12-01, NVFP4 only)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--reference-iters", type=int, default=20)
     p.add_argument("--no-reference", action="store_true", help="skip the plain-PyTorch reference rows")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
     p.add_argument("--profile", type=int, default=0, metavar="TOP",
                    help="profile one more generate of N_short tokens at the first batch of each engine, print TOP ops")
-    p.add_argument("--strict-fused", action="store_true",
-                   help="strict rows with minite.strict.fused.ENABLED (one-kernel exp, RMSNorm and tree sum; off by default "
-                        "until their GPU test has run): the command line and each row say so")
+    p.add_argument("--no-strict-fused", dest="strict_fused", action="store_false",
+                   help="strict rows on strict mode's torch ops alone (minite.strict.fused.ENABLED off: exp, RMSNorm "
+                        "and tree sums as tens of elementwise launches each); each strict row records strict_fused")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="more config overrides for the engine (e.g. rollout switches)")
     a = p.parse_args(argv)
@@ -298,8 +299,8 @@ def run_engines(a: argparse.Namespace, shape: dict, doc: dict, out: Path) -> Non
                             prompts = torch.randint(1, shape["vocab_size"], (batch, a.prompt_len)).tolist()
                             print_top(lambda: _timed_generate(engine, prompts, a.new_tokens), a.profile,
                                       f"{precision} {mode} {variant} batch {batch}, {a.new_tokens} new tokens")
-                    if mode == "strict" and a.strict_fused:
-                        row["strict_fused"] = True
+                    if mode == "strict":
+                        row["strict_fused"] = a.strict_fused
                     doc["rows"].append(row)
                     print(f"{precision:5s} {mode:7s} {variant:8s} batch {batch:4d}: step {_ms(row['step_ms'])} "
                           f"(floor {_ms(row['floor_ms'])}), {row['decode_tokens_per_s']:,.0f} tokens/s", flush=True)
@@ -344,9 +345,9 @@ def render(doc: dict) -> str:
            f"must read / {doc['hbm_bytes_per_s'] / 1e12:.1f} TB/s.", "",
            "Loop: megatron = Megatron-Core's controller (every row before the own loop), eager = miniTE's loop "
            "(minite/rollout/decode.py), graphs = miniTE's loop replaying CUDA graphs, NVFP4 GEMMs on fp16 block-value "
-           "weights (what ships), packed = graphs with rollout.packed_weights (opt-in): the NVFP4 GEMMs read packed "
-           "weight codes (before d5ff83e the dense linears' and the experts', since then the experts' only, in the "
-           "decode order from cd42429 on).", "",
+           "weights (what shipped until 2026-12-01; BF16: what ships), packed = graphs with rollout.packed_weights: "
+           "the NVFP4 GEMMs read packed weight codes (before d5ff83e the dense linears' and the experts', since then "
+           "the experts' only, in the decode order from cd42429 on; the default since 2026-12-01).", "",
            "| precision | mode | loop | batch | prompt | new tokens | decode step | floor | step / floor "
            "| decode tokens/s | host syncs / step | commit |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(doc["rows"], key=lambda r: (r["precision"], r["strict"], r["batch"])):
@@ -377,9 +378,8 @@ def main(argv=None) -> int:
         return 0
     shape = TINY if a.tiny else FULL
     out = Path(a.out)
-    if a.strict_fused:
-        from minite.strict import fused
-        fused.ENABLED = True
+    from minite.strict import fused
+    fused.ENABLED = a.strict_fused
     doc = {"device": device_name(), "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "commit": commit(), "command": " ".join(shlex.quote(x) for x in [Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
            "torch": torch.__version__, "hbm_bytes_per_s": HBM_BYTES_PER_S, "shape": dict(shape, num_layers=a.layers),

@@ -8,7 +8,7 @@ skip_tokenizer_init=True)`. SGLang runs the scheduler in a subprocess; the plugi
 point. Measured start-up on the 2-core CPU dev machine, tiny model: see docs/sglang.md. A BF16 learner
 (precision.mode "bf16") gets a BF16 checkpoint under Hugging Face names, loaded without quantization, and BF16
 weight updates. With cfg.alignment.strict, config.json carries `"minite_strict": true` and SGLang's Qwen3-MoE
-computes with the learner's strict ops (minite.rollout.sglang.strict; CPU engine only).
+computes with the learner's strict ops (minite.rollout.sglang.strict; torch_native attention, eager).
 
 generate: one SGLang request per sample (n per prompt), token ids in, `return_logprob=True`; the per-token
 log-probs are meta_info["output_token_logprobs"] (logprob, token id, text). They are the untempered policy's
@@ -303,11 +303,30 @@ def build_sglang(cfg, *, pad_id: int = 0, engine_args: Optional[dict] = None) ->
     import_sglang()  # before the model is built: a missing SGLang fails fast
     if (cfg.parallel.tp, cfg.parallel.ep, cfg.parallel.pp) != (1, 1, 1):
         raise ValueError("rollout.backend='sglang' takes weight updates from a tp=ep=pp=1 learner for now")
-    if cfg.alignment.strict and torch.cuda.is_available():
-        raise ValueError("alignment.strict with rollout.backend='sglang' is implemented for the CPU engine only "
-                         "(torch_native attention, minite.rollout.sglang.strict); use the embedded backend on GPU")
+    args = {**engine_args_for(cfg, "cuda" if torch.cuda.is_available() else "cpu"), **(engine_args or {})}
     model = build_model(cfg, strict=bool(cfg.alignment.strict))
     named = [(n, p.detach()) for n, p in model.named_parameters()]
     recipe = cfg.precision.recipe if cfg.precision.mode == "nvfp4" else None
     return start_from_learner_tensors(named, model_shape(cfg).to_hf(), recipe,
-                                      engine_args=engine_args, strict=bool(cfg.alignment.strict))
+                                      engine_args=args, strict=bool(cfg.alignment.strict))
+
+
+def engine_args_for(cfg, device: str) -> dict:
+    """The engine arguments build_sglang adds to `default_engine_args(device)`: strict mode's on a GPU (SGLang's
+    torch_native attention, whose per-request attention minite.rollout.sglang.strict replaces; eager, since the strict
+    forward is not captured in CUDA graphs; torch sampling), then `rollout.sglang_args`. A strict run that asks
+    for another attention backend or for CUDA graphs is refused here, in one line, rather than in SGLang's scheduler."""
+    args = {}
+    if cfg.alignment.strict and device != "cpu":
+        args.update(attention_backend="torch_native", disable_cuda_graph=True, sampling_backend="pytorch",
+                    enable_deterministic_inference=False)  # sampling is SGLang's own; the log-probs are strict
+    args.update(cfg.rollout.sglang_args)
+    if cfg.alignment.strict:
+        if args.get("attention_backend", "torch_native") != "torch_native":
+            raise ValueError("alignment.strict with rollout.backend='sglang' needs attention_backend='torch_native' "
+                             "(minite.rollout.sglang.strict replaces its attention), "
+                             f"got {args['attention_backend']!r}")
+        if args.get("disable_cuda_graph") is False:
+            raise ValueError("alignment.strict with rollout.backend='sglang' runs eagerly: "
+                             "rollout.sglang_args.disable_cuda_graph must stay true")
+    return args

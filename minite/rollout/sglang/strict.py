@@ -39,8 +39,8 @@ attention, lm_head and log-prob steps that follow it; any other model runs upstr
 model per SGLang scheduler process, so the mark is the model's. NVFP4 or BF16 checkpoint alike.
 
 Scope: sglang==0.5.23 only (the plugin refuses other versions: these are private SGLang methods);
-attention_backend="torch_native" (the CPU engine; `_model_forward` raises for any other backend, and build_sglang
-refuses strict mode on a GPU machine), TP = EP = PP = 1, Qwen3-MoE without shared experts, softmax top-k router
+attention_backend="torch_native" (the CPU engine's; on a GPU build_sglang selects it with CUDA graphs off, and
+`_model_forward` raises for any other backend), TP = EP = PP = 1, Qwen3-MoE without shared experts, softmax top-k router
 (norm_topk_prob=True: top-k of the logits then softmax over the k; False: softmax then top-k, as the learner's
 moe_router_pre_softmax = not norm_topk_prob). The radix cache may stay on: a cached prefix holds the same strict
 K/V bits a recomputation would give. Strict ops must run eagerly (no torch.compile / CUDA graphs).

@@ -1,0 +1,37 @@
+"""build_sglang's engine arguments: strict mode on a GPU selects what minite.rollout.sglang.strict replaces
+(torch_native attention, eager), rollout.sglang_args comes on top, and a strict run asking for another attention
+backend or for CUDA graphs is refused in one line. Pure config logic: no engine starts."""
+import pytest
+
+from minite.config import ConfigError, load_config
+from minite.rollout.sglang.engine import engine_args_for
+
+
+def _cfg(*sets):
+    return load_config("examples/tiny/nvfp4.yaml", ["rollout.backend=sglang", *sets])
+
+
+def test_default_mode_takes_sglang_args_as_given():
+    assert engine_args_for(_cfg(), "cuda") == {}
+    cfg = _cfg("rollout.sglang_args={attention_backend: triton, mem_fraction_static: 0.3}")
+    assert engine_args_for(cfg, "cuda") == {"attention_backend": "triton", "mem_fraction_static": 0.3}
+
+
+def test_strict_on_a_gpu_selects_torch_native_and_eager():
+    args = engine_args_for(_cfg("alignment.strict=true"), "cuda")
+    assert args["attention_backend"] == "torch_native" and args["disable_cuda_graph"] is True
+    assert engine_args_for(_cfg("alignment.strict=true"), "cpu") == {}  # the CPU defaults are already these
+    args = engine_args_for(_cfg("alignment.strict=true", "rollout.sglang_args={disable_radix_cache: true}"), "cuda")
+    assert args["disable_radix_cache"] is True and args["attention_backend"] == "torch_native"
+
+
+@pytest.mark.parametrize("extra, match", [("{attention_backend: triton}", "torch_native"),
+                                          ("{disable_cuda_graph: false}", "eagerly")])
+def test_strict_refuses_what_it_cannot_run(extra, match):
+    with pytest.raises(ValueError, match=match):
+        engine_args_for(_cfg("alignment.strict=true", f"rollout.sglang_args={extra}"), "cuda")
+
+
+def test_sglang_args_must_be_a_mapping():
+    with pytest.raises(ConfigError, match="sglang_args"):
+        _cfg("rollout.sglang_args=triton")
