@@ -20,7 +20,9 @@ CUDA event after the prefill's sample, one after the last step): there step_ms i
 its N_long - 1 steps (`step_method` "events"; the difference stays in `step_ms_difference`), because the prefill's
 run-to-run noise (tens of ms for strict prefill at batch 1) exceeded the whole decode time of graph-replayed steps.
 Loops (--variants): `graphs` (BF16: what ships), `packed` (graphs with the experts' packed NVFP4 weights: what
-ships for NVFP4 since 2026-12-01), `eager` (miniTE's loop without graphs), `megatron` (Megatron's controller,
+ships for NVFP4 since 2026-12-01), `sglang` (SGLang's engine with the minite_nvfp4 plugin, rollout.backend=sglang,
+its arguments from `--set rollout.sglang_args=...`; the row adds its start-up and one weight update's seconds),
+`eager` (miniTE's loop without graphs), `megatron` (Megatron's controller,
 the loop before minite/rollout/decode.py); each row names its `variant`, whether graphs were replayed
 (`cuda_graphs_replayed`) and why a capture failed (`graph_error`).
 
@@ -80,7 +82,8 @@ ROW_KEYS = ("precision", "strict", "batch", "prompt_len", "new_tokens", "decode_
 VARIANTS = {"graphs": {"loop": "minite", "cuda_graphs": True, "packed_weights": False},
             "eager": {"loop": "minite", "cuda_graphs": False, "packed_weights": False},
             "packed": {"loop": "minite", "cuda_graphs": True, "packed_weights": True},
-            "megatron": {"loop": "megatron", "cuda_graphs": False}}
+            "megatron": {"loop": "megatron", "cuda_graphs": False},
+            "sglang": {}}  # rollout.backend=sglang: SGLang's engine with the plugin on the same weights (below)
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -98,7 +101,9 @@ def parse(argv=None) -> argparse.Namespace:
                    help="the engine's loop, comma-separated: graphs (miniTE's loop, CUDA-graph decode steps, fp16 "
                         "block-value weights: what shipped until 2026-12-01), eager (miniTE's loop without graphs), "
                         "megatron (Megatron-Core's controller), packed (graphs with rollout.packed_weights: the expert "
-                        "GEMMs read packed weight codes; what ships since 2026-12-01, NVFP4 only)")
+                        "GEMMs read packed weight codes; what ships since 2026-12-01, NVFP4 only), sglang (SGLang's "
+                        "engine with the minite_nvfp4 plugin on the same weights; its arguments from --set "
+                        "rollout.sglang_args=...; each row also times one weight update)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--reference-iters", type=int, default=20)
     p.add_argument("--no-reference", action="store_true", help="skip the plain-PyTorch reference rows")
@@ -165,7 +170,8 @@ def _sync() -> None:
 def _decode_step_s(engine) -> float | None:
     """Seconds per decode step of the engine's last generate, from CUDA events around its decode steps (miniTE's
     loop on a GPU), else None."""
-    last = getattr(getattr(engine, "decoder", None), "last_decode", None) if engine.loop == "minite" else None
+    last = getattr(getattr(engine, "decoder", None), "last_decode", None) if getattr(engine, "loop", "") == "minite" \
+        else None
     return None if last is None else last[0] / last[1]
 
 
@@ -188,13 +194,16 @@ def measure_engine(engine, a: argparse.Namespace, shape: dict, precision: str, s
     # run (at 84dd093 only the long run was warmed: the first short run captured, inflating t(N_short))
     _timed_generate(engine, prompts, a.new_tokens)
     _timed_generate(engine, prompts, a.short_tokens)
-    engine.decoder.time_decode = True
+    decoder = getattr(engine, "decoder", None)  # miniTE's loop (the SGLang engine has none: the difference method)
+    if decoder is not None:
+        decoder.time_decode = True
     pairs, events = [], []
     for _ in range(a.repeats):
         t_long = _timed_generate(engine, prompts, a.new_tokens)
         events.append(_decode_step_s(engine))  # of the long run
         pairs.append((t_long, _timed_generate(engine, prompts, a.short_tokens)))
-    engine.decoder.time_decode = False
+    if decoder is not None:
+        decoder.time_decode = False
     difference = statistics.median(tl - ts for tl, ts in pairs) / (a.new_tokens - a.short_tokens)
     # miniTE's loop on a GPU: the decode steps' own time (CUDA events after the prefill and after the last step) of
     # the long runs; else the difference of the long and short runs (noisy where the prefill varies more than the
@@ -253,13 +262,13 @@ def measure_reference(a: argparse.Namespace, shape: dict, batch: int) -> dict:
     return row if graph_error is None else dict(row, graph_error=graph_error)
 
 
-def engine_config(a: argparse.Namespace, shape: dict, precision: str):
+def engine_config(a: argparse.Namespace, shape: dict, precision: str, more: list | None = None):
     from minite.config import load_config
 
     sets = [f"model.{k}={v}" for k, v in shape.items()]
     sets += [f"model.num_layers={a.layers}", f"precision.mode={precision}",
              f"model.max_position_embeddings={a.prompt_len + a.new_tokens + 8}"]
-    return load_config(None, sets + a.overrides)
+    return load_config(None, sets + (more or []) + a.overrides)
 
 
 def write(out: Path, doc: dict) -> None:
@@ -287,13 +296,27 @@ def run_engines(a: argparse.Namespace, shape: dict, doc: dict, out: Path) -> Non
                 continue
             if mode == "strict":
                 apply_strict(model)  # idempotent: once per precision in effect
-            engine = EmbeddedEngine(model, strict=mode == "strict", **VARIANTS[variant])
+            try:
+                engine = (start_sglang(a, shape, precision, mode == "strict") if variant == "sglang" else
+                          EmbeddedEngine(model, strict=mode == "strict", **VARIANTS[variant]))
+            except Exception as e:  # noqa: BLE001  (reported in the JSON; the next engines still run)
+                doc["errors"].append({"precision": precision, "strict": mode == "strict", "variant": variant,
+                                      "error": f"start: {type(e).__name__}: {e}"[:500]})
+                print(f"{precision} {mode} {variant}: {doc['errors'][-1]['error']}", flush=True)
+                write(out, doc)
+                continue
             for i, batch in enumerate(batches):
                 try:
                     row = measure_engine(engine, a, shape, precision, mode == "strict", batch)
-                    row.update(variant=variant, cuda_graphs_replayed=engine.decoder.graphs > 0,
-                               graph_error=engine.decoder.graph_error)
-                    if i == 0:  # once per engine: the count does not depend on the batch
+                    if variant == "sglang":
+                        row.update(variant=variant, startup_s=engine.startup_seconds,
+                                   engine_args=engine.engine_args, weight_update_s=time_update(engine, model))
+                        print(f"  sglang start {engine.startup_seconds:.1f} s, weight update "
+                              f"{row['weight_update_s']:.2f} s", flush=True)
+                    else:
+                        row.update(variant=variant, cuda_graphs_replayed=engine.decoder.graphs > 0,
+                                   graph_error=engine.decoder.graph_error)
+                    if i == 0 and variant != "sglang":  # once per engine: the count does not depend on the batch
                         row["host_syncs_per_step"] = host_syncs_per_step(engine, a, shape, batch)
                         if a.profile:
                             prompts = torch.randint(1, shape["vocab_size"], (batch, a.prompt_len)).tolist()
@@ -311,10 +334,32 @@ def run_engines(a: argparse.Namespace, shape: dict, doc: dict, out: Path) -> Non
                     print(f"{precision} {mode} batch {batch}: {doc['errors'][-1]['error']}", flush=True)
                     _free()
                 write(out, doc)
+            if variant == "sglang":
+                engine.shutdown()
             del engine
             _free()
         del model
         _free()
+
+
+def start_sglang(a: argparse.Namespace, shape: dict, precision: str, strict: bool):
+    """SGLang's engine with the plugin (rollout.backend=sglang) on this precision's config: build_sglang builds the
+    model from the same seed as the embedded engine's, so both hold the same weights."""
+    from minite.rollout.sglang.engine import build_sglang
+
+    cfg = engine_config(a, shape, precision, ["rollout.backend=sglang", f"alignment.strict={str(strict).lower()}"])
+    return build_sglang(cfg)
+
+
+def time_update(engine, model) -> float:
+    """Seconds of one weight update of the SGLang engine from the embedded model's GPU tensors (validate, quantise,
+    pack, send, reload the plugin's views), as an RL step does it."""
+    named = [(n, p.detach()) for n, p in model.named_parameters()]
+    _sync()
+    t = time.perf_counter()
+    engine.update_weights(named)
+    _sync()
+    return time.perf_counter() - t
 
 
 def run_reference(a: argparse.Namespace, shape: dict, doc: dict, out: Path) -> None:
@@ -347,7 +392,9 @@ def render(doc: dict) -> str:
            "(minite/rollout/decode.py), graphs = miniTE's loop replaying CUDA graphs, NVFP4 GEMMs on fp16 block-value "
            "weights (what shipped until 2026-12-01; BF16: what ships), packed = graphs with rollout.packed_weights: "
            "the NVFP4 GEMMs read packed weight codes (before d5ff83e the dense linears' and the experts', since then "
-           "the experts' only, in the decode order from cd42429 on; the default since 2026-12-01).", "",
+           "the experts' only, in the decode order from cd42429 on; the default since 2026-12-01), sglang = SGLang's engine "
+           "with the minite_nvfp4 plugin on the same weights (rollout.backend=sglang; decode step by the difference "
+           "of the long and short runs).", "",
            "| precision | mode | loop | batch | prompt | new tokens | decode step | floor | step / floor "
            "| decode tokens/s | host syncs / step | commit |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(doc["rows"], key=lambda r: (r["precision"], r["strict"], r["batch"])):

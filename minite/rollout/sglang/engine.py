@@ -118,6 +118,7 @@ class SGLangEngine(RolloutEngine):
         self._last_good = initial_packed
         self.weight_version = 0
         args = {**default_engine_args(device), **(engine_args or {})}
+        self.engine_args = dict(args)
         t0 = time.perf_counter()
         self.engine = _start_engine(model_dir, args)
         atexit.register(self.shutdown)  # the scheduler process and the temporary checkpoint go even after an error
