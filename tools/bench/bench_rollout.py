@@ -310,9 +310,18 @@ def run_engines(a: argparse.Namespace, shape: dict, doc: dict, out: Path) -> Non
                     row = measure_engine(engine, a, shape, precision, mode == "strict", batch)
                     if variant == "sglang":
                         row.update(variant=variant, startup_s=engine.startup_seconds,
-                                   engine_args=engine.engine_args, weight_update_s=time_update(engine, model))
+                                   engine_args=engine.engine_args, weight_update_s=time_update(engine, model),
+                                   weight_update_phases_s=dict(engine.last_update_seconds))
+                        if torch.cuda.is_available():
+                            try:
+                                row["weight_update_from_gpu_s"] = time_update(engine, model, from_gpu=True)
+                                row["weight_update_from_gpu_phases_s"] = dict(engine.last_update_seconds)
+                            except Exception as e:  # noqa: BLE001  (recorded; the engine kept its weights)
+                                row["weight_update_from_gpu_error"] = f"{type(e).__name__}: {e}"[:300]
                         print(f"  sglang start {engine.startup_seconds:.1f} s, weight update "
-                              f"{row['weight_update_s']:.2f} s", flush=True)
+                              f"{row['weight_update_s']:.2f} s {row['weight_update_phases_s']}, from the GPU "
+                              f"{row.get('weight_update_from_gpu_s', float('nan')):.2f} s "
+                              f"{row.get('weight_update_from_gpu_phases_s')}", flush=True)
                     else:
                         row.update(variant=variant, cuda_graphs_replayed=engine.decoder.graphs > 0,
                                    graph_error=engine.decoder.graph_error)
@@ -351,13 +360,18 @@ def start_sglang(a: argparse.Namespace, shape: dict, precision: str, strict: boo
     return build_sglang(cfg)
 
 
-def time_update(engine, model) -> float:
+def time_update(engine, model, from_gpu: bool = False) -> float:
     """Seconds of one weight update of the SGLang engine from the embedded model's GPU tensors (validate, quantise,
-    pack, send, reload the plugin's views), as an RL step does it."""
+    pack, send, reload the plugin's views), as an RL step does it; from_gpu: the packed tensors sent from the GPU
+    (SGLangEngine.send_from_gpu). The phases land in engine.last_update_seconds."""
     named = [(n, p.detach()) for n, p in model.named_parameters()]
+    engine.send_from_gpu = from_gpu
     _sync()
     t = time.perf_counter()
-    engine.update_weights(named)
+    try:
+        engine.update_weights(named)
+    finally:
+        engine.send_from_gpu = type(engine).send_from_gpu
     _sync()
     return time.perf_counter() - t
 

@@ -111,21 +111,24 @@ def test_rejected_update_raises_and_keeps_weights(setup):
 
 
 def test_failure_inside_sglang_restores_previous_weights(setup, monkeypatch):
+    import minite.rollout.sglang.engine as E
     from minite.rollout.base import WeightUpdateError
 
     engine, _w1, w2 = setup
     before = _run(engine)
-    real = engine.engine.update_weights_from_tensor
+    real_payloads, real_update = E.flattened_payloads, engine.engine.update_weights_from_tensor
     calls = []
 
-    def half_then_fail(named, **kw):  # SGLang dies half way through: half the new tensors are already in place
-        calls.append(len(named))
-        if len(calls) == 1:
-            real(named[: len(named) // 2], **kw)
-            return False, "injected failure"
-        return real(named, **kw)
+    def half_payloads(packed, tp_size):  # SGLang dies half way through: half the new tensors are already in place
+        calls.append(len(packed))
+        return real_payloads(packed[: len(packed) // 2] if len(calls) == 1 else packed, tp_size)
 
-    monkeypatch.setattr(engine.engine, "update_weights_from_tensor", half_then_fail)
+    def fail_first(payloads, **kw):
+        result = real_update(payloads, **kw)
+        return (False, "injected failure") if len(calls) == 1 else result
+
+    monkeypatch.setattr(E, "flattened_payloads", half_payloads)
+    monkeypatch.setattr(engine.engine, "update_weights_from_tensor", fail_first)
     with pytest.raises(WeightUpdateError, match="injected failure.*kept its previous weights"):
         engine.update_weights(w2)
     monkeypatch.undo()

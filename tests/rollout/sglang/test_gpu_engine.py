@@ -13,22 +13,46 @@ import json
 import math
 
 import pytest
-import torch
 
 from tests.rollout.sglang.conftest import sglang_skip_reason, tiny_hf_checkpoint
+
+
+def _stand_in() -> bool:
+    """The test-only sgl_kernel stand-in (tests/rollout/sglang/gpu_stand_ins) is what `import sgl_kernel` finds: the
+    device runs put it on PYTHONPATH; SGLang's fused ops then take their PyTorch bodies (set below)."""
+    try:
+        import sgl_kernel
+    except ImportError:
+        return False
+    return "minite.gpu.stand.in" in getattr(sgl_kernel, "__version__", "")
 
 
 def _reason():
     reason = sglang_skip_reason()
     if reason is not None:
         return reason
+    if _stand_in():
+        return None
     for dist in ("sglang-kernel", "sgl-kernel"):
         try:
             importlib.metadata.version(dist)
             return None
         except importlib.metadata.PackageNotFoundError:
             pass
-    return "needs sglang-kernel built for this torch (SGLang's CUDA path imports sgl_kernel at module level)"
+    return ("needs sglang-kernel built for this torch (SGLang's CUDA path imports sgl_kernel at module level), or the "
+            "test stand-in tests/rollout/sglang/gpu_stand_ins first on PYTHONPATH")
+
+
+# with the stand-in (the device's torch 2.11 vs the pins of SGLang's compiled parts): SGLang's fused ops in PyTorch,
+# no radix cache (its Rust tree core misread int64 indices there), torch sampling, no deterministic inference
+STAND_IN_ARGS = {"sampling_backend": "pytorch", "disable_radix_cache": True, "enable_deterministic_inference": False}
+
+
+@pytest.fixture(autouse=True)
+def _stand_in_env(monkeypatch):
+    if _stand_in():
+        monkeypatch.setenv("SGLANG_FORCE_FUSED_OP_BACKEND", "torch")
+        monkeypatch.setenv("SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK", "1")
 
 
 _REASON = _reason()
@@ -53,15 +77,12 @@ def _run(engine):
 
 
 def _load_cuda(engine, named):
-    """SGLang's own update path with the packed tensors on the GPU (the backend sends CPU tensors today)."""
-    packed = [(n, t.cuda()) for n, t in engine.pack(engine.validate(named))]
-    sgl = engine.engine
-    sgl.begin_weight_update()
+    """The backend's update with the packed tensors sent from the GPU (one CUDA IPC handle)."""
+    engine.send_from_gpu = True
     try:
-        result = sgl.update_weights_from_tensor(packed, flush_cache=True)
+        engine.update_weights([(n, t.cuda()) for n, t in named])
     finally:
-        sgl.end_weight_update()
-    assert result is None or result[0], result
+        engine.send_from_gpu = False
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda_graphs"])
@@ -72,7 +93,7 @@ def test_generate_and_update_from_cuda_tensors(tmp_path, graphs):
     cfg, w1 = _learner_tensors(tiny_hf_checkpoint(tmp_path / "w1", seed=1))
     _, w2 = _learner_tensors(tiny_hf_checkpoint(tmp_path / "w2", seed=2))
     args = {"attention_backend": "triton", "disable_cuda_graph": not graphs, "mem_fraction_static": 0.3,
-            "max_total_tokens": 8192}
+            "max_total_tokens": 8192, **(STAND_IN_ARGS if _stand_in() else {})}
     if graphs:
         args["cuda_graph_bs_decode"] = [1, 2, 4]
     engine = start_from_learner_tensors(w1, cfg, NVFP4Recipe(), engine_args=args)
@@ -88,3 +109,16 @@ def test_generate_and_update_from_cuda_tensors(tmp_path, graphs):
         assert _run(engine) == first  # the same packed weights from CUDA tensors: the same tokens and log-probs
     finally:
         engine.shutdown()
+
+
+def test_strict_gap_is_zero_on_the_gpu():
+    """`minite diagnose --b sglang --set alignment.strict=true --fail-above 0`'s comparison on the GPU: SGLang with the
+    learner's strict ops (torch_native attention, eager, selected by build_sglang) against the learner."""
+    from minite.alignment.diagnose import DiagnoseParams, run_diagnose
+    from minite.config import load_config
+
+    extra = "{disable_radix_cache: true, mem_fraction_static: 0.3}"
+    cfg = load_config("examples/tiny/nvfp4.yaml", ["rollout.backend=sglang", "alignment.strict=true",
+                                                   f"rollout.sglang_args={extra}"])
+    r = run_diagnose(cfg, "sglang", DiagnoseParams(num_prompts=6, max_new_tokens=8, max_prompt_len=12))
+    assert r["tokens_compared"] > 0 and r["max_abs_logp_gap"] == 0.0, r["histogram"]
