@@ -408,13 +408,16 @@ def render(doc: dict) -> str:
            "the NVFP4 GEMMs read packed weight codes (before d5ff83e the dense linears' and the experts', since then "
            "the experts' only, in the decode order from cd42429 on; the default since 2026-12-01), sglang = SGLang's engine "
            "with the minite_nvfp4 plugin on the same weights (rollout.backend=sglang; decode step by the difference "
-           "of the long and short runs).", "",
+           "of the long and short runs); strict rows say whether minite.strict.fused's kernels ran (fused ops) or "
+           "strict mode's torch ops alone (unfused ops; every strict row before 8cadb07).", "",
            "| precision | mode | loop | batch | prompt | new tokens | decode step | floor | step / floor "
            "| decode tokens/s | host syncs / step | commit |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(doc["rows"], key=lambda r: (r["precision"], r["strict"], r["batch"])):
         syncs = f"{r['host_syncs_per_step']:.1f}" if r.get("host_syncs_per_step") is not None else "-"
         loop = r.get("variant", "megatron")
         loop += " (none captured)" if loop == "graphs" and not r.get("cuda_graphs_replayed") else ""
+        if "strict_fused" in r:  # strict rows since minite.strict.fused exists: with or without its kernels
+            loop += ", fused ops" if r["strict_fused"] else ", unfused ops"
         out.append(f"| {r['precision'].upper()} | {'strict' if r['strict'] else 'default'} | {loop} | {r['batch']} | "
                    f"{r['prompt_len']} | {r['new_tokens']} | {_ms(r['step_ms'])} | {_ms(r['floor_ms'])} | "
                    f"{r['step_ms'] / r['floor_ms']:.1f}x | {r['decode_tokens_per_s']:,.0f} | {syncs} | "

@@ -116,23 +116,24 @@ def test_failure_inside_sglang_restores_previous_weights(setup, monkeypatch):
 
     engine, _w1, w2 = setup
     before = _run(engine)
-    real_payloads, real_update = E.flattened_payloads, engine.engine.update_weights_from_tensor
-    calls = []
+    real_buckets, real_update = E.flatten_buckets, engine.engine.update_weights_from_tensor
+    calls, sent = [], []
 
-    def half_payloads(packed, tp_size):  # SGLang dies half way through: half the new tensors are already in place
+    def half_buckets(packed, *args):  # SGLang dies half way through: half the new tensors are already in place
         calls.append(len(packed))
-        return real_payloads(packed[: len(packed) // 2] if len(calls) == 1 else packed, tp_size)
+        return real_buckets(packed[: len(packed) // 2], *args)
 
     def fail_first(payloads, **kw):
         result = real_update(payloads, **kw)
-        return (False, "injected failure") if len(calls) == 1 else result
+        sent.append(1)
+        return (False, "injected failure") if len(sent) == 1 else result
 
-    monkeypatch.setattr(E, "flattened_payloads", half_payloads)
+    monkeypatch.setattr(E, "flatten_buckets", half_buckets)
     monkeypatch.setattr(engine.engine, "update_weights_from_tensor", fail_first)
     with pytest.raises(WeightUpdateError, match="injected failure.*kept its previous weights"):
         engine.update_weights(w2)
     monkeypatch.undo()
-    assert len(calls) == 2 and _run(engine) == before
+    assert len(calls) == 1 and len(sent) == 2 and _run(engine) == before  # the restore sent the last good bucket
 
 
 def test_sampled_logprobs_are_the_untempered_policy(setup):

@@ -77,12 +77,10 @@ def _run(engine):
 
 
 def _load_cuda(engine, named):
-    """The backend's update with the packed tensors sent from the GPU (one CUDA IPC handle)."""
-    engine.send_from_gpu = True
-    try:
-        engine.update_weights([(n, t.cuda()) for n, t in named])
-    finally:
-        engine.send_from_gpu = False
+    """The backend's update from CUDA tensors: sent from the GPU (send_from_gpu, the default: CUDA IPC handles)."""
+    assert engine.send_from_gpu
+    engine.update_weights([(n, t.cuda()) for n, t in named])
+    assert engine.last_update_seconds["host_copy"] >= 0  # the restore copy was made on the host
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda_graphs"])
