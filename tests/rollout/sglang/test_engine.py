@@ -116,7 +116,7 @@ def test_failure_inside_sglang_restores_previous_weights(setup, monkeypatch):
 
     engine, _w1, w2 = setup
     before = _run(engine)
-    real_buckets, real_update = E.flatten_buckets, engine.engine.update_weights_from_tensor
+    real_buckets, real_update = E.iter_buckets, engine.engine.update_weights_from_tensor
     calls, sent = [], []
 
     def half_buckets(packed, *args):  # SGLang dies half way through: half the new tensors are already in place
@@ -128,7 +128,7 @@ def test_failure_inside_sglang_restores_previous_weights(setup, monkeypatch):
         sent.append(1)
         return (False, "injected failure") if len(sent) == 1 else result
 
-    monkeypatch.setattr(E, "flatten_buckets", half_buckets)
+    monkeypatch.setattr(E, "iter_buckets", half_buckets)
     monkeypatch.setattr(engine.engine, "update_weights_from_tensor", fail_first)
     with pytest.raises(WeightUpdateError, match="injected failure.*kept its previous weights"):
         engine.update_weights(w2)
