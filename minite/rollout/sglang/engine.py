@@ -189,24 +189,36 @@ class SGLangEngine(RolloutEngine):
         self.last_update_seconds = {"validate": t1 - t0, "pack": t2 - t1, "load": time.perf_counter() - t2}
 
     def _load(self, buckets: Iterable) -> Tuple[bool, str]:
-        """begin -> update_weights_from_tensor per bucket -> end; (success, message), never raises on SGLang's
-        errors."""
+        """begin -> update_weights_from_tensor per bucket -> end; (success, message), never raises on errors SGLang
+        returns or raises here (a failure inside its scheduler process ends the engine, and SGLang then ends this
+        process). Once begun, the update session is always ended, so a restore or a later update can begin again.
+        One bucket alive at a time: the reference to each is dropped before the next is made."""
         try:
             ok, msg = _result(self.engine.begin_weight_update())
             if not ok:
                 return False, f"begin_weight_update: {msg}"
-            tp_size = int(self.engine_args.get("tp_size", 1))
-            for bucket in buckets:
-                ok, msg = _result(self.engine.update_weights_from_tensor(
-                    bucket_payloads(bucket, tp_size), load_format="flattened_bucket", flush_cache=True))
-                if not ok:
-                    break
-            end_ok, end_msg = _result(self.engine.end_weight_update())
-            if not ok:
-                return False, msg
-            return (True, msg) if end_ok else (False, f"end_weight_update: {end_msg}")
         except Exception as e:  # noqa: BLE001 - SGLang raises several types; the caller reports and restores
-            return False, f"{type(e).__name__}: {e}"
+            return False, f"begin_weight_update: {type(e).__name__}: {e}"
+        try:
+            tp_size, it = int(self.engine_args.get("tp_size", 1)), iter(buckets)
+            while ok:
+                bucket = next(it, None)
+                if bucket is None:
+                    break
+                payloads, bucket = bucket_payloads(bucket, tp_size), None
+                ok, msg = _result(self.engine.update_weights_from_tensor(payloads, load_format="flattened_bucket",
+                                                                         flush_cache=True))
+                payloads = None
+        except Exception as e:  # noqa: BLE001
+            ok, msg = False, f"{type(e).__name__}: {e}"
+        finally:
+            try:
+                end_ok, end_msg = _result(self.engine.end_weight_update())
+            except Exception as e:  # noqa: BLE001
+                end_ok, end_msg = False, f"{type(e).__name__}: {e}"
+        if not ok:
+            return False, msg
+        return (True, msg) if end_ok else (False, f"end_weight_update: {end_msg}")
 
     def shutdown(self) -> None:
         atexit.unregister(self.shutdown)
@@ -240,18 +252,20 @@ copy of its tensors on the sending device while it is sent."""
 
 
 def _keeping(buckets, kept: list):
-    """Yield each bucket; once it has been sent (the caller asks for the next), append its host copy to `kept`."""
+    """Yield each bucket; once it has been sent (the caller asks for the next), append its host copy to `kept` and
+    drop the reference before the next bucket is made."""
     for flat, meta in buckets:
         yield flat, meta
         kept.append((flat.cpu(), meta))
+        del flat
 
 
-def flatten_buckets(packed: List[Tuple[str, torch.Tensor]], bucket_bytes: int = BUCKET_BYTES) -> list:
+def flatten_buckets(packed: List[Tuple[str, torch.Tensor]], bucket_bytes: Optional[int] = None) -> list:
     """All of `iter_buckets` at once (the host copy kept for a restore; the tests)."""
     return list(iter_buckets(packed, bucket_bytes))
 
 
-def iter_buckets(packed: List[Tuple[str, torch.Tensor]], bucket_bytes: int = BUCKET_BYTES):
+def iter_buckets(packed: List[Tuple[str, torch.Tensor]], bucket_bytes: Optional[int] = None):
     """The tensors as SGLang's `flattened_bucket` updates, made one at a time: (uint8 tensor, metadata), each the bytes of
     consecutive tensors (at most `bucket_bytes`, or one larger tensor alone) plus (name, shape, dtype, byte range) per
     tensor. So the transfer is one shared-memory segment (host) or one CUDA IPC handle (GPU) per bucket instead of
@@ -261,6 +275,7 @@ def iter_buckets(packed: List[Tuple[str, torch.Tensor]], bucket_bytes: int = BUC
     FlattenedTensorMetadata class it does not)."""
     from types import SimpleNamespace
 
+    bucket_bytes = bucket_bytes or BUCKET_BYTES
     order = sorted(packed, key=lambda nt: -nt[1].element_size())
     groups, size = [[]], 0
     for name, t in order:
@@ -285,6 +300,9 @@ def bucket_payloads(bucket, tp_size: int) -> list:
     """One serialized `flattened_bucket` payload per TP rank (each rank deserializes its own: CUDA IPC refcounts)."""
     from sglang.srt.utils import MultiprocessingSerializer
 
+    # CUDA tensors travel with torch's own reduction (a device index): the scheduler is this process's child and
+    # numbers the GPUs alike. SGLang's monkey_patch_torch_reductions (device UUIDs) is not applied: once applied it
+    # breaks the pickling of CPU tensors in this process (IndexError in its _modify_tuple), which restores use.
     flat, meta = bucket
     return [MultiprocessingSerializer.serialize({"flattened_tensor": flat, "metadata": meta}, output_str=True)
             for _ in range(tp_size)]
@@ -380,7 +398,7 @@ def build_sglang(cfg, *, pad_id: int = 0, engine_args: Optional[dict] = None) ->
     import_sglang()  # before the model is built: a missing SGLang fails fast
     if (cfg.parallel.tp, cfg.parallel.ep, cfg.parallel.pp) != (1, 1, 1):
         raise ValueError("rollout.backend='sglang' takes weight updates from a tp=ep=pp=1 learner for now")
-    args = {**engine_args_for(cfg, "cuda" if torch.cuda.is_available() else "cpu"), **(engine_args or {})}
+    args = engine_args_for(cfg, "cuda" if torch.cuda.is_available() else "cpu", engine_args)
     model = build_model(cfg, strict=bool(cfg.alignment.strict))
     named = [(n, p.detach()) for n, p in model.named_parameters()]
     recipe = cfg.precision.recipe if cfg.precision.mode == "nvfp4" else None
@@ -388,22 +406,28 @@ def build_sglang(cfg, *, pad_id: int = 0, engine_args: Optional[dict] = None) ->
                                       engine_args=args, strict=bool(cfg.alignment.strict))
 
 
-def engine_args_for(cfg, device: str) -> dict:
+def engine_args_for(cfg, device: str, extra: Optional[dict] = None) -> dict:
     """The engine arguments build_sglang adds to `default_engine_args(device)`: strict mode's on a GPU (SGLang's
     torch_native attention, whose per-request attention minite.rollout.sglang.strict replaces; eager, since the strict
-    forward is not captured in CUDA graphs; torch sampling), then `rollout.sglang_args`. A strict run that asks
-    for another attention backend or for CUDA graphs is refused here, in one line, rather than in SGLang's scheduler."""
+    forward is not captured in CUDA graphs; torch sampling), then `rollout.sglang_args`, then `extra`. A strict run
+    whose merged arguments ask for another attention backend (any `*attention_backend` key) or for graphs or
+    compilation (`disable_cuda_graph` false, any `cuda_graph*` key, `enable_torch_compile`,
+    `enable_piecewise_cuda_graph`) is refused here, in one line, rather than in SGLang's scheduler (whose failure
+    would end this process)."""
     args = {}
     if cfg.alignment.strict and device != "cpu":
         args.update(attention_backend="torch_native", disable_cuda_graph=True, sampling_backend="pytorch",
                     enable_deterministic_inference=False)  # sampling is SGLang's own; the log-probs are strict
     args.update(cfg.rollout.sglang_args)
+    args.update(extra or {})
     if cfg.alignment.strict:
-        if args.get("attention_backend", "torch_native") != "torch_native":
+        other = {k: v for k, v in args.items() if k.endswith("attention_backend") and v not in (None, "torch_native")}
+        if other:
             raise ValueError("alignment.strict with rollout.backend='sglang' needs attention_backend='torch_native' "
-                             "(minite.rollout.sglang.strict replaces its attention), "
-                             f"got {args['attention_backend']!r}")
-        if args.get("disable_cuda_graph") is False:
-            raise ValueError("alignment.strict with rollout.backend='sglang' runs eagerly: "
-                             "rollout.sglang_args.disable_cuda_graph must stay true")
+                             f"(minite.rollout.sglang.strict replaces its attention), got {other}")
+        graphs = sorted(k for k, v in args.items() if k.startswith("cuda_graph") or
+                        (k in ("enable_torch_compile", "enable_piecewise_cuda_graph") and v))
+        if not args.get("disable_cuda_graph", True) or graphs:
+            raise ValueError("alignment.strict with rollout.backend='sglang' runs eagerly: disable_cuda_graph must "
+                             f"stay true and no graph or compile arguments be given (got {graphs or 'disable_cuda_graph'})")
     return args

@@ -33,5 +33,8 @@ def test_sglang_rows(tmp_path):
     (row,) = doc["rows"]
     assert row["variant"] == "sglang" and row["step_method"] == "difference" and row["batch"] == 2
     assert row["engine_args"]["quantization"] == "minite_nvfp4"
-    assert row["step_ms"] > 0 and row["weight_update_s"] > 0 and row["startup_s"] > 0
+    # step_ms is one long-minus-short difference on a busy CPU: present, not necessarily positive
+    assert isinstance(row["step_ms"], float) and row["t_long_s"] > 0 and row["t_short_s"] > 0
+    assert row["weight_update_s"] > 0 and row["startup_s"] > 0 and "weight_update_error" not in row
+    assert set(row["weight_update_phases_s"]) == {"validate", "pack", "load"}
     assert not list(tmp_path.glob("minite-sglang-*"))

@@ -26,10 +26,24 @@ def test_strict_on_a_gpu_selects_torch_native_and_eager():
 
 
 @pytest.mark.parametrize("extra, match", [("{attention_backend: triton}", "torch_native"),
-                                          ("{disable_cuda_graph: false}", "eagerly")])
+                                          ("{decode_attention_backend: fa3}", "torch_native"),
+                                          ("{prefill_attention_backend: triton}", "torch_native"),
+                                          ("{disable_cuda_graph: false}", "eagerly"),
+                                          ("{disable_cuda_graph: 0}", "eagerly"),
+                                          ("{cuda_graph_backend_decode: full}", "cuda_graph_backend_decode"),
+                                          ("{cuda_graph_config: x}", "cuda_graph_config"),
+                                          ("{enable_torch_compile: true}", "enable_torch_compile")])
 def test_strict_refuses_what_it_cannot_run(extra, match):
-    with pytest.raises(ValueError, match=match):
-        engine_args_for(_cfg("alignment.strict=true", f"rollout.sglang_args={extra}"), "cuda")
+    for device in ("cuda", "cpu"):
+        with pytest.raises(ValueError, match=match):
+            engine_args_for(_cfg("alignment.strict=true", f"rollout.sglang_args={extra}"), device)
+
+
+def test_strict_checks_the_merged_arguments():
+    """build_sglang's own engine_args are merged before the check, not after it."""
+    with pytest.raises(ValueError, match="torch_native"):
+        engine_args_for(_cfg("alignment.strict=true"), "cuda", {"attention_backend": "triton"})
+    assert engine_args_for(_cfg(), "cuda", {"attention_backend": "triton"}) == {"attention_backend": "triton"}
 
 
 def test_sglang_args_must_be_a_mapping():
