@@ -74,6 +74,10 @@ class SGLangUnavailableError(RuntimeError):
     """SGLang (or a module it imports) cannot be imported; the message says how to install it."""
 
 
+class SGLangEngineFailed(RuntimeError):
+    """A process of the SGLang engine failed (its traceback is in the log); the engine is gone, this process is not."""
+
+
 def import_sglang() -> None:
     """Import SGLang and the layer modules the plugin patches, or raise SGLangUnavailableError: run before the
     plugin registers (it imports them) so that a missing SGLang or dependency is one clear message."""
@@ -121,8 +125,10 @@ class SGLangEngine(RolloutEngine):
         args = {**default_engine_args(device), **(engine_args or {})}
         self.engine_args = dict(args)
         t0 = time.perf_counter()
+        self._failed: Optional[str] = None
         self.engine = _start_engine(model_dir, args)
         atexit.register(self.shutdown)  # the scheduler process and the temporary checkpoint go even after an error
+        _contain_child_failures(self)
         self.startup_seconds = time.perf_counter() - t0
         log.info("sglang engine ready in %.1f s (%s, quantization=%s)", self.startup_seconds, device,
                  args.get("quantization"))
@@ -144,7 +150,12 @@ class SGLangEngine(RolloutEngine):
             if params.stop_token_id is not None:
                 sp["stop_token_ids"] = [int(params.stop_token_id)]
             sps.append(sp)
-        outs = self.engine.generate(input_ids=[p for _, p in flat], sampling_params=sps, return_logprob=True)
+        self._check_alive()
+        try:
+            outs = self.engine.generate(input_ids=[p for _, p in flat], sampling_params=sps, return_logprob=True)
+        except Exception as e:  # noqa: BLE001 - a child's failure stops SGLang's event loop (_contain_child_failures)
+            self._check_alive(e)
+            raise
         results = []
         for (i, prompt), out in zip(flat, outs):
             toks = [int(t) for t in out["output_ids"]]
@@ -179,7 +190,9 @@ class SGLangEngine(RolloutEngine):
         packed = self.pack(named, device=str(named[0][1].device) if gpu else "cpu")
         t2 = time.perf_counter()
         kept = []  # the host copy of each bucket once it is sent: one bucket at a time on the GPU
+        self._check_alive()
         ok, msg = self._load(_keeping(iter_buckets(packed), kept))
+        self._check_alive()  # a failed child leaves nothing to restore into
         if not ok:
             restored, rmsg = self._load(self._last_good)
             state = "kept its previous weights" if restored else f"could not restore its weights either ({rmsg})"
@@ -187,6 +200,11 @@ class SGLangEngine(RolloutEngine):
         self._last_good = kept
         self.weight_version += 1
         self.last_update_seconds = {"validate": t1 - t0, "pack": t2 - t1, "load": time.perf_counter() - t2}
+
+    def _check_alive(self, cause: Optional[BaseException] = None) -> None:
+        if self._failed is not None:
+            raise SGLangEngineFailed(f"sglang rollout engine: {self._failed}; the engine is gone (restart the run, "
+                                     "e.g. from its last checkpoint)") from cause
 
     def _load(self, buckets: Iterable) -> Tuple[bool, str]:
         """begin -> update_weights_from_tensor per bucket -> end; (success, message), never raises on errors SGLang
@@ -212,10 +230,12 @@ class SGLangEngine(RolloutEngine):
         except Exception as e:  # noqa: BLE001
             ok, msg = False, f"{type(e).__name__}: {e}"
         finally:
-            try:
-                end_ok, end_msg = _result(self.engine.end_weight_update())
-            except Exception as e:  # noqa: BLE001
-                end_ok, end_msg = False, f"{type(e).__name__}: {e}"
+            end_ok, end_msg = False, "the engine failed"
+            if self._failed is None:  # a failed engine answers nothing more
+                try:
+                    end_ok, end_msg = _result(self.engine.end_weight_update())
+                except Exception as e:  # noqa: BLE001
+                    end_ok, end_msg = False, f"{type(e).__name__}: {e}"
         if not ok:
             return False, msg
         return (True, msg) if end_ok else (False, f"end_weight_update: {end_msg}")
@@ -227,6 +247,40 @@ class SGLangEngine(RolloutEngine):
             _shutdown_sparing_the_resource_tracker(eng)
         if self._owns_dir and self.model_dir and Path(self.model_dir).exists():
             shutil.rmtree(self.model_dir, ignore_errors=True)
+
+
+def _contain_child_failures(owner: "SGLangEngine") -> None:
+    """SGLang's scheduler and detokenizer signal this process (SIGQUIT) on any exception, and SGLang's handler then
+    kills this whole process tree: the learner, its unsaved state and the reason with it (measured on the CPU engine:
+    an update that SGLang's load_weights rejects ended the calling process with SIGKILL). Instead: mark the engine
+    failed, end SGLang's remaining children (not the multiprocessing resource tracker) and stop the event loop the
+    waiting call runs in, so that call raises and every later call raises SGLangEngineFailed in one line. SGLang
+    installs its handler with the first request (TokenizerManager.auto_create_handle_loop, through
+    `signal_handler_class`), or has already: both are replaced. Main thread only (as SGLang's own)."""
+    import asyncio
+    import signal
+    import threading
+
+    from sglang.srt.managers.tokenizer_manager import SignalHandler
+    from sglang.srt.utils import kill_process_tree
+
+    def on_child_failure(signum=None, frame=None):
+        owner._failed = "an SGLang child process failed (its traceback is in the log above)"
+        log.error("sglang rollout engine: %s; ending its processes", owner._failed)
+        tracker = getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)
+        kill_process_tree(os.getpid(), include_parent=False, skip_pid=tracker)
+        asyncio.get_event_loop().stop()
+
+    class ContainedSignalHandler(SignalHandler):
+        def running_phase_sigquit_handler(self, signum=None, frame=None):
+            on_child_failure(signum, frame)
+
+    tm = getattr(owner.engine, "tokenizer_manager", None)
+    if tm is None or threading.current_thread() is not threading.main_thread():
+        return
+    tm.signal_handler_class = ContainedSignalHandler
+    if tm.event_loop is not None:
+        tm.event_loop.add_signal_handler(signal.SIGQUIT, on_child_failure)
 
 
 def _shutdown_sparing_the_resource_tracker(eng) -> None:
