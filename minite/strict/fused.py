@@ -3,8 +3,9 @@
 Why: a strict decode step launches ~42 torch ops per exp call (the range reduction, a 14-term Horner polynomial, the
 2^n from exponent bits, the special cases), ~11 per RMSNorm and log2(n) + 2 per tree sum, about 40%, 10% and 10% of
 a strict NVFP4 step's launches (tools/bench/op_census.py, docs/benchmarks.md). One kernel does the same arithmetic
-per element (exp) or per row (rms_norm, tree_sum: sums by adjacent pairs after zero padding to a power of two, as
-`ops.tree_sum`).
+per element (exp, log) or per row (rms_norm, tree_sum: sums by adjacent pairs after zero padding to a power of two,
+as `ops.tree_sum`). `PROVEN` names the kernels routed (their GPU test passed); `log` is written and not yet among
+them.
 
 Why the bits are the same: every step is an IEEE-754 basic operation (correctly rounded, so the same result in
 torch's kernels, in numpy under Triton's interpreter and in PTX), with three cares:
@@ -37,7 +38,7 @@ except ImportError:  # pragma: no cover - triton is a dependency, but keep CPU i
     triton = None
 
 ENABLED = True
-"""Whether `minite.strict.ops.exp`, `ops.rms_norm` and `ops.tree_sum` (float32) route CUDA tensors here (`routes`).
+"""Whether `minite.strict.ops` routes CUDA tensors here at all (`routes`; each kernel also has to be in `PROVEN`).
 On since their bitwise GPU test (tests/alignment/test_strict_alignment_gpu.py) passed on the H200: 2026-12-01, device
 call 1 at 8cadb07; the strict NVFP4 decode step of the rollout slice at batch 64 took 6.45 ms with them, 10.43 ms
 without (docs/benchmarks.md)."""
@@ -52,6 +53,13 @@ _LN2_HI = 6.93147180369123816490e-01
 _LN2_LO = 1.90821492927058770002e-10
 _RNE = 6755399441055744.0  # 1.5 * 2^52
 _EXP_COEFFS = [1.0 / math.factorial(i) for i in range(14)]
+_SQRT2 = 1.4142135623730951
+_ATANH_COEFFS = [1.0 / (2 * k + 1) for k in range(12)]
+_MIN_NORMAL64 = 2.0 ** -1022
+
+PROVEN = {"exp", "tree_sum", "rms_norm"}
+"""The kernels whose bitwise GPU test has passed on the H200; `routes` sends only these. `log` (2026-12-01) waits for
+its GPU test (tests/alignment/test_strict_alignment_gpu.py) before it joins."""
 
 if triton is not None:
     @triton.jit(do_not_specialize=["n"])
@@ -90,6 +98,46 @@ if triton is not None:
         y = tl.where(nan, float("nan"), y)
         tl.store(y_ptr + offs, y, mask=mask)
 
+    @triton.jit(do_not_specialize=["n"])
+    def _log_kernel(x_ptr, y_ptr, n, A0: tl.constexpr, A1: tl.constexpr, A2: tl.constexpr, A3: tl.constexpr,
+                    A4: tl.constexpr, A5: tl.constexpr, A6: tl.constexpr, A7: tl.constexpr, A8: tl.constexpr,
+                    A9: tl.constexpr, A10: tl.constexpr, A11: tl.constexpr, SQRT2: tl.constexpr,
+                    LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, MIN_NORMAL: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+        mask = offs < n
+        if x_ptr.dtype.element_ty == tl.bfloat16:  # bf16 -> fp32 by its bits (Triton's interpreter flushes bf16
+            # subnormals to zero in the cast; the GPU's conversion is this shift)
+            hi = tl.load(x_ptr.to(tl.pointer_type(tl.uint16)) + offs, mask=mask, other=0x3F80)
+            x64 = (hi.to(tl.uint32) << 16).to(tl.float32, bitcast=True).to(tl.float64)
+        else:
+            x64 = tl.load(x_ptr + offs, mask=mask, other=1.0).to(tl.float32).to(tl.float64)
+        nan = x64 != x64
+        bits = tl.where(nan | (x64 < MIN_NORMAL), MIN_NORMAL, x64).to(tl.int64, bitcast=True)  # torch's clamp(min=)
+        e = ((bits >> 52) & 0x7FF) - 1023
+        m = ((bits & 0xFFFFFFFFFFFFF) | 0x3FF0000000000000).to(tl.float64, bitcast=True)  # mantissa in [1, 2)
+        big = m > SQRT2
+        m = tl.where(big, m * 0.5, m)
+        ef = (e + big.to(tl.int64)).to(tl.float64)
+        t = (m - 1.0) / (m + 1.0)  # fp64 `/` is div.rn.f64 in the PTX for sm_90 (Triton 3.6); tl.div_rn is fp32 only
+        z = t * t
+        acc = tl.full(z.shape, A11, tl.float64)
+        acc = acc * z + A10
+        acc = acc * z + A9
+        acc = acc * z + A8
+        acc = acc * z + A7
+        acc = acc * z + A6
+        acc = acc * z + A5
+        acc = acc * z + A4
+        acc = acc * z + A3
+        acc = acc * z + A2
+        acc = acc * z + A1
+        acc = acc * z + A0
+        y = ef * LN2_HI + (ef * LN2_LO + (2.0 * t) * acc)
+        y = tl.where(x64 == 0.0, float("-inf"), y)
+        y = tl.where(x64 == float("inf"), float("inf"), y)
+        y = tl.where(nan | (x64 < 0.0), float("nan"), y)
+        tl.store(y_ptr + offs, y.to(tl.float32), mask=mask)
+
     @triton.jit(do_not_specialize=["n"])  # n == 1 would become a constant, and n.to(tl.float32) fail to compile
     def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n, eps, WIDTH: tl.constexpr, LEVELS: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
@@ -127,11 +175,14 @@ def _gpu(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
-def routes(x: torch.Tensor, *others: torch.Tensor, width: int = 0) -> bool:
+def routes(x: torch.Tensor, *others: torch.Tensor, width: int = 0, kernel: str = "") -> bool:
     """Whether `minite.strict.ops` sends this call here: `ENABLED`, a CUDA tensor, a reduced width of at most
     `MAX_WIDTH` (the whole padded row lives in one program: wider rows compile for minutes, so they stay on the torch
     ops, e.g. a log-softmax over a 151,936-token vocabulary) and no gradient to record (the kernels have no
-    backward; the learner's strict forward keeps the torch ops, which give the same bits)."""
+    backward; the learner's strict forward keeps the torch ops, which give the same bits); `kernel` names one that
+    must be in PROVEN."""
+    if kernel and kernel not in PROVEN:
+        return False
     if not (ENABLED and _gpu(x) and available(x) and width <= MAX_WIDTH):
         return False
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *others)))
@@ -190,4 +241,21 @@ def exp(x: torch.Tensor) -> torch.Tensor:
     c = {f"C{i}": v for i, v in enumerate(_EXP_COEFFS)}
     _exp_kernel[(triton.cdiv(n, BLOCK),)](xc, y, n, **c, LOG2E=_LOG2E, LN2_HI=_LN2_HI, LN2_LO=_LN2_LO, RNE=_RNE,
                                           BLOCK_SIZE=BLOCK, enable_fp_fusion=False)
+    return y
+
+
+def log(x: torch.Tensor) -> torch.Tensor:
+    """log(x) in float32 with ops._log_fwd's bits (the same float64 operations from the exponent and mantissa bits,
+    the 12-term atanh series, `tl.div_rn` for the fp64 division, FMA contraction off), one launch."""
+    if not available(x):
+        raise ValueError("strict fused log needs a floating CUDA tensor (or TRITON_INTERPRET=1)")
+    ensure_interpreter_compat()
+    xc = x.contiguous()
+    y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    n = xc.numel()
+    if n == 0:
+        return y
+    c = {f"A{i}": v for i, v in enumerate(_ATANH_COEFFS)}
+    _log_kernel[(triton.cdiv(n, BLOCK),)](xc, y, n, **c, SQRT2=_SQRT2, LN2_HI=_LN2_HI, LN2_LO=_LN2_LO,
+                                          MIN_NORMAL=_MIN_NORMAL64, BLOCK_SIZE=BLOCK, enable_fp_fusion=False)
     return y

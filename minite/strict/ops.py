@@ -91,7 +91,7 @@ def _pow2(n: torch.Tensor) -> torch.Tensor:
 def exp(x: torch.Tensor) -> torch.Tensor:
     """exp(x) in float32 (see the module docstring); -inf -> 0, NaN -> NaN, overflow -> inf. On CUDA with
     `fused.ENABLED`: the same operations in one Triton kernel (the same bits, proven on the H200)."""
-    if fused.routes(x):
+    if fused.routes(x, kernel="exp"):
         return fused.exp(x)
     x64 = x.double()
     xc = torch.nan_to_num(x64, nan=0.0).clamp(-150.0, 89.0)  # fp32 exp is 0 below -104, inf above 88.8
@@ -120,6 +120,8 @@ def sincos(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _log_fwd(x: torch.Tensor) -> torch.Tensor:
+    if fused.routes(x, kernel="log"):  # inside _StrictLog.forward no gradient is recorded
+        return fused.log(x)
     x64 = x.double()
     bits = x64.clamp(min=2.0 ** -1022).view(torch.int64)  # normal numbers only (log-softmax sums are >= 1)
     e = ((bits >> 52) & 0x7FF) - 1023
@@ -164,7 +166,7 @@ def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Sum over `dim` by adjacent pairs after zero padding to a power of two (the order depends on positions only).
     On CUDA with `fused.ENABLED`, float32: one Triton kernel, the same additions (proven on the H200)."""
-    if x.dtype == torch.float32 and x.dim() and fused.routes(x, width=x.shape[dim]):
+    if x.dtype == torch.float32 and x.dim() and fused.routes(x, width=x.shape[dim], kernel="tree_sum"):
         return fused.tree_sum(x, dim)
     x = x.movedim(dim, -1)
     n = x.shape[-1]
@@ -238,7 +240,7 @@ def silu(x: torch.Tensor) -> torch.Tensor:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) * weight over the last dim, fp32 inside, output in x's dtype. On CUDA with
     `fused.ENABLED`: one Triton kernel, the same operations (proven on the H200)."""
-    if x.dim() and fused.routes(x, weight, width=x.shape[-1]):
+    if x.dim() and fused.routes(x, weight, width=x.shape[-1], kernel="rms_norm"):
         return fused.rms_norm(x, weight, eps)
     xf = x.float()
     s = tree_sum(xf * xf, -1)

@@ -106,3 +106,28 @@ def test_fused_strict_ops_are_bitwise_the_torch_ops_on_cuda(monkeypatch):
     monkeypatch.setattr(fused, "ENABLED", False)
     with torch.no_grad():
         assert torch.equal(routed, S.log_softmax(logits))
+
+
+def test_fused_log_is_bitwise_the_torch_log_on_cuda():
+    """minite.strict.fused.log (not routed until this passes on the H200: fused.PROVEN): ops._log_fwd's float64
+    operations in one kernel, the same bits on CUDA for fp32/bf16/fp16 inputs, special values and subnormals."""
+    import math
+
+    from minite.strict import fused, ops as S
+    assert "log" not in fused.PROVEN or fused.routes(torch.ones(1, device="cuda"), kernel="log")
+    g = torch.Generator(device="cuda").manual_seed(4)
+    special = torch.tensor([0.0, -0.0, 1.0, -1.0, 2.0, 0.5, 1.4142135, 1.4142137, 1e-45, 1e-40, 1.17549435e-38, 3.4e38,
+                            math.inf, -math.inf, math.nan, 151936.0], device="cuda")
+    x = torch.cat([special, torch.rand(1_000_000, device="cuda", generator=g) * 4 + 1,
+                   torch.exp(torch.randn(1_000_000, device="cuda", generator=g) * 20)])
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        xd = x.to(dtype)
+        got = fused.log(xd)
+        with torch.no_grad():
+            saved, fused.PROVEN = fused.PROVEN, fused.PROVEN - {"log"}
+            try:
+                ref = S._log_fwd(xd)  # the torch ops
+            finally:
+                fused.PROVEN = saved
+        same = (got.view(torch.int32) == ref.view(torch.int32)) | (torch.isnan(got) & torch.isnan(ref))
+        assert bool(same.all()), f"log {dtype}: {int((~same).sum())} differ"

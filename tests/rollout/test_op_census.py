@@ -17,3 +17,17 @@ def test_strict_decode_step_ops_by_site():
     assert "rollout/decode._step" in sites["default"]
     assert "strict/ops.tree_sum" in sites["strict"] and "strict/ops.tree_sum" not in sites["default"]
     assert sites["strict_total"] > 2 * sites["default_total"]
+
+
+def test_fused_strict_kernels_count_as_one_launch_each(monkeypatch):
+    """--fused-strict: strict mode's ops routed to minite.strict.fused as on a GPU (the kernels run in Triton's
+    interpreter): each kernel one launch, far fewer ops per step than the torch ops."""
+    import op_census
+    from sync_census import engine_for
+
+    from minite.strict import fused
+    plain = sum(op_census.per_step(engine_for("bf16", True, 1), batch=2).values())
+    monkeypatch.setattr(fused, "_gpu", lambda x: True)
+    step = op_census.per_step(engine_for("bf16", True, 1), batch=2)
+    assert ("triton:_exp_kernel", "strict/fused.exp") in step
+    assert sum(step.values()) < plain / 1.5, (sum(step.values()), plain)

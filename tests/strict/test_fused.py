@@ -148,3 +148,34 @@ def test_fused_tree_sum_is_not_a_plain_sum():
 def test_fused_rms_norm_refuses_a_wrong_weight():
     with pytest.raises(ValueError, match="weight"):
         fused.rms_norm(torch.randn(2, 8, device=DEVICE), torch.ones(4, device=DEVICE), 1e-6)
+
+
+def _log_inputs(dtype):
+    g = torch.Generator().manual_seed(1)
+    special = torch.tensor([0.0, -0.0, 1.0, -1.0, 2.0, 0.5, 1.4142135, 1.4142137, 0.70710677, 0.7071068, 1e-45, 1e-40,
+                            1.17549435e-38, 3.4e38, math.inf, -math.inf, math.nan, 151936.0], dtype=torch.float64)
+    powers = torch.tensor([2.0 ** k for k in range(-126, 128, 7)], dtype=torch.float64)
+    x = torch.cat([special, powers, powers.nextafter(powers * 2), powers.nextafter(powers * 0),
+                   torch.rand(3000, generator=g, dtype=torch.float64) * 4 + 1,  # log-softmax sums: >= 1
+                   torch.exp(torch.randn(3000, generator=g, dtype=torch.float64) * 20)])
+    return x.to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_log_is_bitwise_ops_log(dtype):
+    x = _log_inputs(dtype)
+    got, ref = fused.log(x), ops._log_fwd(x) if not fused.routes(x, kernel="log") else None
+    assert ref is not None  # log is not routed until its GPU test passed (fused.PROVEN)
+    assert _same_bits(got, ref), f"{int((got.view(torch.int32) != ref.view(torch.int32)).sum())} differ"
+
+
+def test_fused_log_is_not_routed_until_proven(monkeypatch):
+    calls = []
+    monkeypatch.setattr(fused, "log", lambda x: calls.append(1) or torch.zeros(x.shape))
+    monkeypatch.setattr(fused, "_gpu", lambda x: True)
+    x = torch.rand(5) + 1
+    ops.log(x)
+    assert calls == [] and "log" not in fused.PROVEN
+    monkeypatch.setattr(fused, "PROVEN", fused.PROVEN | {"log"})
+    ops.log(x)
+    assert calls == [1]

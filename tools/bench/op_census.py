@@ -10,6 +10,8 @@ launch counts, not times; per layer they scale to the full model (the step has a
 
     python tools/bench/op_census.py [--precisions bf16,nvfp4] [--modes default,strict] [--layers 2] [--top 15]
     TRITON_INTERPRET=1 python tools/bench/op_census.py --precisions nvfp4 --nvfp4-backend triton   (kernel path)
+    TRITON_INTERPRET=1 python tools/bench/op_census.py --precisions nvfp4 --modes strict --nvfp4-backend triton \
+        --fused-strict                                                  (strict mode with its fused kernels, as on a GPU)
 """
 from __future__ import annotations
 
@@ -99,8 +101,16 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=15, help="sites listed per row")
     p.add_argument("--nvfp4-backend", default="auto",
                    help="'triton' with TRITON_INTERPRET=1: NVFP4 on the kernels' path, as on a GPU (slow)")
+    p.add_argument("--fused-strict", action="store_true",
+                   help="with TRITON_INTERPRET=1: strict mode's ops take minite.strict.fused's kernels as on a GPU "
+                        "(routed as if the tensors were CUDA ones; each kernel counted as one launch)")
     a = p.parse_args(argv)
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    if a.fused_strict:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            p.error("--fused-strict needs TRITON_INTERPRET=1 (the kernels run in Triton's interpreter on the CPU)")
+        from minite.strict import fused
+        fused._gpu = lambda x: True  # route as on a GPU; the interpreter runs the kernels on the CPU tensors
     from sync_census import engine_for
     rows = {}
     for precision in a.precisions.split(","):
