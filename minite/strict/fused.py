@@ -4,8 +4,8 @@ Why: a strict decode step launches ~42 torch ops per exp call (the range reducti
 2^n from exponent bits, the special cases), ~11 per RMSNorm and log2(n) + 2 per tree sum, about 40%, 10% and 10% of
 a strict NVFP4 step's launches (tools/bench/op_census.py, docs/benchmarks.md). One kernel does the same arithmetic
 per element (exp, log) or per row (rms_norm, tree_sum: sums by adjacent pairs after zero padding to a power of two,
-as `ops.tree_sum`). `PROVEN` names the kernels routed (their GPU test passed); `log` is written and not yet among
-them.
+as `ops.tree_sum`) or per query and head (attention). `PROVEN` names the kernels routed (their GPU test passed);
+`log` and `attention` are written and not yet among them.
 
 Why the bits are the same: every step is an IEEE-754 basic operation (correctly rounded, so the same result in
 torch's kernels, in numpy under Triton's interpreter and in PTX), with three cares:
@@ -58,8 +58,8 @@ _ATANH_COEFFS = [1.0 / (2 * k + 1) for k in range(12)]
 _MIN_NORMAL64 = 2.0 ** -1022
 
 PROVEN = {"exp", "tree_sum", "rms_norm"}
-"""The kernels whose bitwise GPU test has passed on the H200; `routes` sends only these. `log` (2026-12-01) waits for
-its GPU test (tests/alignment/test_strict_alignment_gpu.py) before it joins."""
+"""The kernels whose bitwise GPU test has passed on the H200; `routes` sends only these. `log` and `attention`
+(2026-12-01) wait for their GPU tests (tests/alignment/test_strict_alignment_gpu.py) before they join."""
 
 if triton is not None:
     @triton.jit(do_not_specialize=["n"])
@@ -97,6 +97,93 @@ if triton is not None:
         y = tl.where(x64 > 89.0, float("inf"), y)
         y = tl.where(nan, float("nan"), y)
         tl.store(y_ptr + offs, y, mask=mask)
+
+    @triton.jit
+    def _exp64(x64, C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr,
+               C5: tl.constexpr, C6: tl.constexpr, C7: tl.constexpr, C8: tl.constexpr, C9: tl.constexpr,
+               C10: tl.constexpr, C11: tl.constexpr, C12: tl.constexpr, C13: tl.constexpr, LOG2E: tl.constexpr,
+               LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, RNE: tl.constexpr):
+        """_exp_kernel's arithmetic on a float64 tensor -> float32 (the same operations; for the kernels below)."""
+        nan = x64 != x64
+        xc = tl.where(nan, 0.0, x64)
+        xc = tl.minimum(tl.maximum(xc, -150.0), 89.0)
+        t = xc * LOG2E
+        k = (t + RNE) - RNE
+        r = (xc - k * LN2_HI) - k * LN2_LO
+        acc = tl.full(r.shape, C13, tl.float64)
+        acc = acc * r + C12
+        acc = acc * r + C11
+        acc = acc * r + C10
+        acc = acc * r + C9
+        acc = acc * r + C8
+        acc = acc * r + C7
+        acc = acc * r + C6
+        acc = acc * r + C5
+        acc = acc * r + C4
+        acc = acc * r + C3
+        acc = acc * r + C2
+        acc = acc * r + C1
+        acc = acc * r + C0
+        p2 = ((k.to(tl.int64) + 1023) << 52).to(tl.float64, bitcast=True)
+        y = (acc * p2).to(tl.float32)
+        y = tl.where(x64 < -150.0, 0.0, y)
+        y = tl.where(x64 > 89.0, float("inf"), y)
+        return tl.where(nan, float("nan"), y)
+
+    @triton.jit
+    def _pair_tree(acc, LEVELS: tl.constexpr):
+        """ops.tree_sum over the last dim of a 2-D block whose width is 2**LEVELS: adjacent pairs, level by level."""
+        for _ in tl.static_range(LEVELS):
+            a, b = tl.split(tl.reshape(acc, [acc.shape[0], acc.shape[1] // 2, 2]))
+            acc = a + b
+        return tl.reshape(acc, [acc.shape[0]])
+
+    @triton.jit(do_not_specialize=["sq", "sk", "d", "bh"])
+    def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, s_ptr, e_ptr, bs_ptr, cs_ptr, sq, sk, d, bh, scale,
+                          sq_i, sq_bh, sk_j, sk_bh, so_i, so_bh,
+                          C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr,
+                          C5: tl.constexpr, C6: tl.constexpr, C7: tl.constexpr, C8: tl.constexpr, C9: tl.constexpr,
+                          C10: tl.constexpr, C11: tl.constexpr, C12: tl.constexpr, C13: tl.constexpr,
+                          LOG2E: tl.constexpr, LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, RNE: tl.constexpr,
+                          DP: tl.constexpr, DL: tl.constexpr, KB: tl.constexpr, KL: tl.constexpr,
+                          NB: tl.constexpr, NL: tl.constexpr):
+        """ops.attention for one (query, batch x head) pair: scores, softmax and context as its torch ops compute
+        them (module docstring of ops; the function `attention` below says how the sums are split into blocks)."""
+        pid = tl.program_id(0).to(tl.int64)
+        i, g = pid // bh, pid % bh
+        pos = sk - sq + i
+        dd = tl.arange(0, DP)
+        jj = tl.arange(0, KB)
+        q = tl.load(q_ptr + i * sq_i + g * sq_bh + dd, mask=dd < d, other=0.0).to(tl.float32)
+        srow, erow = s_ptr + pid * NB * KB, e_ptr + pid * NB * KB
+        m = tl.full([1], float("-inf"), tl.float32)
+        for blk in range(NB):  # scores: tree sums over d, then * scale; the max over allowed keys
+            j = blk * KB + jj
+            kk = tl.load(k_ptr + j[:, None] * sk_j + g * sk_bh + dd[None, :],
+                         mask=(j[:, None] < sk) & (dd[None, :] < d), other=0.0).to(tl.float32)
+            sc = _pair_tree(q[None, :] * kk, DL) * scale
+            tl.store(srow + j, sc)
+            m = tl.maximum(m, tl.max(tl.where(j <= pos, sc, float("-inf")), axis=0))
+        tl.debug_barrier()
+        for blk in range(NB):  # e = exp(scores - m) where allowed, else 0; block sums of e
+            j = blk * KB + jj
+            sc = tl.load(srow + j)
+            ex = _exp64((sc - m).to(tl.float64), C0, C1, C2, C3, C4, C5, C6, C7, C8, C9, C10, C11, C12, C13,
+                        LOG2E, LN2_HI, LN2_LO, RNE)
+            e = tl.where(j <= pos, ex, 0.0)
+            tl.store(erow + j, e)
+            tl.store(bs_ptr + pid * NB + blk + tl.arange(0, 1), _pair_tree(tl.reshape(e, [1, KB]), KL))
+        tl.debug_barrier()
+        denom = _pair_tree(tl.load(bs_ptr + pid * NB + tl.arange(0, NB))[None, :], NL)  # [1]: the tree's top
+        for blk in range(NB):  # context: p = e / denom; tree sums over the block's keys per channel
+            j = blk * KB + jj
+            p = tl.div_rn(tl.load(erow + j), tl.broadcast_to(denom, [KB]))
+            vt = tl.load(v_ptr + j[None, :] * sk_j + g * sk_bh + dd[:, None],
+                         mask=(j[None, :] < sk) & (dd[:, None] < d), other=0.0).to(tl.float32)  # [DP, KB]
+            tl.store(cs_ptr + (pid * DP + dd) * NB + blk, _pair_tree(p[None, :] * vt, KL))
+        tl.debug_barrier()
+        ctx = _pair_tree(tl.load(cs_ptr + (pid * DP + dd)[:, None] * NB + tl.arange(0, NB)[None, :]), NL)
+        tl.store(o_ptr + i * so_i + g * so_bh + dd, ctx, mask=dd < d)
 
     @triton.jit(do_not_specialize=["n"])
     def _log_kernel(x_ptr, y_ptr, n, A0: tl.constexpr, A1: tl.constexpr, A2: tl.constexpr, A3: tl.constexpr,
@@ -259,3 +346,44 @@ def log(x: torch.Tensor) -> torch.Tensor:
     _log_kernel[(triton.cdiv(n, BLOCK),)](xc, y, n, **c, SQRT2=_SQRT2, LN2_HI=_LN2_HI, LN2_LO=_LN2_LO,
                                           MIN_NORMAL=_MIN_NORMAL64, BLOCK_SIZE=BLOCK, enable_fp_fusion=False)
     return y
+
+
+ATTENTION_KEY_BLOCK = 32
+"""Keys per block of the fused attention: the tree over the zero-padded key width (a power of two) is the tree over
+aligned blocks of this many keys, then the tree over the block sums, so the split changes no bit."""
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """ops.attention's bits (q [sq, b, h, d], k/v [sk, b, h, d] -> [sq, b, h, d] fp32) with one program per (query,
+    batch x head): the scores' tree sums over d, the causal mask by absolute position, the max, the strict exp, the
+    denominator's tree sum over keys, p = e / denominator, the context's tree sums over keys: the same operations in
+    the same order. The key sums run over aligned blocks of ATTENTION_KEY_BLOCK keys and then over the block sums
+    (ATTENTION_KEY_BLOCK's docstring); the scores, e and the block sums pass through scratch buffers."""
+    if not available(q):
+        raise ValueError("strict fused attention needs floating CUDA tensors (or TRITON_INTERPRET=1)")
+    sq, b, h, d = q.shape
+    sk = k.shape[0]
+    if k.shape != (sk, b, h, d) or v.shape != k.shape:
+        raise ValueError(f"strict fused attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    ensure_interpreter_compat()
+    out = torch.empty(sq, b, h, d, dtype=torch.float32, device=q.device)
+    if out.numel() == 0 or sk == 0:
+        return out.zero_()
+    qc, kc, vc = (t.contiguous().view(t.shape[0], b * h, d) for t in (q, k, v))
+    dp = 1 << (d - 1).bit_length()
+    skp = 1 << (sk - 1).bit_length()
+    kb = min(ATTENTION_KEY_BLOCK, skp)
+    nb = skp // kb
+    programs = sq * b * h
+    scratch = torch.empty(programs, skp, dtype=torch.float32, device=q.device)
+    e = torch.empty_like(scratch)
+    bs = torch.empty(programs, nb, dtype=torch.float32, device=q.device)
+    cs = torch.empty(programs, dp, nb, dtype=torch.float32, device=q.device)
+    o = out.view(sq, b * h, d)
+    c = {f"C{i}": v for i, v in enumerate(_EXP_COEFFS)}
+    _attention_kernel[(programs,)](qc, kc, vc, o, scratch, e, bs, cs, sq, sk, d, b * h, float(scale),
+                                   qc.stride(0), qc.stride(1), kc.stride(0), kc.stride(1), o.stride(0), o.stride(1),
+                                   **c, LOG2E=_LOG2E, LN2_HI=_LN2_HI, LN2_LO=_LN2_LO, RNE=_RNE,
+                                   DP=dp, DL=dp.bit_length() - 1, KB=kb, KL=kb.bit_length() - 1, NB=nb,
+                                   NL=nb.bit_length() - 1, num_warps=4, enable_fp_fusion=False)
+    return out

@@ -131,3 +131,23 @@ def test_fused_log_is_bitwise_the_torch_log_on_cuda():
                 fused.PROVEN = saved
         same = (got.view(torch.int32) == ref.view(torch.int32)) | (torch.isnan(got) & torch.isnan(ref))
         assert bool(same.all()), f"log {dtype}: {int((~same).sum())} differ"
+
+
+def test_fused_attention_is_bitwise_the_torch_attention_on_cuda(monkeypatch):
+    """minite.strict.fused.attention (not routed until this passes on the H200: fused.PROVEN): ops.attention's
+    operations per (query, batch x head) in one kernel, the same bits as the torch ops on CUDA, for a decode step, a
+    prefill and a long context, and a row alone equal to the same row in the batch."""
+    import math
+
+    from minite.strict import fused, ops as S
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for sq, sk, b, h, d in ((1, 72, 64, 32, 128), (32, 32, 8, 32, 128), (1, 4096, 2, 4, 128), (3, 7, 2, 2, 12)):
+        q = (torch.randn(sq, b, h, d, device="cuda", generator=g) * 3).to(torch.bfloat16)
+        k = (torch.randn(sk, b, h, d, device="cuda", generator=g) * 3).to(torch.bfloat16)
+        v = torch.randn(sk, b, h, d, device="cuda", generator=g).to(torch.bfloat16)
+        with monkeypatch.context() as mp, torch.no_grad():
+            mp.setattr(fused, "PROVEN", set())  # the reference: strict mode's torch ops alone
+            ref = S.attention(q, k, v, 1 / math.sqrt(d))
+        got = fused.attention(q, k, v, 1 / math.sqrt(d))
+        assert torch.equal(got, ref), (sq, sk, (got - ref).abs().max().item())
+        assert torch.equal(fused.attention(q[:, :1], k[:, :1], v[:, :1], 1 / math.sqrt(d)), got[:, :1])

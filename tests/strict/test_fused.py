@@ -179,3 +179,38 @@ def test_fused_log_is_not_routed_until_proven(monkeypatch):
     monkeypatch.setattr(fused, "PROVEN", fused.PROVEN | {"log"})
     ops.log(x)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("sq, sk, d, dtype", [(1, 72, 128, torch.bfloat16), (3, 7, 12, torch.bfloat16),
+                                              (4, 33, 8, torch.float32), (2, 2, 4, torch.float16),
+                                              (1, 1, 4, torch.float32), (5, 300, 16, torch.float32)])
+def test_fused_attention_is_bitwise_ops_attention(sq, sk, d, dtype, monkeypatch):
+    g = torch.Generator().manual_seed(sq * 1000 + sk)
+    q = (torch.randn(sq, 2, 3, d, generator=g) * 3).to(dtype).to(DEVICE)
+    k = (torch.randn(sk, 2, 3, d, generator=g) * 3).to(dtype).to(DEVICE)
+    v = (torch.randn(sk, 2, 3, d, generator=g) * torch.logspace(-4, 4, d)).to(dtype).to(DEVICE)  # order-sensitive
+    monkeypatch.setattr(fused, "PROVEN", fused.PROVEN - {"attention", "exp", "tree_sum"})  # the reference: torch ops
+    ref = ops.attention(q, k, v, 1 / math.sqrt(d))
+    for block in (fused.ATTENTION_KEY_BLOCK, 4):  # the key blocks change no bit
+        monkeypatch.setattr(fused, "ATTENTION_KEY_BLOCK", block)
+        got = fused.attention(q, k, v, 1 / math.sqrt(d))
+        assert got.dtype == torch.float32 and _same_bits(got, ref), (block, (got - ref).abs().max())
+
+
+def test_fused_attention_rows_do_not_depend_on_the_batch():
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(n, 4, 2, 16, generator=g).to(DEVICE) for n in (3, 9, 9))
+    full = fused.attention(q, k, v, 0.25)
+    assert torch.equal(fused.attention(q[:, 1:2], k[:, 1:2], v[:, 1:2], 0.25), full[:, 1:2])
+    assert torch.equal(fused.attention(q[2:], k, v, 0.25), full[2:])  # the last query alone: a decode step
+
+
+def test_fused_attention_special_values_and_errors():
+    q = torch.randn(1, 1, 2, 8, device=DEVICE)
+    k, v = torch.randn(4, 1, 2, 8, device=DEVICE), torch.randn(4, 1, 2, 8, device=DEVICE)
+    v[1, 0, 0, 3] = math.inf
+    k[2, 0, 1, 0] = math.nan
+    assert _same_bits(fused.attention(q, k, v, 0.5), ops.attention(q, k, v, 0.5))
+    with pytest.raises(ValueError, match="attention"):
+        fused.attention(q, k[:, :, :1], v, 0.5)
+    assert "attention" not in fused.PROVEN  # not routed until its GPU test has passed
