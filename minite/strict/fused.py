@@ -131,6 +131,16 @@ if triton is not None:
         return tl.where(nan, float("nan"), y)
 
     @triton.jit
+    def _load_f32(ptr, offs, mask):
+        """A bf16/fp16/fp32 load converted to fp32 exactly; bf16 by its bits (Triton's interpreter flushes bf16
+        subnormals to zero in its cast; the GPU's conversion is this shift)."""
+        if ptr.dtype.element_ty == tl.bfloat16:
+            hi = tl.load(ptr.to(tl.pointer_type(tl.uint16)) + offs, mask=mask, other=0)
+            return (hi.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        else:
+            return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
     def _pair_tree(acc, LEVELS: tl.constexpr):
         """ops.tree_sum over the last dim of a 2-D block whose width is 2**LEVELS: adjacent pairs, level by level."""
         for _ in tl.static_range(LEVELS):
@@ -138,8 +148,8 @@ if triton is not None:
             acc = a + b
         return tl.reshape(acc, [acc.shape[0]])
 
-    @triton.jit(do_not_specialize=["sq", "sk", "d", "bh"])
-    def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, s_ptr, e_ptr, bs_ptr, cs_ptr, sq, sk, d, bh, scale,
+    @triton.jit(do_not_specialize=["sq", "sk", "d", "bh", "i0"])
+    def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, s_ptr, e_ptr, bs_ptr, cs_ptr, sq, sk, d, bh, i0, scale,
                           sq_i, sq_bh, sk_j, sk_bh, so_i, so_bh,
                           C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr,
                           C5: tl.constexpr, C6: tl.constexpr, C7: tl.constexpr, C8: tl.constexpr, C9: tl.constexpr,
@@ -149,18 +159,17 @@ if triton is not None:
                           NB: tl.constexpr, NL: tl.constexpr):
         """ops.attention for one (query, batch x head) pair: scores, softmax and context as its torch ops compute
         them (module docstring of ops; the function `attention` below says how the sums are split into blocks)."""
-        pid = tl.program_id(0).to(tl.int64)
-        i, g = pid // bh, pid % bh
+        pid = tl.program_id(0).to(tl.int64)  # scratch rows are per launch; the query is i0 + pid // bh
+        i, g = i0 + pid // bh, pid % bh
         pos = sk - sq + i
         dd = tl.arange(0, DP)
-        jj = tl.arange(0, KB)
-        q = tl.load(q_ptr + i * sq_i + g * sq_bh + dd, mask=dd < d, other=0.0).to(tl.float32)
+        jj = tl.arange(0, KB).to(tl.int64)  # key offsets j * sk_j reach past 2^31 for long contexts
+        q = _load_f32(q_ptr, i * sq_i + g * sq_bh + dd, dd < d)
         srow, erow = s_ptr + pid * NB * KB, e_ptr + pid * NB * KB
         m = tl.full([1], float("-inf"), tl.float32)
         for blk in range(NB):  # scores: tree sums over d, then * scale; the max over allowed keys
             j = blk * KB + jj
-            kk = tl.load(k_ptr + j[:, None] * sk_j + g * sk_bh + dd[None, :],
-                         mask=(j[:, None] < sk) & (dd[None, :] < d), other=0.0).to(tl.float32)
+            kk = _load_f32(k_ptr, j[:, None] * sk_j + g * sk_bh + dd[None, :], (j[:, None] < sk) & (dd[None, :] < d))
             sc = _pair_tree(q[None, :] * kk, DL) * scale
             tl.store(srow + j, sc)
             m = tl.maximum(m, tl.max(tl.where(j <= pos, sc, float("-inf")), axis=0))
@@ -178,8 +187,8 @@ if triton is not None:
         for blk in range(NB):  # context: p = e / denom; tree sums over the block's keys per channel
             j = blk * KB + jj
             p = tl.div_rn(tl.load(erow + j), tl.broadcast_to(denom, [KB]))
-            vt = tl.load(v_ptr + j[None, :] * sk_j + g * sk_bh + dd[:, None],
-                         mask=(j[None, :] < sk) & (dd[:, None] < d), other=0.0).to(tl.float32)  # [DP, KB]
+            vt = _load_f32(v_ptr, j[None, :] * sk_j + g * sk_bh + dd[:, None],
+                           (j[None, :] < sk) & (dd[:, None] < d))  # [DP, KB]
             tl.store(cs_ptr + (pid * DP + dd) * NB + blk, _pair_tree(p[None, :] * vt, KL))
         tl.debug_barrier()
         ctx = _pair_tree(tl.load(cs_ptr + (pid * DP + dd)[:, None] * NB + tl.arange(0, NB)[None, :]), NL)
@@ -333,9 +342,9 @@ def exp(x: torch.Tensor) -> torch.Tensor:
 
 def log(x: torch.Tensor) -> torch.Tensor:
     """log(x) in float32 with ops._log_fwd's bits (the same float64 operations from the exponent and mantissa bits,
-    the 12-term atanh series, `tl.div_rn` for the fp64 division, FMA contraction off), one launch."""
-    if not available(x):
-        raise ValueError("strict fused log needs a floating CUDA tensor (or TRITON_INTERPRET=1)")
+    the 12-term atanh series, fp64 `/` (div.rn.f64), FMA contraction off), one launch; fp32/bf16/fp16 inputs."""
+    if not available(x) or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError("strict fused log needs an fp32/bf16/fp16 CUDA tensor (or TRITON_INTERPRET=1)")
     ensure_interpreter_compat()
     xc = x.contiguous()
     y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
@@ -351,6 +360,10 @@ def log(x: torch.Tensor) -> torch.Tensor:
 ATTENTION_KEY_BLOCK = 32
 """Keys per block of the fused attention: the tree over the zero-padded key width (a power of two) is the tree over
 aligned blocks of this many keys, then the tree over the block sums, so the split changes no bit."""
+ATTENTION_MAX_KEYS = 8192
+"""The longest context routed to the fused attention (its last pass holds [d, keys / ATTENTION_KEY_BLOCK] values)."""
+ATTENTION_SCRATCH_BYTES = 256 << 20
+"""Scratch of one launch; more queries run as further launches (programs are independent: no bit changes)."""
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -365,25 +378,32 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     sk = k.shape[0]
     if k.shape != (sk, b, h, d) or v.shape != k.shape:
         raise ValueError(f"strict fused attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if sk == 0 or sq > sk:
+        raise ValueError(f"strict fused attention: {sq} queries over {sk} keys (each query needs its own key)")
+    if sk > ATTENTION_MAX_KEYS:
+        raise ValueError(f"strict fused attention: {sk} keys, at most {ATTENTION_MAX_KEYS}")
     ensure_interpreter_compat()
     out = torch.empty(sq, b, h, d, dtype=torch.float32, device=q.device)
-    if out.numel() == 0 or sk == 0:
-        return out.zero_()
+    if out.numel() == 0:
+        return out
     qc, kc, vc = (t.contiguous().view(t.shape[0], b * h, d) for t in (q, k, v))
     dp = 1 << (d - 1).bit_length()
     skp = 1 << (sk - 1).bit_length()
     kb = min(ATTENTION_KEY_BLOCK, skp)
     nb = skp // kb
-    programs = sq * b * h
-    scratch = torch.empty(programs, skp, dtype=torch.float32, device=q.device)
+    per_query = b * h * (2 * skp + nb + dp * nb) * 4  # scratch bytes of one query's programs
+    step = max(1, min(sq, ATTENTION_SCRATCH_BYTES // per_query))  # queries per launch (independent programs)
+    scratch = torch.empty(step * b * h, skp, dtype=torch.float32, device=q.device)
     e = torch.empty_like(scratch)
-    bs = torch.empty(programs, nb, dtype=torch.float32, device=q.device)
-    cs = torch.empty(programs, dp, nb, dtype=torch.float32, device=q.device)
+    bs = torch.empty(step * b * h, nb, dtype=torch.float32, device=q.device)
+    cs = torch.empty(step * b * h, dp, nb, dtype=torch.float32, device=q.device)
     o = out.view(sq, b * h, d)
     c = {f"C{i}": v for i, v in enumerate(_EXP_COEFFS)}
-    _attention_kernel[(programs,)](qc, kc, vc, o, scratch, e, bs, cs, sq, sk, d, b * h, float(scale),
-                                   qc.stride(0), qc.stride(1), kc.stride(0), kc.stride(1), o.stride(0), o.stride(1),
-                                   **c, LOG2E=_LOG2E, LN2_HI=_LN2_HI, LN2_LO=_LN2_LO, RNE=_RNE,
-                                   DP=dp, DL=dp.bit_length() - 1, KB=kb, KL=kb.bit_length() - 1, NB=nb,
-                                   NL=nb.bit_length() - 1, num_warps=4, enable_fp_fusion=False)
+    for i0 in range(0, sq, step):
+        n = min(step, sq - i0)
+        _attention_kernel[(n * b * h,)](qc, kc, vc, o, scratch, e, bs, cs, sq, sk, d, b * h, i0, float(scale),
+                                        qc.stride(0), qc.stride(1), kc.stride(0), kc.stride(1), o.stride(0),
+                                        o.stride(1), **c, LOG2E=_LOG2E, LN2_HI=_LN2_HI, LN2_LO=_LN2_LO, RNE=_RNE,
+                                        DP=dp, DL=dp.bit_length() - 1, KB=kb, KL=kb.bit_length() - 1, NB=nb,
+                                        NL=nb.bit_length() - 1, num_warps=4, enable_fp_fusion=False)
     return out

@@ -120,7 +120,7 @@ def sincos(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _log_fwd(x: torch.Tensor) -> torch.Tensor:
-    if fused.routes(x, kernel="log"):  # inside _StrictLog.forward no gradient is recorded
+    if x.dtype != torch.float64 and fused.routes(x, kernel="log"):  # inside _StrictLog.forward no gradient is recorded
         return fused.log(x)
     x64 = x.double()
     bits = x64.clamp(min=2.0 ** -1022).view(torch.int64)  # normal numbers only (log-softmax sums are >= 1)
@@ -256,7 +256,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     exactly 0. Scores are tree sums over d; the softmax denominator and the context are tree sums over keys at
     absolute key positions, so a decode step (sq = 1) and a full forward give the same bits.
     """
-    if fused.routes(q, k, v, kernel="attention"):
+    if 0 < k.shape[0] <= fused.ATTENTION_MAX_KEYS and q.shape[0] <= k.shape[0] and \
+            fused.routes(q, k, v, kernel="attention"):
         return fused.attention(q, k, v, scale)
     sq, sk = q.shape[0], k.shape[0]
     qf, kf, vf = q.float(), k.float(), v.float()

@@ -213,4 +213,21 @@ def test_fused_attention_special_values_and_errors():
     assert _same_bits(fused.attention(q, k, v, 0.5), ops.attention(q, k, v, 0.5))
     with pytest.raises(ValueError, match="attention"):
         fused.attention(q, k[:, :, :1], v, 0.5)
+    with pytest.raises(ValueError, match="queries over"):
+        fused.attention(torch.randn(5, 1, 2, 8, device=DEVICE), k, v, 0.5)  # more queries than keys
     assert "attention" not in fused.PROVEN  # not routed until its GPU test has passed
+    with pytest.raises(ValueError, match="fp32/bf16/fp16"):
+        fused.log(torch.rand(3, dtype=torch.float64, device=DEVICE))
+
+
+def test_fused_attention_in_several_launches_and_bf16_subnormals(monkeypatch):
+    """Queries split over launches (the scratch bound) give the same bits; bf16 subnormals are read exactly."""
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(6, 2, 2, 8, generator=g).to(torch.bfloat16).to(DEVICE)
+    k = torch.randn(9, 2, 2, 8, generator=g).to(torch.bfloat16).to(DEVICE)
+    v = (torch.randn(9, 2, 2, 8, generator=g) * 1e-39).to(torch.bfloat16).to(DEVICE)  # bf16 subnormals
+    assert bool((v != 0).any())
+    ref = ops.attention(q, k, v, 0.3)
+    whole = fused.attention(q, k, v, 0.3)
+    monkeypatch.setattr(fused, "ATTENTION_SCRATCH_BYTES", 1)  # one query per launch
+    assert _same_bits(whole, ref) and _same_bits(fused.attention(q, k, v, 0.3), ref)
