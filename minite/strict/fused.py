@@ -57,9 +57,10 @@ _SQRT2 = 1.4142135623730951
 _ATANH_COEFFS = [1.0 / (2 * k + 1) for k in range(12)]
 _MIN_NORMAL64 = 2.0 ** -1022
 
-PROVEN = {"exp", "tree_sum", "rms_norm"}
-"""The kernels whose bitwise GPU test has passed on the H200; `routes` sends only these. `log` and `attention`
-(2026-12-01) wait for their GPU tests (tests/alignment/test_strict_alignment_gpu.py) before they join."""
+PROVEN = {"exp", "tree_sum", "rms_norm", "log", "attention"}
+"""The kernels whose bitwise GPU test has passed on the H200; `routes` sends only these. A new kernel joins after its
+test in tests/alignment/test_strict_alignment_gpu.py has passed there (`log` and `attention`: 2026-12-01, at
+5ea343c, 24 passed with tests/rollout/test_decode.py)."""
 
 if triton is not None:
     @triton.jit(do_not_specialize=["n"])
