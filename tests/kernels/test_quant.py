@@ -165,3 +165,26 @@ def test_given_global_amax_bitwise_reference(scope, cols, rht):
         quantize(x, scale_scope=scope, rht=rht, backend="triton"))
     with pytest.raises(ValueError, match="global_amax"):
         quantize(x, scale_scope=scope, global_amax=torch.ones(5))
+
+
+@pytest.mark.parametrize("transposed_loads", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_transposed_view_loads_bitwise(monkeypatch, transposed_loads, dtype):
+    """A transposed view (the wgrad operands x^T) loaded as [columns, rows] tiles and permuted, or with the row-major
+    addressing: the same bits as the reference of the contiguous transpose, with RHT or not, nearest or stochastic,
+    codes and fp16 block values, at sizes that leave partial tiles in both directions (40 rows of 16-row tiles,
+    80 columns of 32-column tiles), with zeros, huge and tiny values."""
+    monkeypatch.setitem(nvfp4_quant.TUNING, "colmajor", {"elems": 512, "warps": 2, "vec2d": True, "rows": 16,
+                                                         "transposed_loads": transposed_loads})
+    torch.manual_seed(11)
+    x = (torch.randn(80, 40) * torch.logspace(-3, 3, 40)).to(dtype)
+    x[3:19, 5] = 0.0
+    x[20, 7] = torch.finfo(dtype).max / 8
+    x[40:56, 9] = torch.finfo(dtype).tiny
+    x = x.to(DEVICE)
+    for rounding, rht in [("nearest", True), ("stochastic", True), ("nearest", False), ("stochastic", False)]:
+        ref = quantize_reference(x.t().contiguous(), block=(1, 16), scale_scope="tensor", rounding=rounding,
+                                 seed=5, rht=rht)
+        q, vals = quantize_with_values_triton(x.t(), (1, 16), "tensor", rounding, 5, rht)
+        assert q.equal(ref), (rounding, rht)
+        assert torch.equal(vals, ref.block_values(torch.float16)), (rounding, rht)

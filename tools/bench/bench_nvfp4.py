@@ -89,14 +89,27 @@ def section_copy_quant(res: dict) -> None:
                 if best is None or t < best[0]:
                     best = (t, dict(nq.TUNING[kind]))
         nq.TUNING[kind] = best[1]
-    best_rht = None
-    for elems in (2048, 4096, 8192):
-        nq.TUNING["rht"] = {"elems": elems, "warps": None, "vec2d": True}
-        t = bench(lambda: quantize_triton(x.t(), (1, 16), "tensor", "stochastic", 7, True), rep=60)
-        log(f"  quant sweep colwise rht elems={elems}: {t * 1e3:.1f} us")
-        if best_rht is None or t < best_rht[0]:
-            best_rht = (t, dict(nq.TUNING["rht"]))
-    nq.TUNING["rht"] = best_rht[1]
+    # transposed views (the wgrad operands dy^T, x^T: tensor scope, RHT, codes + fp16 values, as the backward
+    # quantises them): the shipped tile first, then the sweep; every setting must give the shipped tile's bits
+    fn = lambda: quantize_with_values_triton(x.t(), (1, 16), "tensor", "stochastic", 7, True)  # noqa: E731
+    shipped = dict(nq.TUNING["colmajor"])
+    q0, v0 = fn()
+    best_cm = (bench(fn, rep=60), shipped)
+    log(f"  quant sweep colmajor (values) shipped {shipped}: {best_cm[0] * 1e3:.1f} us")
+    sweep = [{"elems": 8192, "warps": 8, "vec2d": False, "rows": 128, "transposed_loads": False}]  # before 2026-12-01
+    sweep += [{"elems": n, "warps": wp, "vec2d": True, "rows": r, "transposed_loads": tl_}
+              for tl_ in (True, False) for r in (32, 64, 128) for n in (4096, 8192) for wp in (4, 8)]
+    res["colmajor_sweep_us"] = []
+    for tu in sweep:
+        nq.TUNING["colmajor"] = tu
+        q, v = fn()
+        same = q.equal(q0) and torch.equal(v, v0)
+        t = bench(fn, rep=60)
+        res["colmajor_sweep_us"].append({**tu, "us": t * 1e3, "bitwise": same})
+        log(f"  quant sweep colmajor (values) {tu}: {t * 1e3:.1f} us bitwise={same}")
+        if same and t < best_cm[0]:
+            best_cm = (t, tu)
+    nq.TUNING["colmajor"] = best_cm[1]
     res["quant_tuning"] = {k: dict(v) for k, v in nq.TUNING.items()}
     log(f"quant tuning chosen: {res['quant_tuning']}")
     variants = {
@@ -467,9 +480,15 @@ def section_segments(res: dict) -> None:
                                                                    for n in (1024, 4096, 8192, 16384) for wp in (4, 8)]),
         "wgrad_xT_rht": (x.t(), [(0, s, HIDDEN, c, 0, s) for s, c in zip(
             [sum(counts[:i]) for i in range(EXPERTS)], counts)], (HIDDEN, sum(counts)), (1, 16), True,
-            [{"elems": n, "warps": wp, "vec2d": False} for n in (2048, 4096, 8192, 16384) for wp in (4, 8)]),
+            [{"elems": n, "warps": wp, "vec2d": True, "rows": r, "transposed_loads": tl_}
+             for tl_ in (True, False) for r in (32, 64, 128) for n in (4096, 8192) for wp in (4, 8)]),
     }
     res["segments_us"] = {}
+    # for scale: the same stack as one [E*N, K] tensor (one global scale: other bits, the same bytes moved)
+    flat = w.reshape(-1, HIDDEN)
+    t = bench(lambda: quantize_with_values_triton(flat, (16, 16), "tensor", "nearest", None, False), rep=50)
+    res["segments_us"]["stack_as_one_tensor_us"] = t * 1e3
+    log(f"  stack as one tensor (quantize_with_values_triton, 16x16, amax pass included): {t * 1e3:.1f} us")
     for name, (src, segs, shape, block, rht, tunings) in cases.items():
         nelem = shape[0] * shape[1]
         base, best = None, None
