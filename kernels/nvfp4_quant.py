@@ -81,41 +81,15 @@ def _round_to_input(y, in_ty: tl.constexpr):
 @triton.jit
 def _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C,
                BLOCK_R: tl.constexpr, G: tl.constexpr, RHT: tl.constexpr, SIGN_MASK: tl.constexpr,
-               VEC2D: tl.constexpr, COLMAJOR: tl.constexpr):
+               VEC2D: tl.constexpr):
     """fp32 tile [BLOCK_R, G, 8, 2] of x: rows `rows`, 16-groups g at columns c0 + 16 g + 2 j + p; Hadamard-
     transformed per 16-group when RHT. The 4-D shape (group, pair, even/odd) is the layout every later step needs
-    (block reductions over the last two axes, nibble packing over the last one), so no reshape moves data.
-    COLMAJOR: x's rows are its contiguous direction (stride_r == 1: a transposed view such as the wgrad operand
-    x^T); the tile is loaded as [columns, rows] with the rows along the threads (coalesced), transformed in that
-    orientation and permuted to [BLOCK_R, G, 8, 2] (a layout change through shared memory, same values)."""
+    (block reductions over the last two axes, nibble packing over the last one), so no reshape moves data."""
     rmask = rows < R
     g = tl.arange(0, G)
     jj = tl.arange(0, 8)
     pp = tl.arange(0, 2)
     gcol = c0 + g * 16
-    if COLMAJOR:
-        rr = rows[None, :].to(tl.int64) * stride_r  # [1, BLOCK_R]
-        if RHT:
-            j16 = jj[:, None] * 2 + pp[None, :]  # [8, 2]
-            m2 = (gcol < C)[:, None] & rmask[None, :]  # [G, BLOCK_R]
-            base = x_ptr + gcol[:, None].to(tl.int64) * stride_c + rr
-            # the same sum, term by term and in the same order, as the row-major branch below
-            x0 = tl.load(base, mask=m2, other=0.0).to(tl.float32)
-            mv0 = tl.where(((0 & j16) & 1) == 1, -1.0, 1.0) * (1.0 - 2.0 * ((SIGN_MASK >> 0) & 1))
-            acc = x0[:, None, None, :] * mv0[None, :, :, None]  # [G, 8, 2, BLOCK_R]
-            for i in tl.static_range(1, 16):
-                xi = tl.load(base + i * stride_c, mask=m2, other=0.0).to(tl.float32)
-                pi = i & j16
-                par = (pi ^ (pi >> 1) ^ (pi >> 2) ^ (pi >> 3)) & 1
-                mvi = tl.where(par == 1, -1.0, 1.0) * (1.0 - 2.0 * ((SIGN_MASK >> i) & 1))
-                acc = acc + xi[:, None, None, :] * mvi[None, :, :, None]
-            y = _round_to_input(acc * 0.25, x_ptr.dtype.element_ty)
-            return tl.permute(y, (3, 0, 1, 2))
-        else:
-            cols = c0 + tl.arange(0, G * 16)
-            ptrs = x_ptr + cols[:, None].to(tl.int64) * stride_c + rr
-            x2 = tl.load(ptrs, mask=(cols < C)[:, None] & rmask[None, :], other=0.0).to(tl.float32)
-            return tl.permute(tl.reshape(x2, [G, 8, 2, BLOCK_R]), (3, 0, 1, 2))
     r4 = rows[:, None, None, None].to(tl.int64) * stride_r
     g4 = gcol[None, :, None, None].to(tl.int64) * stride_c
     m4 = rmask[:, None, None, None] & (gcol < C)[None, :, None, None]
@@ -279,8 +253,7 @@ def _quant_kernel(x_ptr, stride_r, stride_c, R, C, data_ptr, scale_ptr, gs_ptr, 
                   seed_mix, sixth, amax_ptr, amax_out_ptr,
                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BR: tl.constexpr, ROW_SCOPE: tl.constexpr,
                   SINGLE: tl.constexpr, STOCHASTIC: tl.constexpr, RHT: tl.constexpr, WRITE_VALS: tl.constexpr,
-                  SIGN_MASK: tl.constexpr, VEC2D: tl.constexpr, GIVEN_AMAX: tl.constexpr = False,
-                  COLMAJOR: tl.constexpr = False):
+                  SIGN_MASK: tl.constexpr, VEC2D: tl.constexpr, GIVEN_AMAX: tl.constexpr = False):
     """GIVEN_AMAX (per-row scales): each row's amax is read from amax_ptr (the caller's, e.g. all-reduced over a
     tensor-parallel group) instead of computed from the row."""
     G: tl.constexpr = BLOCK_C // 16
@@ -290,7 +263,7 @@ def _quant_kernel(x_ptr, stride_r, stride_c, R, C, data_ptr, scale_ptr, gs_ptr, 
     scale_row0 = pid_r  # 16x16 blocks: BLOCK_R == 16, one scale row per program
     if ROW_SCOPE:
         if SINGLE:
-            x = _load_tile(x_ptr, stride_r, stride_c, rows, 0, R, C, BLOCK_R, G, RHT, SIGN_MASK, VEC2D, COLMAJOR)
+            x = _load_tile(x_ptr, stride_r, stride_c, rows, 0, R, C, BLOCK_R, G, RHT, SIGN_MASK, VEC2D)
             if GIVEN_AMAX:
                 amax = tl.load(amax_ptr + rows, mask=rows < R, other=0.0)
             else:
@@ -306,13 +279,13 @@ def _quant_kernel(x_ptr, stride_r, stride_c, R, C, data_ptr, scale_ptr, gs_ptr, 
             else:
                 amax = tl.zeros([BLOCK_R], tl.float32)
                 for c0 in range(0, C, BLOCK_C):
-                    x = _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C, BLOCK_R, G, RHT, SIGN_MASK, VEC2D, COLMAJOR)
+                    x = _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C, BLOCK_R, G, RHT, SIGN_MASK, VEC2D)
                     amax = tl.maximum(amax, _row_amax(x))
             s_enc, s_dec = _global_scales(amax)
             tl.store(gs_ptr + rows, s_dec, mask=rows < R)
             tl.store(amax_out_ptr + rows, _decode_amax(amax, s_enc), mask=rows < R)
             for c0 in range(0, C, BLOCK_C):
-                x = _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C, BLOCK_R, G, RHT, SIGN_MASK, VEC2D, COLMAJOR)
+                x = _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C, BLOCK_R, G, RHT, SIGN_MASK, VEC2D)
                 _quantize_tile(x, rows, c0, R, C, s_enc[:, None], s_dec[:, None], sixth, seed_mix,
                                data_ptr, scale_ptr, vals_ptr, scale_row0, 0, 0, C, BLOCK_R, G, BR, STOCHASTIC,
                                WRITE_VALS, VEC2D)
@@ -320,7 +293,7 @@ def _quant_kernel(x_ptr, stride_r, stride_c, R, C, data_ptr, scale_ptr, gs_ptr, 
         s_enc = tl.load(senc_ptr)
         s_dec = tl.load(senc_ptr + 1)
         c0 = pid_c * BLOCK_C
-        x = _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C, BLOCK_R, G, RHT, SIGN_MASK, VEC2D, COLMAJOR)
+        x = _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C, BLOCK_R, G, RHT, SIGN_MASK, VEC2D)
         _quantize_tile(x, rows, c0, R, C, s_enc, s_dec, sixth, seed_mix,
                        data_ptr, scale_ptr, vals_ptr, scale_row0, 0, 0, C, BLOCK_R, G, BR, STOCHASTIC, WRITE_VALS, VEC2D)
 
@@ -328,35 +301,43 @@ def _quant_kernel(x_ptr, stride_r, stride_c, R, C, data_ptr, scale_ptr, gs_ptr, 
 @triton.jit
 def _amax_kernel(x_ptr, stride_r, stride_c, R, C, partial_ptr,
                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, RHT: tl.constexpr, SIGN_MASK: tl.constexpr,
-                 VEC2D: tl.constexpr, COLMAJOR: tl.constexpr = False):
+                 VEC2D: tl.constexpr):
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     x = _load_tile(x_ptr, stride_r, stride_c, rows, pid_c * BLOCK_C, R, C, BLOCK_R, BLOCK_C // 16, RHT, SIGN_MASK,
-                   VEC2D, COLMAJOR)
+                   VEC2D)
     tl.store(partial_ptr + pid_r * tl.num_programs(1) + pid_c, tl.max(_row_amax(x), axis=0))
 
 
 @triton.jit
-def _segment(table_ptr, b):
-    """Row b of a segment table int64 [B, 6]: x row, x column, rows, columns, output row, output column."""
+def _segment(table_ptr, b, ROWS16: tl.constexpr):
+    """Row b of a segment table int64 [B, 6]: x row, x column, rows, columns, output row, output column. The host
+    checked that columns, x columns and output columns are multiples of 16, and ROWS16 says that the rows, x rows
+    and output rows of every segment are too; saying so lets the compiler vectorise the loads and stores (a masked
+    16-byte access needs its mask constant over the vector): without it the expert-weight stacks ran at 0.86 TB/s
+    against 2 TB/s for the same bytes as one tensor (docs/benchmarks.md)."""
     t = table_ptr + b * 6
-    return (tl.load(t), tl.load(t + 1), tl.load(t + 2), tl.load(t + 3), tl.load(t + 4), tl.load(t + 5))
+    xr, xc, r, c = tl.load(t), tl.multiple_of(tl.load(t + 1), 16), tl.load(t + 2), tl.multiple_of(tl.load(t + 3), 16)
+    orow, ocol = tl.load(t + 4), tl.multiple_of(tl.load(t + 5), 16)
+    if ROWS16:
+        xr, r, orow = tl.multiple_of(xr, 16), tl.multiple_of(r, 16), tl.multiple_of(orow, 16)
+    return xr, xc, r, c, orow, ocol
 
 
 @triton.jit
 def _segments_amax_kernel(x_ptr, stride_r, stride_c, table_ptr, partial_ptr,
                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, RHT: tl.constexpr,
-                          SIGN_MASK: tl.constexpr, VEC2D: tl.constexpr, COLMAJOR: tl.constexpr = False):
+                          SIGN_MASK: tl.constexpr, VEC2D: tl.constexpr, ROWS16: tl.constexpr):
     """Per segment b, the amax of each [BLOCK_R, BLOCK_C] tile (0 for tiles past the segment's end)."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     b = tl.program_id(2)
-    xr, xc, R, C, _, _ = _segment(table_ptr, b)
+    xr, xc, R, C, _, _ = _segment(table_ptr, b, ROWS16)
     xb = x_ptr + xr * stride_r + xc * stride_c
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     x = _load_tile(xb, stride_r, stride_c, rows, pid_c * BLOCK_C, R, C, BLOCK_R, BLOCK_C // 16, RHT, SIGN_MASK,
-                   VEC2D, COLMAJOR)
+                   VEC2D)
     slot = (b * tl.num_programs(0) + pid_r) * tl.num_programs(1) + pid_c
     tl.store(partial_ptr + slot, tl.max(_row_amax(x), axis=0))
 
@@ -366,14 +347,14 @@ def _segments_quant_kernel(x_ptr, stride_r, stride_c, table_ptr, OC, data_ptr, s
                            vals_ptr, sixth,
                            BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BR: tl.constexpr,
                            STOCHASTIC: tl.constexpr, RHT: tl.constexpr, WRITE_VALS: tl.constexpr,
-                           SIGN_MASK: tl.constexpr, VEC2D: tl.constexpr, COLMAJOR: tl.constexpr = False):
+                           SIGN_MASK: tl.constexpr, VEC2D: tl.constexpr, ROWS16: tl.constexpr):
     """Segment b (grid axis 2) quantised as its own tensor (one global scale, its own seed, stochastic-rounding
     index r * C_b + c inside the segment): the same bits as `_quant_kernel` on that segment alone."""
     G: tl.constexpr = BLOCK_C // 16
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     b = tl.program_id(2)
-    xr, xc, R, C, orow, ocol = _segment(table_ptr, b)
+    xr, xc, R, C, orow, ocol = _segment(table_ptr, b, ROWS16)
     if (pid_r * BLOCK_R >= R) | (pid_c * BLOCK_C >= C):
         return
     xb = x_ptr + xr * stride_r + xc * stride_c
@@ -382,7 +363,7 @@ def _segments_quant_kernel(x_ptr, stride_r, stride_c, table_ptr, OC, data_ptr, s
     s_dec = tl.load(senc_ptr + 2 * b + 1)
     mix = tl.load(seed_ptr + b) if STOCHASTIC else 0
     c0 = pid_c * BLOCK_C
-    x = _load_tile(xb, stride_r, stride_c, rows, c0, R, C, BLOCK_R, G, RHT, SIGN_MASK, VEC2D, COLMAJOR)
+    x = _load_tile(xb, stride_r, stride_c, rows, c0, R, C, BLOCK_R, G, RHT, SIGN_MASK, VEC2D)
     _quantize_tile(x, rows, c0, R, C, s_enc, s_dec, sixth, mix, data_ptr, scale_ptr, vals_ptr, pid_r,
                    orow, ocol, OC, BLOCK_R, G, BR, STOCHASTIC, WRITE_VALS, VEC2D)
 
@@ -398,26 +379,27 @@ def seed_mix(seed: int) -> int:
 
 
 # Tuning knobs, one set per kind of call. Every setting computes the same bits (elementwise math and an exact max;
-# tests/kernels checks both addressing variants), so these change speed only. The defaults are what the H200 sweep in
-# tools/bench/bench_nvfp4.py chose (docs/benchmarks.md, 131072 x 2048 bf16): codes only, per-row RNE: 4-D addressing,
-# 2048 elements, 2 warps, 272 us (0.61 of copy; 2-D loads: 294-300 us; the first 8192-element / 8-warp tile: 913 us);
-# codes + fp16 values: 2-D vector loads/stores, 1024 elements, 425 us (4-D addressing: 1045 us); column-wise RHT + SR:
-# 8192 elements, 1142 us (2048: 1858 us).
+# tests/kernels checks the addressing variants), so these change speed only. The defaults are what the H200 sweeps
+# in tools/bench/bench_nvfp4.py chose (docs/benchmarks.md names each sweep's commit; 131072 x 2048 bf16): codes only,
+# per-row RNE: 4-D addressing, 2048 elements, 2 warps, 272 us (0.61 of copy; 2-D loads: 294-300 us; the first
+# 8192-element / 8-warp tile: 913 us); codes + fp16 values: 2-D vector loads/stores, 1024 elements, 425 us (4-D
+# addressing: 1045 us).
 #   elems: fp32 elements one program holds; warps: None = 8 if elems >= 8192 else 4; vec2d: 2-D row loads/stores
 #   (16-byte vectors) reshaped to the 4-D view, else 4-D addressing; rows (transposed views only): the tile's rows,
-#   the contiguous direction; transposed_loads (transposed views): load [columns, rows] tiles with the rows along
-#   the threads and permute (`_load_tile`'s COLMAJOR), else the row-major addressing of the other kinds.
-# "colmajor" (transposed views, tensor scope: tall tiles) and "stack" (expert-weight stacks, 16x16 blocks) follow the
-# coalescing argument, not a measured optimum: the H200 segments sweep (`bench_nvfp4.py --sections segments`,
-# docs/benchmarks.md, which names its commit) measured the stack at 2282 us with 8 warps and 2004 us with 4
-# warps, and x^T with RHT at 2.99-3.14 ms for every tall-tile setting, against 1142 us for the single-tensor
-# column-wise RHT+SR quantisation with 8 x 1024 tiles. "stack" uses the 4 warps of that sweep (since the commit
-# after c8d4672; each learner row of docs/benchmarks.md names the commit it ran).
+#   the contiguous direction in memory.
+# Transposed views (x^T, dy^T: the wgrad operands, tensor scope, RHT, codes + fp16 values), 2026-12-01 sweep at
+# 9f37192: the old default (128-row tiles, 4-D stores: fp16 values written element by element) 2.92 ms; 2-D stores
+# 1.34-1.65 ms for every rows/elems/warps setting; loading [columns, rows] tiles with the rows along the threads and
+# permuting them (tried, removed) 4.1-6.7 ms: the compiler converted every one of the 16 RHT terms' tiles through
+# shared memory. Segments of a transposed view: 1.79 ms with 4 warps against 2.11 with 8 ("colmajor_segments").
+# Expert-weight stacks (16x16 blocks, values): 2.0-2.9 ms for every tile (sweep at e671445 and 9f37192), against
+# 0.87 ms for the same bytes as one tensor, amax pass included: see `_segments_quant_kernel` (alignment hints).
 TUNING = {
     "plain": {"elems": 2048, "warps": 2, "vec2d": False},
     "values": {"elems": 1024, "warps": 2, "vec2d": True},
     "rht": {"elems": 8192, "warps": None, "vec2d": True},
-    "colmajor": {"elems": 8192, "warps": 8, "vec2d": True, "rows": 64, "transposed_loads": True},
+    "colmajor": {"elems": 8192, "warps": 8, "vec2d": True, "rows": 32},
+    "colmajor_segments": {"elems": 8192, "warps": 4, "vec2d": True, "rows": 32},
     "stack": {"elems": 8192, "warps": 4, "vec2d": True},
 }
 
@@ -489,7 +471,6 @@ def quantize_with_values_triton(x: torch.Tensor, block=(1, 16), scale_scope: str
     block_r, block_c, single = _tile_shape(rows, cols, br, row_scope, tune["elems"], col_major, tune.get("rows", 128))
     warps = tune["warps"] or (8 if block_r * block_c >= 8192 else 4)
     vec2d = tune["vec2d"]
-    colmajor_loads = col_major and tune.get("transposed_loads", False)
     given = global_amax.to(device=dev, dtype=torch.float32).contiguous() if global_amax is not None else None
     if row_scope:
         gs = torch.empty(rows, dtype=torch.float32, device=dev)
@@ -501,8 +482,7 @@ def quantize_with_values_triton(x: torch.Tensor, block=(1, 16), scale_scope: str
         if given is None:
             partial = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=dev)
             _amax_kernel[grid](x, x.stride(0), x.stride(1), rows, cols, partial, BLOCK_R=block_r, BLOCK_C=block_c,
-                               RHT=rht, SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d, COLMAJOR=colmajor_loads,
-                               num_warps=warps)
+                               RHT=rht, SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d, num_warps=warps)
         amax = partial.amax() if given is None else given.reshape(())
         s_enc = global_encode_scale(amax)
         s_dec = torch.tensor(1.0, dtype=torch.float32) / s_enc
@@ -515,8 +495,7 @@ def quantize_with_values_triton(x: torch.Tensor, block=(1, 16), scale_scope: str
                         amax_out,
                         BLOCK_R=block_r, BLOCK_C=block_c, BR=br, ROW_SCOPE=row_scope, SINGLE=single,
                         STOCHASTIC=stochastic, RHT=rht, WRITE_VALS=values_dtype is not None,
-                        SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d, GIVEN_AMAX=row_given, COLMAJOR=colmajor_loads,
-                        num_warps=warps)
+                        SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d, GIVEN_AMAX=row_given, num_warps=warps)
     q = NVFP4Tensor(data=data, scale=scale.view(torch.float8_e4m3fn), global_scale=gs, shape=(rows, cols),
                     block=block, amax=amax_out)
     return q, (vals if values_dtype is not None else None)
@@ -546,8 +525,10 @@ def quantize_segments_triton(x: torch.Tensor, segments, out_shape: tuple[int, in
         raise ValueError("stochastic rounding needs one seed per segment")
     for seg in segments:
         _, _, r, c, orow, ocol = seg
-        if c % 16 or ocol % 16 or (br == 16 and (r % 16 or orow % 16)):
-            raise ValueError(f"segment {seg}: columns (and rows for 16x16 blocks) must be multiples of 16")
+        xr, xc = seg[0], seg[1]
+        if c % 16 or xc % 16 or ocol % 16 or (br == 16 and (r % 16 or xr % 16 or orow % 16)):
+            raise ValueError(f"segment {seg}: columns, x columns and output columns (and rows for 16x16 blocks) "
+                             f"must be multiples of 16")
     dev = x.device
     out_r, out_c = out_shape
     data = torch.empty(out_r, out_c // 2, dtype=torch.uint8, device=dev)
@@ -561,17 +542,17 @@ def quantize_segments_triton(x: torch.Tensor, segments, out_shape: tuple[int, in
     max_c = max(s[3] for s in segments)
     table = torch.tensor([list(map(int, s)) for s in segments], dtype=torch.int64).to(dev, non_blocking=True)
     col_major = _col_major(x) and br == 1
-    tune = tuning or TUNING["colmajor" if col_major else ("stack" if br == 16 else "values")]
+    tune = tuning or TUNING["colmajor_segments" if col_major else ("stack" if br == 16 else "values")]
     block_r, block_c, _ = _tile_shape(max(max_r, 1), max(max_c, 16), br, False, tune["elems"], col_major,
                                       tune.get("rows", 128))
     warps = tune["warps"] or (8 if block_r * block_c >= 8192 else 4)
     vec2d = tune["vec2d"]
-    colmajor_loads = col_major and tune.get("transposed_loads", False)
     grid = (triton.cdiv(max(max_r, 1), block_r), triton.cdiv(max(max_c, 16), block_c), nseg)
+    rows16 = all(s[0] % 16 == 0 and s[2] % 16 == 0 and s[4] % 16 == 0 for s in segments)  # a compile-time hint
     if amax is None:
         partial = torch.empty(nseg * grid[0] * grid[1], dtype=torch.float32, device=dev)
         _segments_amax_kernel[grid](x, x.stride(0), x.stride(1), table, partial, BLOCK_R=block_r, BLOCK_C=block_c,
-                                    RHT=rht, SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d, COLMAJOR=colmajor_loads,
+                                    RHT=rht, SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d, ROWS16=rows16,
                                     num_warps=warps)
         amax = partial.view(nseg, -1).amax(dim=1)
     elif amax.shape != (nseg,):
@@ -586,6 +567,6 @@ def quantize_segments_triton(x: torch.Tensor, segments, out_shape: tuple[int, in
     _segments_quant_kernel[grid](x, x.stride(0), x.stride(1), table, out_c, data, scale, senc, mixes, vals, SIXTH,
                                  BLOCK_R=block_r, BLOCK_C=block_c, BR=br, STOCHASTIC=stochastic, RHT=rht,
                                  WRITE_VALS=values_dtype is not None, SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d,
-                                 COLMAJOR=colmajor_loads, num_warps=warps)
+                                 ROWS16=rows16, num_warps=warps)
     return (data, scale.view(torch.float8_e4m3fn), s_dec, decode_amax(amax, s_enc),
             vals if values_dtype is not None else None)

@@ -57,13 +57,14 @@ def test_stack_transpose_is_each_members_transpose():
 
 @pytest.mark.parametrize("rounding,rht", [("nearest", False), ("nearest", True), ("stochastic", True),
                                           ("stochastic", False)])
-def test_column_segments_bitwise_per_segment(rounding, rht):
+@pytest.mark.parametrize("hidden", [40, 48])  # 48: rows a multiple of 16, the kernels' aligned-rows variant
+def test_column_segments_bitwise_per_segment(rounding, rht, hidden):
     torch.manual_seed(3)
     widths = [32, 0, 16, 80, 48]
     total = sum(widths)
-    tokens = torch.randn(total, 40) * torch.linspace(0.01, 50, total)[:, None]
+    tokens = torch.randn(total, hidden) * torch.linspace(0.01, 50, total)[:, None]
     tokens[32 + 16:32 + 16 + 80] *= 1e-3  # one segment far smaller than the others
-    x = tokens.to(DEVICE).t()  # [40, total], a strided view as the learner passes it
+    x = tokens.to(DEVICE).t()  # [hidden, total], a strided view as the learner passes it
     seeds = [11, 12, 13, 14, 15]
     kw = dict(rounding=rounding, seeds=seeds if rounding == "stochastic" else None, rht=rht, values=True)
     tri = quantize_column_segments(x, widths, backend="triton", **kw)
@@ -125,6 +126,9 @@ def test_errors():
         quantize_column_segments(torch.randn(4, 40, device=DEVICE), [24, 16])
     with pytest.raises(ValueError, match="seeds"):
         quantize_column_segments(torch.randn(4, 32, device=DEVICE), [16, 16], rounding="stochastic", seeds=[1])
+    from minite.kernels.nvfp4_quant import quantize_segments_triton
+    with pytest.raises(ValueError, match="x columns"):  # the kernels are told that segments start on 16-columns
+        quantize_segments_triton(torch.randn(4, 48, device=DEVICE), [(0, 8, 4, 16, 0, 0)], (4, 16))
     x = torch.randn(2, 16, 16, device=DEVICE)
     x[1, 3, 3] = float("nan")
     with pytest.raises(ValueError, match="NaN"):

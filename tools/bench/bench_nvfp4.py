@@ -39,6 +39,7 @@ from minite.kernels.nvfp4_quant import quantize_triton, quantize_with_values_tri
 
 HIDDEN, FFN, EXPERTS, TOPK, TOKENS = 2048, 768, 128, 8, 16384
 LOG = []
+SWEEP = True  # --no-sweep: measure the shipped tiles (kernels/nvfp4_quant.py TUNING) only
 
 
 def log(msg: str) -> None:
@@ -76,40 +77,41 @@ def section_copy_quant(res: dict) -> None:
     res["copy_TBps"] = copy_bps / 1e12
     log(f"copy 131072x2048 bf16: {t * 1e3:.1f} us, {copy_bps / 1e12:.3f} TB/s")
     out_bytes = n // 2 + n // 16
-    # tuning sweep (every setting gives the same bits): per-row activations, codes only and codes + fp16 values
-    for kind, values in (("plain", False), ("values", True)):
-        best = None
-        for vec2d in (True, False):
-            for elems in (1024, 2048, 4096):
-                nq.TUNING[kind] = {"elems": elems, "warps": 2, "vec2d": vec2d}
-                fn = (lambda: quantize_with_values_triton(x, (1, 16), "row", "nearest", None, False)) if values \
-                    else (lambda: quantize_triton(x, (1, 16), "row", "nearest", None, False))
-                t = bench(fn, rep=60)
-                log(f"  quant sweep {kind} vec2d={vec2d} elems={elems} warps=2: {t * 1e3:.1f} us")
-                if best is None or t < best[0]:
-                    best = (t, dict(nq.TUNING[kind]))
-        nq.TUNING[kind] = best[1]
-    # transposed views (the wgrad operands dy^T, x^T: tensor scope, RHT, codes + fp16 values, as the backward
-    # quantises them): the shipped tile first, then the sweep; every setting must give the shipped tile's bits
-    fn = lambda: quantize_with_values_triton(x.t(), (1, 16), "tensor", "stochastic", 7, True)  # noqa: E731
-    shipped = dict(nq.TUNING["colmajor"])
-    q0, v0 = fn()
-    best_cm = (bench(fn, rep=60), shipped)
-    log(f"  quant sweep colmajor (values) shipped {shipped}: {best_cm[0] * 1e3:.1f} us")
-    sweep = [{"elems": 8192, "warps": 8, "vec2d": False, "rows": 128, "transposed_loads": False}]  # before 2026-12-01
-    sweep += [{"elems": n, "warps": wp, "vec2d": True, "rows": r, "transposed_loads": tl_}
-              for tl_ in (True, False) for r in (32, 64, 128) for n in (4096, 8192) for wp in (4, 8)]
-    res["colmajor_sweep_us"] = []
-    for tu in sweep:
-        nq.TUNING["colmajor"] = tu
-        q, v = fn()
-        same = q.equal(q0) and torch.equal(v, v0)
-        t = bench(fn, rep=60)
-        res["colmajor_sweep_us"].append({**tu, "us": t * 1e3, "bitwise": same})
-        log(f"  quant sweep colmajor (values) {tu}: {t * 1e3:.1f} us bitwise={same}")
-        if same and t < best_cm[0]:
-            best_cm = (t, tu)
-    nq.TUNING["colmajor"] = best_cm[1]
+    if SWEEP:  # the tile sweeps; without them every number below is the shipped tiles' (--no-sweep)
+        # tuning sweep (every setting gives the same bits): per-row activations, codes only and codes + fp16 values
+        for kind, values in (("plain", False), ("values", True)):
+            best = None
+            for vec2d in (True, False):
+                for elems in (1024, 2048, 4096):
+                    nq.TUNING[kind] = {"elems": elems, "warps": 2, "vec2d": vec2d}
+                    fn = (lambda: quantize_with_values_triton(x, (1, 16), "row", "nearest", None, False)) if values \
+                        else (lambda: quantize_triton(x, (1, 16), "row", "nearest", None, False))
+                    t = bench(fn, rep=60)
+                    log(f"  quant sweep {kind} vec2d={vec2d} elems={elems} warps=2: {t * 1e3:.1f} us")
+                    if best is None or t < best[0]:
+                        best = (t, dict(nq.TUNING[kind]))
+            nq.TUNING[kind] = best[1]
+        # transposed views (the wgrad operands dy^T, x^T: tensor scope, RHT, codes + fp16 values, as the backward
+        # quantises them): the shipped tile first, then the sweep; every setting must give the shipped tile's bits
+        fn = lambda: quantize_with_values_triton(x.t(), (1, 16), "tensor", "stochastic", 7, True)  # noqa: E731
+        shipped = dict(nq.TUNING["colmajor"])
+        q0, v0 = fn()
+        best_cm = (bench(fn, rep=60), shipped)
+        log(f"  quant sweep colmajor (values) shipped {shipped}: {best_cm[0] * 1e3:.1f} us")
+        sweep = [{"elems": 8192, "warps": 8, "vec2d": False, "rows": 128}]  # the default before 2026-12-01
+        sweep += [{"elems": n, "warps": wp, "vec2d": True, "rows": r}
+                  for r in (32, 64, 128) for n in (4096, 8192) for wp in (4, 8)]
+        res["colmajor_sweep_us"] = []
+        for tu in sweep:
+            nq.TUNING["colmajor"] = tu
+            q, v = fn()
+            same = q.equal(q0) and torch.equal(v, v0)
+            t = bench(fn, rep=60)
+            res["colmajor_sweep_us"].append({**tu, "us": t * 1e3, "bitwise": same})
+            log(f"  quant sweep colmajor (values) {tu}: {t * 1e3:.1f} us bitwise={same}")
+            if same and t < best_cm[0]:
+                best_cm = (t, tu)
+        nq.TUNING["colmajor"] = best_cm[1]
     res["quant_tuning"] = {k: dict(v) for k, v in nq.TUNING.items()}
     log(f"quant tuning chosen: {res['quant_tuning']}")
     variants = {
@@ -480,8 +482,8 @@ def section_segments(res: dict) -> None:
                                                                    for n in (1024, 4096, 8192, 16384) for wp in (4, 8)]),
         "wgrad_xT_rht": (x.t(), [(0, s, HIDDEN, c, 0, s) for s, c in zip(
             [sum(counts[:i]) for i in range(EXPERTS)], counts)], (HIDDEN, sum(counts)), (1, 16), True,
-            [{"elems": n, "warps": wp, "vec2d": True, "rows": r, "transposed_loads": tl_}
-             for tl_ in (True, False) for r in (32, 64, 128) for n in (4096, 8192) for wp in (4, 8)]),
+            [{"elems": n, "warps": wp, "vec2d": True, "rows": r}
+             for r in (32, 64, 128) for n in (4096, 8192) for wp in (4, 8)]),
     }
     res["segments_us"] = {}
     # for scale: the same stack as one [E*N, K] tensor (one global scale: other bits, the same bytes moved)
@@ -492,7 +494,7 @@ def section_segments(res: dict) -> None:
     for name, (src, segs, shape, block, rht, tunings) in cases.items():
         nelem = shape[0] * shape[1]
         base, best = None, None
-        for tu in [None] + tunings:
+        for tu in [None] + (tunings if SWEEP else []):
             fn = lambda: nq.quantize_segments_triton(src, segs, shape, block, "nearest", None, rht,  # noqa: E731
                                                      torch.float16, tuning=tu)
             out = fn()
@@ -507,7 +509,8 @@ def section_segments(res: dict) -> None:
                 res["segments_us"][name] = {"default_us": t * 1e3}
             elif best is None or t < best[0]:
                 best = (t, tu)
-        res["segments_us"][name].update(best_us=best[0] * 1e3, best_tuning=best[1])
+        if best is not None:
+            res["segments_us"][name].update(best_us=best[0] * 1e3, best_tuning=best[1])
 
 
 def main() -> None:
@@ -515,9 +518,13 @@ def main() -> None:
     p.add_argument("--out", default="docs/benchmarks/kernels-h200.json")
     p.add_argument("--sections", default="copy,quant,sweep,block,decode")
     p.add_argument("--decode-config", default="", help="bm,bn,bk,warps,stages")
+    p.add_argument("--no-sweep", action="store_true",
+                   help="skip the quantisation tile sweeps: every number is the shipped tiles' (headline runs)")
     p.add_argument("--learner-slice", default="", metavar="JSON",
                    help="the output of tools/bench/bench_learner_slice.py from the same device run, merged in")
     args = p.parse_args()
+    global SWEEP
+    SWEEP = not args.no_sweep
     sections = args.sections.split(",")
     res: dict = {"errors": {}}
 
