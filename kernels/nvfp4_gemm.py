@@ -452,7 +452,10 @@ def kgrouped_gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, tokens_per_expert, out_
     counts = int32_to(tokens_per_expert, dev)
     starts = (torch.cumsum(counts, 0, dtype=torch.int32) - counts).to(torch.int32)
     experts = counts.numel()
-    cfg = config or (GemmConfig(16, 32, 64, 4, 1) if interpreting() else GemmConfig(128, 128, 64, 8, 4))
+    # 128x256x64, 3 stages: the expert block's FC2 wgrad on the H200 in 859 us (2026-12-01, f42a446) and 845 us
+    # (4e12937) against 1002 and 1010 us for 128x128x64 (bench_nvfp4.py --sections block, wgrad_fc2*); the tile does
+    # not change the order of the K (token) loop
+    cfg = config or (GemmConfig(16, 32, 64, 4, 1) if interpreting() else GemmConfig(128, 256, 64, 8, 3))
     out = torch.empty(experts, m, n, dtype=out_dtype, device=dev)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), experts)
     a_am, a_rs, a_es = ((a.decode_amax(), 1 if a.per_row else 0, 0) if a_expert_amax is None

@@ -257,8 +257,8 @@ def section_block(res: dict, train_cfg: GemmConfig | None) -> None:
         "quant_aT_rht": bench(lambda: quantize_with_values_triton(a_.t(), (1, 16), "tensor", "nearest", None, True)),
         "wgrad_fc2": bench(lambda: kgrouped_gemm_triton(qdyt, qat, counts, torch.bfloat16, a_values=dytv,
                                                         b_values=atv)),
-        "wgrad_fc2_128x256": bench(lambda: kgrouped_gemm_triton(qdyt, qat, counts, torch.bfloat16, a_values=dytv,
-                                                                b_values=atv, config=GemmConfig(128, 256, 64, 8, 3))),
+        "wgrad_fc2_128x128": bench(lambda: kgrouped_gemm_triton(qdyt, qat, counts, torch.bfloat16, a_values=dytv,
+                                                                b_values=atv, config=GemmConfig(128, 128, 64, 8, 4))),
         "bf16_fc2_wgrad_equiv_grouped_mm": bench(lambda: torch._grouped_mm(dy.t(), a_, offs=offs)),
     }
     for k_, v in bwd_stages.items():
