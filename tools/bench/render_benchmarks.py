@@ -39,9 +39,10 @@ def render(d: dict) -> str:
         if "error" in row:
             out.append(f"| learner slice {row['precision']} | failed: {row['error']} | | |")
             continue
-        out.append(f"| learner slice {row['precision']}: tokens/s (step s, peak GiB) | {row['tokens_per_s']:,.0f} "
+        name = f"learner slice {row['precision']}, {row.get('micro_batches', 1)} x {row.get('tokens', 0) // max(row.get('micro_batches', 1), 1)} tokens"
+        out.append(f"| {name}: tokens/s (step s, peak GiB) | {row['tokens_per_s']:,.0f} "
                    f"({row['step_s']:.3f} s, {row['peak_mem_gib']:.1f} GiB) | | |")
-        out.append(f"| learner slice {row['precision']}: model TFLOP/s | {row['model_tflops']:.1f} | >= 200 "
+        out.append(f"| {name}: model TFLOP/s | {row['model_tflops']:.1f} | >= 200 "
                    f"| {_met(row['model_tflops'], '>=', 200)} |")
     out += ["", "Expert block (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in d.get("expert_block_ms", {}).items()),
             "", "Forward stages (us): " + ", ".join(f"{k} {v:.0f}" for k, v in
