@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from minite.nvfp4.hadamard import RHT_SIGNS
-from minite.nvfp4.quantize import SATURATED_AMAX, decode_amax, global_encode_scale
+from minite.nvfp4.quantize import SATURATED_AMAX
 from minite.nvfp4.tensor import NVFP4Tensor
 
 from ._interpreter import ensure_interpreter_compat
@@ -249,13 +249,13 @@ def _quantize_tile(x, rows, c0, R, C, s_enc, s_dec, sixth, seed_mix,
 
 
 @triton.jit(do_not_specialize=["seed_mix"])
-def _quant_kernel(x_ptr, stride_r, stride_c, R, C, data_ptr, scale_ptr, gs_ptr, senc_ptr, vals_ptr,
+def _quant_kernel(x_ptr, stride_r, stride_c, R, C, data_ptr, scale_ptr, gs_ptr, vals_ptr,
                   seed_mix, sixth, amax_ptr, amax_out_ptr,
                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BR: tl.constexpr, ROW_SCOPE: tl.constexpr,
                   SINGLE: tl.constexpr, STOCHASTIC: tl.constexpr, RHT: tl.constexpr, WRITE_VALS: tl.constexpr,
                   SIGN_MASK: tl.constexpr, VEC2D: tl.constexpr, GIVEN_AMAX: tl.constexpr = False):
-    """GIVEN_AMAX (per-row scales): each row's amax is read from amax_ptr (the caller's, e.g. all-reduced over a
-    tensor-parallel group) instead of computed from the row."""
+    """Per-row scales (ROW_SCOPE): each row's amax from the row itself, or with GIVEN_AMAX read from amax_ptr (the
+    caller's, e.g. all-reduced over a tensor-parallel group). Per-tensor scale: amax_ptr holds the tensor's amax."""
     G: tl.constexpr = BLOCK_C // 16
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -290,8 +290,13 @@ def _quant_kernel(x_ptr, stride_r, stride_c, R, C, data_ptr, scale_ptr, gs_ptr, 
                                data_ptr, scale_ptr, vals_ptr, scale_row0, 0, 0, C, BLOCK_R, G, BR, STOCHASTIC,
                                WRITE_VALS, VEC2D)
     else:
-        s_enc = tl.load(senc_ptr)
-        s_dec = tl.load(senc_ptr + 1)
+        # the global scale from the tensor's amax (the atomic max of `_amax_kernel`, or the caller's), in the
+        # reference's operations (`_global_scales`); one program writes what the tensor carries
+        amax = tl.load(amax_ptr)
+        s_enc, s_dec = _global_scales(amax)
+        if (pid_r == 0) & (pid_c == 0):
+            tl.store(gs_ptr, s_dec)
+            tl.store(amax_out_ptr, _decode_amax(amax, s_enc))
         c0 = pid_c * BLOCK_C
         x = _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C, BLOCK_R, G, RHT, SIGN_MASK, VEC2D)
         _quantize_tile(x, rows, c0, R, C, s_enc, s_dec, sixth, seed_mix,
@@ -299,15 +304,17 @@ def _quant_kernel(x_ptr, stride_r, stride_c, R, C, data_ptr, scale_ptr, gs_ptr, 
 
 
 @triton.jit
-def _amax_kernel(x_ptr, stride_r, stride_c, R, C, partial_ptr,
+def _amax_kernel(x_ptr, stride_r, stride_c, R, C, amax_bits_ptr,
                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, RHT: tl.constexpr, SIGN_MASK: tl.constexpr,
                  VEC2D: tl.constexpr):
+    """max |x| (after the RHT when RHT) into *amax_bits_ptr (int32, zeroed by the caller) as an atomic max of the
+    fp32 bits: for values >= 0 (and NaN, whose bits exceed +inf's) the integer order is the float order."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     x = _load_tile(x_ptr, stride_r, stride_c, rows, pid_c * BLOCK_C, R, C, BLOCK_R, BLOCK_C // 16, RHT, SIGN_MASK,
                    VEC2D)
-    tl.store(partial_ptr + pid_r * tl.num_programs(1) + pid_c, tl.max(_row_amax(x), axis=0))
+    tl.atomic_max(amax_bits_ptr, tl.max(_row_amax(x), axis=0).to(tl.int32, bitcast=True))
 
 
 @triton.jit
@@ -326,25 +333,26 @@ def _segment(table_ptr, b, ROWS16: tl.constexpr):
 
 
 @triton.jit
-def _segments_amax_kernel(x_ptr, stride_r, stride_c, table_ptr, partial_ptr,
+def _segments_amax_kernel(x_ptr, stride_r, stride_c, table_ptr, amax_bits_ptr,
                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, RHT: tl.constexpr,
                           SIGN_MASK: tl.constexpr, VEC2D: tl.constexpr, ROWS16: tl.constexpr):
-    """Per segment b, the amax of each [BLOCK_R, BLOCK_C] tile (0 for tiles past the segment's end)."""
+    """Per segment b, max |x| of the segment into amax_bits_ptr[b] (int32, zeroed), as `_amax_kernel`."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     b = tl.program_id(2)
     xr, xc, R, C, _, _ = _segment(table_ptr, b, ROWS16)
+    if (pid_r * BLOCK_R >= R) | (pid_c * BLOCK_C >= C):
+        return
     xb = x_ptr + xr * stride_r + xc * stride_c
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     x = _load_tile(xb, stride_r, stride_c, rows, pid_c * BLOCK_C, R, C, BLOCK_R, BLOCK_C // 16, RHT, SIGN_MASK,
                    VEC2D)
-    slot = (b * tl.num_programs(0) + pid_r) * tl.num_programs(1) + pid_c
-    tl.store(partial_ptr + slot, tl.max(_row_amax(x), axis=0))
+    tl.atomic_max(amax_bits_ptr + b, tl.max(_row_amax(x), axis=0).to(tl.int32, bitcast=True))
 
 
 @triton.jit
-def _segments_quant_kernel(x_ptr, stride_r, stride_c, table_ptr, OC, data_ptr, scale_ptr, senc_ptr, seed_ptr,
-                           vals_ptr, sixth,
+def _segments_quant_kernel(x_ptr, stride_r, stride_c, table_ptr, OC, data_ptr, scale_ptr, amax_ptr, gs_ptr,
+                           amax_out_ptr, seed_ptr, vals_ptr, sixth,
                            BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BR: tl.constexpr,
                            STOCHASTIC: tl.constexpr, RHT: tl.constexpr, WRITE_VALS: tl.constexpr,
                            SIGN_MASK: tl.constexpr, VEC2D: tl.constexpr, ROWS16: tl.constexpr):
@@ -355,12 +363,15 @@ def _segments_quant_kernel(x_ptr, stride_r, stride_c, table_ptr, OC, data_ptr, s
     pid_c = tl.program_id(1)
     b = tl.program_id(2)
     xr, xc, R, C, orow, ocol = _segment(table_ptr, b, ROWS16)
+    amax = tl.load(amax_ptr + b)
+    s_enc, s_dec = _global_scales(amax)  # an empty segment: amax 0, S_enc 1
+    if (pid_r == 0) & (pid_c == 0):
+        tl.store(gs_ptr + b, s_dec)
+        tl.store(amax_out_ptr + b, _decode_amax(amax, s_enc))
     if (pid_r * BLOCK_R >= R) | (pid_c * BLOCK_C >= C):
         return
     xb = x_ptr + xr * stride_r + xc * stride_c
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    s_enc = tl.load(senc_ptr + 2 * b)
-    s_dec = tl.load(senc_ptr + 2 * b + 1)
     mix = tl.load(seed_ptr + b) if STOCHASTIC else 0
     c0 = pid_c * BLOCK_C
     x = _load_tile(xb, stride_r, stride_c, rows, c0, R, C, BLOCK_R, G, RHT, SIGN_MASK, VEC2D)
@@ -376,6 +387,17 @@ def seed_mix(seed: int) -> int:
     x ^= x >> 15
     x = (x * 0x846CA68B) & 0xFFFFFFFF
     return x ^ (x >> 16)
+
+
+def seed_mixes(seeds) -> np.ndarray:
+    """`seed_mix` of each seed, as the int32 with the same bits (one array operation for a segment table's seeds)."""
+    x = (np.asarray(seeds, dtype=np.uint64).reshape(-1) & 0xFFFFFFFF).astype(np.uint32) ^ np.uint32(0x9E3779B9)
+    x ^= x >> np.uint32(16)
+    x *= np.uint32(0x7FEB352D)  # uint32 arrays wrap mod 2^32
+    x ^= x >> np.uint32(15)
+    x *= np.uint32(0x846CA68B)
+    x ^= x >> np.uint32(16)
+    return x.view(np.int32)
 
 
 # Tuning knobs, one set per kind of call. Every setting computes the same bits (elementwise math and an exact max;
@@ -475,24 +497,22 @@ def quantize_with_values_triton(x: torch.Tensor, block=(1, 16), scale_scope: str
     if row_scope:
         gs = torch.empty(rows, dtype=torch.float32, device=dev)
         amax_out = torch.empty(rows, dtype=torch.float32, device=dev)
-        senc = gs  # unused
         grid = (triton.cdiv(rows, block_r), 1)
+        amax_in = given if given is not None else gs  # read only with GIVEN_AMAX
     else:
+        gs = torch.empty((), dtype=torch.float32, device=dev)
+        amax_out = torch.empty((), dtype=torch.float32, device=dev)
         grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))
-        if given is None:
-            partial = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=dev)
-            _amax_kernel[grid](x, x.stride(0), x.stride(1), rows, cols, partial, BLOCK_R=block_r, BLOCK_C=block_c,
+        if given is None:  # the amax pass: an atomic max of the fp32 bits; the kernel below derives the scales
+            bits = torch.zeros((), dtype=torch.int32, device=dev)
+            _amax_kernel[grid](x, x.stride(0), x.stride(1), rows, cols, bits, BLOCK_R=block_r, BLOCK_C=block_c,
                                RHT=rht, SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d, num_warps=warps)
-        amax = partial.amax() if given is None else given.reshape(())
-        s_enc = global_encode_scale(amax)
-        s_dec = torch.tensor(1.0, dtype=torch.float32) / s_enc
-        senc = torch.stack([s_enc, s_dec])
-        gs = s_dec
-        amax_out = decode_amax(amax, s_enc)
+            amax_in = bits.view(torch.float32)
+        else:
+            amax_in = given.reshape(())
     row_given = row_scope and given is not None
-    _quant_kernel[grid](x, x.stride(0), x.stride(1), rows, cols, data, scale, gs, senc, vals,
-                        _as_int32_bits(seed_mix(seed)) if stochastic else 0, SIXTH, given if row_given else gs,
-                        amax_out,
+    _quant_kernel[grid](x, x.stride(0), x.stride(1), rows, cols, data, scale, gs, vals,
+                        _as_int32_bits(seed_mix(seed)) if stochastic else 0, SIXTH, amax_in, amax_out,
                         BLOCK_R=block_r, BLOCK_C=block_c, BR=br, ROW_SCOPE=row_scope, SINGLE=single,
                         STOCHASTIC=stochastic, RHT=rht, WRITE_VALS=values_dtype is not None,
                         SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d, GIVEN_AMAX=row_given, num_warps=warps)
@@ -523,24 +543,25 @@ def quantize_segments_triton(x: torch.Tensor, segments, out_shape: tuple[int, in
     stochastic = rounding == "stochastic"
     if stochastic and (seeds is None or len(seeds) != len(segments)):
         raise ValueError("stochastic rounding needs one seed per segment")
-    for seg in segments:
-        _, _, r, c, orow, ocol = seg
-        xr, xc = seg[0], seg[1]
-        if c % 16 or xc % 16 or ocol % 16 or (br == 16 and (r % 16 or xr % 16 or orow % 16)):
-            raise ValueError(f"segment {seg}: columns, x columns and output columns (and rows for 16x16 blocks) "
-                             f"must be multiples of 16")
+    tab = np.asarray(segments, dtype=np.int64).reshape(-1, 6)  # x_row, x_col, rows, cols, out_row, out_col
+    must16 = tab[:, [1, 3, 5]] if br == 1 else tab
+    if (must16 % 16).any():
+        bad = tuple(int(v) for v in tab[np.nonzero((must16 % 16).any(axis=1))[0][0]])
+        raise ValueError(f"segment {bad}: columns, x columns and output columns (and rows for 16x16 blocks) "
+                         f"must be multiples of 16")
     dev = x.device
     out_r, out_c = out_shape
     data = torch.empty(out_r, out_c // 2, dtype=torch.uint8, device=dev)
     scale = torch.empty(out_r // br, out_c // 16, dtype=torch.uint8, device=dev)
     vals = torch.empty(out_r, out_c, dtype=values_dtype, device=dev) if values_dtype is not None else data
-    nseg = len(segments)
+    nseg = len(tab)
     if nseg == 0:
         empty = torch.empty(0, device=dev)
         return data, scale.view(torch.float8_e4m3fn), empty, empty, (vals if values_dtype else None)
-    max_r = max(s[2] for s in segments)
-    max_c = max(s[3] for s in segments)
-    table = torch.tensor([list(map(int, s)) for s in segments], dtype=torch.int64).to(dev, non_blocking=True)
+    if amax is not None and amax.shape != (nseg,):
+        raise ValueError(f"amax of shape {tuple(amax.shape)} for {nseg} segments")
+    max_r, max_c = int(tab[:, 2].max()), int(tab[:, 3].max())
+    table = torch.from_numpy(tab).to(dev, non_blocking=True)
     col_major = _col_major(x) and br == 1
     tune = tuning or TUNING["colmajor_segments" if col_major else ("stack" if br == 16 else "values")]
     block_r, block_c, _ = _tile_shape(max(max_r, 1), max(max_c, 16), br, False, tune["elems"], col_major,
@@ -548,25 +569,22 @@ def quantize_segments_triton(x: torch.Tensor, segments, out_shape: tuple[int, in
     warps = tune["warps"] or (8 if block_r * block_c >= 8192 else 4)
     vec2d = tune["vec2d"]
     grid = (triton.cdiv(max(max_r, 1), block_r), triton.cdiv(max(max_c, 16), block_c), nseg)
-    rows16 = all(s[0] % 16 == 0 and s[2] % 16 == 0 and s[4] % 16 == 0 for s in segments)  # a compile-time hint
-    if amax is None:
-        partial = torch.empty(nseg * grid[0] * grid[1], dtype=torch.float32, device=dev)
-        _segments_amax_kernel[grid](x, x.stride(0), x.stride(1), table, partial, BLOCK_R=block_r, BLOCK_C=block_c,
+    rows16 = not (tab[:, [0, 2, 4]] % 16).any()  # a compile-time hint (_segment)
+    if amax is None:  # an atomic max per segment of the fp32 bits; the quantisation kernel derives the scales
+        bits = torch.zeros(nseg, dtype=torch.int32, device=dev)
+        _segments_amax_kernel[grid](x, x.stride(0), x.stride(1), table, bits, BLOCK_R=block_r, BLOCK_C=block_c,
                                     RHT=rht, SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d, ROWS16=rows16,
                                     num_warps=warps)
-        amax = partial.view(nseg, -1).amax(dim=1)
-    elif amax.shape != (nseg,):
-        raise ValueError(f"amax of shape {tuple(amax.shape)} for {nseg} segments")
+        amax = bits.view(torch.float32)
     else:
-        amax = amax.to(device=dev, dtype=torch.float32)
-    s_enc = global_encode_scale(amax)
-    s_dec = torch.tensor(1.0, dtype=torch.float32) / s_enc
-    senc = torch.stack([s_enc, s_dec], dim=1).contiguous()
-    mixes = torch.tensor([_as_int32_bits(seed_mix(sd)) for sd in seeds] if stochastic else [0] * nseg,
-                         dtype=torch.int32).to(dev, non_blocking=True)
-    _segments_quant_kernel[grid](x, x.stride(0), x.stride(1), table, out_c, data, scale, senc, mixes, vals, SIXTH,
+        amax = amax.to(device=dev, dtype=torch.float32).contiguous()
+    gs = torch.empty(nseg, dtype=torch.float32, device=dev)
+    amax_out = torch.empty(nseg, dtype=torch.float32, device=dev)
+    mixes = torch.from_numpy(seed_mixes(seeds) if stochastic else np.zeros(nseg, dtype=np.int32)).to(
+        dev, non_blocking=True)
+    _segments_quant_kernel[grid](x, x.stride(0), x.stride(1), table, out_c, data, scale, amax, gs, amax_out, mixes,
+                                 vals, SIXTH,
                                  BLOCK_R=block_r, BLOCK_C=block_c, BR=br, STOCHASTIC=stochastic, RHT=rht,
                                  WRITE_VALS=values_dtype is not None, SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d,
                                  ROWS16=rows16, num_warps=warps)
-    return (data, scale.view(torch.float8_e4m3fn), s_dec, decode_amax(amax, s_enc),
-            vals if values_dtype is not None else None)
+    return data, scale.view(torch.float8_e4m3fn), gs, amax_out, vals if values_dtype is not None else None

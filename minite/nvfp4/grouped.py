@@ -170,9 +170,10 @@ def _use_triton(backend: str, x: torch.Tensor) -> bool:
 def _check_rounding(rounding: str, seeds, n: int) -> None:
     if rounding == "stochastic" and (seeds is None or len(seeds) != n):
         raise ValueError(f"stochastic rounding needs {n} seeds (one per member), got {seeds!r}")
-    for s in seeds or ():
-        if not 0 <= int(s) < 2**32:
-            raise ValueError(f"seed must be in [0, 2^32), got {s}")
+    if seeds is not None and len(seeds):
+        lo, hi = (int(seeds.min()), int(seeds.max())) if hasattr(seeds, "min") else (min(seeds), max(seeds))
+        if lo < 0 or hi >= 2**32:
+            raise ValueError(f"seed must be in [0, 2^32), got {lo if lo < 0 else hi}")
 
 
 def stack_amax(x: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 from minite.nvfp4 import (NVFP4Recipe, NVFP4Stack, OperandRecipe, decode_order, grouped_gemm,
@@ -17,7 +18,7 @@ from minite.nvfp4 import (NVFP4Recipe, NVFP4Stack, OperandRecipe, decode_order, 
 
 from minite.nvfp4.backend import resolve
 
-from .common import ROLES, derive_seed, pad_groups, padded, quant_flags
+from .common import ROLES, derive_seed, derive_seeds, pad_groups, padded, quant_flags
 from .linear import wgrad
 
 def _counts(tokens_per_expert, experts: int, rows: int, *, keep_tensor: bool = False):
@@ -86,13 +87,13 @@ def _grouped_wgrad(dy: torch.Tensor, x: torch.Tensor, counts: list[int], recipe:
     from (seed, 1000 + e): exactly E separate `_wgrad` calls (the loop below), done as column segments in a
     few launches when both wgrad roles use (1, 16) blocks with one global scale (the default recipe)."""
     experts = len(counts)
-    seeds = [derive_seed(seed, 1000 + e) for e in range(experts)]
+    seeds = derive_seeds(seed, 1000 + np.arange(experts))  # derive_seed(seed, 1000 + e) for each expert e
     if not (_segmentable(recipe.wgrad_gradient) and _segmentable(recipe.wgrad_input)):
         dw = torch.zeros(experts, dy.shape[1], x.shape[1], dtype=out_dtype, device=x.device)
         start = 0
         for e, c in enumerate(counts):
             if c:  # an expert that saw no token has a zero gradient
-                dw[e] = wgrad(dy[start:start + c], x[start:start + c], recipe, seeds[e], backend,
+                dw[e] = wgrad(dy[start:start + c], x[start:start + c], recipe, int(seeds[e]), backend,
                                out_dtype=out_dtype)
             start += c
         return dw
@@ -101,7 +102,7 @@ def _grouped_wgrad(dy: torch.Tensor, x: torch.Tensor, counts: list[int], recipe:
     for t, op, role in ((dy, recipe.wgrad_gradient, "wgrad_gradient"), (x, recipe.wgrad_input, "wgrad_input")):
         segs.append(quantize_column_segments(
             pad_groups(t, counts, widths).t(), widths, rounding=op.rounding, rht=op.rht,
-            seeds=[derive_seed(s, ROLES[role]) for s in seeds], backend=backend, **quant_flags(backend, x)))
+            seeds=derive_seeds(seeds, ROLES[role]), backend=backend, **quant_flags(backend, x)))
     return segmented_gemm(segs[0], segs[1], out_dtype=out_dtype, backend=backend)
 
 

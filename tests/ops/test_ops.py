@@ -63,6 +63,25 @@ def test_rounding_seeds_are_reproducible():
     assert derive_seed(1, 2) != derive_seed(2, 1) and 0 <= derive_seed(2**40, 7) < 2**32
 
 
+def test_derive_seeds_is_derive_seed_elementwise():
+    import numpy as np
+
+    from minite.ops.common import derive_seeds
+    g = np.random.default_rng(0)
+    big = g.integers(0, 2**62, 50)
+    for parts in [(7, np.arange(1000, 1128)), (big, 2), (-3, big, 5), (2**40, np.array([0, 1, 2**31]))]:
+        got = derive_seeds(*parts)
+        shape = np.broadcast_shapes(*(np.shape(p) for p in parts))
+        want = [derive_seed(*(int(np.broadcast_to(p, shape)[i]) for p in parts)) for i in range(shape[0])]
+        assert got.tolist() == want
+
+
+def test_seed_mixes_is_seed_mix_elementwise():
+    from minite.kernels.nvfp4_quant import _as_int32_bits, seed_mix, seed_mixes
+    seeds = [0, 1, 7, 2**31 - 1, 2**31, 2**32 - 1, 123456789]
+    assert seed_mixes(seeds).tolist() == [_as_int32_bits(seed_mix(s)) for s in seeds]
+
+
 def test_grouped_equals_per_expert_linears():
     """Per-row activation scales make a token's forward independent of its group: rows equal nvfp4_linear's."""
     g = torch.Generator().manual_seed(1)
