@@ -128,8 +128,10 @@ def _row_amax(x):
 
 @triton.jit
 def _global_scales(amax):
-    """(S_enc, S_dec) from amax, as global_encode_scale and 1 / S_enc in the reference (fp32, IEEE division)."""
-    s = tl.minimum(tl.div_rn(tl.full(amax.shape, 2688.0, tl.float32), amax), 3.4028234663852886e38)
+    """(S_enc, S_dec) from amax, as global_encode_scale and 1 / S_enc in the reference (fp32, IEEE division; a NaN
+    amax gives NaN scales, as torch.clamp does: the GPU's plain min.f32 would return FLT_MAX)."""
+    s = tl.minimum(tl.div_rn(tl.full(amax.shape, 2688.0, tl.float32), amax), 3.4028234663852886e38,
+                   propagate_nan=tl.PropagateNan.ALL)
     s = tl.where((amax == 0.0) | (s == 0.0), 1.0, s)
     return s, tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
 
@@ -391,7 +393,8 @@ def seed_mix(seed: int) -> int:
 
 def seed_mixes(seeds) -> np.ndarray:
     """`seed_mix` of each seed, as the int32 with the same bits (one array operation for a segment table's seeds)."""
-    x = (np.asarray(seeds, dtype=np.uint64).reshape(-1) & 0xFFFFFFFF).astype(np.uint32) ^ np.uint32(0x9E3779B9)
+    seeds = seeds.tolist() if torch.is_tensor(seeds) else seeds
+    x = (np.asarray(seeds, dtype=np.int64).reshape(-1) & 0xFFFFFFFF).astype(np.uint32) ^ np.uint32(0x9E3779B9)
     x ^= x >> np.uint32(16)
     x *= np.uint32(0x7FEB352D)  # uint32 arrays wrap mod 2^32
     x ^= x >> np.uint32(15)
@@ -502,11 +505,13 @@ def quantize_with_values_triton(x: torch.Tensor, block=(1, 16), scale_scope: str
     else:
         gs = torch.empty((), dtype=torch.float32, device=dev)
         amax_out = torch.empty((), dtype=torch.float32, device=dev)
-        grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))
+        # at least one program: it writes the scales, also of an empty tensor (all its loads and stores masked)
+        grid = (max(1, triton.cdiv(rows, block_r)), max(1, triton.cdiv(cols, block_c)))
         if given is None:  # the amax pass: an atomic max of the fp32 bits; the kernel below derives the scales
             bits = torch.zeros((), dtype=torch.int32, device=dev)
-            _amax_kernel[grid](x, x.stride(0), x.stride(1), rows, cols, bits, BLOCK_R=block_r, BLOCK_C=block_c,
-                               RHT=rht, SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d, num_warps=warps)
+            if x.numel():
+                _amax_kernel[grid](x, x.stride(0), x.stride(1), rows, cols, bits, BLOCK_R=block_r,
+                                   BLOCK_C=block_c, RHT=rht, SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d, num_warps=warps)
             amax_in = bits.view(torch.float32)
         else:
             amax_in = given.reshape(())

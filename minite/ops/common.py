@@ -46,12 +46,14 @@ def derive_seeds(*parts) -> np.ndarray:
     """`derive_seed` over arrays: parts are integers or integer arrays (broadcast), the result the int64 array of
     the seeds `derive_seed` gives element by element. The MoE wgrad derives two seeds per expert per call (3,128 per
     learner step of 4 full-width layers: a Python loop of ~6 ms on the H200's host)."""
-    arrays = [np.asarray(p, dtype=np.int64).astype(np.uint64) for p in parts]  # two's complement: int(p) & 2^64-1
+    arrays = [np.asarray(int(p) & 0xFFFFFFFFFFFFFFFF, dtype=np.uint64) if isinstance(p, (int, np.integer))
+              else np.asarray(p).astype(np.int64).astype(np.uint64) for p in parts]  # int(p) & (2^64 - 1)
     h = np.full(np.broadcast_shapes(*(a.shape for a in arrays)), 0x243F6A88, dtype=np.uint64)
-    for a in arrays:
-        h = (h ^ a) * np.uint64(0x9E3779B97F4A7C15)  # uint64 arrays wrap mod 2^64
-        h ^= h >> np.uint64(31)
-    return (h & np.uint64(_M32)).astype(np.int64)
+    with np.errstate(over="ignore"):  # uint64 arithmetic wraps mod 2^64, as derive_seed's mask
+        for a in arrays:
+            h = (h ^ a) * np.uint64(0x9E3779B97F4A7C15)
+            h ^= h >> np.uint64(31)
+    return np.asarray(h & np.uint64(_M32)).astype(np.int64)
 
 
 def group_size(group) -> int:

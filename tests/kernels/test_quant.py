@@ -148,6 +148,27 @@ def test_addressing_variants_bitwise(monkeypatch, cfg, vec2d):
     _check(torch.randn(16, 48, device=DEVICE), *cfg)
 
 
+def test_empty_tensor_with_given_amax():
+    """An empty tensor at tensor scope carries the scales of the amax it was given (the kernel's one program writes
+    them; no program would run for an empty grid), as the reference."""
+    x = torch.empty(0, 32, device=DEVICE)
+    ref = quantize(x, scale_scope="tensor", global_amax=torch.tensor(3.0), backend="reference")
+    tri = quantize(x, scale_scope="tensor", global_amax=torch.tensor(3.0), backend="triton")
+    assert torch.equal(tri.global_scale.cpu(), ref.global_scale.cpu()) and torch.equal(tri.amax.cpu(), ref.amax.cpu())
+
+
+@pytest.mark.parametrize("scope", ["tensor", "row"])
+def test_nan_amax_gives_nan_scales_as_the_reference(scope):
+    """A NaN amax (what a NaN input gives on the GPU, where the quantiser does not check) makes NaN global scales, as
+    the reference's clamp does; a min that drops NaN would saturate S_enc to FLT_MAX instead."""
+    x = torch.randn(2, 32, device=DEVICE)
+    nan = torch.tensor(float("nan")) if scope == "tensor" else torch.tensor([float("nan"), 1.0])
+    ref = quantize(x, scale_scope=scope, global_amax=nan, backend="reference")
+    tri = quantize(x, scale_scope=scope, global_amax=nan, backend="triton")
+    assert torch.equal(torch.isnan(tri.global_scale.cpu()), torch.isnan(ref.global_scale.cpu()))
+    assert bool(torch.isnan(tri.global_scale).any())
+
+
 @pytest.mark.parametrize("scope,cols,rht", [("row", 64, False), ("row", 64, True), ("row", 8208, False),
                                             ("tensor", 64, False), ("tensor", 64, True)])
 def test_given_global_amax_bitwise_reference(scope, cols, rht):
@@ -167,15 +188,14 @@ def test_given_global_amax_bitwise_reference(scope, cols, rht):
         quantize(x, scale_scope=scope, global_amax=torch.ones(5))
 
 
-@pytest.mark.parametrize("transposed_loads", [True, False])
+@pytest.mark.parametrize("vec2d", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_transposed_view_loads_bitwise(monkeypatch, transposed_loads, dtype):
-    """A transposed view (the wgrad operands x^T) loaded as [columns, rows] tiles and permuted, or with the row-major
-    addressing: the same bits as the reference of the contiguous transpose, with RHT or not, nearest or stochastic,
-    codes and fp16 block values, at sizes that leave partial tiles in both directions (40 rows of 16-row tiles,
-    80 columns of 32-column tiles), with zeros, huge and tiny values."""
-    monkeypatch.setitem(nvfp4_quant.TUNING, "colmajor", {"elems": 512, "warps": 2, "vec2d": True, "rows": 16,
-                                                         "transposed_loads": transposed_loads})
+def test_transposed_view_bitwise(monkeypatch, vec2d, dtype):
+    """A transposed view (the wgrad operands x^T) with 2-D or 4-D stores: the same bits as the reference of the
+    contiguous transpose, with RHT or not, nearest or stochastic, codes and fp16 block values, at sizes that leave
+    partial tiles in both directions (40 rows of 16-row tiles, 80 columns of 32-column tiles), with zeros, huge and
+    tiny values."""
+    monkeypatch.setitem(nvfp4_quant.TUNING, "colmajor", {"elems": 512, "warps": 2, "vec2d": vec2d, "rows": 16})
     torch.manual_seed(11)
     x = (torch.randn(80, 40) * torch.logspace(-3, 3, 40)).to(dtype)
     x[3:19, 5] = 0.0

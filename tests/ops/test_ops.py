@@ -69,17 +69,23 @@ def test_derive_seeds_is_derive_seed_elementwise():
     from minite.ops.common import derive_seeds
     g = np.random.default_rng(0)
     big = g.integers(0, 2**62, 50)
-    for parts in [(7, np.arange(1000, 1128)), (big, 2), (-3, big, 5), (2**40, np.array([0, 1, 2**31]))]:
+    for parts in [(7, np.arange(1000, 1128)), (big, 2), (-3, big, 5), (2**40, np.array([0, 1, 2**31])),
+                  (2**64 - 5, np.arange(3)), (2**63 + 1, 2**70 + 3, np.arange(2))]:
         got = derive_seeds(*parts)
         shape = np.broadcast_shapes(*(np.shape(p) for p in parts))
         want = [derive_seed(*(int(np.broadcast_to(p, shape)[i]) for p in parts)) for i in range(shape[0])]
         assert got.tolist() == want
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # scalars only: no overflow warning from the wrapping arithmetic
+        assert int(derive_seeds(2**63 + 7, 12345)) == derive_seed(2**63 + 7, 12345)
 
 
 def test_seed_mixes_is_seed_mix_elementwise():
     from minite.kernels.nvfp4_quant import _as_int32_bits, seed_mix, seed_mixes
-    seeds = [0, 1, 7, 2**31 - 1, 2**31, 2**32 - 1, 123456789]
+    seeds = [0, 1, 7, 2**31 - 1, 2**31, 2**32 - 1, 123456789, -1]
     assert seed_mixes(seeds).tolist() == [_as_int32_bits(seed_mix(s)) for s in seeds]
+    assert seed_mixes(torch.tensor(seeds)).tolist() == seed_mixes(seeds).tolist()
 
 
 def test_grouped_equals_per_expert_linears():
