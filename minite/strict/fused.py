@@ -4,8 +4,8 @@ Why: a strict decode step launches ~42 torch ops per exp call (the range reducti
 2^n from exponent bits, the special cases), ~11 per RMSNorm and log2(n) + 2 per tree sum, about 40%, 10% and 10% of
 a strict NVFP4 step's launches (tools/bench/op_census.py, docs/benchmarks.md). One kernel does the same arithmetic
 per element (exp, log) or per row (rms_norm, tree_sum: sums by adjacent pairs after zero padding to a power of two,
-as `ops.tree_sum`) or per query and head (attention). `PROVEN` names the kernels routed (their GPU test passed on
-the H200: all five).
+as `ops.tree_sum`) or per query and head (attention) or per position (rope). `PROVEN` names the kernels routed
+(their GPU test passed on the H200: all but `rope`, which waits for its test).
 
 Why the bits are the same: every step is an IEEE-754 basic operation (correctly rounded, so the same result in
 torch's kernels, in numpy under Triton's interpreter and in PTX), with three cares:
@@ -251,6 +251,51 @@ if triton is not None:
         y = (xf * inv) * w
         tl.store(y_ptr + row * n + cols, _cast_out(y, y_ptr.dtype.element_ty), mask=mask)  # RNE, also interpreted
 
+    @triton.jit
+    def _rounded(v, ty: tl.constexpr):
+        """fp32 v rounded to nearest even in ty and back to fp32: the rounding torch applies to each op's result
+        in the tensor's dtype (bf16 by its bits, as _cast_out, NaN passed through; fp16 by the cast)."""
+        if ty == tl.bfloat16:
+            bits = v.to(tl.uint32, bitcast=True)
+            r = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+            return tl.where(v != v, v, r)
+        elif ty == tl.float16:
+            return v.to(tl.float16).to(tl.float32)
+        else:
+            return v
+
+    @triton.jit(do_not_specialize=["R", "d", "rot", "half", "fs"])
+    def _rope_kernel(t_ptr, cos_ptr, sin_ptr, y_ptr, R, d, rot, half, fs, mscale,
+                     ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+        """ops.rope on rows [s, r, :]: cos_/sin_ = (cos * mscale, sin * mscale) in t's dtype, the rotated half
+        (-x2, x1), t * cos_ and rotated * sin_ each rounded to t's dtype, their sum rounded, the channels past rot
+        copied; the same operations as the torch ops, one program per (position s, ROWS rows)."""
+        s = tl.program_id(0).to(tl.int64)
+        rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, BLOCK_D)
+        m = (rows < R)[:, None] & (cols < d)[None, :]
+        base = (s * R + rows.to(tl.int64)) * d
+        ty = t_ptr.dtype.element_ty
+        x = _load_f32(t_ptr, base[:, None] + cols[None, :], m)
+        in_rot = cols < rot
+        first = cols < half
+        pc = tl.where(first, cols + half, cols - half)
+        xp = _load_f32(t_ptr, base[:, None] + pc[None, :], m & in_rot[None, :])
+        rotated = tl.where(first[None, :], -xp, xp)
+        c = tl.load(cos_ptr + s * fs + cols, mask=in_rot, other=0.0)
+        sn = tl.load(sin_ptr + s * fs + cols, mask=in_rot, other=0.0)
+        c_ = _rounded(c * mscale, ty)
+        s_ = _rounded(sn * mscale, ty)
+        a = _rounded(x * c_[None, :], ty)
+        b = _rounded(rotated * s_[None, :], ty)
+        out = _rounded(tl.where(in_rot[None, :], a + b, x), ty)  # the sum rounded to t's dtype
+        offs = base[:, None] + cols[None, :]
+        if ty == tl.bfloat16:  # stored by its bits: Triton's interpreter flushes bf16 subnormals in its cast
+            tl.store(y_ptr.to(tl.pointer_type(tl.uint16)) + offs,
+                     (out.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16), mask=m)
+        else:
+            tl.store(y_ptr + offs, out.to(ty), mask=m)
+
     @triton.jit(do_not_specialize=["rows", "n"])
     def _tree_sum_kernel(x_ptr, y_ptr, rows, n, BLOCK_R: tl.constexpr, WIDTH: tl.constexpr, LEVELS: tl.constexpr):
         r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -355,6 +400,38 @@ def log(x: torch.Tensor) -> torch.Tensor:
     c = {f"A{i}": v for i, v in enumerate(_ATANH_COEFFS)}
     _log_kernel[(triton.cdiv(n, BLOCK),)](xc, y, n, **c, SQRT2=_SQRT2, LN2_HI=_LN2_HI, LN2_LO=_LN2_LO,
                                           MIN_NORMAL=_MIN_NORMAL64, BLOCK_SIZE=BLOCK, enable_fp_fusion=False)
+    return y
+
+
+def rope_applies(t: torch.Tensor, freqs: torch.Tensor) -> bool:
+    """Whether `rope` takes this call: t [S, ..., d] and freqs [S or 1, 1, ..., 1, rot] of t's rank (Megatron's
+    [s, 1, 1, rot] for [s, b, h, d]; SGLang's [tokens, 1, rot] for [tokens, heads, d]), rot even and <= d."""
+    rot = freqs.shape[-1]
+    return (t.dim() >= 2 and freqs.dim() == t.dim() and rot % 2 == 0 and 0 < rot <= t.shape[-1]
+            and freqs.shape[0] in (1, t.shape[0]) and all(n == 1 for n in freqs.shape[1:-1]))
+
+
+def rope(t: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor, mscale: float = 1.0) -> torch.Tensor:
+    """ops.rope's bits given its strict sin and cos (fp32, freqs' shape; `rope_applies`), one launch."""
+    if not available(t) or t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError("strict fused rope needs an fp32/bf16/fp16 CUDA tensor (or TRITON_INTERPRET=1)")
+    if sin.shape != cos.shape or not rope_applies(t, cos):
+        raise ValueError(f"strict fused rope: t {tuple(t.shape)} with sin {tuple(sin.shape)} / cos "
+                         f"{tuple(cos.shape)}; needs [S or 1, 1, ..., 1, rot] of t's rank, rot even and <= d")
+    ensure_interpreter_compat()
+    tc = t.contiguous()
+    y = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    S, d, rot = t.shape[0], t.shape[-1], cos.shape[-1]
+    if y.numel() == 0:
+        return y
+    R = y.numel() // (S * d)
+    cc = cos.to(torch.float32).contiguous()
+    sc = sin.to(torch.float32).contiguous()
+    fs = rot if cos.shape[0] == S and S > 1 else 0  # one row of angles per position, or one for all
+    block_d = triton.next_power_of_2(d)
+    rows = max(1, min(64, 4096 // block_d))
+    _rope_kernel[(S, triton.cdiv(R, rows))](tc, cc, sc, y, R, d, rot, rot // 2, fs, float(mscale), ROWS=rows,
+                                            BLOCK_D=block_d, num_warps=4, enable_fp_fusion=False)
     return y
 
 

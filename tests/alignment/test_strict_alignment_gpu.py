@@ -151,3 +151,29 @@ def test_fused_attention_is_bitwise_the_torch_attention_on_cuda(monkeypatch):
         got = fused.attention(q, k, v, 1 / math.sqrt(d))
         assert torch.equal(got, ref), (sq, sk, (got - ref).abs().max().item())
         assert torch.equal(fused.attention(q[:, :1], k[:, :1], v[:, :1], 1 / math.sqrt(d)), got[:, :1])
+
+
+def test_fused_rope_is_bitwise_the_torch_rope_on_cuda(monkeypatch):
+    """minite.strict.fused.rope (not routed until this passes on the H200: fused.PROVEN): ops.rope's torch ops in one
+    kernel, the same bits on CUDA: Megatron's prefill [s, b, h, d] with [s, 1, 1, rot] angles (Qwen3's theta 1e6,
+    head 128), a decode step (one angle row), a partial rotary, SGLang's [tokens, heads, d], fp32/bf16/fp16, and a
+    row alone equal to the same row in the batch."""
+    import math
+
+    from minite.strict import fused, ops as S
+    monkeypatch.setattr(fused, "PROVEN", fused.PROVEN - {"rope"})  # the reference: strict mode's torch ops
+    g = torch.Generator(device="cuda").manual_seed(6)
+    inv = 1.0 / (1e6 ** (torch.arange(0, 128, 2, device="cuda", dtype=torch.float32) / 128))
+    for shape, positions, rot in (((64, 8, 32, 128), torch.arange(64), 128), ((1, 64, 32, 128), torch.tensor([4093]), 128),
+                                  ((16, 4, 4, 128), torch.arange(100, 116), 64), ((40, 16, 128), torch.arange(40), 128)):
+        ang = positions.to("cuda", torch.float32)[:, None] * inv[: rot // 2][None, :]
+        freqs = torch.cat([ang, ang], dim=-1).view(positions.numel(), *[1] * (len(shape) - 2), rot)
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            t = (torch.randn(shape, device="cuda", generator=g) * 4).to(dtype)
+            t.view(-1)[:4] = torch.tensor([math.inf, math.nan, -0.0, 1e-40], device="cuda").to(dtype)
+            ref = S.rope(t, freqs, 0.875)
+            got = fused.rope(t, *S._rope_sincos(freqs), 0.875)
+            a, b = (x.view(torch.int16) if x.element_size() == 2 else x.view(torch.int32) for x in (got, ref))
+            same = (a == b) | (torch.isnan(got.float()) & torch.isnan(ref.float()))
+            assert bool(same.all()), (shape, dtype, int((~same).sum()))
+            assert torch.equal(fused.rope(t[:, 1:2], *S._rope_sincos(freqs), 0.875), got[:, 1:2])  # no specials there

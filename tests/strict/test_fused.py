@@ -1,4 +1,4 @@
-"""minite.strict.fused: ops.exp's, ops.rms_norm's and ops.tree_sum's operations in one Triton kernel each, bit for
+"""minite.strict.fused: the strict ops (exp, rms_norm, tree_sum, log, attention, rope) in one Triton kernel each, bit for
 bit (the interpreter on the CPU; the GPU tests are in tests/alignment/test_strict_alignment_gpu.py)."""
 import math
 
@@ -232,3 +232,70 @@ def test_fused_attention_in_several_launches_and_bf16_subnormals(monkeypatch):
     whole = fused.attention(q, k, v, 0.3)
     monkeypatch.setattr(fused, "ATTENTION_SCRATCH_BYTES", 1)  # one query per launch
     assert _same_bits(whole, ref) and _same_bits(fused.attention(q, k, v, 0.3), ref)
+
+
+def _rope_same(got, ref):
+    a, b = got.float(), ref.float()
+    bits = got.view(torch.int16) == ref.view(torch.int16) if got.element_size() == 2 else \
+        got.view(torch.int32) == ref.view(torch.int32)
+    return bool((bits | (torch.isnan(a) & torch.isnan(b))).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("layout", ["sbhd", "sbhd_partial", "one_angle_row", "thd"])
+def test_fused_rope_is_bitwise_ops_rope(dtype, layout, monkeypatch):
+    """fused.rope (one launch; not routed until its GPU test has passed: fused.PROVEN) against ops.rope's torch ops:
+    Megatron's [s, b, h, d] with [s, 1, 1, rot] (rot = d and a partial rotary), one angle row for all positions
+    (decode), SGLang's [tokens, heads, d] with [tokens, 1, rot]; mscale != 1; inf, NaN, -0.0, tiny and huge values."""
+    g = torch.Generator().manual_seed(21)
+    shape, fshape = {"sbhd": ((5, 2, 3, 16), (5, 1, 1, 16)), "sbhd_partial": ((5, 2, 3, 24), (5, 1, 1, 8)),
+                     "one_angle_row": ((1, 4, 3, 16), (1, 1, 1, 16)), "thd": ((6, 4, 12), (6, 1, 12))}[layout]
+    t = (torch.randn(shape, generator=g) * torch.logspace(-3, 3, shape[-1])).to(dtype)
+    flat = t.view(-1)
+    flat[:6] = torch.tensor([math.inf, -math.inf, math.nan, -0.0, 1e-40, 6e4]).to(dtype)
+    freqs = torch.rand(fshape, generator=g) * 40 + torch.arange(fshape[0]).view(-1, *[1] * (len(fshape) - 1))
+    t, freqs = t.to(DEVICE), freqs.to(DEVICE)
+    assert fused.rope_applies(t, freqs)
+    for mscale in (1.0, 0.7071):
+        ref = ops.rope(t, freqs, mscale)  # the torch ops: rope is not in PROVEN (and no GPU here)
+        sin, cos = ops._rope_sincos(freqs)
+        got = fused.rope(t, sin, cos, mscale)
+        assert got.dtype == t.dtype and got.shape == t.shape and _rope_same(got, ref), (layout, mscale)
+
+
+def test_fused_rope_routing_and_errors(monkeypatch):
+    t = torch.randn(3, 2, 2, 8, device=DEVICE)
+    freqs = torch.rand(3, 1, 1, 8, device=DEVICE)
+    assert "rope" not in fused.PROVEN  # not routed until its GPU test has passed
+    assert not fused.rope_applies(t, torch.rand(3, 2, 1, 8, device=DEVICE))  # angles per batch row: torch ops
+    assert not fused.rope_applies(t, torch.rand(3, 1, 1, 7, device=DEVICE))  # odd rot
+    with pytest.raises(ValueError, match="rope"):
+        fused.rope(t, *ops._rope_sincos(torch.rand(2, 1, 1, 8, device=DEVICE)))  # 2 angle rows for 3 positions
+    calls = []
+    monkeypatch.setattr(fused, "rope", lambda *a: calls.append(1) or torch.zeros_like(a[0]))
+    monkeypatch.setattr(fused, "_gpu", lambda x: True)
+    ops.rope(t, freqs)
+    assert calls == []
+    monkeypatch.setattr(fused, "PROVEN", fused.PROVEN | {"rope"})
+    ops.rope(t, freqs)
+    assert calls == [1]
+
+
+def test_fused_rope_real_angles_and_subnormals():
+    """The H200 test's cases at CPU sizes: RoPE angles of Qwen3 (theta 1e6, head 128) from position 0 (cos 1, sin
+    0: a bf16 subnormal passes through exactly, which Triton's interpreter would flush in a bf16 cast), a decode
+    position, a partial rotary, SGLang's layout; mscale 0.875."""
+    g = torch.Generator().manual_seed(6)
+    inv = 1.0 / (1e6 ** (torch.arange(0, 128, 2, dtype=torch.float32) / 128))
+    for shape, positions, rot in (((8, 2, 3, 128), torch.arange(8), 128), ((1, 4, 3, 128), torch.tensor([4093]), 128),
+                                  ((4, 2, 2, 128), torch.arange(100, 104), 64), ((5, 3, 128), torch.arange(5), 128)):
+        ang = positions.float()[:, None] * inv[: rot // 2][None, :]
+        freqs = torch.cat([ang, ang], dim=-1).view(positions.numel(), *[1] * (len(shape) - 2), rot).to(DEVICE)
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            t = (torch.randn(shape, generator=g) * 4).to(dtype)
+            t.view(-1)[:4] = torch.tensor([math.inf, math.nan, -0.0, 1e-40]).to(dtype)
+            t = t.to(DEVICE)
+            ref = ops.rope(t, freqs, 0.875)
+            got = fused.rope(t, *ops._rope_sincos(freqs), 0.875)
+            assert _rope_same(got, ref), (shape, dtype)
+            assert torch.equal(fused.rope(t[:, 1:2], *ops._rope_sincos(freqs), 0.875), got[:, 1:2])
