@@ -43,7 +43,9 @@ import logging
 import multiprocessing.resource_tracker
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
@@ -76,6 +78,39 @@ class SGLangUnavailableError(RuntimeError):
 
 class SGLangEngineFailed(RuntimeError):
     """A process of the SGLang engine failed (its traceback is in the log); the engine is gone, this process is not."""
+
+
+class _ChildFailedAtLaunch(Exception):
+    """Raised in the main thread by `_launch_sigquit_handler` while sglang.Engine waits for its processes."""
+
+
+def _launch_sigquit_handler(signum=None, frame=None):
+    """SGLang's `custom_sigquit_handler` while the engine starts. A scheduler or detokenizer that fails during its
+    start-up signals this process (SIGQUIT), and SGLang's own launch-phase handler kills the whole process tree
+    (measured on the CPU engine: a checkpoint the scheduler could not load ended the caller with SIGKILL). Here:
+    end SGLang's remaining children (not the multiprocessing resource tracker) and raise in the main thread, where
+    sglang.Engine is waiting for them, so that the start raises. Module level: SGLang's arguments may be pickled."""
+    from sglang.srt.utils import kill_process_tree
+
+    tracker = getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)
+    kill_process_tree(os.getpid(), include_parent=False, skip_pid=tracker)
+    raise _ChildFailedAtLaunch("an SGLang child process failed while the engine started (its traceback is in the "
+                               "log above)")
+
+
+def _zmq_contexts() -> set:
+    """The live ZMQ contexts of this process (a scan of the garbage collector's objects; only at engine starts)."""
+    import gc
+
+    import zmq
+    return {o for o in gc.get_objects() if isinstance(o, zmq.Context)}
+
+
+class _QuietCustomHandlerNotice(logging.Filter):
+    """Drops SGLang's error-level notice that a custom SIGQUIT handler is in use (logged at every start)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "custom SIGQUIT handler" not in record.getMessage()
 
 
 def import_sglang() -> None:
@@ -126,7 +161,10 @@ class SGLangEngine(RolloutEngine):
         self.engine_args = dict(args)
         t0 = time.perf_counter()
         self._failed: Optional[str] = None
-        self.engine = _start_engine(model_dir, args)
+        try:
+            self.engine = _start_engine(model_dir, args)
+        except _ChildFailedAtLaunch as e:
+            raise SGLangEngineFailed(f"sglang rollout engine: {e}; nothing was started") from None
         atexit.register(self.shutdown)  # the scheduler process and the temporary checkpoint go even after an error
         _contain_child_failures(self)
         self.startup_seconds = time.perf_counter() - t0
@@ -281,6 +319,18 @@ def _contain_child_failures(owner: "SGLangEngine") -> None:
     tm.signal_handler_class = ContainedSignalHandler
     if tm.event_loop is not None:
         tm.event_loop.add_signal_handler(signal.SIGQUIT, on_child_failure)
+    else:  # until the first request installs the loop's handler: the start's raising handler must not stay
+        signal.signal(signal.SIGQUIT, lambda signum, frame: _mark_failed(owner))
+
+
+def _mark_failed(owner: "SGLangEngine") -> None:
+    """A child failed while no call was waiting: the engine is failed (the next call raises), its processes end."""
+    from sglang.srt.utils import kill_process_tree
+
+    owner._failed = "an SGLang child process failed (its traceback is in the log above)"
+    log.error("sglang rollout engine: %s; ending its processes", owner._failed)
+    tracker = getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)
+    kill_process_tree(os.getpid(), include_parent=False, skip_pid=tracker)
 
 
 def _shutdown_sparing_the_resource_tracker(eng) -> None:
@@ -420,9 +470,25 @@ def _start_engine(model_dir: str, args: dict):
     warnings_env = os.environ.get("PYTHONWARNINGS")
     if warnings_env is None:
         os.environ["PYTHONWARNINGS"] = "ignore::UserWarning"
+    if threading.current_thread() is threading.main_thread() and args.get("custom_sigquit_handler") is None:
+        args = {**args, "custom_sigquit_handler": _launch_sigquit_handler}  # see its docstring
+    quiet = _QuietCustomHandlerNotice()
+    sgl_log = logging.getLogger("sglang.srt.entrypoints.engine")
+    sgl_log.addFilter(quiet)
+    before = _zmq_contexts()
+    previous_sigquit = signal.getsignal(signal.SIGQUIT)
     try:
         return sglang.Engine(model_path=model_dir, **args)
+    except _ChildFailedAtLaunch:
+        # the half-built engine's ZMQ sockets (its tokenizer manager's) would block this process forever when
+        # garbage-collected (zmq's term waits for messages to a dead peer): closed now without lingering; and the
+        # raising handler goes
+        for ctx in _zmq_contexts() - before:
+            ctx.destroy(linger=0)
+        signal.signal(signal.SIGQUIT, previous_sigquit)
+        raise
     finally:
+        sgl_log.removeFilter(quiet)
         if warnings_env is None:
             os.environ.pop("PYTHONWARNINGS", None)
         for h in list(root.handlers):
