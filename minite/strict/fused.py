@@ -288,13 +288,18 @@ if triton is not None:
         s_ = _rounded(sn * mscale, ty)
         a = _rounded(x * c_[None, :], ty)
         b = _rounded(rotated * s_[None, :], ty)
-        out = _rounded(tl.where(in_rot[None, :], a + b, x), ty)  # the sum rounded to t's dtype
+        out = _rounded(a + b, ty)  # the sum rounded to t's dtype
         offs = base[:, None] + cols[None, :]
-        if ty == tl.bfloat16:  # stored by its bits: Triton's interpreter flushes bf16 subnormals in its cast
-            tl.store(y_ptr.to(tl.pointer_type(tl.uint16)) + offs,
-                     (out.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16), mask=m)
-        else:
-            tl.store(y_ptr + offs, out.to(ty), mask=m)
+        if ty == tl.float32:
+            tl.store(y_ptr + offs, tl.where(in_rot[None, :], out, x), mask=m)
+        else:  # 2-byte dtypes by their bits: the channels past rot copied as they are (a NaN's payload too), and
+            # bf16 written without a cast (Triton's interpreter flushes bf16 subnormals in its cast)
+            raw = tl.load(t_ptr.to(tl.pointer_type(tl.uint16)) + offs, mask=m, other=0)
+            if ty == tl.bfloat16:
+                bits = (out.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16)
+            else:
+                bits = out.to(tl.float16).to(tl.uint16, bitcast=True)
+            tl.store(y_ptr.to(tl.pointer_type(tl.uint16)) + offs, tl.where(in_rot[None, :], bits, raw), mask=m)
 
     @triton.jit(do_not_specialize=["rows", "n"])
     def _tree_sum_kernel(x_ptr, y_ptr, rows, n, BLOCK_R: tl.constexpr, WIDTH: tl.constexpr, LEVELS: tl.constexpr):
@@ -404,10 +409,11 @@ def log(x: torch.Tensor) -> torch.Tensor:
 
 
 def rope_applies(t: torch.Tensor, freqs: torch.Tensor) -> bool:
-    """Whether `rope` takes this call: t [S, ..., d] and freqs [S or 1, 1, ..., 1, rot] of t's rank (Megatron's
+    """Whether `rope` takes this call: t fp32/bf16/fp16 [S, ..., d] and freqs [S or 1, 1, ..., 1, rot] of t's rank (Megatron's
     [s, 1, 1, rot] for [s, b, h, d]; SGLang's [tokens, 1, rot] for [tokens, heads, d]), rot even and <= d."""
     rot = freqs.shape[-1]
-    return (t.dim() >= 2 and freqs.dim() == t.dim() and rot % 2 == 0 and 0 < rot <= t.shape[-1]
+    return (t.dtype in (torch.float32, torch.bfloat16, torch.float16) and t.dim() >= 2 and freqs.dim() == t.dim()
+            and rot % 2 == 0 and 0 < rot <= t.shape[-1]
             and freqs.shape[0] in (1, t.shape[0]) and all(n == 1 for n in freqs.shape[1:-1]))
 
 

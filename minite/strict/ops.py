@@ -335,7 +335,7 @@ def rope(t: torch.Tensor, freqs: torch.Tensor, mscale: float = 1.0) -> torch.Ten
     rot = freqs.shape[-1]
     t_rot, t_pass = t[..., :rot], t[..., rot:]
     sin, cos = _rope_sincos(freqs)
-    if fused.routes(t, kernel="rope") and fused.rope_applies(t, freqs):
+    if fused.routes(t, freqs, kernel="rope") and fused.rope_applies(t, freqs):
         return fused.rope(t, sin, cos, mscale)
     cos_, sin_ = (cos * mscale).to(t.dtype), (sin * mscale).to(t.dtype)
     x1, x2 = torch.chunk(t_rot, 2, dim=-1)

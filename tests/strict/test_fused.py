@@ -253,6 +253,8 @@ def test_fused_rope_is_bitwise_ops_rope(dtype, layout, monkeypatch):
     t = (torch.randn(shape, generator=g) * torch.logspace(-3, 3, shape[-1])).to(dtype)
     flat = t.view(-1)
     flat[:6] = torch.tensor([math.inf, -math.inf, math.nan, -0.0, 1e-40, 6e4]).to(dtype)
+    if t.element_size() == 2:  # a NaN with a sign and payload past the rotary width: copied bit for bit
+        t.view(torch.int16).view(-1)[shape[-1] - 1] = -16 if dtype == torch.bfloat16 else -255
     freqs = torch.rand(fshape, generator=g) * 40 + torch.arange(fshape[0]).view(-1, *[1] * (len(fshape) - 1))
     t, freqs = t.to(DEVICE), freqs.to(DEVICE)
     assert fused.rope_applies(t, freqs)
@@ -261,6 +263,7 @@ def test_fused_rope_is_bitwise_ops_rope(dtype, layout, monkeypatch):
         sin, cos = ops._rope_sincos(freqs)
         got = fused.rope(t, sin, cos, mscale)
         assert got.dtype == t.dtype and got.shape == t.shape and _rope_same(got, ref), (layout, mscale)
+        assert torch.equal(got[..., freqs.shape[-1]:].view(torch.uint8), ref[..., freqs.shape[-1]:].view(torch.uint8))
 
 
 def test_fused_rope_routing_and_errors(monkeypatch):
@@ -269,6 +272,7 @@ def test_fused_rope_routing_and_errors(monkeypatch):
     assert "rope" not in fused.PROVEN  # not routed until its GPU test has passed
     assert not fused.rope_applies(t, torch.rand(3, 2, 1, 8, device=DEVICE))  # angles per batch row: torch ops
     assert not fused.rope_applies(t, torch.rand(3, 1, 1, 7, device=DEVICE))  # odd rot
+    assert not fused.rope_applies(t.double(), freqs)  # fp64: the torch ops
     with pytest.raises(ValueError, match="rope"):
         fused.rope(t, *ops._rope_sincos(torch.rand(2, 1, 1, 8, device=DEVICE)))  # 2 angle rows for 3 positions
     calls = []

@@ -2,13 +2,18 @@
 the recipe <-> hf_quant_config.json mapping, and the MoE forward the plugin's fused-MoE method runs.
 
 Imported by the plugin's SGLang classes (methods.py), strict mode (strict.py) and the engine (engine.py); it never
-imports SGLang, so the version check can run before anything of SGLang's is touched. plugin.py's docstring has the
+imports SGLang at import time, so the version check can run before anything of SGLang's is touched. It also holds the
+SIGQUIT handlers the engine passes to SGLang (light to import: SGLang pickles its arguments into its processes). plugin.py's docstring has the
 design.
 """
 from __future__ import annotations
 
 import importlib.metadata
 import logging
+import multiprocessing.resource_tracker
+import os
+import signal
+
 import torch
 
 from minite.ops import nvfp4_grouped_linear, routed_experts
@@ -18,6 +23,45 @@ log = logging.getLogger(__name__)
 
 SGLANG_VERSION = "0.5.23"
 METHOD_NAME = "minite_nvfp4"
+
+
+class ChildFailedAtLaunch(Exception):
+    """Raised in the main thread by `launch_sigquit_handler` while sglang.Engine waits for its processes."""
+
+
+FAILED_EARLY = False
+"""Set by `early_sigquit_handler`: a child of SGLang failed after the start, before the engine's own handlers."""
+
+
+def end_sglang_children() -> None:
+    """SIGKILL this process's child processes (SGLang's scheduler and detokenizer; also any other child of the
+    caller's), sparing Python's multiprocessing resource tracker."""
+    from sglang.srt.utils import kill_process_tree
+
+    tracker = getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)
+    kill_process_tree(os.getpid(), include_parent=False, skip_pid=tracker)
+
+
+def early_sigquit_handler(signum=None, frame=None) -> None:
+    """SIGQUIT after a start (until the engine installs its own handlers) or after a failed one: note the failure
+    (FAILED_EARLY) and end the children; never raises (it could interrupt any code of the caller's)."""
+    global FAILED_EARLY
+    FAILED_EARLY = True
+    log.error("sglang rollout engine: an SGLang child process failed (its traceback is in the log above); ending its "
+              "processes")
+    end_sglang_children()
+
+
+def launch_sigquit_handler(signum=None, frame=None) -> None:
+    """SGLang's `custom_sigquit_handler` while the engine starts. A scheduler or detokenizer that fails during its
+    start-up signals this process (SIGQUIT), and SGLang's own launch-phase handler kills the whole process tree
+    (measured on the CPU engine: a checkpoint the scheduler could not load ended the caller with SIGKILL). Here:
+    disarm (a second signal only notes the failure), end the children and raise in the main thread, where
+    sglang.Engine is waiting for them, so that the start raises."""
+    signal.signal(signal.SIGQUIT, early_sigquit_handler)
+    end_sglang_children()
+    raise ChildFailedAtLaunch("an SGLang child process failed while the engine started (its traceback is in the log "
+                              "above)")
 
 
 class SGLangVersionError(RuntimeError):

@@ -66,6 +66,7 @@ from minite.rollout.base import (
     truncate_at_stop,
 )
 
+from . import common
 from .common import check_sglang_version
 from .plugin import register
 
@@ -78,24 +79,6 @@ class SGLangUnavailableError(RuntimeError):
 
 class SGLangEngineFailed(RuntimeError):
     """A process of the SGLang engine failed (its traceback is in the log); the engine is gone, this process is not."""
-
-
-class _ChildFailedAtLaunch(Exception):
-    """Raised in the main thread by `_launch_sigquit_handler` while sglang.Engine waits for its processes."""
-
-
-def _launch_sigquit_handler(signum=None, frame=None):
-    """SGLang's `custom_sigquit_handler` while the engine starts. A scheduler or detokenizer that fails during its
-    start-up signals this process (SIGQUIT), and SGLang's own launch-phase handler kills the whole process tree
-    (measured on the CPU engine: a checkpoint the scheduler could not load ended the caller with SIGKILL). Here:
-    end SGLang's remaining children (not the multiprocessing resource tracker) and raise in the main thread, where
-    sglang.Engine is waiting for them, so that the start raises. Module level: SGLang's arguments may be pickled."""
-    from sglang.srt.utils import kill_process_tree
-
-    tracker = getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)
-    kill_process_tree(os.getpid(), include_parent=False, skip_pid=tracker)
-    raise _ChildFailedAtLaunch("an SGLang child process failed while the engine started (its traceback is in the "
-                               "log above)")
 
 
 def _zmq_contexts() -> set:
@@ -162,11 +145,13 @@ class SGLangEngine(RolloutEngine):
         t0 = time.perf_counter()
         self._failed: Optional[str] = None
         try:
-            self.engine = _start_engine(model_dir, args)
-        except _ChildFailedAtLaunch as e:
+            self.engine, self._sigquit_before = _start_engine(model_dir, args)
+        except common.ChildFailedAtLaunch as e:
             raise SGLangEngineFailed(f"sglang rollout engine: {e}; nothing was started") from None
         atexit.register(self.shutdown)  # the scheduler process and the temporary checkpoint go even after an error
         _contain_child_failures(self)
+        if common.FAILED_EARLY:  # a child failed between the start and the handlers above
+            self._failed = "an SGLang child process failed (its traceback is in the log above)"
         self.startup_seconds = time.perf_counter() - t0
         log.info("sglang engine ready in %.1f s (%s, quantization=%s)", self.startup_seconds, device,
                  args.get("quantization"))
@@ -283,6 +268,7 @@ class SGLangEngine(RolloutEngine):
         eng, self.engine = getattr(self, "engine", None), None
         if eng is not None:
             _shutdown_sparing_the_resource_tracker(eng)
+            _restore_sigquit(getattr(self, "_sigquit_before", None))
         if self._owns_dir and self.model_dir and Path(self.model_dir).exists():
             shutil.rmtree(self.model_dir, ignore_errors=True)
 
@@ -319,18 +305,22 @@ def _contain_child_failures(owner: "SGLangEngine") -> None:
     tm.signal_handler_class = ContainedSignalHandler
     if tm.event_loop is not None:
         tm.event_loop.add_signal_handler(signal.SIGQUIT, on_child_failure)
-    else:  # until the first request installs the loop's handler: the start's raising handler must not stay
+    else:  # until the first request installs the loop's handler: a failure marks the engine (never raises)
         signal.signal(signal.SIGQUIT, lambda signum, frame: _mark_failed(owner))
 
 
 def _mark_failed(owner: "SGLangEngine") -> None:
     """A child failed while no call was waiting: the engine is failed (the next call raises), its processes end."""
-    from sglang.srt.utils import kill_process_tree
-
     owner._failed = "an SGLang child process failed (its traceback is in the log above)"
     log.error("sglang rollout engine: %s; ending its processes", owner._failed)
-    tracker = getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)
-    kill_process_tree(os.getpid(), include_parent=False, skip_pid=tracker)
+    common.end_sglang_children()
+
+
+def _restore_sigquit(handler) -> None:
+    """Put back the SIGQUIT handler that was there before the engine started (main thread only; a handler installed
+    from C reads as None: the default then)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGQUIT, signal.SIG_DFL if handler is None else handler)
 
 
 def _shutdown_sparing_the_resource_tracker(eng) -> None:
@@ -458,7 +448,8 @@ def _result(r) -> Tuple[bool, str]:
 
 
 def _start_engine(model_dir: str, args: dict):
-    """sglang.Engine, keeping this process's logging: the Engine calls logging.basicConfig(force=True), which would
+    """(sglang.Engine, the SIGQUIT handler from before it) with the start's failures contained (common.
+    launch_sigquit_handler; a failed start raises common.ChildFailedAtLaunch), keeping this process's logging: the Engine calls logging.basicConfig(force=True), which would
     replace the root handlers (the command's terminal filter and its log file, minite.console). Its scheduler
     process starts with PYTHONWARNINGS=ignore::UserWarning unless the variable is set: it imports Megatron-Core and
     SGLang's CUDA-only quantization modules, whose import-time UserWarnings would print on the terminal (this process
@@ -470,22 +461,24 @@ def _start_engine(model_dir: str, args: dict):
     warnings_env = os.environ.get("PYTHONWARNINGS")
     if warnings_env is None:
         os.environ["PYTHONWARNINGS"] = "ignore::UserWarning"
-    if threading.current_thread() is threading.main_thread() and args.get("custom_sigquit_handler") is None:
-        args = {**args, "custom_sigquit_handler": _launch_sigquit_handler}  # see its docstring
+    main = threading.current_thread() is threading.main_thread()
+    if main and args.get("custom_sigquit_handler") is None:
+        args = {**args, "custom_sigquit_handler": common.launch_sigquit_handler}  # see its docstring
     quiet = _QuietCustomHandlerNotice()
     sgl_log = logging.getLogger("sglang.srt.entrypoints.engine")
     sgl_log.addFilter(quiet)
     before = _zmq_contexts()
-    previous_sigquit = signal.getsignal(signal.SIGQUIT)
+    previous_sigquit = signal.getsignal(signal.SIGQUIT) if main else None
+    common.FAILED_EARLY = False
     try:
-        return sglang.Engine(model_path=model_dir, **args)
-    except _ChildFailedAtLaunch:
-        # the half-built engine's ZMQ sockets (its tokenizer manager's) would block this process forever when
-        # garbage-collected (zmq's term waits for messages to a dead peer): closed now without lingering; and the
-        # raising handler goes
+        eng = sglang.Engine(model_path=model_dir, **args)
+    except BaseException:
+        # a failed start: the half-built engine's ZMQ sockets (its tokenizer manager's) would block this process
+        # forever when garbage-collected (zmq's term waits for messages to a dead peer), so they close now without
+        # lingering; the start's raising handler goes
         for ctx in _zmq_contexts() - before:
             ctx.destroy(linger=0)
-        signal.signal(signal.SIGQUIT, previous_sigquit)
+        _restore_sigquit(previous_sigquit)
         raise
     finally:
         sgl_log.removeFilter(quiet)
@@ -498,6 +491,9 @@ def _start_engine(model_dir: str, args: dict):
             if h not in root.handlers:
                 root.addHandler(h)
         root.setLevel(level)
+    if main:  # the start's raising handler must not outlive it: failures now only mark (see SGLangEngine)
+        signal.signal(signal.SIGQUIT, common.early_sigquit_handler)
+    return eng, previous_sigquit
 
 
 def write_checkpoint(out_dir: Path, hf_config: dict, packed: List[Tuple[str, torch.Tensor]], recipe) -> None:
