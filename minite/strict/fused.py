@@ -5,7 +5,7 @@ Why: a strict decode step launches ~42 torch ops per exp call (the range reducti
 a strict NVFP4 step's launches (tools/bench/op_census.py, docs/benchmarks.md). One kernel does the same arithmetic
 per element (exp, log) or per row (rms_norm, tree_sum: sums by adjacent pairs after zero padding to a power of two,
 as `ops.tree_sum`) or per query and head (attention) or per position (rope). `PROVEN` names the kernels routed
-(their GPU test passed on the H200: all but `rope`, which waits for its test).
+(their GPU test passed on the H200: all but `rope` and `sincos`, which wait for theirs).
 
 Why the bits are the same: every step is an IEEE-754 basic operation (correctly rounded, so the same result in
 torch's kernels, in numpy under Triton's interpreter and in PTX), with three cares:
@@ -55,6 +55,12 @@ _RNE = 6755399441055744.0  # 1.5 * 2^52
 _EXP_COEFFS = [1.0 / math.factorial(i) for i in range(14)]
 _SQRT2 = 1.4142135623730951
 _ATANH_COEFFS = [1.0 / (2 * k + 1) for k in range(12)]
+_TWO_OVER_PI = 0.6366197723675814  # ops.sincos' constants (tests/strict/test_fused.py checks that they are equal)
+_PIO2_1 = 1.57079632673412561417e+00
+_PIO2_2 = 6.07710050630396597660e-11
+_PIO2_3 = 2.02226624879595063154e-21
+_SIN_COEFFS = [(-1) ** k / math.factorial(2 * k + 1) for k in range(11)]
+_COS_COEFFS = [(-1) ** k / math.factorial(2 * k) for k in range(12)]
 _MIN_NORMAL64 = 2.0 ** -1022
 
 PROVEN = {"exp", "tree_sum", "rms_norm", "log", "attention"}
@@ -251,6 +257,55 @@ if triton is not None:
         y = (xf * inv) * w
         tl.store(y_ptr + row * n + cols, _cast_out(y, y_ptr.dtype.element_ty), mask=mask)  # RNE, also interpreted
 
+    @triton.jit(do_not_specialize=["n"])
+    def _sincos_kernel(x_ptr, s_ptr, c_ptr, n, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
+                       S3: tl.constexpr, S4: tl.constexpr, S5: tl.constexpr, S6: tl.constexpr, S7: tl.constexpr,
+                       S8: tl.constexpr, S9: tl.constexpr, S10: tl.constexpr, C0: tl.constexpr, C1: tl.constexpr,
+                       C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr, C6: tl.constexpr,
+                       C7: tl.constexpr, C8: tl.constexpr, C9: tl.constexpr, C10: tl.constexpr, C11: tl.constexpr,
+                       TWO_OVER_PI: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr,
+                       RNE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+        """ops.sincos on fp32 x: round(x * 2/pi) (the 1.5 * 2^52 add: half to even, as torch.round), the 3-part
+        Cody-Waite reduction, the two Horner polynomials in r^2 from the top, the quadrant n mod 4 (n & 3: the
+        non-negative remainder of torch.remainder) picking +-sin / +-cos, fp64 throughout, rounded to fp32 at the end."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+        mask = offs < n
+        x64 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float64)
+        t = x64 * TWO_OVER_PI
+        k = (t + RNE) - RNE
+        k = tl.where(k == 0.0, t * 0.0, k)  # torch.round keeps a zero's sign (round(-0.3) is -0.0): r's sign at x = -0
+        r = ((x64 - k * P1) - k * P2) - k * P3
+        z = r * r
+        sp = tl.full(z.shape, S10, tl.float64)
+        sp = sp * z + S9
+        sp = sp * z + S8
+        sp = sp * z + S7
+        sp = sp * z + S6
+        sp = sp * z + S5
+        sp = sp * z + S4
+        sp = sp * z + S3
+        sp = sp * z + S2
+        sp = sp * z + S1
+        sp = sp * z + S0
+        sv = r * sp
+        cv = tl.full(z.shape, C11, tl.float64)
+        cv = cv * z + C10
+        cv = cv * z + C9
+        cv = cv * z + C8
+        cv = cv * z + C7
+        cv = cv * z + C6
+        cv = cv * z + C5
+        cv = cv * z + C4
+        cv = cv * z + C3
+        cv = cv * z + C2
+        cv = cv * z + C1
+        cv = cv * z + C0
+        q = k.to(tl.int64) & 3
+        sin = tl.where(q == 0, sv, tl.where(q == 1, cv, tl.where(q == 2, -sv, -cv)))
+        cos = tl.where(q == 0, cv, tl.where(q == 1, -sv, tl.where(q == 2, -cv, sv)))
+        tl.store(s_ptr + offs, sin.to(tl.float32), mask=mask)
+        tl.store(c_ptr + offs, cos.to(tl.float32), mask=mask)
+
     @triton.jit
     def _rounded(v, ty: tl.constexpr):
         """fp32 v rounded to nearest even in ty and back to fp32: the rounding torch applies to each op's result
@@ -406,6 +461,23 @@ def log(x: torch.Tensor) -> torch.Tensor:
     _log_kernel[(triton.cdiv(n, BLOCK),)](xc, y, n, **c, SQRT2=_SQRT2, LN2_HI=_LN2_HI, LN2_LO=_LN2_LO,
                                           MIN_NORMAL=_MIN_NORMAL64, BLOCK_SIZE=BLOCK, enable_fp_fusion=False)
     return y
+
+
+def sincos(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sin x, cos x) with ops.sincos' bits for fp32 x, one launch (ops.sincos checks the range first)."""
+    if not available(x) or x.dtype != torch.float32:
+        raise ValueError("strict fused sincos needs a float32 CUDA tensor (or TRITON_INTERPRET=1)")
+    ensure_interpreter_compat()
+    xc = x.contiguous()
+    sin = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    cos = torch.empty_like(sin)
+    n = xc.numel()
+    if n == 0:
+        return sin, cos
+    c = {**{f"S{i}": v for i, v in enumerate(_SIN_COEFFS)}, **{f"C{i}": v for i, v in enumerate(_COS_COEFFS)}}
+    _sincos_kernel[(triton.cdiv(n, BLOCK),)](xc, sin, cos, n, **c, TWO_OVER_PI=_TWO_OVER_PI, P1=_PIO2_1, P2=_PIO2_2,
+                                             P3=_PIO2_3, RNE=_RNE, BLOCK_SIZE=BLOCK, enable_fp_fusion=False)
+    return sin, cos
 
 
 def rope_applies(t: torch.Tensor, freqs: torch.Tensor) -> bool:

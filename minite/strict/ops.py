@@ -104,10 +104,13 @@ def exp(x: torch.Tensor) -> torch.Tensor:
 
 
 def sincos(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sin x, cos x) in float32 for finite |x| < 2^20 (RoPE angles: position * inverse frequency)."""
-    x64 = x.double()
-    if x64.numel() and float(x64.abs().max()) >= 2.0 ** 20:
+    """(sin x, cos x) in float32 for finite |x| < 2^20 (RoPE angles: position * inverse frequency). On CUDA, fp32,
+    with "sincos" in `fused.PROVEN`: the same operations in one Triton kernel."""
+    if x.numel() and float(x.abs().max()) >= 2.0 ** 20:  # the max of |x| is exact in x's dtype: the same test
         raise ValueError("strict sincos: |x| >= 2^20 is outside the exact range reduction")
+    if x.dtype == torch.float32 and fused.routes(x, kernel="sincos"):
+        return fused.sincos(x)
+    x64 = x.double()
     n = torch.round(x64 * _TWO_OVER_PI)
     r = ((x64 - n * _PIO2_1) - n * _PIO2_2) - n * _PIO2_3
     z = r * r

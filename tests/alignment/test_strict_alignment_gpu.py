@@ -177,3 +177,25 @@ def test_fused_rope_is_bitwise_the_torch_rope_on_cuda(monkeypatch):
             same = (a == b) | (torch.isnan(got.float()) & torch.isnan(ref.float()))
             assert bool(same.all()), (shape, dtype, int((~same).sum()))
             assert torch.equal(fused.rope(t[:, 1:2], *S._rope_sincos(freqs), 0.875), got[:, 1:2])  # no specials there
+
+
+def test_fused_sincos_is_bitwise_the_torch_sincos_on_cuda(monkeypatch):
+    """minite.strict.fused.sincos (not routed until this passes on the H200: fused.PROVEN): ops.sincos' float64
+    operations in one kernel, the same bits on CUDA: Qwen3's RoPE angles (theta 1e6, head 128) for 131,072
+    positions, quadrant edges and their neighbours, the range's ends, zeros, NaN."""
+    import math
+
+    from minite.strict import fused, ops as S
+    monkeypatch.setattr(fused, "PROVEN", fused.PROVEN - {"sincos"})  # the reference: strict mode's torch ops
+    g = torch.Generator(device="cuda").manual_seed(7)
+    inv = 1.0 / (1e6 ** (torch.arange(0, 128, 2, device="cuda", dtype=torch.float32) / 128))
+    rope = (torch.arange(131072, device="cuda", dtype=torch.float32)[:, None] * inv[None, :]).reshape(-1)
+    quarter = (torch.arange(-4000, 4000, device="cuda", dtype=torch.float64) * (math.pi / 4)).float()
+    x = torch.cat([torch.tensor([0.0, -0.0, 1e-45, -1e-38, 2.0 ** 20 - 1, -(2.0 ** 20 - 1), math.nan], device="cuda"),
+                   rope, quarter, quarter.nextafter(quarter + 1), quarter.nextafter(quarter - 1),
+                   (torch.rand(1_000_000, device="cuda", generator=g) * 2 - 1) * 2.0 ** 20])
+    ref = S.sincos(x)
+    got = fused.sincos(x)
+    for a, b in zip(got, ref):
+        same = (a.view(torch.int32) == b.view(torch.int32)) | (torch.isnan(a) & torch.isnan(b))
+        assert bool(same.all()), int((~same).sum())

@@ -303,3 +303,32 @@ def test_fused_rope_real_angles_and_subnormals():
             got = fused.rope(t, *ops._rope_sincos(freqs), 0.875)
             assert _rope_same(got, ref), (shape, dtype)
             assert torch.equal(fused.rope(t[:, 1:2], *ops._rope_sincos(freqs), 0.875), got[:, 1:2])
+
+
+def _sincos_inputs():
+    g = torch.Generator().manual_seed(31)
+    quarter = torch.arange(-400, 400, dtype=torch.float64) * (math.pi / 4)  # quadrant edges and their neighbours
+    inv = 1.0 / (1e6 ** (torch.arange(0, 128, 2, dtype=torch.float64) / 128))
+    rope = (torch.arange(0, 40960, 97, dtype=torch.float64)[:, None] * inv[None, :]).reshape(-1)
+    x = torch.cat([torch.tensor([0.0, -0.0, 1e-45, -1e-38, 1.0, -1.0, 2.0 ** 20 - 1, -(2.0 ** 20 - 1), math.nan],
+                                dtype=torch.float64),
+                   quarter, quarter.nextafter(quarter + 1), quarter.nextafter(quarter - 1), rope,
+                   (torch.rand(5000, generator=g, dtype=torch.float64) * 2 - 1) * 2.0 ** 20,
+                   torch.randn(3000, generator=g, dtype=torch.float64) * 10])
+    return x.float().to(DEVICE)
+
+
+def test_fused_sincos_is_bitwise_ops_sincos():
+    """fused.sincos (one launch; not routed until its GPU test has passed: fused.PROVEN) against ops.sincos' torch
+    ops: quadrant edges, RoPE angles of Qwen3 up to position 40,959, the range's ends, zeros, tiny values, NaN."""
+    x = _sincos_inputs()
+    ref_s, ref_c = ops.sincos(x)  # the torch ops: sincos is not in PROVEN (and no GPU here)
+    got_s, got_c = fused.sincos(x)
+    assert "sincos" not in fused.PROVEN
+    for got, ref in ((got_s, ref_s), (got_c, ref_c)):
+        same = (got.view(torch.int32) == ref.view(torch.int32)) | (torch.isnan(got) & torch.isnan(ref))
+        assert bool(same.all()), f"{int((~same).sum())} differ, first at x={x[~same][0].item()!r}"
+    with pytest.raises(ValueError, match="float32"):
+        fused.sincos(x.double())
+    for name in ("_TWO_OVER_PI", "_PIO2_1", "_PIO2_2", "_PIO2_3", "_SIN_COEFFS", "_COS_COEFFS"):
+        assert getattr(fused, name) == getattr(ops, name), name  # the kernel's constants are ops.sincos' own
