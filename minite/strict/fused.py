@@ -13,8 +13,9 @@ torch's kernels, in numpy under Triton's interpreter and in PTX), with three car
     the launches pass enable_fp_fusion=False;
   * correctly rounded division and square root: `tl.div_rn` and `tl.sqrt_rn` (Triton's `/` and `tl.sqrt` on fp32
     are the GPU's approximate instructions);
-  * round-half-to-even of x * log2(e) (torch.round) as (t + 1.5 * 2^52) - 1.5 * 2^52, exact for |t| < 2^51 (here
-    |t| <= 217), so no library rint is needed.
+  * round-half-to-even of x * log2(e) and of x * 2/pi (torch.round) as (t + 1.5 * 2^52) - 1.5 * 2^52, exact for
+    |t| < 2^51 (here |t| <= 217 and < 667,546), so no library rint is needed; a zero keeps t's sign (sincos), as
+    torch.round's does.
 Two more: rms_norm's mean is `tl.div_rn(sum, n)`, which is what `ops.rms_norm` computes since it divides by a
 tensor (torch's CUDA `t / python_number` is t * (1 / n), another rounding); a NaN stays NaN through the bf16 cast.
 The CPU tests compare them with ops.exp, ops.rms_norm and ops.tree_sum bit for bit under the interpreter; the GPU

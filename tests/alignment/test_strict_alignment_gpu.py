@@ -193,7 +193,7 @@ def test_fused_sincos_is_bitwise_the_torch_sincos_on_cuda(monkeypatch):
     quarter = (torch.arange(-4000, 4000, device="cuda", dtype=torch.float64) * (math.pi / 4)).float()
     x = torch.cat([torch.tensor([0.0, -0.0, 1e-45, -1e-38, 2.0 ** 20 - 1, -(2.0 ** 20 - 1), math.nan], device="cuda"),
                    rope, quarter, quarter.nextafter(quarter + 1), quarter.nextafter(quarter - 1),
-                   (torch.rand(1_000_000, device="cuda", generator=g) * 2 - 1) * 2.0 ** 20])
+                   (torch.rand(1_000_000, device="cuda", generator=g) * 2 - 1) * (2.0 ** 20 - 1)])
     ref = S.sincos(x)
     got = fused.sincos(x)
     for a, b in zip(got, ref):

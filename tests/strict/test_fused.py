@@ -313,7 +313,7 @@ def _sincos_inputs():
     x = torch.cat([torch.tensor([0.0, -0.0, 1e-45, -1e-38, 1.0, -1.0, 2.0 ** 20 - 1, -(2.0 ** 20 - 1), math.nan],
                                 dtype=torch.float64),
                    quarter, quarter.nextafter(quarter + 1), quarter.nextafter(quarter - 1), rope,
-                   (torch.rand(5000, generator=g, dtype=torch.float64) * 2 - 1) * 2.0 ** 20,
+                   (torch.rand(5000, generator=g, dtype=torch.float64) * 2 - 1) * (2.0 ** 20 - 1),
                    torch.randn(3000, generator=g, dtype=torch.float64) * 10])
     return x.float().to(DEVICE)
 
