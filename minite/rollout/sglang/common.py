@@ -33,13 +33,20 @@ FAILED_EARLY = False
 """Set by `early_sigquit_handler`: a child of SGLang failed after the start, before the engine's own handlers."""
 
 
+CHILD_FAILED = "an SGLang child process failed (its traceback is in the log above)"
+
+
+def resource_tracker_pid():
+    """The pid of Python's multiprocessing resource tracker (None if none runs): SGLang's process-tree kills spare it."""
+    return getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)
+
+
 def end_sglang_children() -> None:
     """SIGKILL this process's child processes (SGLang's scheduler and detokenizer; also any other child of the
     caller's), sparing Python's multiprocessing resource tracker."""
     from sglang.srt.utils import kill_process_tree
 
-    tracker = getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)
-    kill_process_tree(os.getpid(), include_parent=False, skip_pid=tracker)
+    kill_process_tree(os.getpid(), include_parent=False, skip_pid=resource_tracker_pid())
 
 
 def early_sigquit_handler(signum=None, frame=None) -> None:
@@ -47,8 +54,7 @@ def early_sigquit_handler(signum=None, frame=None) -> None:
     (FAILED_EARLY) and end the children; never raises (it could interrupt any code of the caller's)."""
     global FAILED_EARLY
     FAILED_EARLY = True
-    log.error("sglang rollout engine: an SGLang child process failed (its traceback is in the log above); ending its "
-              "processes")
+    log.error("sglang rollout engine: %s; ending its processes", CHILD_FAILED)
     end_sglang_children()
 
 

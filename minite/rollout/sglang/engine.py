@@ -40,7 +40,6 @@ import atexit
 import functools
 import json
 import logging
-import multiprocessing.resource_tracker
 import os
 import shutil
 import signal
@@ -151,7 +150,7 @@ class SGLangEngine(RolloutEngine):
         atexit.register(self.shutdown)  # the scheduler process and the temporary checkpoint go even after an error
         _contain_child_failures(self)
         if common.FAILED_EARLY:  # a child failed between the start and the handlers above
-            self._failed = "an SGLang child process failed (its traceback is in the log above)"
+            self._failed = common.CHILD_FAILED
         self.startup_seconds = time.perf_counter() - t0
         log.info("sglang engine ready in %.1f s (%s, quantization=%s)", self.startup_seconds, device,
                  args.get("quantization"))
@@ -282,17 +281,11 @@ def _contain_child_failures(owner: "SGLangEngine") -> None:
     installs its handler with the first request (TokenizerManager.auto_create_handle_loop, through
     `signal_handler_class`), or has already: both are replaced. Main thread only (as SGLang's own)."""
     import asyncio
-    import signal
-    import threading
 
     from sglang.srt.managers.tokenizer_manager import SignalHandler
-    from sglang.srt.utils import kill_process_tree
 
     def on_child_failure(signum=None, frame=None):
-        owner._failed = "an SGLang child process failed (its traceback is in the log above)"
-        log.error("sglang rollout engine: %s; ending its processes", owner._failed)
-        tracker = getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)
-        kill_process_tree(os.getpid(), include_parent=False, skip_pid=tracker)
+        _mark_failed(owner)
         asyncio.get_event_loop().stop()
 
     class ContainedSignalHandler(SignalHandler):
@@ -311,7 +304,7 @@ def _contain_child_failures(owner: "SGLangEngine") -> None:
 
 def _mark_failed(owner: "SGLangEngine") -> None:
     """A child failed while no call was waiting: the engine is failed (the next call raises), its processes end."""
-    owner._failed = "an SGLang child process failed (its traceback is in the log above)"
+    owner._failed = common.CHILD_FAILED
     log.error("sglang rollout engine: %s; ending its processes", owner._failed)
     common.end_sglang_children()
 
@@ -331,9 +324,8 @@ def _shutdown_sparing_the_resource_tracker(eng) -> None:
     import sglang.srt.entrypoints.engine as sgl_engine
 
     atexit.unregister(eng.shutdown)
-    tracker = getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)
     kill = sgl_engine.kill_process_tree
-    sgl_engine.kill_process_tree = functools.partial(kill, skip_pid=tracker)
+    sgl_engine.kill_process_tree = functools.partial(kill, skip_pid=common.resource_tracker_pid())
     try:
         eng.shutdown()
     finally:
