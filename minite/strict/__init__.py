@@ -4,8 +4,8 @@ position or number of keys (docs/nvfp4.md, docs/alignment.md).
     ops.py          rms_norm, linear, softmax, log_softmax, silu, exp/log, sincos, rope, attention, topk: fixed-order
                     (tree) sums, transcendentals through fp64 polynomials; exact on every device by IEEE rules
     triton_gemm.py  on CUDA, the BF16 GEMMs of `ops.linear` through one fixed-K Triton kernel
-    fused.py        `ops.exp`, `ops.rms_norm`, `ops.tree_sum`, `ops.log`, `ops.attention` (and `ops.rope`,
-                    `ops.sincos`, not yet routed) each in one Triton kernel on CUDA (the same bits)
+    fused.py        `ops.exp`, `ops.rms_norm`, `ops.tree_sum`, `ops.log`, `ops.attention`, `ops.rope` and
+                    `ops.sincos` each in one Triton kernel on CUDA (the same bits)
 
 Switching an engine's model to these ops is the engine's job: megatron_patches.strict (Megatron-Core, the learner
 and the embedded rollout) and minite.rollout.sglang.strict (SGLang). Both take strict mode as an explicit setting.

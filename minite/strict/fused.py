@@ -5,7 +5,7 @@ Why: a strict decode step launches ~42 torch ops per exp call (the range reducti
 a strict NVFP4 step's launches (tools/bench/op_census.py, docs/benchmarks.md). One kernel does the same arithmetic
 per element (exp, log) or per row (rms_norm, tree_sum: sums by adjacent pairs after zero padding to a power of two,
 as `ops.tree_sum`) or per query and head (attention) or per position (rope). `PROVEN` names the kernels routed
-(their GPU test passed on the H200: all but `rope` and `sincos`, which wait for theirs).
+(their GPU test passed on the H200: all of them since 2026-12-01).
 
 Why the bits are the same: every step is an IEEE-754 basic operation (correctly rounded, so the same result in
 torch's kernels, in numpy under Triton's interpreter and in PTX), with three cares:
@@ -64,10 +64,11 @@ _SIN_COEFFS = [(-1) ** k / math.factorial(2 * k + 1) for k in range(11)]
 _COS_COEFFS = [(-1) ** k / math.factorial(2 * k) for k in range(12)]
 _MIN_NORMAL64 = 2.0 ** -1022
 
-PROVEN = {"exp", "tree_sum", "rms_norm", "log", "attention"}
+PROVEN = {"exp", "tree_sum", "rms_norm", "log", "attention", "rope", "sincos"}
 """The kernels whose bitwise GPU test has passed on the H200; `routes` sends only these. A new kernel joins after its
 test in tests/alignment/test_strict_alignment_gpu.py has passed there (`log` and `attention`: 2026-12-01, at
-5ea343c, 24 passed with tests/rollout/test_decode.py)."""
+5ea343c, 24 passed with tests/rollout/test_decode.py; `rope` and `sincos`: 2026-12-01, at 4f981a5, 16 passed with
+tests/rollout/test_decode.py)."""
 
 if triton is not None:
     @triton.jit(do_not_specialize=["n"])

@@ -109,7 +109,7 @@ def test_fused_strict_ops_are_bitwise_the_torch_ops_on_cuda(monkeypatch):
 
 
 def test_fused_log_is_bitwise_the_torch_log_on_cuda():
-    """minite.strict.fused.log (not routed until this passes on the H200: fused.PROVEN): ops._log_fwd's float64
+    """minite.strict.fused.log (routed since this passed on the H200: fused.PROVEN): ops._log_fwd's float64
     operations in one kernel, the same bits on CUDA for fp32/bf16/fp16 inputs, special values and subnormals."""
     import math
 
@@ -134,7 +134,7 @@ def test_fused_log_is_bitwise_the_torch_log_on_cuda():
 
 
 def test_fused_attention_is_bitwise_the_torch_attention_on_cuda(monkeypatch):
-    """minite.strict.fused.attention (not routed until this passes on the H200: fused.PROVEN): ops.attention's
+    """minite.strict.fused.attention (routed since this passed on the H200: fused.PROVEN): ops.attention's
     operations per (query, batch x head) in one kernel, the same bits as the torch ops on CUDA, for a decode step, a
     prefill and a long context, and a row alone equal to the same row in the batch."""
     import math
@@ -154,7 +154,7 @@ def test_fused_attention_is_bitwise_the_torch_attention_on_cuda(monkeypatch):
 
 
 def test_fused_rope_is_bitwise_the_torch_rope_on_cuda(monkeypatch):
-    """minite.strict.fused.rope (not routed until this passes on the H200: fused.PROVEN): ops.rope's torch ops in one
+    """minite.strict.fused.rope (routed since this passed on the H200: fused.PROVEN): ops.rope's torch ops in one
     kernel, the same bits on CUDA: Megatron's prefill [s, b, h, d] with [s, 1, 1, rot] angles (Qwen3's theta 1e6,
     head 128), a decode step (one angle row), a partial rotary, SGLang's [tokens, heads, d], fp32/bf16/fp16, and a
     row alone equal to the same row in the batch."""
@@ -180,7 +180,7 @@ def test_fused_rope_is_bitwise_the_torch_rope_on_cuda(monkeypatch):
 
 
 def test_fused_sincos_is_bitwise_the_torch_sincos_on_cuda(monkeypatch):
-    """minite.strict.fused.sincos (not routed until this passes on the H200: fused.PROVEN): ops.sincos' float64
+    """minite.strict.fused.sincos (routed since this passed on the H200: fused.PROVEN): ops.sincos' float64
     operations in one kernel, the same bits on CUDA: Qwen3's RoPE angles (theta 1e6, head 128) for 131,072
     positions, quadrant edges and their neighbours, the range's ends, zeros, NaN."""
     import math

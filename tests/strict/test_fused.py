@@ -244,7 +244,7 @@ def _rope_same(got, ref):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("layout", ["sbhd", "sbhd_partial", "one_angle_row", "thd"])
 def test_fused_rope_is_bitwise_ops_rope(dtype, layout, monkeypatch):
-    """fused.rope (one launch; not routed until its GPU test has passed: fused.PROVEN) against ops.rope's torch ops:
+    """fused.rope (one launch; routed on CUDA since its GPU test passed: fused.PROVEN) against ops.rope's torch ops:
     Megatron's [s, b, h, d] with [s, 1, 1, rot] (rot = d and a partial rotary), one angle row for all positions
     (decode), SGLang's [tokens, heads, d] with [tokens, 1, rot]; mscale != 1; inf, NaN, -0.0, tiny and huge values."""
     g = torch.Generator().manual_seed(21)
@@ -258,8 +258,9 @@ def test_fused_rope_is_bitwise_ops_rope(dtype, layout, monkeypatch):
     freqs = torch.rand(fshape, generator=g) * 40 + torch.arange(fshape[0]).view(-1, *[1] * (len(fshape) - 1))
     t, freqs = t.to(DEVICE), freqs.to(DEVICE)
     assert fused.rope_applies(t, freqs)
+    monkeypatch.setattr(fused, "PROVEN", fused.PROVEN - {"rope", "sincos"})  # the reference: the torch ops
     for mscale in (1.0, 0.7071):
-        ref = ops.rope(t, freqs, mscale)  # the torch ops: rope is not in PROVEN (and no GPU here)
+        ref = ops.rope(t, freqs, mscale)
         sin, cos = ops._rope_sincos(freqs)
         got = fused.rope(t, sin, cos, mscale)
         assert got.dtype == t.dtype and got.shape == t.shape and _rope_same(got, ref), (layout, mscale)
@@ -269,7 +270,6 @@ def test_fused_rope_is_bitwise_ops_rope(dtype, layout, monkeypatch):
 def test_fused_rope_routing_and_errors(monkeypatch):
     t = torch.randn(3, 2, 2, 8, device=DEVICE)
     freqs = torch.rand(3, 1, 1, 8, device=DEVICE)
-    assert "rope" not in fused.PROVEN  # not routed until its GPU test has passed
     assert not fused.rope_applies(t, torch.rand(3, 2, 1, 8, device=DEVICE))  # angles per batch row: torch ops
     assert not fused.rope_applies(t, torch.rand(3, 1, 1, 7, device=DEVICE))  # odd rot
     assert not fused.rope_applies(t.double(), freqs)  # fp64: the torch ops
@@ -279,13 +279,13 @@ def test_fused_rope_routing_and_errors(monkeypatch):
     monkeypatch.setattr(fused, "rope", lambda *a: calls.append(1) or torch.zeros_like(a[0]))
     monkeypatch.setattr(fused, "_gpu", lambda x: True)
     ops.rope(t, freqs)
-    assert calls == []
-    monkeypatch.setattr(fused, "PROVEN", fused.PROVEN | {"rope"})
+    assert calls == [1]  # routed: rope is in PROVEN
+    monkeypatch.setattr(fused, "PROVEN", fused.PROVEN - {"rope"})
     ops.rope(t, freqs)
-    assert calls == [1]
+    assert calls == [1]  # a kernel out of PROVEN is not routed
 
 
-def test_fused_rope_real_angles_and_subnormals():
+def test_fused_rope_real_angles_and_subnormals(monkeypatch):
     """The H200 test's cases at CPU sizes: RoPE angles of Qwen3 (theta 1e6, head 128) from position 0 (cos 1, sin
     0: a bf16 subnormal passes through exactly, which Triton's interpreter would flush in a bf16 cast), a decode
     position, a partial rotary, SGLang's layout; mscale 0.875."""
@@ -299,7 +299,9 @@ def test_fused_rope_real_angles_and_subnormals():
             t = (torch.randn(shape, generator=g) * 4).to(dtype)
             t.view(-1)[:4] = torch.tensor([math.inf, math.nan, -0.0, 1e-40]).to(dtype)
             t = t.to(DEVICE)
-            ref = ops.rope(t, freqs, 0.875)
+            with monkeypatch.context() as mp:
+                mp.setattr(fused, "PROVEN", fused.PROVEN - {"rope", "sincos"})  # the reference: the torch ops
+                ref = ops.rope(t, freqs, 0.875)
             got = fused.rope(t, *ops._rope_sincos(freqs), 0.875)
             assert _rope_same(got, ref), (shape, dtype)
             assert torch.equal(fused.rope(t[:, 1:2], *ops._rope_sincos(freqs), 0.875), got[:, 1:2])
@@ -318,13 +320,14 @@ def _sincos_inputs():
     return x.float().to(DEVICE)
 
 
-def test_fused_sincos_is_bitwise_ops_sincos():
-    """fused.sincos (one launch; not routed until its GPU test has passed: fused.PROVEN) against ops.sincos' torch
+def test_fused_sincos_is_bitwise_ops_sincos(monkeypatch):
+    """fused.sincos (one launch; routed on CUDA since its GPU test passed: fused.PROVEN) against ops.sincos' torch
     ops: quadrant edges, RoPE angles of Qwen3 up to position 40,959, the range's ends, zeros, tiny values, NaN."""
     x = _sincos_inputs()
-    ref_s, ref_c = ops.sincos(x)  # the torch ops: sincos is not in PROVEN (and no GPU here)
+    with monkeypatch.context() as mp:
+        mp.setattr(fused, "PROVEN", fused.PROVEN - {"sincos"})  # the reference: the torch ops
+        ref_s, ref_c = ops.sincos(x)
     got_s, got_c = fused.sincos(x)
-    assert "sincos" not in fused.PROVEN
     for got, ref in ((got_s, ref_s), (got_c, ref_c)):
         same = (got.view(torch.int32) == ref.view(torch.int32)) | (torch.isnan(got) & torch.isnan(ref))
         assert bool(same.all()), f"{int((~same).sum())} differ, first at x={x[~same][0].item()!r}"
