@@ -3,6 +3,7 @@
 Runs under TRITON_INTERPRET=1 on the CPU (conftest.py) at small shapes; tests/kernels/test_kernels_gpu.py repeats it at real shapes.
 """
 import itertools
+import math
 
 import pytest
 import torch
@@ -146,6 +147,30 @@ def test_addressing_variants_bitwise(monkeypatch, cfg, vec2d):
         monkeypatch.setitem(nvfp4_quant.TUNING, kind, {"elems": 256, "warps": 2, "vec2d": vec2d})
     torch.manual_seed(8)
     _check(torch.randn(16, 48, device=DEVICE), *cfg)
+
+
+@pytest.mark.parametrize("programs", [1, 3, 64])
+@pytest.mark.parametrize("rht", [False, True])
+def test_amax_pass_programs_loop_over_tiles(monkeypatch, programs, rht):
+    """The tensor-scope amax pass runs a few programs per SM, each looping over tiles pid, pid + P, ... (P = 1: one
+    program takes all; 3: an uneven share; 64: more programs than tiles): the same amax and bits as the reference,
+    also where the largest magnitude sits in the last tile or is an inf; the segments' amax pass too."""
+    from minite.kernels.nvfp4_quant import quantize_segments_triton
+    monkeypatch.setitem(nvfp4_quant.TUNING, "amax", {"programs_per_sm": programs})
+    for kind in ("plain", "values", "rht", "stack"):  # small tiles: many per tensor
+        monkeypatch.setitem(nvfp4_quant.TUNING, kind, {"elems": 256, "warps": 2, "vec2d": True})
+    torch.manual_seed(9)
+    x = torch.randn(96, 80, device=DEVICE)
+    x[-1, -1] = 37.0
+    _check(x, (1, 16), "tensor", "nearest", rht)
+    x[50, 3] = -math.inf
+    ref = quantize_reference(x, block=(1, 16), scale_scope="tensor", rounding="nearest", seed=None, rht=rht)
+    assert torch.equal(quantize_triton(x, (1, 16), "tensor", "nearest", None, rht).amax.cpu(), ref.amax.cpu())
+    w = torch.randn(4, 32, 48, device=DEVICE)
+    w[2, -1, -1] = 9.0
+    segs = [(i * 32, 0, 32, 48, i * 32, 0) for i in range(4)]
+    amax = quantize_segments_triton(w.reshape(-1, 48), segs, (128, 48), (16, 16))[3]
+    assert torch.equal(amax.cpu(), w.reshape(4, -1).abs().amax(dim=1).cpu())
 
 
 def test_empty_tensor_with_given_amax():
