@@ -52,7 +52,7 @@ import math
 
 import torch
 
-from . import fused, triton_gemm
+from . import fused, fused_linear, triton_gemm
 
 _CHUNK_ELEMS = 1 << 24  # products held at once by `linear` and `attention` (64 MiB of fp32)
 
@@ -185,9 +185,12 @@ def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 def _linear_fwd(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """[M, K] x [N, K] -> fp32 [M, N]: fp32 products, tree_sum over K; chunked over rows and columns (each output
-    element is computed alone, so chunking changes nothing)."""
+    element is computed alone, so chunking changes nothing). On CUDA with "linear" in `fused.PROVEN` and K <=
+    `fused.MAX_WIDTH`: the same products and tree in one Triton kernel (`fused_linear`), nothing materialised."""
     m, k = x.shape
     n = w.shape[0]
+    if torch.float64 not in (x.dtype, w.dtype) and fused.routes(x, w, width=k, kernel="linear"):
+        return fused_linear.linear(x, w)
     width = 1 << max(k - 1, 0).bit_length()
     cols = max(1, min(n, _CHUNK_ELEMS // max(width, 1)))
     rows = max(1, _CHUNK_ELEMS // (cols * max(width, 1)))

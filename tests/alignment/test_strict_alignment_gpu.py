@@ -199,3 +199,25 @@ def test_fused_sincos_is_bitwise_the_torch_sincos_on_cuda(monkeypatch):
     for a, b in zip(got, ref):
         same = (a.view(torch.int32) == b.view(torch.int32)) | (torch.isnan(a) & torch.isnan(b))
         assert bool(same.all()), int((~same).sum())
+
+
+def test_fused_linear_is_bitwise_the_torch_linear_on_cuda(monkeypatch):
+    """minite.strict.fused_linear.linear (routed once this passes on the H200: "linear" in fused.PROVEN): ops._linear_fwd's
+    fp32 products and tree over K in one kernel, the same bits on CUDA: the strict router at batch 64 and at prefill
+    size (hidden 2048 x 128 experts, fp32), bf16 operands, K not a power of two, inf/NaN/-0.0, a row alone equal to
+    the same row in the batch."""
+    import math
+
+    from minite.strict import fused, fused_linear, ops as S
+    monkeypatch.setattr(fused, "PROVEN", fused.PROVEN - {"linear"})  # the reference: the materialised products
+    g = torch.Generator(device="cuda").manual_seed(8)
+    for m, n, k, dtype in ((64, 128, 2048, torch.float32), (4096, 128, 2048, torch.float32),
+                           (64, 128, 2048, torch.bfloat16), (33, 50, 300, torch.float32), (7, 9, 1, torch.float16)):
+        x = (torch.randn(m, k, device="cuda", generator=g) * 3).to(dtype)
+        w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(dtype)
+        x[1, 0], x[2, -1], x[3, k // 2] = math.inf, math.nan, -0.0
+        ref = S._linear_fwd(x, w)
+        got = fused_linear.linear(x, w)
+        same = (got.view(torch.int32) == ref.view(torch.int32)) | (torch.isnan(got) & torch.isnan(ref))
+        assert bool(same.all()), (m, n, k, dtype, int((~same).sum()))
+        assert torch.equal(fused_linear.linear(x[5:6], w), got[5:6])

@@ -1,0 +1,76 @@
+"""minite.strict.fused_linear: ops._linear_fwd's products and tree over K in one Triton kernel, bit for bit (the
+interpreter on the CPU; the GPU test is in tests/alignment/test_strict_alignment_gpu.py)."""
+import math
+
+import pytest
+import torch
+
+from minite.strict import fused, fused_linear, ops
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _reference(x, w, monkeypatch):
+    with monkeypatch.context() as mp:
+        mp.setattr(fused, "PROVEN", fused.PROVEN - {"linear", "tree_sum"})  # the torch ops
+        return ops._linear_fwd(x, w)
+
+
+def _same(a, b):
+    return bool(((a.view(torch.int32) == b.view(torch.int32)) | (torch.isnan(a) & torch.isnan(b))).all())
+
+
+@pytest.mark.parametrize("k", [1, 2, 48, 300, 2048])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_linear_is_bitwise_ops_linear(k, dtype, monkeypatch):
+    """Random rows at mixed magnitudes (sums that cancel), K a power of two or not (zero padding), K = 1 (no
+    addition), inf, NaN, -0.0 and subnormal operands; a row alone equals the same row in the batch."""
+    g = torch.Generator().manual_seed(k)
+    x = (torch.randn(5, k, generator=g) * torch.logspace(-4, 4, k)).to(dtype)
+    w = torch.randn(9, k, generator=g).to(dtype)
+    x[1, 0], x[2, -1], x[3, k // 2] = math.inf, math.nan, -0.0
+    w[4, 0], w[5, -1] = 1e-40 if dtype == torch.float32 else 1e-7, -0.0
+    x, w = x.to(DEVICE), w.to(DEVICE)
+    ref = _reference(x, w, monkeypatch)
+    got = fused_linear.linear(x, w)
+    assert got.dtype == torch.float32 and got.shape == (5, 9) and _same(got, ref)
+    assert torch.equal(fused_linear.linear(x[4:5], w), got[4:5])
+
+
+def test_fused_linear_router_shape_and_mixed_dtypes(monkeypatch):
+    """The strict router's call (fp32 hidden states x fp32 router weight, K = 2048, N = 128 experts: several column
+    blocks per row) and bf16 x against fp32 w."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 2048, generator=g).to(DEVICE)
+    w = (torch.randn(128, 2048, generator=g) * 0.02).to(DEVICE)
+    assert _same(fused_linear.linear(x, w), _reference(x, w, monkeypatch))
+    xb = x.bfloat16()
+    assert _same(fused_linear.linear(xb, w), _reference(xb, w, monkeypatch))
+
+
+def test_fused_linear_edges_and_errors():
+    x, w = torch.randn(2, 8, device=DEVICE), torch.randn(3, 8, device=DEVICE)
+    assert fused_linear.linear(x[:0], w).shape == (0, 3)
+    assert torch.equal(fused_linear.linear(x[:, :0], w[:, :0]), torch.zeros(2, 3, device=DEVICE))
+    with pytest.raises(ValueError, match="strict fused linear"):
+        fused_linear.linear(x, w[:, :4])
+    with pytest.raises(ValueError, match="float64"):
+        fused_linear.linear(x.double(), w)
+    with pytest.raises(ValueError, match="at most"):
+        fused_linear.linear(torch.randn(1, 4096, device=DEVICE), torch.randn(1, 4096, device=DEVICE))
+
+
+def test_linear_is_routed_only_while_proven(monkeypatch):
+    calls = []
+    monkeypatch.setattr(fused_linear, "linear", lambda x, w: calls.append(1) or torch.zeros(x.shape[0], w.shape[0]))
+    monkeypatch.setattr(fused, "_gpu", lambda x: True)
+    x, w = torch.randn(2, 8), torch.randn(3, 8)
+    monkeypatch.setattr(fused, "PROVEN", fused.PROVEN | {"linear"})
+    ops.linear(x, w)
+    assert calls == [1]
+    ops.linear(x.double(), w.double())  # float64: the torch ops
+    ops.linear(torch.randn(2, 4096), torch.randn(3, 4096))  # K past MAX_WIDTH: the torch ops
+    assert calls == [1]
+    monkeypatch.setattr(fused, "PROVEN", fused.PROVEN - {"linear"})
+    ops.linear(x, w)
+    assert calls == [1]  # a kernel out of PROVEN is not routed
