@@ -18,8 +18,9 @@ the whole step and for forward + backward alone (the optimizer's share, timed wi
 optimizer.step, is Adam over every expert's fp32 master weights: ~3e9 parameters at 4 layers, a fixed cost that a
 step of one 4096-token sequence does not amortise). `--micro-batches 1,8` adds a row per count on the same learner:
 a step of 8 sequences with gradient accumulation (Learner.train_step(micro_batches=8)) and one optimizer step, as a
-real RL step amortises the optimizer. Each row's peak_mem_gib is torch's max_memory_allocated since that row began
-(the learner's own state included); mem_start_gib is what was allocated before the precision's learner was built
+real RL step amortises the optimizer. Each row's peak_mem_gib is torch's max_memory_allocated over that row's steps
+(the learner's own state included), the larger of peak_fwd_bwd_gib (forward, loss and backward, up to the optimizer
+step) and peak_optimizer_gib (the optimizer step); mem_start_gib is what was allocated before the precision's learner was built
 (0 unless an earlier learner leaked).
 """
 from __future__ import annotations
@@ -61,23 +62,38 @@ def _sync(dev: str) -> None:
         torch.cuda.synchronize()
 
 
-def _time_steps(learner, tokens, micro: int, steps: int, warmup: int, dev: str) -> tuple[float, float, dict]:
-    """Median (step s, optimizer s) over `steps` train steps after `warmup`, and the last step's metrics; each step
-    is `micro` micro-batches of one sequence (gradient accumulation), each loss its 1/micro share."""
-    opt_times, times, step_fn = [], [], learner.optimizer.step
+def _peak_gib(dev: str, reset: bool = True) -> float:
+    """torch's max_memory_allocated since the last reset, in GiB (0 off CUDA); then reset it."""
+    if dev != "cuda":
+        return 0.0
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    if reset:
+        torch.cuda.reset_peak_memory_stats()
+    return peak
 
-    def timed_step(*a, **k):  # the optimizer's share of the step (synchronised around it)
+
+def _time_steps(learner, tokens, micro: int, steps: int, warmup: int, dev: str) -> tuple[float, float, dict]:
+    """Median (step s, optimizer s) over `steps` train steps after `warmup`, and the last step's metrics (with the
+    peak memory of the forward/backward phase and of the optimizer phase, GiB, over all steps); each step is `micro`
+    micro-batches of one sequence (gradient accumulation), each loss its 1/micro share."""
+    opt_times, times, step_fn = [], [], learner.optimizer.step
+    peaks = {"peak_fwd_bwd_gib": 0.0, "peak_optimizer_gib": 0.0}
+
+    def timed_step(*a, **k):  # the optimizer's share of the step (synchronised around it), and the phases' peaks
         _sync(dev)
+        peaks["peak_fwd_bwd_gib"] = max(peaks["peak_fwd_bwd_gib"], _peak_gib(dev))
         t = time.perf_counter()
         out = step_fn(*a, **k)
         _sync(dev)
         opt_times.append(time.perf_counter() - t)
+        peaks["peak_optimizer_gib"] = max(peaks["peak_optimizer_gib"], _peak_gib(dev, reset=False))
         return out
 
     learner.optimizer.step = timed_step
     try:
         for i in range(warmup + steps):
             _sync(dev)
+            _peak_gib(dev)  # this step's forward/backward phase starts here (the row's peak is kept by run())
             t0 = time.perf_counter()
             metrics = learner.train_step(tokens, lambda lp: (-lp.mean() / micro, {}), micro_batches=micro)
             _sync(dev)
@@ -85,7 +101,7 @@ def _time_steps(learner, tokens, micro: int, steps: int, warmup: int, dev: str) 
                 times.append(time.perf_counter() - t0)
     finally:
         learner.optimizer.step = step_fn
-    return statistics.median(times), statistics.median(opt_times[warmup:warmup + steps]), metrics
+    return statistics.median(times), statistics.median(opt_times[warmup:warmup + steps]), {**metrics, **peaks}
 
 
 class ExpertRows:
@@ -144,6 +160,7 @@ def run(precision: str, shape: dict, layers: int, seq: int, steps: int, warmup: 
             torch.cuda.reset_peak_memory_stats()
         counter = ExpertRows(learner.model)
         step, opt, metrics = _time_steps(learner, tokens[:world * micro], micro, steps, warmup, dev)
+        peak = max(metrics["peak_fwd_bwd_gib"], metrics["peak_optimizer_gib"])  # the phases' resets lose the max
         balance = counter.max_over_mean()
         counter.close()
         flops = model_flops_per_token(shape, layers, seq) * seq * micro * world
@@ -152,7 +169,9 @@ def run(precision: str, shape: dict, layers: int, seq: int, steps: int, warmup: 
                      "tokens": world * micro * seq, "step_s": step, "tokens_per_s": world * micro * seq / step, "loss": metrics["loss"],
                      "model_tflops": flops / step / 1e12, "optimizer_s": opt, "fwd_bwd_s": step - opt,
                      "fwd_bwd_model_tflops": flops / (step - opt) / 1e12,
-                     "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else None,
+                     "peak_mem_gib": peak if dev == "cuda" else None,
+                     "peak_fwd_bwd_gib": metrics["peak_fwd_bwd_gib"] if dev == "cuda" else None,
+                     "peak_optimizer_gib": metrics["peak_optimizer_gib"] if dev == "cuda" else None,
                      "mem_start_gib": mem_start, "expert_rows_max_over_mean": balance})
         if RANK0:
             print(json.dumps(rows[-1]), flush=True)
