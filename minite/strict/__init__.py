@@ -6,6 +6,7 @@ position or number of keys (docs/nvfp4.md, docs/alignment.md).
     triton_gemm.py  on CUDA, the BF16 GEMMs of `ops.linear` through one fixed-K Triton kernel
     fused.py        `ops.exp`, `ops.rms_norm`, `ops.tree_sum`, `ops.log`, `ops.attention`, `ops.rope` and
                     `ops.sincos` each in one Triton kernel on CUDA (the same bits)
+    fused_linear.py `ops.linear`'s fp32 path (the strict router) in one Triton kernel on CUDA (the same bits)
 
 Switching an engine's model to these ops is the engine's job: megatron_patches.strict (Megatron-Core, the learner
 and the embedded rollout) and minite.rollout.sglang.strict (SGLang). Both take strict mode as an explicit setting.

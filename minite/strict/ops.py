@@ -185,8 +185,8 @@ def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 def _linear_fwd(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """[M, K] x [N, K] -> fp32 [M, N]: fp32 products, tree_sum over K; chunked over rows and columns (each output
-    element is computed alone, so chunking changes nothing). On CUDA with "linear" in `fused.PROVEN` and K <=
-    `fused.MAX_WIDTH`: the same products and tree in one Triton kernel (`fused_linear`), nothing materialised."""
+    element is computed alone, so chunking changes nothing). On CUDA with K <= `fused.MAX_WIDTH`: the same products
+    and tree in one Triton kernel (`fused_linear`, "linear" in `fused.PROVEN`), nothing materialised."""
     m, k = x.shape
     n = w.shape[0]
     if torch.float64 not in (x.dtype, w.dtype) and fused.routes(x, w, width=k, kernel="linear"):
