@@ -43,6 +43,7 @@ from minite.nvfp4.quantize import SATURATED_AMAX
 from minite.nvfp4.tensor import NVFP4Tensor
 
 from ._interpreter import ensure_interpreter_compat
+from .nvfp4_seeds import _as_int32_bits, seed_mix, seed_mixes  # noqa: F401 (seed_mix: part of this module's API)
 
 FP32_MAX = float(np.finfo(np.float32).max)
 SIXTH = float(np.float32(1.0) / np.float32(6.0))  # the reference's fp32 1/6, exactly representable as a Python float
@@ -310,10 +311,8 @@ def _amax_kernel(x_ptr, stride_r, stride_c, R, C, amax_bits_ptr, tiles_c, n_tile
                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, RHT: tl.constexpr, SIGN_MASK: tl.constexpr,
                  VEC2D: tl.constexpr):
     """max |x| (after the RHT when RHT) into *amax_bits_ptr (int32, zeroed by the caller) as an atomic max of the
-    fp32 bits: for values >= 0 (and NaN, whose bits exceed +inf's) the integer order is the float order. Each
-    program takes the tiles pid, pid + P, ... (P programs: `_amax_programs`) and keeps their max in a register, so
-    one address takes P atomics instead of one per tile (131,072 of them at 131072 x 2048 serialised for 60-190 us
-    on the H200)."""
+    fp32 bits: for values >= 0 (and NaN, whose bits exceed +inf's) the integer order is the float order. Program
+    pid takes tiles pid, pid + P, ... and adds one atomic (one per tile on one address: 60-190 us at 131072 x 2048)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     m = pid * 0  # the bits of +0.0 (int32)
@@ -392,28 +391,6 @@ def _segments_quant_kernel(x_ptr, stride_r, stride_c, table_ptr, OC, data_ptr, s
                    orow, ocol, OC, BLOCK_R, G, BR, STOCHASTIC, WRITE_VALS, VEC2D)
 
 
-def seed_mix(seed: int) -> int:
-    """lowbias32(seed ^ 0x9E3779B9), the per-seed offset of minite.nvfp4.quantize.uniform_u24 (host side)."""
-    x = (int(seed) ^ 0x9E3779B9) & 0xFFFFFFFF
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & 0xFFFFFFFF
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & 0xFFFFFFFF
-    return x ^ (x >> 16)
-
-
-def seed_mixes(seeds) -> np.ndarray:
-    """`seed_mix` of each seed, as the int32 with the same bits (one array operation for a segment table's seeds)."""
-    seeds = seeds.tolist() if torch.is_tensor(seeds) else seeds
-    x = (np.asarray(seeds, dtype=np.int64).reshape(-1) & 0xFFFFFFFF).astype(np.uint32) ^ np.uint32(0x9E3779B9)
-    x ^= x >> np.uint32(16)
-    x *= np.uint32(0x7FEB352D)  # uint32 arrays wrap mod 2^32
-    x ^= x >> np.uint32(15)
-    x *= np.uint32(0x846CA68B)
-    x ^= x >> np.uint32(16)
-    return x.view(np.int32)
-
-
 # Tuning knobs, one set per kind of call. Every setting computes the same bits (elementwise math and an exact max;
 # tests/kernels checks the addressing variants), so these change speed only. The defaults are what the H200 sweeps
 # in tools/bench/bench_nvfp4.py chose (docs/benchmarks.md names each sweep's commit; 131072 x 2048 bf16): codes only,
@@ -423,13 +400,9 @@ def seed_mixes(seeds) -> np.ndarray:
 #   elems: fp32 elements one program holds; warps: None = 8 if elems >= 8192 else 4; vec2d: 2-D row loads/stores
 #   (16-byte vectors) reshaped to the 4-D view, else 4-D addressing; rows (transposed views only): the tile's rows,
 #   the contiguous direction in memory.
-# Transposed views (x^T, dy^T: the wgrad operands, tensor scope, RHT, codes + fp16 values), 2026-12-01 sweep at
-# 9f37192: the old default (128-row tiles, 4-D stores: fp16 values written element by element) 2.92 ms; 2-D stores
-# 1.34-1.65 ms for every rows/elems/warps setting; loading [columns, rows] tiles with the rows along the threads and
-# permuting them (tried, removed) 4.1-6.7 ms: the compiler converted every one of the 16 RHT terms' tiles through
-# shared memory. Segments of a transposed view: 1.79 ms with 4 warps against 2.11 with 8 ("colmajor_segments").
-# Expert-weight stacks (16x16 blocks, values): 2.0-2.9 ms for every tile (sweep at e671445 and 9f37192), against
-# 0.87 ms for the same bytes as one tensor, amax pass included: see `_segments_quant_kernel` (alignment hints).
+# Transposed views (x^T, dy^T: the wgrad operands): 32-row tiles with 2-D stores (1.34 ms against 2.92 ms for
+# 4-D stores, which write fp16 values element by element), their segments on 4 warps; docs/benchmarks.md has the
+# sweeps. amax: at most programs_per_sm x the SM count programs (a CPU: x 1) per amax pass, each looping over tiles.
 TUNING = {
     "plain": {"elems": 2048, "warps": 2, "vec2d": False},
     "values": {"elems": 1024, "warps": 2, "vec2d": True},
@@ -439,12 +412,10 @@ TUNING = {
     "stack": {"elems": 8192, "warps": 4, "vec2d": True},
     "amax": {"programs_per_sm": 16},
 }
-"""The amax passes run at most programs_per_sm x the GPU's SM count programs (a CPU: x 1), each looping over tiles."""
 
 
 def _amax_programs(dev: torch.device, tiles: int, segments: int = 1) -> int:
-    """Programs of an amax pass over `tiles` tiles (per segment): enough to keep the loads in flight, few enough
-    that the atomics on one address cost nothing."""
+    """Programs of an amax pass over `tiles` tiles per segment: loads in flight, few atomics per address."""
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
     return max(1, min(tiles, sms * TUNING["amax"]["programs_per_sm"] // segments))
 
@@ -456,11 +427,6 @@ def _col_major(x: torch.Tensor) -> bool:
 
 def _tuning(rht: bool, values: bool) -> dict:
     return TUNING["rht" if rht else ("values" if values else "plain")]
-
-
-def _as_int32_bits(u: int) -> int:
-    """A uint32 as the int32 with the same bits (one argument type for every seed)."""
-    return u - (1 << 32) if u >= (1 << 31) else u
 
 
 def _tile_shape(rows: int, cols: int, br: int, row_scope: bool, budget: int,

@@ -68,7 +68,8 @@ PROVEN = {"exp", "tree_sum", "rms_norm", "log", "attention", "rope", "sincos", "
 """The kernels whose bitwise GPU test has passed on the H200; `routes` sends only these. A new kernel joins after its
 test in tests/alignment/test_strict_alignment_gpu.py has passed there (`log` and `attention`: 2026-12-01, at
 5ea343c, 24 passed with tests/rollout/test_decode.py; `rope` and `sincos`: 2026-12-01, at 4f981a5, 16 passed with
-tests/rollout/test_decode.py; `linear`, the kernel of `minite.strict.fused_linear`: 2026-12-01, at 395e6cc, with the strict gap runs)."""
+tests/rollout/test_decode.py; `linear`, the kernel of `minite.strict.fused_linear`: 2026-12-01, at 395e6cc, with
+the strict gap runs)."""
 
 if triton is not None:
     @triton.jit(do_not_specialize=["n"])
