@@ -211,6 +211,22 @@ def test_sdpa_attention_equals_upstream_dot_product_attention():
     torch.testing.assert_close(got1, got[-1:], atol=TOLERANCES["sdpa_vs_unfused_fp32"][0], rtol=0)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
+def test_experts_without_tokens_give_zero_gradients(precision):
+    """A rank whose experts receive no token (expert parallelism) still gives every expert parameter a gradient,
+    zero (DDP expects one for each)."""
+    from minite.learner.model import build_model
+    model = build_model(cfg(f"precision.mode={precision}"), strict=False)
+    experts = model.decoder.layers[0].mlp.experts
+    w = experts.fc1_weight
+    hidden = torch.randn(0, 64, dtype=w.dtype, device=w.device, requires_grad=True)
+    out, _ = experts(hidden, torch.zeros(4, dtype=torch.long, device=w.device), torch.rand(0, device=w.device))
+    out.sum().backward()
+    for p in (experts.fc1_weight, experts.fc2_weight):
+        assert p.grad is not None and p.grad.shape == p.shape and not p.grad.any()
+    assert out.shape == (0, 64)
+
+
 @pytest.mark.gpu
 def test_expert_init_on_the_gpu_is_ep_invariant_and_repeatable():
     """With a GPU, GroupedExperts draws its initial weights there (megatron_patches.nvfp4_layers._init_weights): two
