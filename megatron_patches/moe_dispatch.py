@@ -139,18 +139,19 @@ def restore_upstream_dispatch(model: torch.nn.Module) -> int:
 
 
 def detach_dispatcher_probs(model: torch.nn.Module) -> int:
-    """Detach the router probabilities that Megatron-Core 0.16.1's token dispatchers keep after a forward
-    (`self.probs`, set in dispatch_preprocess and read again only by the next forward); returns how many.
+    """Detach every tensor that Megatron-Core 0.16.1's token dispatchers keep from the last forward with its autograd
+    graph (the alltoall dispatcher's `probs`, the allgather one's `local_probs`: read again, for their dtype, only by
+    the next forward, which replaces them); returns how many.
 
-    Kept with its autograd graph, the last MoE layer's `probs` holds the whole model's backward graph up to it after
-    backward has run: the saved tensors are freed, but not the functions' context attributes, which in NVFP4 are
-    every layer's quantised weights (6.0 GiB at four full-width Qwen3-30B-A3B layers, measured on the H200). The
-    learner detaches them after backward, before the optimizer step."""
+    Kept with its graph, the last MoE layer's `probs` holds the whole model's backward graph up to it after backward
+    has run: the saved tensors are freed, but not the functions' context attributes, which in NVFP4 are every
+    layer's quantised weights (6.0 GiB at four full-width Qwen3-30B-A3B layers, measured on the H200); after a failed
+    step, whose backward never ran, the saved activations too. The learner detaches them after every step."""
     n = 0
     for m in model.modules():
         dispatcher = getattr(m, "token_dispatcher", None)
-        probs = getattr(dispatcher, "probs", None)
-        if torch.is_tensor(probs) and probs.grad_fn is not None:
-            dispatcher.probs = probs.detach()
-            n += 1
+        for name, value in list(vars(dispatcher).items()) if dispatcher is not None else ():
+            if torch.is_tensor(value) and value.grad_fn is not None:
+                setattr(dispatcher, name, value.detach())
+                n += 1
     return n

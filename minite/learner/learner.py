@@ -252,9 +252,9 @@ class Learner:
         finally:  # a failing loss_fn must not leave a later step on another chunk's seeds
             if self.nvfp4 is not None:
                 self.nvfp4.micro_batch = 0
-        # the backward graph's functions keep their context attributes (NVFP4: every layer's quantised weights) while
-        # anything references the graph: the loss (dropped above) and Megatron's dispatchers' probs
-        detach_dispatcher_probs(self.model)
+            # the backward graph's functions keep their context attributes (NVFP4: every layer's quantised weights)
+            # while anything references the graph: the loss (dropped above) and Megatron's dispatchers' probs
+            detach_dispatcher_probs(self.model)
         if self.nvfp4 is not None:  # stale after the step anyway: not held while the optimizer's memory peaks
             release_weight_caches(self.model)
         with cuda_as_cpu():

@@ -26,6 +26,19 @@ except ImportError:  # pragma: no cover - triton is a dependency, but keep CPU i
 
 BLOCK_ELEMS = 8192
 """Products one program holds (BLOCK_N rows of the padded width): 4 output columns at K = 2048."""
+MAX_COLUMN_BLOCKS = 65535
+"""CUDA's limit on the grid's second axis (the column blocks); wider outputs stay on the torch ops (`applies`)."""
+
+
+def _block_n(n: int, width: int) -> int:
+    return max(1, min(triton.next_power_of_2(n), BLOCK_ELEMS // width))
+
+
+def applies(n: int, k: int) -> bool:
+    """Whether `linear` takes an output of n columns over K = k (`ops._linear_fwd` routes only then)."""
+    if triton is None or k > fused.MAX_WIDTH:
+        return False
+    return k == 0 or triton.cdiv(n, _block_n(n, 1 << (k - 1).bit_length())) <= MAX_COLUMN_BLOCKS
 
 if triton is not None:
     @triton.jit(do_not_specialize=["m", "n", "k"])
@@ -50,8 +63,8 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         raise ValueError("strict fused linear: float64 operands (ops._linear_fwd would round them to fp32 first)")
     m, k = x.shape
     n = w.shape[0]
-    if k > fused.MAX_WIDTH:
-        raise ValueError(f"strict fused linear: K = {k}, at most {fused.MAX_WIDTH}")
+    if not applies(n, k):
+        raise ValueError(f"strict fused linear: K = {k} (at most {fused.MAX_WIDTH}) over {n} columns does not apply")
     out = torch.empty(m, n, dtype=torch.float32, device=x.device)
     if out.numel() == 0:
         return out
@@ -60,7 +73,7 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     ensure_interpreter_compat()
     xc, wc = x.contiguous(), w.contiguous()
     width = 1 << (k - 1).bit_length()  # k == 1: width 1, no addition (as ops.tree_sum)
-    block_n = max(1, min(triton.next_power_of_2(n), BLOCK_ELEMS // width))
+    block_n = _block_n(n, width)
     _linear_kernel[(m, triton.cdiv(n, block_n))](xc, wc, out, m, n, k, xc.stride(0), wc.stride(0), BLOCK_N=block_n,
                                                  WIDTH=width, LEVELS=width.bit_length() - 1, num_warps=4,
                                                  enable_fp_fusion=False)

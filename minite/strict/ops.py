@@ -189,7 +189,8 @@ def _linear_fwd(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     and tree in one Triton kernel (`fused_linear`, "linear" in `fused.PROVEN`), nothing materialised."""
     m, k = x.shape
     n = w.shape[0]
-    if torch.float64 not in (x.dtype, w.dtype) and fused.routes(x, w, width=k, kernel="linear"):
+    if torch.float64 not in (x.dtype, w.dtype) and fused_linear.applies(n, k) and \
+            fused.routes(x, w, width=k, kernel="linear"):
         return fused_linear.linear(x, w)
     width = 1 << max(k - 1, 0).bit_length()
     cols = max(1, min(n, _CHUNK_ELEMS // max(width, 1)))

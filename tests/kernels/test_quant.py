@@ -153,10 +153,11 @@ def test_addressing_variants_bitwise(monkeypatch, cfg, vec2d):
 @pytest.mark.parametrize("rht", [False, True])
 def test_amax_pass_programs_loop_over_tiles(monkeypatch, programs, rht):
     """The tensor-scope amax pass runs a few programs per SM, each looping over tiles pid, pid + P, ... (P = 1: one
-    program takes all; 3: an uneven share; 64: more programs than tiles): the same amax and bits as the reference,
-    also where the largest magnitude sits in the last tile or is an inf; the segments' amax pass too."""
+    program takes all 48 tiles; 3: an uneven share; 64: more programs than tiles, some with none): the same amax and
+    bits as the reference, also where the largest magnitude sits in the last tile or is an inf; the segments' pass
+    too, over segments of different sizes and an empty one."""
     from minite.kernels.nvfp4_quant import quantize_segments_triton
-    monkeypatch.setitem(nvfp4_quant.TUNING, "amax", {"programs_per_sm": programs})
+    monkeypatch.setattr(nvfp4_quant, "_amax_programs", lambda dev, tiles, segments=1: programs)
     for kind in ("plain", "values", "rht", "stack"):  # small tiles: many per tensor
         monkeypatch.setitem(nvfp4_quant.TUNING, kind, {"elems": 256, "warps": 2, "vec2d": True})
     torch.manual_seed(9)
@@ -166,11 +167,12 @@ def test_amax_pass_programs_loop_over_tiles(monkeypatch, programs, rht):
     x[50, 3] = -math.inf
     ref = quantize_reference(x, block=(1, 16), scale_scope="tensor", rounding="nearest", seed=None, rht=rht)
     assert torch.equal(quantize_triton(x, (1, 16), "tensor", "nearest", None, rht).amax.cpu(), ref.amax.cpu())
-    w = torch.randn(4, 32, 48, device=DEVICE)
-    w[2, -1, -1] = 9.0
-    segs = [(i * 32, 0, 32, 48, i * 32, 0) for i in range(4)]
-    amax = quantize_segments_triton(w.reshape(-1, 48), segs, (128, 48), (16, 16))[3]
-    assert torch.equal(amax.cpu(), w.reshape(4, -1).abs().amax(dim=1).cpu())
+    w = torch.randn(112, 48, device=DEVICE)
+    w[95, 47], w[100, 0] = 9.0, -11.0
+    segs = [(0, 0, 32, 48, 0, 0), (32, 0, 0, 48, 32, 0), (32, 0, 64, 48, 32, 0), (96, 0, 16, 48, 96, 0)]
+    amax = quantize_segments_triton(w, segs, (112, 48), (16, 16))[3]
+    want = torch.stack([w[r:r + n].abs().amax() if n else w.new_zeros(()) for r, _, n, _, _, _ in segs])
+    assert torch.equal(amax.cpu(), want.cpu())
 
 
 def test_empty_tensor_with_given_amax():

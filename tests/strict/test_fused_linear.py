@@ -58,6 +58,8 @@ def test_fused_linear_edges_and_errors():
         fused_linear.linear(x.double(), w)
     with pytest.raises(ValueError, match="at most"):
         fused_linear.linear(torch.randn(1, 4096, device=DEVICE), torch.randn(1, 4096, device=DEVICE))
+    assert fused_linear.applies(262140, 2048) and not fused_linear.applies(262141, 2048)  # 65,535 column blocks
+    assert fused_linear.applies(10 ** 6, 16) and fused_linear.applies(5, 0)
 
 
 def test_linear_is_routed_only_while_proven(monkeypatch):
@@ -70,6 +72,8 @@ def test_linear_is_routed_only_while_proven(monkeypatch):
     assert calls == [1]
     ops.linear(x.double(), w.double())  # float64: the torch ops
     ops.linear(torch.randn(2, 4096), torch.randn(3, 4096))  # K past MAX_WIDTH: the torch ops
+    monkeypatch.setattr(fused_linear, "MAX_COLUMN_BLOCKS", 1)
+    ops.linear(x, torch.randn(2000, 8))  # two column blocks of 1,024, more than the grid takes: the torch ops
     assert calls == [1]
     monkeypatch.setattr(fused, "PROVEN", set())
     ops.linear(x, w)

@@ -20,7 +20,7 @@ step of one 4096-token sequence does not amortise). `--micro-batches 1,8` adds a
 a step of 8 sequences with gradient accumulation (Learner.train_step(micro_batches=8)) and one optimizer step, as a
 real RL step amortises the optimizer. Each row's peak_mem_gib is torch's max_memory_allocated over that row's steps
 (the learner's own state included), the larger of peak_fwd_bwd_gib (forward, loss and backward, up to the optimizer
-step) and peak_optimizer_gib (the optimizer step); mem_start_gib is what was allocated before the precision's learner was built
+step) and peak_optimizer_gib (the optimizer step and the rest of the train step after it); mem_start_gib is what was allocated before the precision's learner was built
 (0 unless an earlier learner leaked).
 """
 from __future__ import annotations
@@ -93,7 +93,9 @@ def _time_steps(learner, tokens, micro: int, steps: int, warmup: int, dev: str) 
     try:
         for i in range(warmup + steps):
             _sync(dev)
-            _peak_gib(dev)  # this step's forward/backward phase starts here (the row's peak is kept by run())
+            # this step's forward/backward phase starts here; what the last one allocated after its optimizer step
+            # belongs to that phase's peak (the read there did not reset)
+            peaks["peak_optimizer_gib"] = max(peaks["peak_optimizer_gib"], _peak_gib(dev))
             t0 = time.perf_counter()
             metrics = learner.train_step(tokens, lambda lp: (-lp.mean() / micro, {}), micro_batches=micro)
             _sync(dev)
@@ -101,6 +103,7 @@ def _time_steps(learner, tokens, micro: int, steps: int, warmup: int, dev: str) 
                 times.append(time.perf_counter() - t0)
     finally:
         learner.optimizer.step = step_fn
+    peaks["peak_optimizer_gib"] = max(peaks["peak_optimizer_gib"], _peak_gib(dev))
     return statistics.median(times), statistics.median(opt_times[warmup:warmup + steps]), {**metrics, **peaks}
 
 
