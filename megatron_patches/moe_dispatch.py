@@ -138,7 +138,7 @@ def restore_upstream_dispatch(model: torch.nn.Module) -> int:
     return n
 
 
-def detach_dispatcher_probs(model: torch.nn.Module) -> int:
+def detach_dispatcher_graphs(model: torch.nn.Module) -> int:
     """Detach every tensor that Megatron-Core 0.16.1's token dispatchers keep from the last forward with its autograd
     graph (the alltoall dispatcher's `probs`, the allgather one's `local_probs`: read again, for their dtype, only by
     the next forward, which replaces them); returns how many.

@@ -43,7 +43,7 @@ from minite.console import CONSOLE
 from minite.learner.model import build_model, compute_dtype, nvfp4_context
 from minite.learner.weights import checked_weight_copy
 from minite.megatron_patches.cpu import cuda_as_cpu
-from minite.megatron_patches.moe_dispatch import detach_dispatcher_probs
+from minite.megatron_patches.moe_dispatch import detach_dispatcher_graphs
 from minite.megatron_patches.nvfp4_layers import release_weight_caches
 from minite.strict import ops as strict_ops
 
@@ -248,13 +248,13 @@ class Learner:
                 total = loss.detach() if total is None else total + loss.detach()
                 for k, v in (metrics or {}).items():
                     sums[k] = sums.get(k, 0.0) + float(v)
-                del loss  # with the dispatchers' probs, the last references to this chunk's graph (below)
+                del loss  # with the dispatchers' tensors, the last references to this chunk's graph (below)
         finally:  # a failing loss_fn must not leave a later step on another chunk's seeds
             if self.nvfp4 is not None:
                 self.nvfp4.micro_batch = 0
             # the backward graph's functions keep their context attributes (NVFP4: every layer's quantised weights)
-            # while anything references the graph: the loss (dropped above) and Megatron's dispatchers' probs
-            detach_dispatcher_probs(self.model)
+            # while anything references the graph: the loss (dropped above) and Megatron's token dispatchers
+            detach_dispatcher_graphs(self.model)
         if self.nvfp4 is not None:  # stale after the step anyway: not held while the optimizer's memory peaks
             release_weight_caches(self.model)
         with cuda_as_cpu():
