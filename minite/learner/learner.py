@@ -329,6 +329,9 @@ class Learner:
         """Copy (Megatron parameter name, tensor) pairs, as `named_weights()` yields them, into this model, checked
         first (minite.learner.weights.checked_weight_copy: WeightUpdateError, nothing half-copied)."""
         checked_weight_copy(dict(self.model.named_parameters()), named)
+        if self.optimizer is not None:  # its fp32 masters too: the next step writes the masters into the weights
+            with cuda_as_cpu():
+                self.optimizer.reload_model_params()
         if self.nvfp4 is not None:
             self.nvfp4.weights_updated()
 

@@ -93,6 +93,24 @@ def test_named_weights_sync_a_fresh_model(tokens):
     assert torch.equal(lp, learner.logprobs(tokens))
 
 
+@pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
+def test_load_weights_reaches_the_optimizers_masters(tokens, precision):
+    """Weights loaded into a learner that trains are what its next step starts from: with lr = 1e-30 (an update
+    below every weight's rounding) the step leaves the loaded weights in place (Megatron's optimizer writes its fp32
+    masters into the weights; without a refresh of the masters the learner would return to its own old weights)."""
+    from minite.learner.learner import Learner
+    other = Learner(cfg(f"precision.mode={precision}", "rl.seed=9"))
+    loaded = {n: t.clone() for n, t in other.named_weights()}
+    other.close()
+    learner = Learner(cfg(f"precision.mode={precision}", "optim.lr=1e-30", "optim.weight_decay=0.0"))
+    assert any(not torch.equal(p.detach(), loaded[n]) for n, p in learner.model.named_parameters())
+    learner.load_weights(loaded.items())
+    learner.train_step(tokens, loss_fn)
+    for name, p in learner.model.named_parameters():
+        assert torch.equal(p.detach(), loaded[name]), name
+    learner.close()
+
+
 def test_bad_state_dicts_raise(tokens):
     from minite.learner.learner import Learner
     learner = Learner(cfg("precision.mode=bf16"))
