@@ -307,22 +307,30 @@ def _quant_kernel(x_ptr, stride_r, stride_c, R, C, data_ptr, scale_ptr, gs_ptr, 
 
 
 @triton.jit
-def _amax_kernel(x_ptr, stride_r, stride_c, R, C, amax_bits_ptr, tiles_c, n_tiles,
-                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, RHT: tl.constexpr, SIGN_MASK: tl.constexpr,
-                 VEC2D: tl.constexpr):
-    """max |x| (after the RHT when RHT) into *amax_bits_ptr (int32, zeroed by the caller) as an atomic max of the
-    fp32 bits: for values >= 0 (and NaN, whose bits exceed +inf's) the integer order is the float order. Program
-    pid takes tiles pid, pid + P, ... and adds one atomic (one per tile on one address: 60-190 us at 131072 x 2048)."""
+def _tiles_amax(x_ptr, stride_r, stride_c, R, C, tiles_c, n_tiles, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                RHT: tl.constexpr, SIGN_MASK: tl.constexpr, VEC2D: tl.constexpr):
+    """max |x| (after the RHT when RHT) over the tiles pid, pid + P, ... (P programs) of an R x C view with tiles_c
+    tiles per tile row, as the fp32 bits (int32): for values >= 0 (and NaN, whose bits exceed +inf's) the integer
+    order is the float order, so the caller's atomic max of the bits is the float max."""
     pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
     m = pid * 0  # the bits of +0.0 (int32)
-    for t in range(pid, n_tiles, nprog):
+    for t in range(pid, n_tiles, tl.num_programs(0)):
         pid_r = t // tiles_c
         rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
         x = _load_tile(x_ptr, stride_r, stride_c, rows, (t - pid_r * tiles_c) * BLOCK_C, R, C, BLOCK_R,
                        BLOCK_C // 16, RHT, SIGN_MASK, VEC2D)
         m = tl.maximum(m, tl.max(_row_amax(x), axis=0).to(tl.int32, bitcast=True))
-    tl.atomic_max(amax_bits_ptr, m)
+    return m
+
+
+@triton.jit
+def _amax_kernel(x_ptr, stride_r, stride_c, R, C, amax_bits_ptr, tiles_c, n_tiles,
+                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, RHT: tl.constexpr, SIGN_MASK: tl.constexpr,
+                 VEC2D: tl.constexpr):
+    """max |x| into *amax_bits_ptr (int32, zeroed by the caller): each program's `_tiles_amax`, one atomic max each
+    (one per tile on one address cost 60-190 us at 131072 x 2048)."""
+    tl.atomic_max(amax_bits_ptr, _tiles_amax(x_ptr, stride_r, stride_c, R, C, tiles_c, n_tiles, BLOCK_R, BLOCK_C, RHT,
+                                             SIGN_MASK, VEC2D))
 
 
 @triton.jit
@@ -346,20 +354,12 @@ def _segments_amax_kernel(x_ptr, stride_r, stride_c, table_ptr, amax_bits_ptr,
                           SIGN_MASK: tl.constexpr, VEC2D: tl.constexpr, ROWS16: tl.constexpr):
     """Per segment b (grid axis 2), max |x| of the segment into amax_bits_ptr[b] (int32, zeroed), as `_amax_kernel`:
     the grid's first axis strides over the segment's tiles, one atomic per program."""
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
     b = tl.program_id(2)
     xr, xc, R, C, _, _ = _segment(table_ptr, b, ROWS16)
-    xb = x_ptr + xr * stride_r + xc * stride_c
     tiles_c = tl.cdiv(C, BLOCK_C)
-    m = pid * 0
-    for t in range(pid, tl.cdiv(R, BLOCK_R) * tiles_c, nprog):
-        pid_r = t // tiles_c
-        rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-        x = _load_tile(xb, stride_r, stride_c, rows, (t - pid_r * tiles_c) * BLOCK_C, R, C, BLOCK_R, BLOCK_C // 16,
-                       RHT, SIGN_MASK, VEC2D)
-        m = tl.maximum(m, tl.max(_row_amax(x), axis=0).to(tl.int32, bitcast=True))
-    tl.atomic_max(amax_bits_ptr + b, m)
+    tl.atomic_max(amax_bits_ptr + b, _tiles_amax(x_ptr + xr * stride_r + xc * stride_c, stride_r, stride_c, R, C,
+                                                 tiles_c, tl.cdiv(R, BLOCK_R) * tiles_c, BLOCK_R, BLOCK_C, RHT,
+                                                 SIGN_MASK, VEC2D))
 
 
 @triton.jit

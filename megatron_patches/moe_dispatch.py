@@ -150,7 +150,9 @@ def detach_dispatcher_graphs(model: torch.nn.Module) -> int:
     n = 0
     for m in model.modules():
         dispatcher = getattr(m, "token_dispatcher", None)
-        for name, value in list(vars(dispatcher).items()) if dispatcher is not None else ():
+        if dispatcher is None:
+            continue
+        for name, value in list(vars(dispatcher).items()):
             if torch.is_tensor(value) and value.grad_fn is not None:
                 setattr(dispatcher, name, value.detach())
                 n += 1

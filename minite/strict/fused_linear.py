@@ -7,8 +7,8 @@ batch 64, and its tree sums were the largest strict-only kernel of a decode step
 program holds one row of x and BLOCK_N rows of w, multiplies them in registers (fp32, no FMA contraction: the
 launch passes enable_fp_fusion=False) and sums each product row with `fused._pair_tree`, the adjacent-pair tree of
 `ops.tree_sum`, over the padded width: the same IEEE operations in the same order, so the same bits. The products
-past K are 0 * 0 = +0, as the padding's zeros. Rows of K up to `fused.MAX_WIDTH` (the router's); wider ones stay on
-the torch ops (`ops._linear_fwd` asks `fused.routes` with the kernel name "linear").
+past K are 0 * 0 = +0, as the padding's zeros. Rows of K up to `fused.MAX_WIDTH` (the router's); wider ones, and outputs
+wider than the grid takes, stay on the torch ops (`ops._linear_fwd` asks `applies` and `fused.routes` with "linear").
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ def applies(n: int, k: int) -> bool:
     if triton is None or k > fused.MAX_WIDTH:
         return False
     return k == 0 or triton.cdiv(n, _block_n(n, 1 << (k - 1).bit_length())) <= MAX_COLUMN_BLOCKS
+
 
 if triton is not None:
     @triton.jit(do_not_specialize=["m", "n", "k"])

@@ -62,13 +62,12 @@ def _sync(dev: str) -> None:
         torch.cuda.synchronize()
 
 
-def _peak_gib(dev: str, reset: bool = True) -> float:
+def _peak_gib(dev: str) -> float:
     """torch's max_memory_allocated since the last reset, in GiB (0 off CUDA); then reset it."""
     if dev != "cuda":
         return 0.0
     peak = torch.cuda.max_memory_allocated() / 2**30
-    if reset:
-        torch.cuda.reset_peak_memory_stats()
+    torch.cuda.reset_peak_memory_stats()
     return peak
 
 
@@ -86,15 +85,14 @@ def _time_steps(learner, tokens, micro: int, steps: int, warmup: int, dev: str) 
         out = step_fn(*a, **k)
         _sync(dev)
         opt_times.append(time.perf_counter() - t)
-        peaks["peak_optimizer_gib"] = max(peaks["peak_optimizer_gib"], _peak_gib(dev, reset=False))
-        return out
+        return out  # the optimizer phase's peak is read at the next step's start (or after the last step)
 
     learner.optimizer.step = timed_step
     try:
         for i in range(warmup + steps):
             _sync(dev)
-            # this step's forward/backward phase starts here; what the last one allocated after its optimizer step
-            # belongs to that phase's peak (the read there did not reset)
+            # this step's forward/backward phase starts here: what was allocated since the last step's optimizer
+            # step began is that phase's peak
             peaks["peak_optimizer_gib"] = max(peaks["peak_optimizer_gib"], _peak_gib(dev))
             t0 = time.perf_counter()
             metrics = learner.train_step(tokens, lambda lp: (-lp.mean() / micro, {}), micro_batches=micro)
