@@ -30,6 +30,9 @@ Quantised weights are cached per module, keyed by (ctx.generation, storage, vers
 once per update, not once per forward (in a 2-layer model's forward 20 of the 28 quantisations are weights).
 `param.copy_` / load_state_dict bump the version counter; writes through `.data` (Megatron's optimizers) do not,
 so whoever writes that way calls `ctx.weights_updated()` (the Learner does after every step and load).
+During a train step the Learner frees the bf16 storage of every quantised weight (`release_quantised_weights`):
+between quantising a weight and the optimizer writing its update nothing reads it but the quantiser, so it is 2 B
+per parameter of dead memory at the step's memory peak; `restore_quantised_weights` gives it back before the step.
 """
 from __future__ import annotations
 
@@ -84,6 +87,10 @@ class NVFP4Context:
         if self.track_finite and not quantiser_checks_finite(t):
             self.finite.record(t)
 
+    weights_released: bool = False
+    """Set while the learner has released the storage of the quantised weights (`release_quantised_weights`):
+    every cached quantised weight is used as it is, and a weight without one is an error (its data is gone)."""
+
     micro_batch: int = 0
     """Index of the micro-batch inside a train step (gradient accumulation), set by the learner; part of the seeds
     from the second micro-batch on, so that the chunks of one step draw independent rounding (the first chunk's
@@ -105,9 +112,13 @@ def cached_weight_q(module, weight: torch.Tensor, make, slot: str = "weight", *,
 
     A weight is quantised once per update instead of once per forward: in a decode loop that is most of the
     quantisation work (a 2-layer model quantises 20 weights and 8 activations per forward)."""
-    key = (module.nvfp4.generation, weight.data_ptr(), weight._version, tuple(weight.shape))
     name = f"_nvfp4_wq_cache_{slot}"
     cache = module.__dict__.get(name)
+    if module.nvfp4.weights_released:  # the storage is gone, so the key would no longer match: the weight has not
+        if cache is None:                # changed since release_quantised_weights quantised it
+            raise RuntimeError(f"{type(module).__name__}: weight {slot} was released without a quantised copy")
+        return cache[1]
+    key = (module.nvfp4.generation, weight.data_ptr(), weight._version, tuple(weight.shape))
     if cache is None or cache[0] != key:
         if record:  # the NaN/Inf flag (weights checked on their way in pass record=False)
             module.nvfp4.record_finite(weight)
@@ -280,10 +291,23 @@ class GroupedExperts(MegatronModule):
         weights = (self.fc1_weight, self.fc2_weight)
         out = swiglu_experts(permuted_hidden, permuted_probs, lambda a, i: self._linear(a, weights[i], counts, i + 1),
                              strict=self.strict)
-        if permuted_hidden.shape[0] == 0:
-            # keep every expert parameter in the graph (DDP expects a gradient, zero here)
-            out = out + 0.0 * (self.fc1_weight.sum() + self.fc2_weight.sum()).to(out.dtype)
+        if permuted_hidden.shape[0] == 0 and torch.is_grad_enabled():
+            out = _KeepInGraph.apply(out, self.fc1_weight, self.fc2_weight)  # no tokens here: zero gradients
         return out, None
+
+
+class _KeepInGraph(torch.autograd.Function):
+    """y = out, and zero gradients for `params` without reading them (their storage may be released: see
+    `release_quantised_weights`), so that every parameter stays in the graph (DDP expects a gradient for each)."""
+
+    @staticmethod
+    def forward(ctx, out, *params):
+        ctx.shapes = [(p.shape, p.dtype, p.device) for p in params]
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return (dy, *(torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.shapes))
 
 
 class CacheLayoutError(RuntimeError):
@@ -323,3 +347,47 @@ def quantize_weights_now(model: torch.nn.Module, *, in_place: bool = False) -> i
             n += 1
     return n
 
+
+def _quantised_weights(model: torch.nn.Module):
+    """(module, slot, parameter) of every weight an NVFP4 module of `model` quantises (its cache slots)."""
+    for module in model.modules():
+        if getattr(module, "nvfp4", None) is None:
+            continue
+        if isinstance(module, GroupedExperts):
+            yield module, "fc1", module.fc1_weight
+            yield module, "fc2", module.fc2_weight
+        elif isinstance(module, (NVFP4ColumnParallelLinear, NVFP4RowParallelLinear)) and module.weight is not None:
+            yield module, "weight", module.weight
+
+
+def release_quantised_weights(model: torch.nn.Module) -> list:
+    """Quantise every NVFP4 weight of `model` now and free the storage of the weight itself, keeping its shape: the
+    forward and backward of a train step read only the quantised copies (`NVFP4Context.weights_released`), so the
+    bf16 weights are dead memory between here and the optimizer's write of new ones (2 B per parameter beside the
+    caches' 2.5 B). Only a weight that owns its whole storage and has an fp32 master (`main_param`, set by
+    Megatron's mixed-precision optimizer, from which `restore_quantised_weights` can rebuild it) is released.
+    Returns [(parameter, storage bytes)] for `restore_quantised_weights`."""
+    quantize_weights_now(model)
+    released = []
+    for module, _, p in _quantised_weights(model):
+        storage = p.untyped_storage()
+        if getattr(p, "main_param", None) is None or p.storage_offset() or \
+                storage.nbytes() != p.numel() * p.element_size():
+            continue
+        module.nvfp4.weights_released = True
+        released.append((p, storage.nbytes()))
+        storage.resize_(0)
+    return released
+
+
+def restore_quantised_weights(model: torch.nn.Module, released: list, *, values: bool) -> None:
+    """Give the released weights their storage back. values: also copy each weight from its fp32 master (the weight
+    was bf16(master) when released, Megatron's optimizer keeps that so); without, the contents are undefined until
+    the optimizer writes them (a successful step writes every one)."""
+    with torch.no_grad():
+        for p, nbytes in released:
+            p.untyped_storage().resize_(nbytes)
+            if values:
+                p.copy_(p.main_param)
+    for module, _, _ in _quantised_weights(model):
+        module.nvfp4.weights_released = False

@@ -25,6 +25,10 @@ is per row (row-scoped activation scales) and equal too, but quantisers scoped a
 operands) and stochastic rounding see this rank's tokens only, so NVFP4 gradients carry other rounding noise than
 an unsharded run, as with any split of the batch into micro-batches.
 
+NVFP4 memory: for the forward and backward of a step the quantised weights are all the model reads of its NVFP4
+layers, so the bf16 weights' storage is freed after they are quantised and given back before the optimizer step,
+which writes every one from its fp32 master (a skipped step or a failing loss rebuilds them from the masters).
+
 Resume: `state_dict()` snapshots model weights, optimizer state (fp32 masters, Adam moments and step), the step
 counter that seeds NVFP4 stochastic rounding, and torch's CPU RNG; `load_state_dict` restores all of them, so a
 resumed run repeats an uninterrupted run bit for bit.
@@ -44,7 +48,8 @@ from minite.learner.model import build_model, compute_dtype, nvfp4_context
 from minite.learner.weights import checked_weight_copy
 from minite.megatron_patches.cpu import cuda_as_cpu
 from minite.megatron_patches.moe_dispatch import detach_dispatcher_graphs
-from minite.megatron_patches.nvfp4_layers import release_weight_caches
+from minite.megatron_patches.nvfp4_layers import (release_quantised_weights, release_weight_caches,
+                                                   restore_quantised_weights)
 from minite.strict import ops as strict_ops
 
 logger = logging.getLogger(__name__)
@@ -237,6 +242,8 @@ class Learner:
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         rows, total, sums = tokens.shape[0] // micro_batches, None, {}
+        # NVFP4: the forward and backward read only the quantised weights; the bf16 ones are freed until the step
+        released = release_quantised_weights(self.model) if self.nvfp4 is not None else []
         try:
             for i in range(micro_batches):
                 if self.nvfp4 is not None:
@@ -249,6 +256,9 @@ class Learner:
                 for k, v in (metrics or {}).items():
                     sums[k] = sums.get(k, 0.0) + float(v)
                 del loss  # with the dispatchers' tensors, the last references to this chunk's graph (below)
+        except BaseException:
+            restore_quantised_weights(self.model, released, values=True)
+            raise
         finally:  # a failing loss_fn must not leave a later step on another chunk's seeds
             if self.nvfp4 is not None:
                 self.nvfp4.micro_batch = 0
@@ -257,10 +267,12 @@ class Learner:
             detach_dispatcher_graphs(self.model)
         if self.nvfp4 is not None:  # stale after the step anyway: not held while the optimizer's memory peaks
             release_weight_caches(self.model)
+        restore_quantised_weights(self.model, released, values=False)  # the step writes every one of them
         with cuda_as_cpu():
             finalize_model_grads([self.ddp])
             ok, grad_norm, _ = self.optimizer.step()
         if not ok:
+            restore_quantised_weights(self.model, released, values=True)  # a skipped step wrote none
             logger.warning("optimizer step skipped (non-finite gradients) at step %d", self.step)
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()

@@ -113,3 +113,91 @@ def test_close_releases_the_learner(tokens, precision):
     gc.collect()
     assert grads() is None
     assert all(p() is None for p in params)
+
+
+def _weights(learner):
+    return {n: p.detach().clone() for n, p in learner.model.named_parameters()}
+
+
+def _quantised(learner):
+    from minite.megatron_patches.nvfp4_layers import _quantised_weights
+    return [p for _, _, p in _quantised_weights(learner.model)]
+
+
+def _poison_restored(monkeypatch):
+    """Make a restore without values give NaN weights (their contents are undefined then; on a CPU the allocator
+    often hands back the old bytes, which would hide a weight nobody rewrote)."""
+    from minite.learner import learner as learner_mod
+    from minite.megatron_patches.nvfp4_layers import restore_quantised_weights
+
+    def poisoned(model, released, *, values):
+        restore_quantised_weights(model, released, values=values)
+        if not values:
+            with torch.no_grad():
+                for p, _ in released:
+                    p.fill_(float("nan"))
+
+    monkeypatch.setattr(learner_mod, "restore_quantised_weights", poisoned)
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_released_bf16_weights_change_no_bit(tokens, micro_batches, monkeypatch):
+    """The NVFP4 learner frees the bf16 storage of every quantised weight for the forward and backward (the
+    quantised copies are what they read) and gives it back before the optimizer step writes new weights: three
+    steps give the same losses, gradient norms and weights, bit for bit, as a learner that keeps them; inside the
+    loss function every quantised weight has no storage, at the optimizer step every one has its storage back."""
+    from minite.learner import learner as learner_mod
+    kept = _learner("nvfp4")
+    with monkeypatch.context() as mp:
+        mp.setattr(learner_mod, "release_quantised_weights", lambda model: [])
+        ref = [kept.train_step(tokens, loss_fn, micro_batches=micro_batches) for _ in range(3)]
+    _poison_restored(monkeypatch)  # so the equality below shows that the optimizer rewrites every released weight
+    freed = _learner("nvfp4")
+    quantised = _quantised(freed)
+    assert len(quantised) == 8  # per layer: fc1, fc2 experts, QKV, out projection
+    seen = []
+
+    def probe(logp):
+        seen.append([p.untyped_storage().nbytes() for p in quantised])
+        return loss_fn(logp)
+
+    step = freed.optimizer.step
+
+    def spy(*a, **k):
+        seen.append([p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in quantised])
+        return step(*a, **k)
+
+    freed.optimizer.step = spy
+    got = [freed.train_step(tokens, probe, micro_batches=micro_batches) for _ in range(3)]
+    assert got == ref
+    for name, w in _weights(kept).items():
+        assert torch.equal(w, _weights(freed)[name]), name
+    assert seen[0] == [0] * 8 and all(seen[micro_batches])
+    assert not freed.nvfp4.weights_released
+    kept.close()
+    freed.close()
+
+
+def test_released_weights_come_back_after_a_failed_or_skipped_step(tokens, monkeypatch):
+    """A loss function that raises, and an optimizer step that is skipped, leave every weight as it was (rebuilt
+    from its fp32 master) and the learner usable; the next step equals a fresh learner's."""
+    _poison_restored(monkeypatch)
+    learner = _learner("nvfp4")
+    before = _weights(learner)
+
+    def bad(logp):
+        raise RuntimeError("loss failed")
+
+    with pytest.raises(RuntimeError, match="loss failed"):
+        learner.train_step(tokens, bad)
+    assert not learner.nvfp4.weights_released
+    assert all(torch.equal(w, _weights(learner)[n]) for n, w in before.items())
+    step = learner.optimizer.step
+    learner.optimizer.step = lambda *a, **k: (False, None, None)
+    learner.train_step(tokens, loss_fn)
+    learner.optimizer.step = step
+    assert all(torch.equal(w, _weights(learner)[n]) for n, w in before.items())
+    fresh = _learner("nvfp4")
+    assert learner.train_step(tokens, loss_fn)["loss"] == fresh.train_step(tokens, loss_fn)["loss"]
+    learner.close()
+    fresh.close()

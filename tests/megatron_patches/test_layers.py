@@ -213,8 +213,8 @@ def test_sdpa_attention_equals_upstream_dot_product_attention():
 
 @pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
 def test_experts_without_tokens_give_zero_gradients(precision):
-    """A rank whose experts receive no token (expert parallelism) still gives every expert parameter a gradient,
-    zero (DDP expects one for each)."""
+    """A rank whose experts receive no token (EP) still gives every expert parameter a gradient, zero, without
+    reading the weights: the learner releases their storage during the step (release_quantised_weights)."""
     from minite.learner.model import build_model
     model = build_model(cfg(f"precision.mode={precision}"), strict=False)
     experts = model.decoder.layers[0].mlp.experts
