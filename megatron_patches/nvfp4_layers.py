@@ -284,6 +284,11 @@ class GroupedExperts(MegatronModule):
         # cuda_dtoh_point, waited for at its cuda_sync_point); the embedded engine's LocalTokenDispatcher
         # (megatron_patches.moe_dispatch) leaves them on the device, so a decode step needs no host synchronisation.
         # (BF16 on the per-expert loops, CPU or strict, reads them on the host: once here, not once per GEMM.)
+        if permuted_hidden.shape[0] == 0:  # this rank's experts got no token (EP): no GEMM runs (torch._grouped_mm's
+            out = permuted_hidden * 0        # backward rejects 0 rows on CUDA); zero gradients for the weights
+            if torch.is_grad_enabled():
+                out = _KeepInGraph.apply(out, self.fc1_weight, self.fc2_weight)
+            return out, None
         counts = tokens_per_expert
         if not torch.is_tensor(counts) or (self.nvfp4 is None and (self.strict or not grouped_mm_applies(
                 permuted_hidden, self.fc1_weight))):
@@ -291,8 +296,6 @@ class GroupedExperts(MegatronModule):
         weights = (self.fc1_weight, self.fc2_weight)
         out = swiglu_experts(permuted_hidden, permuted_probs, lambda a, i: self._linear(a, weights[i], counts, i + 1),
                              strict=self.strict)
-        if permuted_hidden.shape[0] == 0 and torch.is_grad_enabled():
-            out = _KeepInGraph.apply(out, self.fc1_weight, self.fc2_weight)  # no tokens here: zero gradients
         return out, None
 
 

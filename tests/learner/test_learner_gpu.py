@@ -4,6 +4,7 @@ the upstream-style loops they replace), and a small NVFP4 learner step on the ke
 import pytest
 import torch
 
+import minite.kernels  # noqa: F401  registers the Triton kernels that backend="triton" below asks for
 from minite.nvfp4 import (gemm_reference, quantize_column_segments, quantize_reference, quantize_stack,
                           segmented_gemm)
 from tests.tolerances import TOLERANCES
