@@ -310,12 +310,12 @@ def default_config(rows_per_group: int, interpreter: bool, packed: bool = False)
 class ExpertWeights:
     """Expert weights stacked for the grouped kernels: done once per weight update, not per call.
 
-    data uint8 [E, N, K/2], scale uint8 [E, N/br, K/16], amax fp32 [E, N] (or [E, 1] broadcast: each expert's
-    decode amax, NVFP4Tensor.amax), values fp16 [E, N, K] block values or None (then the kernel decodes the packed
-    nibbles).
+    data uint8 [E, N, K/2] (None with values: a values-only stack, NVFP4Stack.drop_codes), scale uint8
+    [E, N/br, K/16], amax fp32 [E, N] (or [E, 1] broadcast: each expert's decode amax, NVFP4Tensor.amax), values
+    fp16 [E, N, K] block values or None (then the kernel decodes the packed nibbles).
     """
 
-    data: torch.Tensor
+    data: torch.Tensor | None
     scale: torch.Tensor
     amax: torch.Tensor
     values: torch.Tensor | None
@@ -327,7 +327,7 @@ class ExpertWeights:
 
     @property
     def num_experts(self) -> int:
-        return self.data.shape[0]
+        return self.scale.shape[0]
 
 
 def _from_stack(st: NVFP4Stack) -> ExpertWeights:
@@ -401,7 +401,7 @@ def grouped_gemm_triton(a: NVFP4Tensor, weights, tokens_per_expert, out_dtype=to
     a_packed = a_values is None
     b_packed = w.values is None
     in_order = b_packed and w.decode_data is not None and cfg.block_k % 128 == 0 and not b_trans
-    b_data = w.decode_data if in_order else w.data
+    b_data = w.decode_data if in_order else w.values if w.data is None else w.data  # read only when B_PACKED
     _grouped_gemm_kernel[grid](
         a.data, a.scale.view(torch.uint8), a.data if a_packed else a_values, a.decode_amax(),
         1 if a.per_row else 0,

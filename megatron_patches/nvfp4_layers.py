@@ -48,7 +48,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from minite.megatron_patches.cpu import gpu_present
-from minite.nvfp4 import NVFP4Recipe
+from minite.nvfp4 import NVFP4Recipe, NVFP4Stack
 from minite.ops import (FiniteFlag, derive_seed, group_size, grouped_linear_bf16, nvfp4_grouped_linear, nvfp4_linear,
                         quantiser_checks_finite, quantize_expert_weights, quantize_weight, refill_in_place,
                         swiglu_experts)
@@ -369,10 +369,13 @@ def release_quantised_weights(model: torch.nn.Module) -> list:
     bf16 weights are dead memory between here and the optimizer's write of new ones (2 B per parameter beside the
     caches' 2.5 B). Only a weight that owns its whole storage and has an fp32 master (`main_param`, set by
     Megatron's mixed-precision optimizer, from which `restore_quantised_weights` can rebuild it) is released.
+    A released expert weight whose cache keeps fp16 block values (the kernels') also drops the cache's packed codes
+    (`NVFP4Stack.drop_codes`; 0.5 B per parameter): its GEMMs read the values only, and the caches are rebuilt after
+    the step (`release_weight_caches`), codes and all. The dense linears keep theirs (~3% of a Qwen3-MoE layer).
     Returns [(parameter, storage bytes)] for `restore_quantised_weights`."""
     quantize_weights_now(model)
     released = []
-    for module, _, p in _quantised_weights(model):
+    for module, slot, p in _quantised_weights(model):
         storage = p.untyped_storage()
         if getattr(p, "main_param", None) is None or p.storage_offset() or \
                 storage.nbytes() != p.numel() * p.element_size():
@@ -380,6 +383,9 @@ def release_quantised_weights(model: torch.nn.Module) -> list:
         module.nvfp4.weights_released = True
         released.append((p, storage.nbytes()))
         storage.resize_(0)
+        cached = module.__dict__[f"_nvfp4_wq_cache_{slot}"][1]
+        if isinstance(cached, NVFP4Stack) and cached.values is not None:
+            cached.drop_codes()
     return released
 
 

@@ -13,6 +13,8 @@ path that does all members in one amax launch and one quantisation launch, bitwi
   computes all E products.
 
 Segments and stacks carry optional fp16 block values (`values`), which the kernels read instead of decoding nibbles.
+A stack that carries them can drop its packed codes (`drop_codes`, the learner's weights during a train step): the
+kernels' GEMMs then read the values alone, and nothing can take a member out of it any more.
 """
 from __future__ import annotations
 
@@ -52,9 +54,10 @@ class NVFP4Stack:
     global_scale fp32 [E] (one per member) or [E, R] (per row, (1, 16) blocks: e.g. a ModelOpt gate/up weight whose
     two halves carry different scales), values fp16 [E, R, C] block values or None, amax fp32 of global_scale's
     shape (each member's decode amax, NVFP4Tensor.amax), decode_data uint8 [E, R, C/2] the codes again in the decode
-    kernel's order (`decode_order`) or None (small-M GEMMs on packed weights read it; the layout has no other use)."""
+    kernel's order (`decode_order`) or None (small-M GEMMs on packed weights read it; the layout has no other use).
+    data is None in a values-only stack (`drop_codes`)."""
 
-    data: torch.Tensor
+    data: Optional[torch.Tensor]
     scale: torch.Tensor
     global_scale: torch.Tensor
     shape: tuple[int, int]
@@ -65,14 +68,17 @@ class NVFP4Stack:
     _transposed: Optional["NVFP4Stack"] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
-        e = self.data.shape[0]
+        e = self.scale.shape[0]
         rows, cols = self.shape
         br = self.block[0]
-        want = {"data": (self.data, torch.uint8, (e, rows, cols // 2)),
-                "scale": (self.scale, torch.float8_e4m3fn, (e, rows // br, cols // 16)),
+        if self.data is None and self.values is None:
+            raise ValueError("NVFP4Stack: needs its packed codes (data) or its block values (values)")
+        want = {"scale": (self.scale, torch.float8_e4m3fn, (e, rows // br, cols // 16)),
                 "global_scale": (self.global_scale, torch.float32, (e,) if self.global_scale.dim() < 2 else (e, rows))}
         if self.global_scale.dim() == 2 and br != 1:
             raise ValueError("NVFP4Stack: per-row global scales need (1, 16) blocks")
+        if self.data is not None:
+            want["data"] = (self.data, torch.uint8, (e, rows, cols // 2))
         if self.values is not None:
             want["values"] = (self.values, VALUES_DTYPE, (e, rows, cols))
         if self.amax is not None:
@@ -84,9 +90,23 @@ class NVFP4Stack:
                 raise ValueError(f"NVFP4Stack.{name}: expected {dtype} {shape}, got {t.dtype} {tuple(t.shape)}")
 
     def __len__(self) -> int:
-        return self.data.shape[0]
+        return self.scale.shape[0]
+
+    def drop_codes(self) -> "NVFP4Stack":
+        """Free the packed codes (and their decode-order copy) of a stack that keeps its block values: 0.5 B per
+        element for GEMMs that read only the values (the kernels'). Returns self."""
+        if self.values is None:
+            raise ValueError("NVFP4Stack.drop_codes: the stack has no block values, the codes are all it holds")
+        self.data = self.decode_data = self._transposed = None
+        return self
+
+    def _codes(self, what: str) -> torch.Tensor:
+        if self.data is None:
+            raise ValueError(f"NVFP4Stack.{what}: this stack keeps block values only (drop_codes freed its codes)")
+        return self.data
 
     def __getitem__(self, e: int) -> NVFP4Tensor:
+        self._codes("__getitem__")
         return NVFP4Tensor(self.data[e], self.scale[e], self.global_scale[e], self.shape, self.block,
                            None if self.values is None else self.values[e],
                            None if self.amax is None else self.amax[e])
@@ -120,7 +140,7 @@ class NVFP4Stack:
             raise ValueError(f"t() needs (16, 16) blocks and one global scale per member, got {self.block}")
         if self._transposed is None:
             e, (rows, cols) = len(self), self.shape
-            codes = unpack_codes(self.data.reshape(e * rows, cols // 2)).reshape(e, rows, cols)
+            codes = unpack_codes(self._codes("t()").reshape(e * rows, cols // 2)).reshape(e, rows, cols)
             data = pack_codes(codes.transpose(1, 2).reshape(e * cols, rows)).reshape(e, cols, rows // 2)
             vals = None if self.values is None else self.values.transpose(1, 2).contiguous()
             self._transposed = NVFP4Stack(data, self.scale.transpose(1, 2).contiguous(), self.global_scale,

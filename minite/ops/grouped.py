@@ -72,7 +72,8 @@ def nvfp4_grouped_linear_forward(x: torch.Tensor, w_q, tokens_per_expert, recipe
     w_q: an NVFP4Stack (`quantize_expert_weights`) or a list of per-expert NVFP4Tensors."""
     counts = _counts(tokens_per_expert, len(w_q), x.shape[0], keep_tensor=_kernels_read_counts(x, backend))
     if x.shape[0] == 0:
-        return x.new_zeros(0, w_q[0].shape[0], dtype=out_dtype or x.dtype)
+        return x.new_zeros(0, w_q.shape[0] if isinstance(w_q, NVFP4Stack) else w_q[0].shape[0],
+                           dtype=out_dtype or x.dtype)
     xq = recipe.activation.quantize(x, backend=backend, **quant_flags(backend, x))
     return grouped_gemm(xq, w_q, counts, out_dtype=out_dtype or x.dtype, backend=backend)
 

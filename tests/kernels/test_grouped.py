@@ -121,6 +121,29 @@ def test_grouped_gemm_accepts_a_stack():
     assert (out - ref).abs().max() <= TOLERANCES["nvfp4_op_kernels_vs_reference"][1] * ref.abs().max()
 
 
+def test_values_only_stack_multiplies_as_the_full_one():
+    """drop_codes: a stack without its packed codes gives the kernels' GEMMs (forward and dgrad's transposed read)
+    bitwise the full stack's results, and says so in one line where the codes would be needed."""
+    torch.manual_seed(7)
+    full = quantize_stack(_experts(3, 48, 32, 4), values=True, backend="triton")
+    bare = NVFP4Stack(full.data.clone(), full.scale, full.global_scale, full.shape, full.block, full.values,
+                      full.amax).drop_codes()
+    assert bare.data is None and len(bare) == 3
+    counts = [7, 0, 9]
+    for k, trans in ((32, False), (48, True)):
+        a = quantize_reference(torch.randn(16, k).to(DEVICE), block=(1, 16), scale_scope="row", rounding="nearest",
+                               seed=None, rht=False)
+        assert torch.equal(grouped_gemm(a, bare, counts, backend="triton", transpose_weights=trans),
+                           grouped_gemm(a, full, counts, backend="triton", transpose_weights=trans))
+    for use in (lambda: bare[0], bare.t, lambda: grouped_gemm(a, bare, counts, backend="reference")):
+        with pytest.raises(ValueError, match="block values only"):
+            use()
+    with pytest.raises(ValueError, match="no block values"):
+        quantize_stack(_experts(3, 16, 16, 5), backend="triton").drop_codes()
+    with pytest.raises(ValueError, match="codes .* or its block values"):
+        NVFP4Stack(None, full.scale, full.global_scale, full.shape, full.block)
+
+
 def test_errors():
     with pytest.raises(ValueError, match="multiples of 16"):
         quantize_column_segments(torch.randn(4, 40, device=DEVICE), [24, 16])

@@ -140,25 +140,39 @@ def _poison_restored(monkeypatch):
     monkeypatch.setattr(learner_mod, "restore_quantised_weights", poisoned)
 
 
-@pytest.mark.parametrize("micro_batches", [1, 2])
-def test_released_bf16_weights_change_no_bit(tokens, micro_batches, monkeypatch):
+def _expert_caches(learner):
+    from minite.megatron_patches.nvfp4_layers import GroupedExperts
+    return [v[1] for m in learner.model.modules() if isinstance(m, GroupedExperts)
+            for k, v in vars(m).items() if k.startswith("_nvfp4_wq_cache_")]
+
+
+@pytest.mark.parametrize("micro_batches,backend", [(1, "auto"), (2, "auto"),
+                                                    pytest.param(1, "triton", marks=pytest.mark.slow)])
+def test_released_bf16_weights_change_no_bit(tokens, micro_batches, backend, monkeypatch):
     """The NVFP4 learner frees the bf16 storage of every quantised weight for the forward and backward (the
     quantised copies are what they read) and gives it back before the optimizer step writes new weights: three
-    steps give the same losses, gradient norms and weights, bit for bit, as a learner that keeps them; inside the
-    loss function every quantised weight has no storage, at the optimizer step every one has its storage back."""
+    steps (one on the interpreted kernels) give the same losses, gradient norms and weights, bit for bit, as a
+    learner that keeps them; inside the loss function every quantised weight has no storage, at the optimizer step
+    every one has its storage back. On the kernels (backend="triton": the interpreter here) the expert caches keep
+    fp16 block values, and inside the loss they hold no packed codes either (NVFP4Stack.drop_codes); on the
+    reference they keep the codes."""
     from minite.learner import learner as learner_mod
+    steps = 1 if backend == "triton" else 3
     kept = _learner("nvfp4")
+    kept.nvfp4.backend = backend
     with monkeypatch.context() as mp:
         mp.setattr(learner_mod, "release_quantised_weights", lambda model: [])
-        ref = [kept.train_step(tokens, loss_fn, micro_batches=micro_batches) for _ in range(3)]
+        ref = [kept.train_step(tokens, loss_fn, micro_batches=micro_batches) for _ in range(steps)]
     _poison_restored(monkeypatch)  # so the equality below shows that the optimizer rewrites every released weight
     freed = _learner("nvfp4")
+    freed.nvfp4.backend = backend
     quantised = _quantised(freed)
     assert len(quantised) == 8  # per layer: fc1, fc2 experts, QKV, out projection
-    seen = []
+    seen, codes = [], []
 
     def probe(logp):
         seen.append([p.untyped_storage().nbytes() for p in quantised])
+        codes.append([(st.data is None, st.values is None) for st in _expert_caches(freed)])
         return loss_fn(logp)
 
     step = freed.optimizer.step
@@ -168,11 +182,12 @@ def test_released_bf16_weights_change_no_bit(tokens, micro_batches, monkeypatch)
         return step(*a, **k)
 
     freed.optimizer.step = spy
-    got = [freed.train_step(tokens, probe, micro_batches=micro_batches) for _ in range(3)]
+    got = [freed.train_step(tokens, probe, micro_batches=micro_batches) for _ in range(steps)]
     assert got == ref
     for name, w in _weights(kept).items():
         assert torch.equal(w, _weights(freed)[name]), name
     assert seen[0] == [0] * 8 and all(seen[micro_batches])
+    assert codes[0] == [(True, False) if backend == "triton" else (False, True)] * 4
     assert not freed.nvfp4.weights_released
     kept.close()
     freed.close()

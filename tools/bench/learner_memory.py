@@ -78,8 +78,8 @@ def nvfp4_cache_bytes(model) -> dict:
             if not name.startswith("_nvfp4_wq_cache_"):
                 continue
             q = entry[1]
-            quantised += q.data.numel() * 2
-            parts["codes"] += _nbytes(q.data)
+            quantised += q.scale.numel() * 16 * q.block[0] if q.data is None else q.data.numel() * 2
+            parts["codes"] += _nbytes(q.data) if q.data is not None else 0
             parts["scales"] += _nbytes(q.scale)
             parts["values"] += _nbytes(q.values) if q.values is not None else 0
             tr = getattr(q, "_transposed", None)
