@@ -103,6 +103,7 @@ class EmbeddedEngine(RolloutEngine):
                 self.nvfp4.weights_updated()
         self._params = {strip_wrapper_prefix(n): p for n, p in model.named_parameters()}
         self.weight_version = 0
+        self._graphs_generation = None if self.nvfp4 is None else self.nvfp4.generation
         if loop not in ("minite", "megatron"):
             raise ValueError(f"loop must be 'minite' or 'megatron', got {loop!r}")
         self.loop = loop
@@ -115,6 +116,7 @@ class EmbeddedEngine(RolloutEngine):
             raise ValueError("generate needs at least one prompt and no empty prompts")
         flat = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
         if self.loop == "minite":
+            self._drop_stale_graphs()
             device = next(self.model.parameters()).device
             rng = torch.Generator(device=device)
             rng.manual_seed(params.seed)
@@ -198,6 +200,15 @@ class EmbeddedEngine(RolloutEngine):
             yield self
         finally:
             d.cuda_graphs, d.prefill_all_logits = saved
+
+    def _drop_stale_graphs(self) -> None:
+        """A CUDA graph replays the quantised-weight caches it captured, at their addresses. `update_weights` refills
+        them in place; a write that bypasses it and calls `nvfp4.weights_updated()` makes the next forward build new
+        caches, which no graph would see (and the old ones are freed under it): the graphs are captured again."""
+        generation = None if self.nvfp4 is None else self.nvfp4.generation
+        if generation != self._graphs_generation and self.decoder.graphs:
+            self.decoder.reset_graphs()
+        self._graphs_generation = generation
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Checked copy of the learner's tensors, then the NVFP4 re-quantisation of every weight (eager, so a weight

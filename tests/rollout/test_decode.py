@@ -165,6 +165,39 @@ def test_cuda_graphs_replay_the_eager_bits(precision, strict):
     print(f"{precision} strict={strict}: graphs {graphed.decoder.graphs}, error {graphed.decoder.graph_error}")
 
 
+@pytest.mark.gpu
+def test_cuda_graphs_follow_weights_written_outside_update_weights():
+    """A write through .data followed by nvfp4.weights_updated() (not update_weights, which refills the caches in
+    place) makes new quantised-weight caches that the captured graphs cannot see: the engine captures again, and the
+    graphed engine still gives the eager engine's bits."""
+    eager, graphed = _engine("nvfp4", False, "rollout.cuda_graphs=false"), _engine("nvfp4", False)
+    graphed.update_weights(eager.named_weights())
+    assert _run(graphed, PARAMS[0]) == _run(eager, PARAMS[0]) and graphed.decoder.graphs > 0
+    for engine in (eager, graphed):
+        with torch.no_grad():
+            for _, p in engine.named_weights():
+                p.data.mul_(0.9)
+        engine.nvfp4.weights_updated()
+    assert _run(graphed, PARAMS[0]) == _run(eager, PARAMS[0])
+
+
+def test_stale_graphs_are_dropped_when_the_caches_are_made_anew():
+    """The logic of the GPU test above, on the CPU (no graphs here: a stand-in shape holds one): a new cache
+    generation drops the graphs before the next generate; in-place updates (update_weights) keep them."""
+    from types import SimpleNamespace
+    engine = _engine("nvfp4", False)
+    _run(engine, PARAMS[0])  # the caches exist, as they do where graphs were captured
+    shape = SimpleNamespace(graphs={7: object()})
+    engine.decoder._shapes["stand-in"] = shape
+    engine.update_weights([(n, p.detach() * 0.9) for n, p in engine.named_weights()])
+    engine._drop_stale_graphs()
+    assert engine.decoder.graphs == 1
+    engine.nvfp4.weights_updated()
+    engine._drop_stale_graphs()
+    assert engine.decoder.graphs == 0
+    del engine.decoder._shapes["stand-in"]
+
+
 def test_observed_engine_runs_every_step_eagerly_with_the_same_bits():
     """Op capture and route recording need every step's Python hooks: observed() turns graphs off and materialises
     every prefill position's logits for its duration, then restores the settings; tokens and log-probs unchanged."""
