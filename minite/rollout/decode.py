@@ -197,6 +197,7 @@ class StaticBatchDecoder:
         offset = ctx.sequence_len_offset
         if st.logits is None:
             st.logits = torch.empty(st.tokens.shape[0], self.vocab_size, dtype=torch.float32, device=st.tokens.device)
+        if st.pool is None:
             st.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         window = st.wrapper.get_batch_for_context_window(st.inputs, start, end)
@@ -225,8 +226,12 @@ class StaticBatchDecoder:
         return graph
 
     def reset_graphs(self) -> None:
+        """Drop every captured graph, and with them their memory pools: a pool whose graphs are all gone is released
+        by torch's allocator, and a capture into its handle fails (an internal assert, "use_count > 0", seen on the
+        H200 with torch 2.11), so the next capture of a shape opens a new one."""
         for st in self._shapes.values():
             st.graphs.clear()
+            st.pool = None
 
 
 KEPT_SHAPES = 4
