@@ -1,6 +1,7 @@
 """Megatron-Core layers and model: NVFP4 vs BF16 (same weights, outputs and gradients close), the NVFP4 layers are
 the op functions inside Megatron's modules, the Qwen3-MoE spec from a config.json, the CPU patches, and one train
-step that lowers the loss. World size 1, gloo, CPU."""
+step that lowers the loss. World size 1, gloo, CPU. On a machine with a GPU the models are built there and the inputs
+follow them; the tests of CPU-only paths skip, saying which GPU test covers the GPU's path."""
 import json
 
 import pytest
@@ -24,7 +25,7 @@ def tokens():
 
 def _fwd_bwd(model, tokens):
     from minite.learner.learner import token_logprobs
-    pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
     logits = model(tokens, pos, None)
     (-token_logprobs(logits, tokens).mean()).backward()
     return logits.detach().float(), {k: p.grad.float() for k, p in model.named_parameters()}
@@ -53,7 +54,10 @@ def test_cpu_grouped_gemm_fallback_runs_upstream_grouped_mlp():
     from megatron.core.transformer.moe.experts import GroupedMLP
 
     from minite.learner.model import init_parallel
+    from minite.megatron_patches import cpu
     from minite.megatron_patches.qwen3_moe import Qwen3MoeShape, transformer_config
+    if cpu.gpu_present():
+        pytest.skip("the grouped-GEMM fallback is patched in only without a GPU (test_learner_gpu.py: experts on GPU)")
     init_parallel(cfg())
     shape = Qwen3MoeShape(vocab_size=16, hidden_size=32, num_layers=1, num_attention_heads=2, num_query_groups=1,
                           head_dim=16, moe_ffn_hidden_size=16, num_experts=2, moe_router_topk=2)
@@ -76,8 +80,9 @@ def test_nvfp4_model_close_to_bf16_model(tokens, compute):
     mn = build_model(cfg("precision.mode=nvfp4", f"precision.compute_dtype={compute}"), strict=False)
     sb, sn = mb.state_dict(), mn.state_dict()
     assert sb.keys() == sn.keys() and all(torch.equal(sb[k], sn[k]) for k in sb if torch.is_tensor(sb[k]))
-    lb, gb = _fwd_bwd(mb, tokens)
-    ln, gn = _fwd_bwd(mn, tokens)
+    dev = next(mb.parameters()).device
+    lb, gb = _fwd_bwd(mb, tokens.to(dev))
+    ln, gn = _fwd_bwd(mn, tokens.to(dev))
     assert float((ln - lb).norm() / lb.norm()) < TOLERANCES["nvfp4_model_vs_bf16_logits"][1]
     flat_b = torch.cat([gb[k].flatten() for k in gb])
     flat_n = torch.cat([gn[k].flatten() for k in gb])
@@ -94,7 +99,7 @@ def test_nvfp4_layers_run_the_op_functions():
     model = build_model(cfg("precision.mode=nvfp4", "precision.compute_dtype=float32"), strict=False)
     ctx, layer = model.nvfp4_context, model.decoder.layers[1]
     ctx.step = 5
-    x = torch.randn(8, 2, 64)
+    x = torch.randn(8, 2, 64).to(next(model.parameters()).device)
     for lin in (layer.self_attention.linear_qkv, layer.self_attention.linear_proj):
         inp = x[..., :lin.weight.shape[1]]
         want = nvfp4_linear(inp, lin.weight, ctx.recipe, seed=ctx.layer_seed(lin.nvfp4_layer_id))
@@ -109,7 +114,7 @@ def test_nvfp4_layers_run_the_op_functions():
     ctx.weights_updated()
     assert torch.equal(lin(x)[0], nvfp4_linear(x, lin.weight, ctx.recipe, seed=ctx.layer_seed(lin.nvfp4_layer_id)))
     experts = layer.mlp.experts
-    hidden, probs, counts = torch.randn(10, 64), torch.rand(10), [3, 0, 4, 3]
+    hidden, probs, counts = torch.randn(10, 64).to(x.device), torch.rand(10).to(x.device), [3, 0, 4, 3]
     base = ctx.layer_seed(experts.nvfp4_layer_id)
     h = nvfp4_grouped_linear(hidden, experts.fc1_weight, counts, ctx.recipe, seed=derive_seed(base, 1))
     gate, up = h.chunk(2, dim=-1)
@@ -185,6 +190,9 @@ def test_sdpa_attention_equals_upstream_dot_product_attention():
     from megatron.core.transformer.enums import AttnMaskType
 
     from minite.learner.model import init_parallel
+    from minite.megatron_patches import cpu
+    if cpu.gpu_present():
+        pytest.skip("CPU tensors here; tests/learner/test_learner_gpu.py covers SDPA on the GPU")
     from minite.megatron_patches.qwen3_moe import (FusedDotProductAttention, Qwen3MoeShape, sdpa_attention,
                                                    transformer_config)
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
