@@ -401,7 +401,9 @@ def grouped_gemm_triton(a: NVFP4Tensor, weights, tokens_per_expert, out_dtype=to
     a_packed = a_values is None
     b_packed = w.values is None
     in_order = b_packed and w.decode_data is not None and cfg.block_k % 128 == 0 and not b_trans
-    b_data = w.decode_data if in_order else w.values if w.data is None else w.data  # read only when B_PACKED
+    # a values-only stack (NVFP4Stack.drop_codes) has no codes: its values stand in for the pointer, never read
+    # without B_PACKED (another dtype there: one more Triton specialisation, same bits)
+    b_data = w.decode_data if in_order else w.values if w.data is None else w.data
     _grouped_gemm_kernel[grid](
         a.data, a.scale.view(torch.uint8), a.data if a_packed else a_values, a.decode_amax(),
         1 if a.per_row else 0,

@@ -115,7 +115,7 @@ def cached_weight_q(module, weight: torch.Tensor, make, slot: str = "weight", *,
     name = f"_nvfp4_wq_cache_{slot}"
     cache = module.__dict__.get(name)
     if module.nvfp4.weights_released:  # the storage is gone, so the key would no longer match: the weight has not
-        if cache is None:                # changed since release_quantised_weights quantised it
+        if cache is None or cache[0][3] != tuple(weight.shape):  # changed since release_quantised_weights quantised it
             raise RuntimeError(f"{type(module).__name__}: weight {slot} was released without a quantised copy")
         return cache[1]
     key = (module.nvfp4.generation, weight.data_ptr(), weight._version, tuple(weight.shape))
@@ -285,9 +285,9 @@ class GroupedExperts(MegatronModule):
         # (megatron_patches.moe_dispatch) leaves them on the device, so a decode step needs no host synchronisation.
         # (BF16 on the per-expert loops, CPU or strict, reads them on the host: once here, not once per GEMM.)
         if permuted_hidden.shape[0] == 0:  # this rank's experts got no token (EP): no GEMM runs (torch._grouped_mm's
-            out = permuted_hidden * 0        # backward rejects 0 rows on CUDA); zero gradients for the weights
-            if torch.is_grad_enabled():
-                out = _KeepInGraph.apply(out, self.fc1_weight, self.fc2_weight)
+            out = permuted_hidden * 0        # backward rejects 0 rows on CUDA); zero gradients for the weights, and
+            if torch.is_grad_enabled():      # the probs stay in the graph (their dispatch's backward is a collective)
+                out = _KeepInGraph.apply(out, permuted_probs, self.fc1_weight, self.fc2_weight)
             return out, None
         counts = tokens_per_expert
         if not torch.is_tensor(counts) or (self.nvfp4 is None and (self.strict or not grouped_mm_applies(
@@ -301,7 +301,9 @@ class GroupedExperts(MegatronModule):
 
 class _KeepInGraph(torch.autograd.Function):
     """y = out, and zero gradients for `params` without reading them (their storage may be released: see
-    `release_quantised_weights`), so that every parameter stays in the graph (DDP expects a gradient for each)."""
+    `release_quantised_weights`), so that every parameter stays in the graph (DDP expects a gradient for each), and
+    every tensor whose producer's backward must run (under EP the router probs' dispatch is an all-to-all that every
+    rank's backward has to enter)."""
 
     @staticmethod
     def forward(ctx, out, *params):
@@ -370,22 +372,26 @@ def release_quantised_weights(model: torch.nn.Module) -> list:
     caches' 2.5 B). Only a weight that owns its whole storage and has an fp32 master (`main_param`, set by
     Megatron's mixed-precision optimizer, from which `restore_quantised_weights` can rebuild it) is released.
     A released expert weight whose cache keeps fp16 block values (the kernels') also drops the cache's packed codes
-    (`NVFP4Stack.drop_codes`; 0.5 B per parameter): its GEMMs read the values only, and the caches are rebuilt after
-    the step (`release_weight_caches`), codes and all. The dense linears keep theirs (~3% of a Qwen3-MoE layer).
+    (`NVFP4Stack.drop_codes`; 0.5 B per parameter): its GEMMs read the values only; the caches are dropped before the
+    optimizer step (`release_weight_caches`) and the next forward quantises again, codes and all. The dense linears keep theirs (~3% of a Qwen3-MoE layer).
     Returns [(parameter, storage bytes)] for `restore_quantised_weights`."""
     quantize_weights_now(model)
     released = []
-    for module, slot, p in _quantised_weights(model):
-        storage = p.untyped_storage()
-        if getattr(p, "main_param", None) is None or p.storage_offset() or \
-                storage.nbytes() != p.numel() * p.element_size():
-            continue
-        module.nvfp4.weights_released = True
-        released.append((p, storage.nbytes()))
-        storage.resize_(0)
-        cached = module.__dict__[f"_nvfp4_wq_cache_{slot}"][1]
-        if isinstance(cached, NVFP4Stack) and cached.values is not None:
-            cached.drop_codes()
+    try:
+        for module, slot, p in _quantised_weights(model):
+            storage = p.untyped_storage()
+            if getattr(p, "main_param", None) is None or p.storage_offset() or \
+                    storage.nbytes() != p.numel() * p.element_size():
+                continue
+            module.nvfp4.weights_released = True
+            released.append((p, storage.nbytes()))
+            storage.resize_(0)
+            cached = module.__dict__[f"_nvfp4_wq_cache_{slot}"][1]
+            if isinstance(cached, NVFP4Stack) and cached.values is not None:
+                cached.drop_codes()
+    except BaseException:  # nothing half-released: the weights released so far come back from their masters
+        restore_quantised_weights(model, released, values=True)
+        raise
     return released
 
 

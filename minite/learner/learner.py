@@ -256,8 +256,10 @@ class Learner:
                 for k, v in (metrics or {}).items():
                     sums[k] = sums.get(k, 0.0) + float(v)
                 del loss  # with the dispatchers' tensors, the last references to this chunk's graph (below)
-        except BaseException:
+        except BaseException:  # the weights back from their masters; the values-only caches are not kept
             restore_quantised_weights(self.model, released, values=True)
+            if self.nvfp4 is not None:
+                release_weight_caches(self.model)
             raise
         finally:  # a failing loss_fn must not leave a later step on another chunk's seeds
             if self.nvfp4 is not None:
@@ -268,9 +270,13 @@ class Learner:
         if self.nvfp4 is not None:  # stale after the step anyway: not held while the optimizer's memory peaks
             release_weight_caches(self.model)
         restore_quantised_weights(self.model, released, values=False)  # the step writes every one of them
-        with cuda_as_cpu():
-            finalize_model_grads([self.ddp])
-            ok, grad_norm, _ = self.optimizer.step()
+        try:
+            with cuda_as_cpu():
+                finalize_model_grads([self.ddp])
+                ok, grad_norm, _ = self.optimizer.step()
+        except BaseException:  # a step that raised may have written none: the weights back from their masters
+            restore_quantised_weights(self.model, released, values=True)
+            raise
         if not ok:
             restore_quantised_weights(self.model, released, values=True)  # a skipped step wrote none
             logger.warning("optimizer step skipped (non-finite gradients) at step %d", self.step)

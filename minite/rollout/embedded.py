@@ -204,7 +204,9 @@ class EmbeddedEngine(RolloutEngine):
     def _drop_stale_graphs(self) -> None:
         """A CUDA graph replays the quantised-weight caches it captured, at their addresses. `update_weights` refills
         them in place; a write that bypasses it and calls `nvfp4.weights_updated()` makes the next forward build new
-        caches, which no graph would see (and the old ones are freed under it): the graphs are captured again."""
+        caches, which no graph would see (and the old ones are freed under it): the graphs are captured again. Not
+        covered: a `param.copy_` outside update_weights without weights_updated() (the caches' keys see its version
+        counter, this check does not): weights go through update_weights."""
         generation = None if self.nvfp4 is None else self.nvfp4.generation
         if generation != self._graphs_generation and self.decoder.graphs:
             self.decoder.reset_graphs()

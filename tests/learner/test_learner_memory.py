@@ -196,8 +196,8 @@ def test_released_bf16_weights_change_no_bit(tokens, micro_batches, backend, mon
 
 
 def test_released_weights_come_back_after_a_failed_or_skipped_step(tokens, monkeypatch):
-    """A loss function that raises, and an optimizer step that is skipped, leave every weight as it was (rebuilt
-    from its fp32 master) and the learner usable; the next step equals a fresh learner's."""
+    """A loss function that raises, an optimizer step that is skipped and one that raises leave every weight as it
+    was (rebuilt from its fp32 master) and the learner usable; the next step equals a fresh learner's."""
     _poison_restored(monkeypatch)
     learner = _learner("nvfp4")
     before = _weights(learner)
@@ -212,6 +212,14 @@ def test_released_weights_come_back_after_a_failed_or_skipped_step(tokens, monke
     step = learner.optimizer.step
     learner.optimizer.step = lambda *a, **k: (False, None, None)
     learner.train_step(tokens, loss_fn)
+    assert all(torch.equal(w, _weights(learner)[n]) for n, w in before.items())
+
+    def raising(*a, **k):
+        raise RuntimeError("step failed")
+
+    learner.optimizer.step = raising
+    with pytest.raises(RuntimeError, match="step failed"):
+        learner.train_step(tokens, loss_fn)
     learner.optimizer.step = step
     assert all(torch.equal(w, _weights(learner)[n]) for n, w in before.items())
     fresh = _learner("nvfp4")

@@ -222,16 +222,22 @@ def test_sdpa_attention_equals_upstream_dot_product_attention():
 @pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
 def test_experts_without_tokens_give_zero_gradients(precision):
     """A rank whose experts receive no token (EP) still gives every expert parameter a gradient, zero, without
-    reading the weights: the learner releases their storage during the step (release_quantised_weights)."""
+    reading the weights (their storage is freed here, as the learner releases it during the step:
+    release_quantised_weights), and the router probs stay in the graph (under EP their dispatch's backward is a
+    collective that every rank must enter)."""
     from minite.learner.model import build_model
     model = build_model(cfg(f"precision.mode={precision}"), strict=False)
     experts = model.decoder.layers[0].mlp.experts
     w = experts.fc1_weight
     hidden = torch.randn(0, 64, dtype=w.dtype, device=w.device, requires_grad=True)
-    out, _ = experts(hidden, torch.zeros(4, dtype=torch.long, device=w.device), torch.rand(0, device=w.device))
+    probs = torch.rand(0, device=w.device, requires_grad=True)
+    for p in (experts.fc1_weight, experts.fc2_weight):
+        p.untyped_storage().resize_(0)
+    out, _ = experts(hidden, torch.zeros(4, dtype=torch.long, device=w.device), probs)
     out.sum().backward()
     for p in (experts.fc1_weight, experts.fc2_weight):
         assert p.grad is not None and p.grad.shape == p.shape and not p.grad.any()
+    assert probs.grad is not None and hidden.grad is not None
     assert out.shape == (0, 64)
 
 
