@@ -319,6 +319,19 @@ class CacheLayoutError(RuntimeError):
     """A quantised-weight cache could not be updated in place (`quantize_weights_now(in_place=True)`)."""
 
 
+def _quantised_weights(model: torch.nn.Module):
+    """(module, cache slot, parameter, quantise) of every weight an NVFP4 module of `model` quantises; quantise()
+    fills the slot as the module's forward would (without recording the weight in the NaN/Inf flag)."""
+    for m in model.modules():
+        if getattr(m, "nvfp4", None) is None:
+            continue
+        if isinstance(m, GroupedExperts):
+            yield m, "fc1", m.fc1_weight, lambda m=m: m._weight_q(m.fc1_weight, 1, record=False)
+            yield m, "fc2", m.fc2_weight, lambda m=m: m._weight_q(m.fc2_weight, 2, record=False)
+        elif isinstance(m, (NVFP4ColumnParallelLinear, NVFP4RowParallelLinear)) and m.weight is not None:
+            yield m, "weight", m.weight, lambda m=m: _linear_weight_q(m, m.weight, record=False)
+
+
 def quantize_weights_now(model: torch.nn.Module, *, in_place: bool = False) -> int:
     """Quantise every NVFP4 weight of `model` into its module's cache now, as its next forward would lazily: a rollout
     engine calls this after a weight update, so the update pays the re-quantisation (where it is timed as weight
@@ -330,39 +343,19 @@ def quantize_weights_now(model: torch.nn.Module, *, in_place: bool = False) -> i
     as a graph would then replay the old weights.
     Returns the number of weights quantised; 0 for a BF16 model."""
     n = 0
-    for module in model.modules():
-        if getattr(module, "nvfp4", None) is None:
-            continue
-        if isinstance(module, GroupedExperts):
-            quantise = [(lambda: module._weight_q(module.fc1_weight, 1, record=False), "fc1"),
-                        (lambda: module._weight_q(module.fc2_weight, 2, record=False), "fc2")]
-        elif isinstance(module, (NVFP4ColumnParallelLinear, NVFP4RowParallelLinear)) and module.weight is not None:
-            quantise = [(lambda: _linear_weight_q(module, module.weight, record=False), "weight")]
-        else:
-            continue
-        for make, slot in quantise:
-            name = f"_nvfp4_wq_cache_{slot}"
-            old = module.__dict__.get(name)
-            new = make()
-            if in_place and (old is None or old[1] is not new):
-                if old is None or not refill_in_place(old[1], new):
-                    raise CacheLayoutError(f"quantize_weights_now(in_place=True): {type(module).__name__}'s {slot} "
-                                           "cache cannot be updated in place (none yet, or another layout)")
-                module.__dict__[name] = (module.__dict__[name][0], old[1])
-            n += 1
+    for module, slot, _, quantise in _quantised_weights(model):
+        name = f"_nvfp4_wq_cache_{slot}"
+        old = module.__dict__.get(name)
+        new = quantise()
+        if in_place and (old is None or old[1] is not new):
+            if old is None or not refill_in_place(old[1], new):
+                raise CacheLayoutError(f"quantize_weights_now(in_place=True): {type(module).__name__}'s {slot} "
+                                       "cache cannot be updated in place (none yet, or another layout)")
+            module.__dict__[name] = (module.__dict__[name][0], old[1])
+        n += 1
     return n
 
 
-def _quantised_weights(model: torch.nn.Module):
-    """(module, slot, parameter) of every weight an NVFP4 module of `model` quantises (its cache slots)."""
-    for module in model.modules():
-        if getattr(module, "nvfp4", None) is None:
-            continue
-        if isinstance(module, GroupedExperts):
-            yield module, "fc1", module.fc1_weight
-            yield module, "fc2", module.fc2_weight
-        elif isinstance(module, (NVFP4ColumnParallelLinear, NVFP4RowParallelLinear)) and module.weight is not None:
-            yield module, "weight", module.weight
 
 
 def release_quantised_weights(model: torch.nn.Module) -> list:
@@ -373,12 +366,13 @@ def release_quantised_weights(model: torch.nn.Module) -> list:
     Megatron's mixed-precision optimizer, from which `restore_quantised_weights` can rebuild it) is released.
     A released expert weight whose cache keeps fp16 block values (the kernels') also drops the cache's packed codes
     (`NVFP4Stack.drop_codes`; 0.5 B per parameter): its GEMMs read the values only; the caches are dropped before the
-    optimizer step (`release_weight_caches`) and the next forward quantises again, codes and all. The dense linears keep theirs (~3% of a Qwen3-MoE layer).
+    optimizer step (`release_weight_caches`) and the next forward quantises again, codes and all. The dense linears
+    keep theirs (~3% of a Qwen3-MoE layer).
     Returns [(parameter, storage bytes)] for `restore_quantised_weights`."""
     quantize_weights_now(model)
     released = []
     try:
-        for module, slot, p in _quantised_weights(model):
+        for module, slot, p, _ in _quantised_weights(model):
             storage = p.untyped_storage()
             if getattr(p, "main_param", None) is None or p.storage_offset() or \
                     storage.nbytes() != p.numel() * p.element_size():
@@ -404,5 +398,5 @@ def restore_quantised_weights(model: torch.nn.Module, released: list, *, values:
             p.untyped_storage().resize_(nbytes)
             if values:
                 p.copy_(p.main_param)
-    for module, _, _ in _quantised_weights(model):
+    for module, *_ in _quantised_weights(model):
         module.nvfp4.weights_released = False

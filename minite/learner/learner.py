@@ -256,29 +256,26 @@ class Learner:
                 for k, v in (metrics or {}).items():
                     sums[k] = sums.get(k, 0.0) + float(v)
                 del loss  # with the dispatchers' tensors, the last references to this chunk's graph (below)
-        except BaseException:  # the weights back from their masters; the values-only caches are not kept
+        except BaseException:  # the weights back from their masters
             restore_quantised_weights(self.model, released, values=True)
-            if self.nvfp4 is not None:
-                release_weight_caches(self.model)
             raise
         finally:  # a failing loss_fn must not leave a later step on another chunk's seeds
-            if self.nvfp4 is not None:
-                self.nvfp4.micro_batch = 0
             # the backward graph's functions keep their context attributes (NVFP4: every layer's quantised weights)
             # while anything references the graph: the loss (dropped above) and Megatron's token dispatchers
             detach_dispatcher_graphs(self.model)
-        if self.nvfp4 is not None:  # stale after the step anyway: not held while the optimizer's memory peaks
-            release_weight_caches(self.model)
+            if self.nvfp4 is not None:
+                self.nvfp4.micro_batch = 0
+                release_weight_caches(self.model)  # stale after the step: not held while the optimizer's memory peaks
         restore_quantised_weights(self.model, released, values=False)  # the step writes every one of them
+        ok = False
         try:
             with cuda_as_cpu():
                 finalize_model_grads([self.ddp])
                 ok, grad_norm, _ = self.optimizer.step()
-        except BaseException:  # a step that raised may have written none: the weights back from their masters
-            restore_quantised_weights(self.model, released, values=True)
-            raise
+        finally:
+            if not ok:  # a skipped step wrote no weight, a failing one maybe not all: back from their masters
+                restore_quantised_weights(self.model, released, values=True)
         if not ok:
-            restore_quantised_weights(self.model, released, values=True)  # a skipped step wrote none
             logger.warning("optimizer step skipped (non-finite gradients) at step %d", self.step)
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()

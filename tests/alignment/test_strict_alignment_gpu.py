@@ -202,10 +202,10 @@ def test_fused_sincos_is_bitwise_the_torch_sincos_on_cuda(monkeypatch):
 
 
 def test_fused_linear_is_bitwise_the_torch_linear_on_cuda(monkeypatch):
-    """minite.strict.fused_linear.linear (routed since this passed on the H200: "linear" in fused.PROVEN): ops._linear_fwd's
-    fp32 products and tree over K in one kernel, the same bits on CUDA: the strict router at batch 64 and at prefill
-    size (hidden 2048 x 128 experts, fp32), bf16 operands, K not a power of two, inf/NaN/-0.0, a row alone equal to
-    the same row in the batch."""
+    """minite.strict.fused_linear.linear (routed since this passed on the H200: "linear" in fused.PROVEN):
+    ops._linear_fwd's fp32 products and tree over K in one kernel, the same bits on CUDA: the strict router at batch
+    64 and at prefill size (hidden 2048 x 128 experts, fp32), bf16 operands, K not a power of two, inf/NaN/-0.0, a
+    row alone equal to the same row in the batch."""
     import math
 
     from minite.strict import fused, fused_linear, ops as S

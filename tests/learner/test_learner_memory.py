@@ -122,7 +122,7 @@ def _weights(learner):
 
 def _quantised(learner):
     from minite.megatron_patches.nvfp4_layers import _quantised_weights
-    return [p for _, _, p in _quantised_weights(learner.model)]
+    return [p for _, _, p, _ in _quantised_weights(learner.model)]
 
 
 def _poison_restored(monkeypatch):

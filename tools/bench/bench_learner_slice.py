@@ -20,8 +20,8 @@ step of one 4096-token sequence does not amortise). `--micro-batches 1,8` adds a
 a step of 8 sequences with gradient accumulation (Learner.train_step(micro_batches=8)) and one optimizer step, as a
 real RL step amortises the optimizer. Each row's peak_mem_gib is torch's max_memory_allocated over that row's steps
 (the learner's own state included), the larger of peak_fwd_bwd_gib (forward, loss and backward, up to the optimizer
-step) and peak_optimizer_gib (the optimizer step and the rest of the train step after it); mem_start_gib is what was allocated before the precision's learner was built
-(0 unless an earlier learner leaked).
+step) and peak_optimizer_gib (the optimizer step and the rest of the train step after it); mem_start_gib is what
+was allocated before the precision's learner was built (0 unless an earlier learner leaked).
 """
 from __future__ import annotations
 
