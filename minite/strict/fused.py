@@ -151,11 +151,21 @@ if triton is not None:
             return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
 
     @triton.jit
-    def _pair_tree(acc, LEVELS: tl.constexpr):
-        """ops.tree_sum over the last dim of a 2-D block whose width is 2**LEVELS: adjacent pairs, level by level."""
+    def _pair_tree(acc, LEVELS: tl.constexpr, SPLIT: tl.constexpr):
+        """ops.tree_sum over the last dim of a 2-D block whose width is 2**LEVELS: adjacent pairs, level by level.
+        Each level adds the two elements of every pair once (a + b == b + a in IEEE arithmetic, so either order gives
+        the bits). On the GPU a level is a sum over the pair axis: Triton's reduction of two elements is one
+        addition with no identity element, and it keeps the block's layout (tl.split made the compiler replicate
+        the whole block in every thread: 2,052 additions per thread for a 2,048-wide row, sm_90 SASS). SPLIT (the
+        interpreter): tl.split and one add, as numpy's sum of a pair starts from +0.0 and would turn -0.0 + -0.0
+        into +0.0."""
         for _ in tl.static_range(LEVELS):
-            a, b = tl.split(tl.reshape(acc, [acc.shape[0], acc.shape[1] // 2, 2]))
-            acc = a + b
+            pairs = tl.reshape(acc, [acc.shape[0], acc.shape[1] // 2, 2])
+            if SPLIT:
+                a, b = tl.split(pairs)
+                acc = a + b
+            else:
+                acc = tl.sum(pairs, axis=2)
         return tl.reshape(acc, [acc.shape[0]])
 
     @triton.jit(do_not_specialize=["sq", "sk", "d", "bh", "i0"])
@@ -166,7 +176,7 @@ if triton is not None:
                           C10: tl.constexpr, C11: tl.constexpr, C12: tl.constexpr, C13: tl.constexpr,
                           LOG2E: tl.constexpr, LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, RNE: tl.constexpr,
                           DP: tl.constexpr, DL: tl.constexpr, KB: tl.constexpr, KL: tl.constexpr,
-                          NB: tl.constexpr, NL: tl.constexpr):
+                          NB: tl.constexpr, NL: tl.constexpr, SPLIT: tl.constexpr):
         """ops.attention for one (query, batch x head) pair: scores, softmax and context as its torch ops compute
         them (module docstring of ops; the function `attention` below says how the sums are split into blocks)."""
         pid = tl.program_id(0).to(tl.int64)  # scratch rows are per launch; the query is i0 + pid // bh
@@ -180,7 +190,7 @@ if triton is not None:
         for blk in range(NB):  # scores: tree sums over d, then * scale; the max over allowed keys
             j = blk * KB + jj
             kk = _load_f32(k_ptr, j[:, None] * sk_j + g * sk_bh + dd[None, :], (j[:, None] < sk) & (dd[None, :] < d))
-            sc = _pair_tree(q[None, :] * kk, DL) * scale
+            sc = _pair_tree(q[None, :] * kk, DL, SPLIT) * scale
             tl.store(srow + j, sc)
             m = tl.maximum(m, tl.max(tl.where(j <= pos, sc, float("-inf")), axis=0))
         tl.debug_barrier()
@@ -191,17 +201,17 @@ if triton is not None:
                         LOG2E, LN2_HI, LN2_LO, RNE)
             e = tl.where(j <= pos, ex, 0.0)
             tl.store(erow + j, e)
-            tl.store(bs_ptr + pid * NB + blk + tl.arange(0, 1), _pair_tree(tl.reshape(e, [1, KB]), KL))
+            tl.store(bs_ptr + pid * NB + blk + tl.arange(0, 1), _pair_tree(tl.reshape(e, [1, KB]), KL, SPLIT))
         tl.debug_barrier()
-        denom = _pair_tree(tl.load(bs_ptr + pid * NB + tl.arange(0, NB))[None, :], NL)  # [1]: the tree's top
+        denom = _pair_tree(tl.load(bs_ptr + pid * NB + tl.arange(0, NB))[None, :], NL, SPLIT)  # [1]: the tree's top
         for blk in range(NB):  # context: p = e / denom; tree sums over the block's keys per channel
             j = blk * KB + jj
             p = tl.div_rn(tl.load(erow + j), tl.broadcast_to(denom, [KB]))
             vt = _load_f32(v_ptr, j[None, :] * sk_j + g * sk_bh + dd[:, None],
                            (j[None, :] < sk) & (dd[:, None] < d))  # [DP, KB]
-            tl.store(cs_ptr + (pid * DP + dd) * NB + blk, _pair_tree(p[None, :] * vt, KL))
+            tl.store(cs_ptr + (pid * DP + dd) * NB + blk, _pair_tree(p[None, :] * vt, KL, SPLIT))
         tl.debug_barrier()
-        ctx = _pair_tree(tl.load(cs_ptr + (pid * DP + dd)[:, None] * NB + tl.arange(0, NB)[None, :]), NL)
+        ctx = _pair_tree(tl.load(cs_ptr + (pid * DP + dd)[:, None] * NB + tl.arange(0, NB)[None, :]), NL, SPLIT)
         tl.store(o_ptr + i * so_i + g * so_bh + dd, ctx, mask=dd < d)
 
     @triton.jit(do_not_specialize=["n"])
@@ -245,19 +255,17 @@ if triton is not None:
         tl.store(y_ptr + offs, y.to(tl.float32), mask=mask)
 
     @triton.jit(do_not_specialize=["n"])  # n == 1 would become a constant, and n.to(tl.float32) fail to compile
-    def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n, eps, WIDTH: tl.constexpr, LEVELS: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n, eps, WIDTH: tl.constexpr, LEVELS: tl.constexpr,
+                         SPLIT: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, WIDTH)
+        cols = tl.arange(0, WIDTH)[None, :]  # a [1, WIDTH] block: one row
         mask = cols < n
         xf = tl.load(x_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32)
-        acc = xf * xf  # zero past n: the padding of ops.tree_sum
-        for _ in tl.static_range(LEVELS):  # adjacent pairs: (a0 + a1), (a2 + a3), ... as ops.tree_sum
-            a, b = tl.split(tl.reshape(acc, [acc.shape[0] // 2, 2]))
-            acc = a + b
-        ms = tl.div_rn(tl.sum(acc, axis=0), n.to(tl.float32))  # one element left: the sum is exact
+        acc = _pair_tree(xf * xf, LEVELS, SPLIT)  # zero past n: the padding of ops.tree_sum; [1]
+        ms = tl.div_rn(acc, n.to(tl.float32))
         inv = tl.div_rn(1.0, tl.sqrt_rn(ms + eps))
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        y = (xf * inv) * w
+        y = (xf * inv[:, None]) * w
         tl.store(y_ptr + row * n + cols, _cast_out(y, y_ptr.dtype.element_ty), mask=mask)  # RNE, also interpreted
 
     @triton.jit(do_not_specialize=["n"])
@@ -360,15 +368,13 @@ if triton is not None:
             tl.store(y_ptr.to(tl.pointer_type(tl.uint16)) + offs, tl.where(in_rot[None, :], bits, raw), mask=m)
 
     @triton.jit(do_not_specialize=["rows", "n"])
-    def _tree_sum_kernel(x_ptr, y_ptr, rows, n, BLOCK_R: tl.constexpr, WIDTH: tl.constexpr, LEVELS: tl.constexpr):
+    def _tree_sum_kernel(x_ptr, y_ptr, rows, n, BLOCK_R: tl.constexpr, WIDTH: tl.constexpr, LEVELS: tl.constexpr,
+                         SPLIT: tl.constexpr):
         r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.arange(0, WIDTH)
         acc = tl.load(x_ptr + r[:, None] * n + cols[None, :], mask=(r < rows)[:, None] & (cols < n)[None, :],
                       other=0.0)  # zero past n: the padding of ops.tree_sum
-        for _ in tl.static_range(LEVELS):  # adjacent pairs, as ops.tree_sum
-            a, b = tl.split(tl.reshape(acc, [BLOCK_R, acc.shape[1] // 2, 2]))
-            acc = a + b
-        tl.store(y_ptr + r, tl.reshape(acc, [BLOCK_R]), mask=r < rows)
+        tl.store(y_ptr + r, _pair_tree(acc, LEVELS, SPLIT), mask=r < rows)  # adjacent pairs, as ops.tree_sum
 
 
 def available(x: torch.Tensor) -> bool:
@@ -409,7 +415,7 @@ def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     width = 1 << (n - 1).bit_length()  # n == 1: width 1, no addition (adding the +0 padding would turn -0.0 into +0.0)
     block_r = max(1, min(64, 4096 // width))
     _tree_sum_kernel[(triton.cdiv(rows, block_r),)](xm.contiguous(), out, rows, n, BLOCK_R=block_r, WIDTH=width,
-                                                    LEVELS=width.bit_length() - 1, num_warps=4,
+                                                    LEVELS=width.bit_length() - 1, SPLIT=interpreting(), num_warps=4,
                                                     enable_fp_fusion=False)
     return out
 
@@ -429,6 +435,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return y
     width = 1 << (n - 1).bit_length()
     _rms_norm_kernel[(rows,)](xc, wc, y, n, float(eps), WIDTH=max(width, 2), LEVELS=max(width, 2).bit_length() - 1,
+                              SPLIT=interpreting(),
                               num_warps=4 if width <= 4096 else 8, enable_fp_fusion=False)
     return y
 
@@ -564,5 +571,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
                                         qc.stride(0), qc.stride(1), kc.stride(0), kc.stride(1), o.stride(0),
                                         o.stride(1), **c, LOG2E=_LOG2E, LN2_HI=_LN2_HI, LN2_LO=_LN2_LO, RNE=_RNE,
                                         DP=dp, DL=dp.bit_length() - 1, KB=kb, KL=kb.bit_length() - 1, NB=nb,
-                                        NL=nb.bit_length() - 1, num_warps=4, enable_fp_fusion=False)
+                                        NL=nb.bit_length() - 1, SPLIT=interpreting(), num_warps=4, enable_fp_fusion=False)
     return out

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from minite.kernels._interpreter import ensure_interpreter_compat
+from minite.kernels._interpreter import ensure_interpreter_compat, interpreting
 
 from . import fused
 
@@ -44,14 +44,14 @@ def applies(n: int, k: int) -> bool:
 if triton is not None:
     @triton.jit(do_not_specialize=["m", "n", "k"])
     def _linear_kernel(x_ptr, w_ptr, y_ptr, m, n, k, sxm, swn, BLOCK_N: tl.constexpr, WIDTH: tl.constexpr,
-                       LEVELS: tl.constexpr):
+                       LEVELS: tl.constexpr, SPLIT: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         kk = tl.arange(0, WIDTH)
         x = fused._load_f32(x_ptr, row * sxm + kk, kk < k)
         w = fused._load_f32(w_ptr, cols[:, None].to(tl.int64) * swn + kk[None, :],
                             (cols < n)[:, None] & (kk < k)[None, :])
-        y = fused._pair_tree(x[None, :] * w, LEVELS)
+        y = fused._pair_tree(x[None, :] * w, LEVELS, SPLIT)
         tl.store(y_ptr + row * n + cols, y, mask=cols < n)
 
 
@@ -76,6 +76,6 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     width = 1 << (k - 1).bit_length()  # k == 1: width 1, no addition (as ops.tree_sum)
     block_n = _block_n(n, width)
     _linear_kernel[(m, triton.cdiv(n, block_n))](xc, wc, out, m, n, k, xc.stride(0), wc.stride(0), BLOCK_N=block_n,
-                                                 WIDTH=width, LEVELS=width.bit_length() - 1, num_warps=4,
+                                                 WIDTH=width, LEVELS=width.bit_length() - 1, SPLIT=interpreting(), num_warps=4,
                                                  enable_fp_fusion=False)
     return out

@@ -131,8 +131,10 @@ def test_fused_tree_sum_is_bitwise_ops_tree_sum(n):
     x[0, 0, 0] = -0.0  # n == 1: the sum is the element itself, sign of zero included
     x[1, 0, 1] = math.inf
     x[2, -1, 2] = math.nan
+    x[1, :, 3] = -0.0  # a sum of negative zeros is -0.0 (no +0.0 identity enters a pair) unless padding adds +0.0
     for dim in (1, -1, 0):
         assert _same_bits(fused.tree_sum(x, dim), ops.tree_sum(x, dim)), dim
+    assert bool(fused.tree_sum(x, 1)[1, 3].signbit()) == (n & (n - 1) == 0)
     assert fused.tree_sum(torch.empty(4, 0, device=DEVICE), -1).eq(0).all()
     with pytest.raises(ValueError, match="float32"):
         fused.tree_sum(x.double())
