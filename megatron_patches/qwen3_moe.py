@@ -96,10 +96,18 @@ class RMSNorm(torch.nn.RMSNorm):
 
 def sdpa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
                    causal: bool = True) -> torch.Tensor:
-    """Attention with torch's SDPA: q [s, b, np, hn], k/v [s_k, b, ng, hn] (GQA groups repeated as upstream does) ->
-    [s, b, np * hn], the layout DotProductAttention returns. causal: over a whole sequence (s = s_k); else every
-    query sees every key (a decode step's one query)."""
+    """Attention with torch's SDPA: q [s, b, np, hn], k/v [s_k, b, ng, hn] (query head i reads group i // (np / ng),
+    as upstream's repeat_interleave) -> [s, b, np * hn], the layout DotProductAttention returns. causal: over a whole
+    sequence (s = s_k), the groups repeated as upstream does; else every query sees every key (a decode step's one
+    query): the np / ng query heads of a group are that group's queries, so the cache is read in place (not two
+    copies of the whole cache, each np / ng times larger, per layer and step)."""
     rep = query.shape[2] // key.shape[2]
+    if not causal and query.shape[0] == 1:
+        b, ng, hn = query.shape[1], key.shape[2], query.shape[3]
+        q = query[0].view(b, ng, rep, hn)  # [b, groups, queries of the group, hn]
+        k, v = (t.permute(1, 2, 0, 3) for t in (key, value))  # [b, groups, s_k, hn]
+        out = F.scaled_dot_product_attention(q, k, v, scale=scale)
+        return out.reshape(1, b, ng * rep * hn)
     if rep > 1:
         key, value = key.repeat_interleave(rep, dim=2), value.repeat_interleave(rep, dim=2)
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]

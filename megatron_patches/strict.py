@@ -71,11 +71,7 @@ def _attention_forward(self, query, key, value, attention_mask=None, attn_mask_t
     """DotProductAttention.forward: q [sq, b, np, hn], k/v [sk, b, ng, hn] -> [sq, b, np * hn] (causal)."""
     if packed_seq_params is not None or attention_bias is not None:
         raise ValueError("strict attention: packed sequences and attention bias are not supported")
-    rep = query.shape[2] // key.shape[2]
-    if rep > 1:
-        key = key.repeat_interleave(rep, dim=2)
-        value = value.repeat_interleave(rep, dim=2)
-    ctx = S.attention(query, key, value, float(self.softmax_scale))
+    ctx = S.attention(query, key, value, float(self.softmax_scale))  # GQA groups read in place (no expansion)
     return ctx.reshape(ctx.shape[0], ctx.shape[1], -1).to(query.dtype)
 
 

@@ -168,8 +168,8 @@ if triton is not None:
                 acc = tl.sum(pairs, axis=2)
         return tl.reshape(acc, [acc.shape[0]])
 
-    @triton.jit(do_not_specialize=["sq", "sk", "d", "bh", "i0"])
-    def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, s_ptr, e_ptr, bs_ptr, cs_ptr, sq, sk, d, bh, i0, scale,
+    @triton.jit(do_not_specialize=["sq", "sk", "d", "bh", "i0", "h", "rep"])
+    def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, s_ptr, e_ptr, bs_ptr, cs_ptr, sq, sk, d, bh, i0, h, rep, scale,
                           sq_i, sq_bh, sk_j, sk_bh, so_i, so_bh,
                           C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr,
                           C5: tl.constexpr, C6: tl.constexpr, C7: tl.constexpr, C8: tl.constexpr, C9: tl.constexpr,
@@ -181,6 +181,7 @@ if triton is not None:
         them (module docstring of ops; the function `attention` below says how the sums are split into blocks)."""
         pid = tl.program_id(0).to(tl.int64)  # scratch rows are per launch; the query is i0 + pid // bh
         i, g = i0 + pid // bh, pid % bh
+        kv = (g // h) * (h // rep) + (g % h) // rep  # the KV head of query head g % h in batch row g // h
         pos = sk - sq + i
         dd = tl.arange(0, DP)
         jj = tl.arange(0, KB).to(tl.int64)  # key offsets j * sk_j reach past 2^31 for long contexts
@@ -189,7 +190,7 @@ if triton is not None:
         m = tl.full([1], float("-inf"), tl.float32)
         for blk in range(NB):  # scores: tree sums over d, then * scale; the max over allowed keys
             j = blk * KB + jj
-            kk = _load_f32(k_ptr, j[:, None] * sk_j + g * sk_bh + dd[None, :], (j[:, None] < sk) & (dd[None, :] < d))
+            kk = _load_f32(k_ptr, j[:, None] * sk_j + kv * sk_bh + dd[None, :], (j[:, None] < sk) & (dd[None, :] < d))
             sc = _pair_tree(q[None, :] * kk, DL, SPLIT) * scale
             tl.store(srow + j, sc)
             m = tl.maximum(m, tl.max(tl.where(j <= pos, sc, float("-inf")), axis=0))
@@ -207,7 +208,7 @@ if triton is not None:
         for blk in range(NB):  # context: p = e / denom; tree sums over the block's keys per channel
             j = blk * KB + jj
             p = tl.div_rn(tl.load(erow + j), tl.broadcast_to(denom, [KB]))
-            vt = _load_f32(v_ptr, j[None, :] * sk_j + g * sk_bh + dd[:, None],
+            vt = _load_f32(v_ptr, j[None, :] * sk_j + kv * sk_bh + dd[:, None],
                            (j[None, :] < sk) & (dd[:, None] < d))  # [DP, KB]
             tl.store(cs_ptr + (pid * DP + dd) * NB + blk, _pair_tree(p[None, :] * vt, KL, SPLIT))
         tl.debug_barrier()
@@ -533,16 +534,17 @@ ATTENTION_SCRATCH_BYTES = 256 << 20
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """ops.attention's bits (q [sq, b, h, d], k/v [sk, b, h, d] -> [sq, b, h, d] fp32) with one program per (query,
-    batch x head): the scores' tree sums over d, the causal mask by absolute position, the max, the strict exp, the
+    """ops.attention's bits (q [sq, b, h, d], k/v [sk, b, g, d] with g dividing h -> [sq, b, h, d] fp32) with one
+    program per (query, batch x head), which reads its KV head in place (query head i: KV head i // (h / g), no
+    expanded copy of the cache): the scores' tree sums over d, the causal mask by absolute position, the max, the strict exp, the
     denominator's tree sum over keys, p = e / denominator, the context's tree sums over keys: the same operations in
     the same order. The key sums run over aligned blocks of ATTENTION_KEY_BLOCK keys and then over the block sums
     (ATTENTION_KEY_BLOCK's docstring); the scores, e and the block sums pass through scratch buffers."""
     if not available(q):
         raise ValueError("strict fused attention needs floating CUDA tensors (or TRITON_INTERPRET=1)")
     sq, b, h, d = q.shape
-    sk = k.shape[0]
-    if k.shape != (sk, b, h, d) or v.shape != k.shape:
+    sk, hkv = k.shape[0], k.shape[2] if k.dim() == 4 else 0
+    if k.shape != (sk, b, hkv, d) or v.shape != k.shape or hkv == 0 or h % hkv:
         raise ValueError(f"strict fused attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if sk == 0 or sq > sk:
         raise ValueError(f"strict fused attention: {sq} queries over {sk} keys (each query needs its own key)")
@@ -552,7 +554,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     out = torch.empty(sq, b, h, d, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out
-    qc, kc, vc = (t.contiguous().view(t.shape[0], b * h, d) for t in (q, k, v))
+    qc, kc, vc = (t.contiguous().view(t.shape[0], b * t.shape[2], d) for t in (q, k, v))
     dp = 1 << (d - 1).bit_length()
     skp = 1 << (sk - 1).bit_length()
     kb = min(ATTENTION_KEY_BLOCK, skp)
@@ -567,7 +569,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     c = {f"C{i}": v for i, v in enumerate(_EXP_COEFFS)}
     for i0 in range(0, sq, step):
         n = min(step, sq - i0)
-        _attention_kernel[(n * b * h,)](qc, kc, vc, o, scratch, e, bs, cs, sq, sk, d, b * h, i0, float(scale),
+        _attention_kernel[(n * b * h,)](qc, kc, vc, o, scratch, e, bs, cs, sq, sk, d, b * h, i0, h, h // hkv,
+                                        float(scale),
                                         qc.stride(0), qc.stride(1), kc.stride(0), kc.stride(1), o.stride(0),
                                         o.stride(1), **c, LOG2E=_LOG2E, LN2_HI=_LN2_HI, LN2_LO=_LN2_LO, RNE=_RNE,
                                         DP=dp, DL=dp.bit_length() - 1, KB=kb, KL=kb.bit_length() - 1, NB=nb,

@@ -257,15 +257,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention, q [sq, b, h, d], k/v [sk, b, h, d] (heads already expanded) -> [sq, b, h, d] fp32.
+    """Causal attention, q [sq, b, h, d], k/v [sk, b, g, d] with g dividing h (grouped-query attention: query head
+    i reads KV head i // (h / g), as Megatron's repeat_interleave of the groups) -> [sq, b, h, d] fp32.
 
     Query i sits at absolute position sk - sq + i and sees keys 0..that position; keys past it get probability
     exactly 0. Scores are tree sums over d; the softmax denominator and the context are tree sums over keys at
     absolute key positions, so a decode step (sq = 1) and a full forward give the same bits.
     """
+    if k.dim() != 4 or v.shape != k.shape or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3] or \
+            k.shape[2] == 0 or q.shape[2] % k.shape[2]:
+        raise ValueError(f"strict attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if 0 < k.shape[0] <= fused.ATTENTION_MAX_KEYS and q.shape[0] <= k.shape[0] and \
             fused.routes(q, k, v, kernel="attention"):
         return fused.attention(q, k, v, scale)
+    rep = q.shape[2] // k.shape[2]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
     sq, sk = q.shape[0], k.shape[0]
     qf, kf, vf = q.float(), k.float(), v.float()
     kt = kf.permute(1, 2, 0, 3)          # [b, h, sk, d]

@@ -142,10 +142,11 @@ def test_fused_attention_is_bitwise_the_torch_attention_on_cuda(monkeypatch):
 
     from minite.strict import fused, ops as S
     g = torch.Generator(device="cuda").manual_seed(5)
-    for sq, sk, b, h, d in ((1, 72, 64, 32, 128), (32, 32, 8, 32, 128), (1, 4096, 2, 4, 128), (3, 7, 2, 2, 12)):
+    for sq, sk, b, h, hkv, d in ((1, 72, 64, 32, 4, 128), (1, 72, 64, 32, 32, 128), (32, 32, 8, 32, 4, 128),
+                                 (1, 4096, 2, 4, 4, 128), (3, 7, 2, 2, 1, 12)):
         q = (torch.randn(sq, b, h, d, device="cuda", generator=g) * 3).to(torch.bfloat16)
-        k = (torch.randn(sk, b, h, d, device="cuda", generator=g) * 3).to(torch.bfloat16)
-        v = torch.randn(sk, b, h, d, device="cuda", generator=g).to(torch.bfloat16)
+        k = (torch.randn(sk, b, hkv, d, device="cuda", generator=g) * 3).to(torch.bfloat16)
+        v = torch.randn(sk, b, hkv, d, device="cuda", generator=g).to(torch.bfloat16)
         v[:, 0, 0, 0] = -0.0  # every product p * v of this channel is -0.0 (p >= 0; the padding adds +0.0)
         with monkeypatch.context() as mp, torch.no_grad():
             mp.setattr(fused, "PROVEN", set())  # the reference: strict mode's torch ops alone

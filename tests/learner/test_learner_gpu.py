@@ -98,11 +98,12 @@ def test_sdpa_attention_bf16_matches_unfused_and_is_taken_on_gpu():
     conf = transformer_config(shape, compute_dtype=torch.bfloat16)
     up = DotProductAttention(conf, 1, AttnMaskType.causal, "self").cuda()
     fused = FusedDotProductAttention(conf, 1, AttnMaskType.causal, "self").cuda()
-    q, k, v = (torch.randn(1024, 1, h, 128, device="cuda", dtype=torch.bfloat16) for h in (32, 4, 4))
+    q, k, v = (torch.randn(1024, 3, h, 128, device="cuda", dtype=torch.bfloat16) for h in (32, 4, 4))
     assert fused._sdpa_mode(q, k, None, None, None, None) == "causal"
     err = (fused(q, k, v, None).float() - up(q, k, v, None).float()).abs().max().item()
     assert err <= TOLERANCES["sdpa_vs_unfused_bf16"][0] * v.float().abs().max().item()
-    # a decode step (one query over the cache, no mask): SDPA too, and no fork of Megatron's RNG tracker
+    # a decode step (one query over the cache, no mask): SDPA too, each group's query heads over the group's cache
+    # in place, and no fork of Megatron's RNG tracker
     fused.eval(), up.eval()
     assert fused._sdpa_mode(q[-1:], k, None, AttnMaskType.no_mask, None, None) == "decode"
     one = fused(q[-1:], k, v, None, attn_mask_type=AttnMaskType.no_mask)

@@ -201,6 +201,23 @@ def test_fused_attention_is_bitwise_ops_attention(sq, sk, d, dtype, monkeypatch)
         assert got.dtype == torch.float32 and _same_bits(got, ref), (block, (got - ref).abs().max())
 
 
+def test_fused_attention_reads_grouped_kv_heads_in_place(monkeypatch):
+    """Grouped-query attention: query head i reads KV head i // (h / g), the bits of the expanded heads."""
+    g = torch.Generator().manual_seed(3)
+    q = (torch.randn(5, 2, 6, 16, generator=g) * 3).to(DEVICE)
+    k, v = ((torch.randn(5, 2, 2, 16, generator=g) * 3).to(DEVICE) for _ in range(2))
+    expanded = [t.repeat_interleave(3, dim=2) for t in (k, v)]
+    monkeypatch.setattr(fused, "PROVEN", fused.PROVEN - {"attention", "exp", "tree_sum"})  # the torch ops
+    ref = ops.attention(q, *expanded, 0.25)
+    assert _same_bits(ops.attention(q, k, v, 0.25), ref)
+    assert _same_bits(fused.attention(q, k, v, 0.25), ref)
+    for bad in (k[:, :, :0], torch.randn(5, 2, 4, 16, device=DEVICE)):  # no heads; 6 query heads over 4 groups
+        with pytest.raises(ValueError, match="attention"):
+            fused.attention(q, bad, bad, 0.25)
+        with pytest.raises(ValueError, match="attention"):
+            ops.attention(q, bad, bad, 0.25)
+
+
 def test_fused_attention_rows_do_not_depend_on_the_batch():
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(n, 4, 2, 16, generator=g).to(DEVICE) for n in (3, 9, 9))

@@ -171,10 +171,7 @@ def _model_forward(self, input_ids, positions, forward_batch, input_embeds=None,
 
 def _request_attention(q, k_cache, v_cache, tokens, scale: float) -> torch.Tensor:
     """q [sq, h, d] at the last sq positions of a request whose K/V cache slots are `tokens` -> [sq, h, d] fp32."""
-    k, v = k_cache[tokens], v_cache[tokens]                          # [sk, hkv, d]
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1:
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    k, v = k_cache[tokens], v_cache[tokens]                          # [sk, hkv, d]: S.attention reads the groups
     return S.attention(q[:, None], k[:, None].to(q.dtype), v[:, None].to(q.dtype), scale)[:, 0]
 
 
