@@ -52,7 +52,7 @@ import math
 
 import torch
 
-from . import fused, fused_linear, triton_gemm
+from . import fused, fused_attention, fused_linear, triton_gemm
 
 _CHUNK_ELEMS = 1 << 24  # products held at once by `linear` and `attention` (64 MiB of fp32)
 
@@ -267,9 +267,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     if k.dim() != 4 or v.shape != k.shape or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3] or \
             k.shape[2] == 0 or q.shape[2] % k.shape[2]:
         raise ValueError(f"strict attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if 0 < k.shape[0] <= fused.ATTENTION_MAX_KEYS and q.shape[0] <= k.shape[0] and \
+    if 0 < k.shape[0] <= fused_attention.ATTENTION_MAX_KEYS and q.shape[0] <= k.shape[0] and \
             fused.routes(q, k, v, kernel="attention"):
-        return fused.attention(q, k, v, scale)
+        return fused_attention.attention(q, k, v, scale)
     rep = q.shape[2] // k.shape[2]
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)

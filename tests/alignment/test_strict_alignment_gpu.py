@@ -135,15 +135,15 @@ def test_fused_log_is_bitwise_the_torch_log_on_cuda():
 
 
 def test_fused_attention_is_bitwise_the_torch_attention_on_cuda(monkeypatch):
-    """minite.strict.fused.attention (routed since this passed on the H200: fused.PROVEN): ops.attention's
+    """minite.strict.fused_attention.attention (routed since this passed on the H200: fused.PROVEN): ops.attention's
     operations per (query, batch x head) in one kernel, the same bits as the torch ops on CUDA, for a decode step, a
     prefill and a long context, and a row alone equal to the same row in the batch."""
     import math
 
-    from minite.strict import fused, ops as S
+    from minite.strict import fused, fused_attention, ops as S
     g = torch.Generator(device="cuda").manual_seed(5)
     for sq, sk, b, h, hkv, d in ((1, 72, 64, 32, 4, 128), (1, 72, 64, 32, 32, 128), (32, 32, 8, 32, 4, 128),
-                                 (1, 4096, 2, 4, 4, 128), (3, 7, 2, 2, 1, 12)):
+                                 (1, 200, 16, 32, 4, 128), (1, 4096, 2, 4, 4, 128), (3, 7, 2, 2, 1, 12)):
         q = (torch.randn(sq, b, h, d, device="cuda", generator=g) * 3).to(torch.bfloat16)
         k = (torch.randn(sk, b, hkv, d, device="cuda", generator=g) * 3).to(torch.bfloat16)
         v = torch.randn(sk, b, hkv, d, device="cuda", generator=g).to(torch.bfloat16)
@@ -151,10 +151,14 @@ def test_fused_attention_is_bitwise_the_torch_attention_on_cuda(monkeypatch):
         with monkeypatch.context() as mp, torch.no_grad():
             mp.setattr(fused, "PROVEN", set())  # the reference: strict mode's torch ops alone
             ref = S.attention(q, k, v, 1 / math.sqrt(d))
-        got = fused.attention(q, k, v, 1 / math.sqrt(d))
+        got = fused_attention.attention(q, k, v, 1 / math.sqrt(d))
         assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), (sq, sk, (got - ref).abs().max().item())
-        alone = fused.attention(q[:, :1], k[:, :1], v[:, :1], 1 / math.sqrt(d))
+        alone = fused_attention.attention(q[:, :1], k[:, :1], v[:, :1], 1 / math.sqrt(d))
         assert torch.equal(alone.view(torch.int32), got[:, :1].view(torch.int32))
+        with monkeypatch.context() as mp:  # the blocked kernel for every context: the short one's bits
+            mp.setattr(fused_attention, "ATTENTION_SHORT_KEYS", 0)
+            blocked = fused_attention.attention(q, k, v, 1 / math.sqrt(d))
+        assert torch.equal(blocked.view(torch.int32), got.view(torch.int32))
 
 
 def test_fused_rope_is_bitwise_the_torch_rope_on_cuda(monkeypatch):

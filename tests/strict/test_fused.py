@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from minite.strict import fused, ops
+from minite.strict import fused_attention as FA
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -195,10 +196,11 @@ def test_fused_attention_is_bitwise_ops_attention(sq, sk, d, dtype, monkeypatch)
     v = (torch.randn(sk, 2, 3, d, generator=g) * torch.logspace(-4, 4, d)).to(dtype).to(DEVICE)  # order-sensitive
     monkeypatch.setattr(fused, "PROVEN", fused.PROVEN - {"attention", "exp", "tree_sum"})  # the reference: torch ops
     ref = ops.attention(q, k, v, 1 / math.sqrt(d))
-    for block in (fused.ATTENTION_KEY_BLOCK, 4):  # the key blocks change no bit
-        monkeypatch.setattr(fused, "ATTENTION_KEY_BLOCK", block)
-        got = fused.attention(q, k, v, 1 / math.sqrt(d))
-        assert got.dtype == torch.float32 and _same_bits(got, ref), (block, (got - ref).abs().max())
+    for short, block in ((FA.ATTENTION_SHORT_KEYS, 32), (0, FA.ATTENTION_KEY_BLOCK), (0, 4)):
+        monkeypatch.setattr(FA, "ATTENTION_SHORT_KEYS", short)  # 0: the blocked kernel, whose key blocks change no bit
+        monkeypatch.setattr(FA, "ATTENTION_KEY_BLOCK", block)
+        got = FA.attention(q, k, v, 1 / math.sqrt(d))
+        assert got.dtype == torch.float32 and _same_bits(got, ref), (short, block, (got - ref).abs().max())
 
 
 def test_fused_attention_reads_grouped_kv_heads_in_place(monkeypatch):
@@ -210,10 +212,10 @@ def test_fused_attention_reads_grouped_kv_heads_in_place(monkeypatch):
     monkeypatch.setattr(fused, "PROVEN", fused.PROVEN - {"attention", "exp", "tree_sum"})  # the torch ops
     ref = ops.attention(q, *expanded, 0.25)
     assert _same_bits(ops.attention(q, k, v, 0.25), ref)
-    assert _same_bits(fused.attention(q, k, v, 0.25), ref)
+    assert _same_bits(FA.attention(q, k, v, 0.25), ref)
     for bad in (k[:, :, :0], torch.randn(5, 2, 4, 16, device=DEVICE)):  # no heads; 6 query heads over 4 groups
         with pytest.raises(ValueError, match="attention"):
-            fused.attention(q, bad, bad, 0.25)
+            FA.attention(q, bad, bad, 0.25)
         with pytest.raises(ValueError, match="attention"):
             ops.attention(q, bad, bad, 0.25)
 
@@ -221,9 +223,9 @@ def test_fused_attention_reads_grouped_kv_heads_in_place(monkeypatch):
 def test_fused_attention_rows_do_not_depend_on_the_batch():
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(n, 4, 2, 16, generator=g).to(DEVICE) for n in (3, 9, 9))
-    full = fused.attention(q, k, v, 0.25)
-    assert torch.equal(fused.attention(q[:, 1:2], k[:, 1:2], v[:, 1:2], 0.25), full[:, 1:2])
-    assert torch.equal(fused.attention(q[2:], k, v, 0.25), full[2:])  # the last query alone: a decode step
+    full = FA.attention(q, k, v, 0.25)
+    assert torch.equal(FA.attention(q[:, 1:2], k[:, 1:2], v[:, 1:2], 0.25), full[:, 1:2])
+    assert torch.equal(FA.attention(q[2:], k, v, 0.25), full[2:])  # the last query alone: a decode step
 
 
 def test_fused_attention_special_values_and_errors():
@@ -231,11 +233,11 @@ def test_fused_attention_special_values_and_errors():
     k, v = torch.randn(4, 1, 2, 8, device=DEVICE), torch.randn(4, 1, 2, 8, device=DEVICE)
     v[1, 0, 0, 3] = math.inf
     k[2, 0, 1, 0] = math.nan
-    assert _same_bits(fused.attention(q, k, v, 0.5), ops.attention(q, k, v, 0.5))
+    assert _same_bits(FA.attention(q, k, v, 0.5), ops.attention(q, k, v, 0.5))
     with pytest.raises(ValueError, match="attention"):
-        fused.attention(q, k[:, :, :1], v, 0.5)
+        FA.attention(q, k[:, :, :1], v, 0.5)
     with pytest.raises(ValueError, match="queries over"):
-        fused.attention(torch.randn(5, 1, 2, 8, device=DEVICE), k, v, 0.5)  # more queries than keys
+        FA.attention(torch.randn(5, 1, 2, 8, device=DEVICE), k, v, 0.5)  # more queries than keys
     with pytest.raises(ValueError, match="fp32/bf16/fp16"):
         fused.log(torch.rand(3, dtype=torch.float64, device=DEVICE))
 
@@ -248,9 +250,9 @@ def test_fused_attention_in_several_launches_and_bf16_subnormals(monkeypatch):
     v = (torch.randn(9, 2, 2, 8, generator=g) * 1e-39).to(torch.bfloat16).to(DEVICE)  # bf16 subnormals
     assert bool((v != 0).any())
     ref = ops.attention(q, k, v, 0.3)
-    whole = fused.attention(q, k, v, 0.3)
-    monkeypatch.setattr(fused, "ATTENTION_SCRATCH_BYTES", 1)  # one query per launch
-    assert _same_bits(whole, ref) and _same_bits(fused.attention(q, k, v, 0.3), ref)
+    whole = FA.attention(q, k, v, 0.3)
+    monkeypatch.setattr(FA, "ATTENTION_SCRATCH_BYTES", 1)  # one query per launch
+    assert _same_bits(whole, ref) and _same_bits(FA.attention(q, k, v, 0.3), ref)
 
 
 def _rope_same(got, ref):

@@ -1,0 +1,166 @@
+"""Strict attention fused into Triton kernels: `ops.attention`'s operations, in the same order, per (query, batch x head).
+
+Two kernels, the same bits (tests/strict/test_fused.py under the interpreter; on the H200
+tests/alignment/test_strict_alignment_gpu.py): `_attention_short_kernel` holds a context of at most
+ATTENTION_SHORT_KEYS keys in registers and runs in one pass (a decode step of a short rollout); `_attention_kernel`
+walks longer contexts in blocks of ATTENTION_KEY_BLOCK keys through scratch buffers. Both read grouped KV heads in
+place (query head i reads KV head i // (h / g)). The IEEE rules (no FMA contraction, correctly rounded division, the
+strict exp) are `minite.strict.fused`'s, whose helpers they use; "attention" in `fused.PROVEN` routes them.
+"""
+from __future__ import annotations
+
+import torch
+
+from minite.kernels._interpreter import ensure_interpreter_compat, interpreting
+
+from . import fused
+from .fused import _EXP_COEFFS, _LN2_HI, _LN2_LO, _LOG2E, _RNE, available
+
+if fused.triton is not None:
+    import triton
+    import triton.language as tl
+
+    from .fused import _exp64, _load_f32, _pair_tree
+
+    @triton.jit(do_not_specialize=["sq", "sk", "d", "bh", "i0", "h", "rep"])
+    def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, s_ptr, e_ptr, bs_ptr, cs_ptr, sq, sk, d, bh, i0, h, rep, scale,
+                          sq_i, sq_bh, sk_j, sk_bh, so_i, so_bh,
+                          C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr,
+                          C5: tl.constexpr, C6: tl.constexpr, C7: tl.constexpr, C8: tl.constexpr, C9: tl.constexpr,
+                          C10: tl.constexpr, C11: tl.constexpr, C12: tl.constexpr, C13: tl.constexpr,
+                          LOG2E: tl.constexpr, LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, RNE: tl.constexpr,
+                          DP: tl.constexpr, DL: tl.constexpr, KB: tl.constexpr, KL: tl.constexpr,
+                          NB: tl.constexpr, NL: tl.constexpr, SPLIT: tl.constexpr):
+        """ops.attention for one (query, batch x head) pair: scores, softmax and context as its torch ops compute
+        them (module docstring of ops; the function `attention` below says how the sums are split into blocks)."""
+        pid = tl.program_id(0).to(tl.int64)  # scratch rows are per launch; the query is i0 + pid // bh
+        i, g = i0 + pid // bh, pid % bh
+        kv = (g // h) * (h // rep) + (g % h) // rep  # the KV head of query head g % h in batch row g // h
+        pos = sk - sq + i
+        dd = tl.arange(0, DP)
+        jj = tl.arange(0, KB).to(tl.int64)  # key offsets j * sk_j reach past 2^31 for long contexts
+        q = _load_f32(q_ptr, i * sq_i + g * sq_bh + dd, dd < d)
+        srow, erow = s_ptr + pid * NB * KB, e_ptr + pid * NB * KB
+        m = tl.full([1], float("-inf"), tl.float32)
+        for blk in range(NB):  # scores: tree sums over d, then * scale; the max over allowed keys
+            j = blk * KB + jj
+            kk = _load_f32(k_ptr, j[:, None] * sk_j + kv * sk_bh + dd[None, :], (j[:, None] < sk) & (dd[None, :] < d))
+            sc = _pair_tree(q[None, :] * kk, DL, SPLIT) * scale
+            tl.store(srow + j, sc)
+            m = tl.maximum(m, tl.max(tl.where(j <= pos, sc, float("-inf")), axis=0))
+        tl.debug_barrier()
+        for blk in range(NB):  # e = exp(scores - m) where allowed, else 0; block sums of e
+            j = blk * KB + jj
+            sc = tl.load(srow + j)
+            ex = _exp64((sc - m).to(tl.float64), C0, C1, C2, C3, C4, C5, C6, C7, C8, C9, C10, C11, C12, C13,
+                        LOG2E, LN2_HI, LN2_LO, RNE)
+            e = tl.where(j <= pos, ex, 0.0)
+            tl.store(erow + j, e)
+            tl.store(bs_ptr + pid * NB + blk + tl.arange(0, 1), _pair_tree(tl.reshape(e, [1, KB]), KL, SPLIT))
+        tl.debug_barrier()
+        denom = _pair_tree(tl.load(bs_ptr + pid * NB + tl.arange(0, NB))[None, :], NL, SPLIT)  # [1]: the tree's top
+        for blk in range(NB):  # context: p = e / denom; tree sums over the block's keys per channel
+            j = blk * KB + jj
+            p = tl.div_rn(tl.load(erow + j), tl.broadcast_to(denom, [KB]))
+            vt = _load_f32(v_ptr, j[None, :] * sk_j + kv * sk_bh + dd[:, None],
+                           (j[None, :] < sk) & (dd[:, None] < d))  # [DP, KB]
+            tl.store(cs_ptr + (pid * DP + dd) * NB + blk, _pair_tree(p[None, :] * vt, KL, SPLIT))
+        tl.debug_barrier()
+        ctx = _pair_tree(tl.load(cs_ptr + (pid * DP + dd)[:, None] * NB + tl.arange(0, NB)[None, :]), NL, SPLIT)
+        tl.store(o_ptr + i * so_i + g * so_bh + dd, ctx, mask=dd < d)
+
+    @triton.jit(do_not_specialize=["sq", "sk", "d", "bh", "i0", "h", "rep"])
+    def _attention_short_kernel(q_ptr, k_ptr, v_ptr, o_ptr, sq, sk, d, bh, i0, h, rep, scale,
+                                sq_i, sq_bh, sk_j, sk_bh, so_i, so_bh,
+                                C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr,
+                                C4: tl.constexpr, C5: tl.constexpr, C6: tl.constexpr, C7: tl.constexpr,
+                                C8: tl.constexpr, C9: tl.constexpr, C10: tl.constexpr, C11: tl.constexpr,
+                                C12: tl.constexpr, C13: tl.constexpr, LOG2E: tl.constexpr, LN2_HI: tl.constexpr,
+                                LN2_LO: tl.constexpr, RNE: tl.constexpr, DP: tl.constexpr, DL: tl.constexpr,
+                                KP: tl.constexpr, KL: tl.constexpr, SPLIT: tl.constexpr):
+        """_attention_kernel's operations for a context of at most KP keys (the padded width), every score, weight
+        and product in registers: no scratch, no barrier. The sums over keys are the pair tree over all KP keys,
+        which is the tree over aligned key blocks and then over the block sums (ATTENTION_KEY_BLOCK)."""
+        pid = tl.program_id(0).to(tl.int64)
+        i, g = i0 + pid // bh, pid % bh
+        kv = (g // h) * (h // rep) + (g % h) // rep  # the KV head of query head g % h in batch row g // h
+        pos = sk - sq + i
+        dd = tl.arange(0, DP)
+        jj = tl.arange(0, KP).to(tl.int64)
+        q = _load_f32(q_ptr, i * sq_i + g * sq_bh + dd, dd < d)
+        kk = _load_f32(k_ptr, jj[:, None] * sk_j + kv * sk_bh + dd[None, :], (jj[:, None] < sk) & (dd[None, :] < d))
+        sc = _pair_tree(q[None, :] * kk, DL, SPLIT) * scale  # [KP]: tree sums over d, then * scale
+        allowed = jj <= pos
+        m = tl.max(tl.where(allowed, sc, float("-inf")), axis=0)
+        ex = _exp64((sc - m).to(tl.float64), C0, C1, C2, C3, C4, C5, C6, C7, C8, C9, C10, C11, C12, C13,
+                    LOG2E, LN2_HI, LN2_LO, RNE)
+        e = tl.where(allowed, ex, 0.0)
+        denom = _pair_tree(tl.reshape(e, [1, KP]), KL, SPLIT)  # [1]
+        p = tl.div_rn(e, tl.broadcast_to(denom, [KP]))
+        vt = _load_f32(v_ptr, jj[None, :] * sk_j + kv * sk_bh + dd[:, None], (jj[None, :] < sk) & (dd[:, None] < d))
+        ctx = _pair_tree(p[None, :] * vt, KL, SPLIT)  # [DP]: tree sums over the keys per channel
+        tl.store(o_ptr + i * so_i + g * so_bh + dd, ctx, mask=dd < d)
+
+
+ATTENTION_KEY_BLOCK = 32
+"""Keys per block of the fused attention: the tree over the zero-padded key width (a power of two) is the tree over
+aligned blocks of this many keys, then the tree over the block sums, so the split changes no bit."""
+ATTENTION_SHORT_KEYS = 128
+"""Contexts of at most this many keys (padded to a power of two) run `_attention_short_kernel`: the whole context in
+registers, one pass (a decode step of a short rollout); longer ones the blocked kernel with scratch. The same bits
+either way (tests/strict/test_fused.py, and on the H200 tests/alignment/test_strict_alignment_gpu.py)."""
+ATTENTION_MAX_KEYS = 8192
+"""The longest context routed to the fused attention (its last pass holds [d, keys / ATTENTION_KEY_BLOCK] values)."""
+ATTENTION_SCRATCH_BYTES = 256 << 20
+"""Scratch of one launch; more queries run as further launches (programs are independent: no bit changes)."""
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """ops.attention's bits (q [sq, b, h, d], k/v [sk, b, g, d] with g dividing h -> [sq, b, h, d] fp32) with one
+    program per (query, batch x head), which reads its KV head in place (query head i: KV head i // (h / g), no
+    expanded copy of the cache): the scores' tree sums over d, the causal mask by absolute position, the max, the strict exp, the
+    denominator's tree sum over keys, p = e / denominator, the context's tree sums over keys: the same operations in
+    the same order. The key sums run over aligned blocks of ATTENTION_KEY_BLOCK keys and then over the block sums
+    (ATTENTION_KEY_BLOCK's docstring); the scores, e and the block sums pass through scratch buffers."""
+    if not available(q):
+        raise ValueError("strict fused attention needs floating CUDA tensors (or TRITON_INTERPRET=1)")
+    sq, b, h, d = q.shape
+    sk, hkv = k.shape[0], k.shape[2] if k.dim() == 4 else 0
+    if k.shape != (sk, b, hkv, d) or v.shape != k.shape or hkv == 0 or h % hkv:
+        raise ValueError(f"strict fused attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if sk == 0 or sq > sk:
+        raise ValueError(f"strict fused attention: {sq} queries over {sk} keys (each query needs its own key)")
+    if sk > ATTENTION_MAX_KEYS:
+        raise ValueError(f"strict fused attention: {sk} keys, at most {ATTENTION_MAX_KEYS}")
+    ensure_interpreter_compat()
+    out = torch.empty(sq, b, h, d, dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out
+    qc, kc, vc = (t.contiguous().view(t.shape[0], b * t.shape[2], d) for t in (q, k, v))
+    dp = 1 << (d - 1).bit_length()
+    skp = 1 << (sk - 1).bit_length()
+    c = {f"C{i}": v for i, v in enumerate(_EXP_COEFFS)}
+    o = out.view(sq, b * h, d)
+    strides = (qc.stride(0), qc.stride(1), kc.stride(0), kc.stride(1), o.stride(0), o.stride(1))
+    if skp <= ATTENTION_SHORT_KEYS:
+        _attention_short_kernel[(sq * b * h,)](qc, kc, vc, o, sq, sk, d, b * h, 0, h, h // hkv, float(scale),
+                                               *strides, **c, LOG2E=_LOG2E, LN2_HI=_LN2_HI, LN2_LO=_LN2_LO, RNE=_RNE,
+                                               DP=dp, DL=dp.bit_length() - 1, KP=skp, KL=skp.bit_length() - 1,
+                                               SPLIT=interpreting(), num_warps=8 if dp * skp > 4096 else 4,
+                                               enable_fp_fusion=False)
+        return out
+    kb = min(ATTENTION_KEY_BLOCK, skp)
+    nb = skp // kb
+    per_query = b * h * (2 * skp + nb + dp * nb) * 4  # scratch bytes of one query's programs
+    step = max(1, min(sq, ATTENTION_SCRATCH_BYTES // per_query))  # queries per launch (independent programs)
+    scratch = torch.empty(step * b * h, skp, dtype=torch.float32, device=q.device)
+    e = torch.empty_like(scratch)
+    bs = torch.empty(step * b * h, nb, dtype=torch.float32, device=q.device)
+    cs = torch.empty(step * b * h, dp, nb, dtype=torch.float32, device=q.device)
+    for i0 in range(0, sq, step):
+        n = min(step, sq - i0)
+        _attention_kernel[(n * b * h,)](qc, kc, vc, o, scratch, e, bs, cs, sq, sk, d, b * h, i0, h, h // hkv,
+                                        float(scale), *strides, **c, LOG2E=_LOG2E, LN2_HI=_LN2_HI, LN2_LO=_LN2_LO, RNE=_RNE,
+                                        DP=dp, DL=dp.bit_length() - 1, KB=kb, KL=kb.bit_length() - 1, NB=nb,
+                                        NL=nb.bit_length() - 1, SPLIT=interpreting(), num_warps=4, enable_fp_fusion=False)
+    return out
