@@ -1,11 +1,11 @@
 """Strict-mode ops fused into single Triton kernels: the same IEEE operations as `minite.strict.ops`, in the same order.
 
-Why: a strict decode step launches ~42 torch ops per exp call (the range reduction, a 14-term Horner polynomial, the
-2^n from exponent bits, the special cases), ~11 per RMSNorm and log2(n) + 2 per tree sum, about 40%, 10% and 10% of
-a strict NVFP4 step's launches (tools/bench/op_census.py, docs/benchmarks.md). One kernel does the same arithmetic
-per element (exp, log) or per row (rms_norm, tree_sum: sums by adjacent pairs after zero padding to a power of two,
-as `ops.tree_sum`) or per position (rope); attention per query and head lives in `fused_attention`. `PROVEN` names the kernels routed
-(their GPU test passed on the H200: all of them since 2026-12-01).
+Why: a strict decode step launches ~42 torch ops per exp call (the range reduction, a 14-term Horner polynomial, the 2^n
+from exponent bits, the special cases), ~11 per RMSNorm and log2(n) + 2 per tree sum, about 40%, 10% and 10% of a strict
+NVFP4 step's launches (tools/bench/op_census.py, docs/benchmarks.md). One kernel does the same arithmetic per element
+(exp, log) or per row (rms_norm, tree_sum: sums by adjacent pairs after zero padding to a power of two, as
+`ops.tree_sum`) or per position (rope); attention per query and head lives in `fused_attention`. `PROVEN` names the
+kernels routed (their GPU test passed on the H200: all of them since 2026-12-01).
 
 Why the bits are the same: every step is an IEEE-754 basic operation (correctly rounded, so the same result in
 torch's kernels, in numpy under Triton's interpreter and in PTX), with three cares:

@@ -1,11 +1,13 @@
-"""Strict attention fused into Triton kernels: `ops.attention`'s operations, in the same order, per (query, batch x head).
+"""Strict attention in one Triton kernel: `ops.attention`'s operations, in the same order, per (query, batch x head).
 
-Two kernels, the same bits (tests/strict/test_fused.py under the interpreter; on the H200
-tests/alignment/test_strict_alignment_gpu.py): `_attention_short_kernel` holds a context of at most
-ATTENTION_SHORT_KEYS keys in registers and runs in one pass (a decode step of a short rollout); `_attention_kernel`
-walks longer contexts in blocks of ATTENTION_KEY_BLOCK keys through scratch buffers. Both read grouped KV heads in
-place (query head i reads KV head i // (h / g)). The IEEE rules (no FMA contraction, correctly rounded division, the
-strict exp) are `minite.strict.fused`'s, whose helpers they use; "attention" in `fused.PROVEN` routes them.
+`_attention_kernel` walks the context in blocks of ATTENTION_KEY_BLOCK keys through scratch buffers and reads grouped KV
+heads in place (query head i reads KV head i // (h / g)); tests/strict/test_fused.py compares its bits with the torch
+ops under the interpreter, tests/alignment/test_strict_alignment_gpu.py on the H200. A one-pass variant holding a
+context of up to 128 keys in registers (no scratch, no barrier; the same bits) was measured slower on the H200
+(2026-12-01, decode shapes, 72 keys x 32 heads: 202-276 us against 177 us at batch 64, 708-1069 us against 668 us at
+256, with 4 or 8 warps; faster only at batch 1 and 8), so it is not kept. The IEEE rules (no FMA contraction, correctly
+rounded division, the strict exp) are `minite.strict.fused`'s, whose helpers they use; "attention" in `fused.PROVEN`
+routes them.
 """
 from __future__ import annotations
 
@@ -69,46 +71,10 @@ if fused.triton is not None:
         ctx = _pair_tree(tl.load(cs_ptr + (pid * DP + dd)[:, None] * NB + tl.arange(0, NB)[None, :]), NL, SPLIT)
         tl.store(o_ptr + i * so_i + g * so_bh + dd, ctx, mask=dd < d)
 
-    @triton.jit(do_not_specialize=["sq", "sk", "d", "bh", "i0", "h", "rep"])
-    def _attention_short_kernel(q_ptr, k_ptr, v_ptr, o_ptr, sq, sk, d, bh, i0, h, rep, scale,
-                                sq_i, sq_bh, sk_j, sk_bh, so_i, so_bh,
-                                C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr,
-                                C4: tl.constexpr, C5: tl.constexpr, C6: tl.constexpr, C7: tl.constexpr,
-                                C8: tl.constexpr, C9: tl.constexpr, C10: tl.constexpr, C11: tl.constexpr,
-                                C12: tl.constexpr, C13: tl.constexpr, LOG2E: tl.constexpr, LN2_HI: tl.constexpr,
-                                LN2_LO: tl.constexpr, RNE: tl.constexpr, DP: tl.constexpr, DL: tl.constexpr,
-                                KP: tl.constexpr, KL: tl.constexpr, SPLIT: tl.constexpr):
-        """_attention_kernel's operations for a context of at most KP keys (the padded width), every score, weight
-        and product in registers: no scratch, no barrier. The sums over keys are the pair tree over all KP keys,
-        which is the tree over aligned key blocks and then over the block sums (ATTENTION_KEY_BLOCK)."""
-        pid = tl.program_id(0).to(tl.int64)
-        i, g = i0 + pid // bh, pid % bh
-        kv = (g // h) * (h // rep) + (g % h) // rep  # the KV head of query head g % h in batch row g // h
-        pos = sk - sq + i
-        dd = tl.arange(0, DP)
-        jj = tl.arange(0, KP).to(tl.int64)
-        q = _load_f32(q_ptr, i * sq_i + g * sq_bh + dd, dd < d)
-        kk = _load_f32(k_ptr, jj[:, None] * sk_j + kv * sk_bh + dd[None, :], (jj[:, None] < sk) & (dd[None, :] < d))
-        sc = _pair_tree(q[None, :] * kk, DL, SPLIT) * scale  # [KP]: tree sums over d, then * scale
-        allowed = jj <= pos
-        m = tl.max(tl.where(allowed, sc, float("-inf")), axis=0)
-        ex = _exp64((sc - m).to(tl.float64), C0, C1, C2, C3, C4, C5, C6, C7, C8, C9, C10, C11, C12, C13,
-                    LOG2E, LN2_HI, LN2_LO, RNE)
-        e = tl.where(allowed, ex, 0.0)
-        denom = _pair_tree(tl.reshape(e, [1, KP]), KL, SPLIT)  # [1]
-        p = tl.div_rn(e, tl.broadcast_to(denom, [KP]))
-        vt = _load_f32(v_ptr, jj[None, :] * sk_j + kv * sk_bh + dd[:, None], (jj[None, :] < sk) & (dd[:, None] < d))
-        ctx = _pair_tree(p[None, :] * vt, KL, SPLIT)  # [DP]: tree sums over the keys per channel
-        tl.store(o_ptr + i * so_i + g * so_bh + dd, ctx, mask=dd < d)
-
 
 ATTENTION_KEY_BLOCK = 32
 """Keys per block of the fused attention: the tree over the zero-padded key width (a power of two) is the tree over
 aligned blocks of this many keys, then the tree over the block sums, so the split changes no bit."""
-ATTENTION_SHORT_KEYS = 128
-"""Contexts of at most this many keys (padded to a power of two) run `_attention_short_kernel`: the whole context in
-registers, one pass (a decode step of a short rollout); longer ones the blocked kernel with scratch. The same bits
-either way (tests/strict/test_fused.py, and on the H200 tests/alignment/test_strict_alignment_gpu.py)."""
 ATTENTION_MAX_KEYS = 8192
 """The longest context routed to the fused attention (its last pass holds [d, keys / ATTENTION_KEY_BLOCK] values)."""
 ATTENTION_SCRATCH_BYTES = 256 << 20
@@ -117,10 +83,10 @@ ATTENTION_SCRATCH_BYTES = 256 << 20
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """ops.attention's bits (q [sq, b, h, d], k/v [sk, b, g, d] with g dividing h -> [sq, b, h, d] fp32) with one
-    program per (query, batch x head), which reads its KV head in place (query head i: KV head i // (h / g), no
-    expanded copy of the cache): the scores' tree sums over d, the causal mask by absolute position, the max, the strict exp, the
-    denominator's tree sum over keys, p = e / denominator, the context's tree sums over keys: the same operations in
-    the same order. The key sums run over aligned blocks of ATTENTION_KEY_BLOCK keys and then over the block sums
+    program per (query, batch x head), which reads its KV head in place (query head i: KV head i // (h / g), no expanded
+    copy of the cache): the scores' tree sums over d, the causal mask by absolute position, the max, the strict exp, the
+    denominator's tree sum over keys, p = e / denominator, the context's tree sums over keys: the same operations in the
+    same order. The key sums run over aligned blocks of ATTENTION_KEY_BLOCK keys and then over the block sums
     (ATTENTION_KEY_BLOCK's docstring); the scores, e and the block sums pass through scratch buffers."""
     if not available(q):
         raise ValueError("strict fused attention needs floating CUDA tensors (or TRITON_INTERPRET=1)")
@@ -142,13 +108,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     c = {f"C{i}": v for i, v in enumerate(_EXP_COEFFS)}
     o = out.view(sq, b * h, d)
     strides = (qc.stride(0), qc.stride(1), kc.stride(0), kc.stride(1), o.stride(0), o.stride(1))
-    if skp <= ATTENTION_SHORT_KEYS:
-        _attention_short_kernel[(sq * b * h,)](qc, kc, vc, o, sq, sk, d, b * h, 0, h, h // hkv, float(scale),
-                                               *strides, **c, LOG2E=_LOG2E, LN2_HI=_LN2_HI, LN2_LO=_LN2_LO, RNE=_RNE,
-                                               DP=dp, DL=dp.bit_length() - 1, KP=skp, KL=skp.bit_length() - 1,
-                                               SPLIT=interpreting(), num_warps=8 if dp * skp > 4096 else 4,
-                                               enable_fp_fusion=False)
-        return out
     kb = min(ATTENTION_KEY_BLOCK, skp)
     nb = skp // kb
     per_query = b * h * (2 * skp + nb + dp * nb) * 4  # scratch bytes of one query's programs
@@ -160,7 +119,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     for i0 in range(0, sq, step):
         n = min(step, sq - i0)
         _attention_kernel[(n * b * h,)](qc, kc, vc, o, scratch, e, bs, cs, sq, sk, d, b * h, i0, h, h // hkv,
-                                        float(scale), *strides, **c, LOG2E=_LOG2E, LN2_HI=_LN2_HI, LN2_LO=_LN2_LO, RNE=_RNE,
-                                        DP=dp, DL=dp.bit_length() - 1, KB=kb, KL=kb.bit_length() - 1, NB=nb,
-                                        NL=nb.bit_length() - 1, SPLIT=interpreting(), num_warps=4, enable_fp_fusion=False)
+                                        float(scale), *strides, **c, LOG2E=_LOG2E, LN2_HI=_LN2_HI, LN2_LO=_LN2_LO,
+                                        RNE=_RNE, DP=dp, DL=dp.bit_length() - 1, KB=kb, KL=kb.bit_length() - 1, NB=nb,
+                                        NL=nb.bit_length() - 1, SPLIT=interpreting(), num_warps=4,
+                                        enable_fp_fusion=False)
     return out

@@ -76,6 +76,6 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     width = 1 << (k - 1).bit_length()  # k == 1: width 1, no addition (as ops.tree_sum)
     block_n = _block_n(n, width)
     _linear_kernel[(m, triton.cdiv(n, block_n))](xc, wc, out, m, n, k, xc.stride(0), wc.stride(0), BLOCK_N=block_n,
-                                                 WIDTH=width, LEVELS=width.bit_length() - 1, SPLIT=interpreting(), num_warps=4,
-                                                 enable_fp_fusion=False)
+                                                 WIDTH=width, LEVELS=width.bit_length() - 1, SPLIT=interpreting(),
+                                                 num_warps=4, enable_fp_fusion=False)
     return out

@@ -155,10 +155,6 @@ def test_fused_attention_is_bitwise_the_torch_attention_on_cuda(monkeypatch):
         assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), (sq, sk, (got - ref).abs().max().item())
         alone = fused_attention.attention(q[:, :1], k[:, :1], v[:, :1], 1 / math.sqrt(d))
         assert torch.equal(alone.view(torch.int32), got[:, :1].view(torch.int32))
-        with monkeypatch.context() as mp:  # the blocked kernel for every context: the short one's bits
-            mp.setattr(fused_attention, "ATTENTION_SHORT_KEYS", 0)
-            blocked = fused_attention.attention(q, k, v, 1 / math.sqrt(d))
-        assert torch.equal(blocked.view(torch.int32), got.view(torch.int32))
 
 
 def test_fused_rope_is_bitwise_the_torch_rope_on_cuda(monkeypatch):

@@ -196,11 +196,10 @@ def test_fused_attention_is_bitwise_ops_attention(sq, sk, d, dtype, monkeypatch)
     v = (torch.randn(sk, 2, 3, d, generator=g) * torch.logspace(-4, 4, d)).to(dtype).to(DEVICE)  # order-sensitive
     monkeypatch.setattr(fused, "PROVEN", fused.PROVEN - {"attention", "exp", "tree_sum"})  # the reference: torch ops
     ref = ops.attention(q, k, v, 1 / math.sqrt(d))
-    for short, block in ((FA.ATTENTION_SHORT_KEYS, 32), (0, FA.ATTENTION_KEY_BLOCK), (0, 4)):
-        monkeypatch.setattr(FA, "ATTENTION_SHORT_KEYS", short)  # 0: the blocked kernel, whose key blocks change no bit
+    for block in (FA.ATTENTION_KEY_BLOCK, 4):  # the key blocks change no bit
         monkeypatch.setattr(FA, "ATTENTION_KEY_BLOCK", block)
         got = FA.attention(q, k, v, 1 / math.sqrt(d))
-        assert got.dtype == torch.float32 and _same_bits(got, ref), (short, block, (got - ref).abs().max())
+        assert got.dtype == torch.float32 and _same_bits(got, ref), (block, (got - ref).abs().max())
 
 
 def test_fused_attention_reads_grouped_kv_heads_in_place(monkeypatch):
