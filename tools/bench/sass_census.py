@@ -10,6 +10,13 @@ rollout. Integer arguments divisible by 16 and 16-byte-aligned pointers are decl
 real launch. The counts say where a decode step's instructions go (docs/benchmarks.md, rollout section); they are a
 static census of one loop iteration per thread, not a timing: the GPU measures the time (`bench_nvfp4.py --sections
 rollout_gemm`).
+
+    python tools/bench/sass_census.py --strict
+
+compiles the strict kernels of `minite.strict` (rms_norm at width 2048 in bf16, attention at a decode shape, tree_sum
+and the router's linear) twice, with their adjacent-pair trees as sums over the pair axis (what runs on the GPU) and
+as `tl.split` (what the interpreter runs, and what the GPU ran before 2765bc1), and counts whole-kernel instructions,
+FADD and local-memory spills (LDL/STL) per thread.
 """
 from __future__ import annotations
 
@@ -44,15 +51,20 @@ _BRANCH = re.compile(r"BRA\s+`\((\.L_x_\d+)\)")
 def compile_sass(variant: str, block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
                  swap_ab: bool) -> str:
     """SASS text of the decode kernel for sm_90."""
-    names = list(SIGNATURE)
-    div = [k for k in names if SIGNATURE[k].startswith("*")] + ["N", "K"]
+    div = [k for k in SIGNATURE if SIGNATURE[k].startswith("*")] + ["N", "K"]
     constexprs = dict(A_SBR=1, B_SBR=16, A_PACKED=False, B_PACKED=True, BLOCK_E=128, BLOCK_M=block_m,
                       BLOCK_N=block_n, BLOCK_K=block_k, SWAP_AB=swap_ab, B_TRANS=False, EVEN_K=True,
                       **VARIANTS[variant])
-    src = ASTSource(fn=ng._grouped_gemm_kernel, signature=SIGNATURE, constexprs=constexprs,
-                    attrs={(names.index(k),): [["tt.divisibility", 16]] for k in div})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    return kernel_sass(ng._grouped_gemm_kernel, SIGNATURE, constexprs, div,
+                       dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def kernel_sass(fn, signature: dict, constexprs: dict, divisible: list, options: dict) -> str:
+    """SASS text of a Triton kernel compiled for sm_90 (arguments in `divisible` declared multiples of 16)."""
+    names = list(signature)
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs,
+                    attrs={(names.index(k),): [["tt.divisibility", 16]] for k in divisible})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -91,14 +103,58 @@ def census(variant: str, config: tuple) -> dict:
             "opcodes": dict(ops.most_common())}
 
 
+def strict_rows() -> list:
+    """The strict kernels' whole-kernel census, pair levels as sums (SPLIT False) and as tl.split (SPLIT True)."""
+    from minite.strict import fused as F, fused_attention as FA, fused_linear as FL
+    exp = dict({f"C{i}": v for i, v in enumerate(F._EXP_COEFFS)}, LOG2E=F._LOG2E, LN2_HI=F._LN2_HI,
+               LN2_LO=F._LN2_LO, RNE=F._RNE)
+    att_sig = {**{k: t for k, t in zip(("q_ptr", "k_ptr", "v_ptr"), ["*bf16"] * 3)},
+               **{k: "*fp32" for k in ("o_ptr", "s_ptr", "e_ptr", "bs_ptr", "cs_ptr")},
+               **{k: "i32" for k in ("sq", "sk", "d", "bh", "i0", "h", "rep")}, "scale": "fp32",
+               **{k: "i32" for k in ("sq_i", "sq_bh", "sk_j", "sk_bh", "so_i", "so_bh")}}
+    kernels = [  # (label, kernel, signature, constexprs, divisible arguments)
+        ("rms_norm bf16 width 2048", F._rms_norm_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", n="i32",
+                                                              eps="fp32"),
+         dict(WIDTH=2048, LEVELS=11), ["x_ptr", "w_ptr", "y_ptr"]),
+        ("attention bf16 128 keys x 128 channels", FA._attention_kernel, att_sig,
+         dict(exp, DP=128, DL=7, KB=32, KL=5, NB=4, NL=2),
+         [k for k, t in att_sig.items() if t.startswith("*")] + ["sq_i", "sq_bh", "sk_j", "sk_bh", "so_i", "so_bh"]),
+        ("tree_sum fp32 width 128", F._tree_sum_kernel, dict(x_ptr="*fp32", y_ptr="*fp32", rows="i32", n="i32"),
+         dict(BLOCK_R=32, WIDTH=128, LEVELS=7), ["x_ptr", "y_ptr"]),
+        ("linear bf16 K 2048", FL._linear_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*fp32", m="i32",
+                                                      n="i32", k="i32", sxm="i32", swn="i32"),
+         dict(BLOCK_N=FL._block_n(128, 2048), WIDTH=2048, LEVELS=11), ["x_ptr", "w_ptr", "y_ptr", "sxm", "swn"]),
+    ]
+    rows = []
+    for label, fn, sig, ce, div in kernels:
+        for split in (False, True):
+            sass = kernel_sass(fn, sig, dict(ce, SPLIT=split), div, dict(num_warps=4, enable_fp_fusion=False))
+            ops = collections.Counter(m.group(2).split(".")[0] for m in map(_INSTR.match, sass.splitlines()) if m)
+            rows.append({"kernel": label, "pair_levels": "tl.split" if split else "sum over the pair axis",
+                         "instructions": sum(ops.values()), "FADD": ops.get("FADD", 0),
+                         "spills": ops.get("LDL", 0) + ops.get("STL", 0)})
+    return rows
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="16,64,128,4,4,swap", help="BLOCK_M,BLOCK_N,BLOCK_K,warps,stages[,swap]")
     p.add_argument("--variants", default="triton,ptx,ptx_decode_order")
     p.add_argument("--json", default="", help="also write the rows here")
+    p.add_argument("--strict", action="store_true", help="the strict kernels instead (module docstring)")
     a = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("sass_census: TRITON_INTERPRET=1 makes Triton interpret, not compile; unset it")
+    if a.strict:
+        rows = strict_rows()
+        print(f"triton {triton.__version__}, sm_90, 4 warps: whole kernel, per thread")
+        for r in rows:
+            print(f"{r['kernel']:>40} | {r['pair_levels']:>22}: {r['instructions']:5d} instructions, FADD "
+                  f"{r['FADD']:4d}, spill loads/stores {r['spills']}")
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"triton": triton.__version__, "target": "sm_90", "rows": rows}, f, indent=1)
+        return
     parts = a.config.split(",")
     config = (*map(int, parts[:5]), len(parts) > 5 and parts[5] == "swap")
     rows = [census(v, config) for v in a.variants.split(",")]
