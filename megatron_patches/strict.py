@@ -71,7 +71,8 @@ def _attention_forward(self, query, key, value, attention_mask=None, attn_mask_t
     """DotProductAttention.forward: q [sq, b, np, hn], k/v [sk, b, ng, hn] -> [sq, b, np * hn] (causal)."""
     if packed_seq_params is not None or attention_bias is not None:
         raise ValueError("strict attention: packed sequences and attention bias are not supported")
-    ctx = S.attention(query, key, value, float(self.softmax_scale))  # GQA groups read in place (no expansion)
+    ctx = S.attention(query, key, value, float(self.softmax_scale))  # the GQA groups as they are: the fused
+    # kernel reads them in place, the torch ops (a forward that records gradients) expand them
     return ctx.reshape(ctx.shape[0], ctx.shape[1], -1).to(query.dtype)
 
 

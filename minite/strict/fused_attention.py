@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from minite.kernels._interpreter import ensure_interpreter_compat, interpreting
+from minite.kernels._interpreter import ensure_interpreter_compat
 
 from . import fused
 from .fused import _EXP_COEFFS, _LN2_HI, _LN2_LO, _LOG2E, _RNE, available
@@ -90,8 +90,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     (ATTENTION_KEY_BLOCK's docstring); the scores, e and the block sums pass through scratch buffers."""
     if not available(q):
         raise ValueError("strict fused attention needs floating CUDA tensors (or TRITON_INTERPRET=1)")
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"strict fused attention: q {tuple(q.shape)}, k {tuple(k.shape)}: [s, b, heads, d] each")
     sq, b, h, d = q.shape
-    sk, hkv = k.shape[0], k.shape[2] if k.dim() == 4 else 0
+    sk, hkv = k.shape[0], k.shape[2]
     if k.shape != (sk, b, hkv, d) or v.shape != k.shape or hkv == 0 or h % hkv:
         raise ValueError(f"strict fused attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if sk == 0 or sq > sk:
@@ -121,6 +123,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
         _attention_kernel[(n * b * h,)](qc, kc, vc, o, scratch, e, bs, cs, sq, sk, d, b * h, i0, h, h // hkv,
                                         float(scale), *strides, **c, LOG2E=_LOG2E, LN2_HI=_LN2_HI, LN2_LO=_LN2_LO,
                                         RNE=_RNE, DP=dp, DL=dp.bit_length() - 1, KB=kb, KL=kb.bit_length() - 1, NB=nb,
-                                        NL=nb.bit_length() - 1, SPLIT=interpreting(), num_warps=4,
+                                        NL=nb.bit_length() - 1, SPLIT=fused.pair_split(), num_warps=4,
                                         enable_fp_fusion=False)
     return out

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from minite.kernels._interpreter import ensure_interpreter_compat, interpreting
+from minite.kernels._interpreter import ensure_interpreter_compat
 
 from . import fused
 
@@ -76,6 +76,6 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     width = 1 << (k - 1).bit_length()  # k == 1: width 1, no addition (as ops.tree_sum)
     block_n = _block_n(n, width)
     _linear_kernel[(m, triton.cdiv(n, block_n))](xc, wc, out, m, n, k, xc.stride(0), wc.stride(0), BLOCK_N=block_n,
-                                                 WIDTH=width, LEVELS=width.bit_length() - 1, SPLIT=interpreting(),
+                                                 WIDTH=width, LEVELS=width.bit_length() - 1, SPLIT=fused.pair_split(),
                                                  num_warps=4, enable_fp_fusion=False)
     return out

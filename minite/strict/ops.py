@@ -264,7 +264,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     exactly 0. Scores are tree sums over d; the softmax denominator and the context are tree sums over keys at
     absolute key positions, so a decode step (sq = 1) and a full forward give the same bits.
     """
-    if k.dim() != 4 or v.shape != k.shape or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3] or \
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3] or \
             k.shape[2] == 0 or q.shape[2] % k.shape[2]:
         raise ValueError(f"strict attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if 0 < k.shape[0] <= fused_attention.ATTENTION_MAX_KEYS and q.shape[0] <= k.shape[0] and \

@@ -219,6 +219,37 @@ def test_fused_attention_reads_grouped_kv_heads_in_place(monkeypatch):
             ops.attention(q, bad, bad, 0.25)
 
 
+def test_fused_attention_grouped_decode_step_and_non_contiguous_kv(monkeypatch):
+    """One query over a longer grouped cache (a decode step), k/v as strided views of a fused QKV-like tensor."""
+    g = torch.Generator().manual_seed(4)
+    q = (torch.randn(1, 3, 8, 16, generator=g) * 3).to(DEVICE)
+    kv = (torch.randn(9, 3, 2, 2, 16, generator=g) * 3).to(DEVICE)
+    k, v = kv[:, :, :, 0], kv[:, :, :, 1]  # [9, 3, 2, 16] each, not contiguous
+    assert not k.is_contiguous()
+    monkeypatch.setattr(fused, "PROVEN", fused.PROVEN - {"attention", "exp", "tree_sum"})  # the torch ops
+    ref = ops.attention(q, k.repeat_interleave(4, dim=2), v.repeat_interleave(4, dim=2), 0.25)
+    assert _same_bits(FA.attention(q, k, v, 0.25), ref)
+    with pytest.raises(ValueError, match="attention"):
+        FA.attention(q[0], k, v, 0.25)  # a 3-D query: one line, not an unpacking error
+    with pytest.raises(ValueError, match="attention"):
+        ops.attention(q[0], k, v, 0.25)
+
+
+def test_fused_pair_sums_path_under_the_interpreter(monkeypatch):
+    """The GPU's form of the pair levels (a sum over the pair axis, SPLIT False) run by the interpreter, on inputs
+    whose pair sums are never -0.0 + -0.0 (numpy's pair sum would give +0.0 there): the bits of the tl.split form."""
+    from minite.strict import fused_linear as FL
+    g = torch.Generator().manual_seed(6)
+    q = (torch.randn(1, 2, 6, 16, generator=g) * 3).to(DEVICE)
+    k, v = ((torch.randn(7, 2, 3, 16, generator=g) * 3).to(DEVICE) for _ in range(2))
+    x, w = torch.randn(5, 300, generator=g).to(DEVICE), torch.randn(300, generator=g).to(DEVICE)
+    wl = torch.randn(4, 300, generator=g).to(DEVICE)
+    split = FA.attention(q, k, v, 0.25), fused.rms_norm(x, w, 1e-6), FL.linear(x, wl)
+    monkeypatch.setattr(fused, "pair_split", lambda: False)
+    summed = FA.attention(q, k, v, 0.25), fused.rms_norm(x, w, 1e-6), FL.linear(x, wl)
+    assert all(_same_bits(a, b) for a, b in zip(split, summed))
+
+
 def test_fused_attention_rows_do_not_depend_on_the_batch():
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(n, 4, 2, 16, generator=g).to(DEVICE) for n in (3, 9, 9))
