@@ -356,8 +356,6 @@ def quantize_weights_now(model: torch.nn.Module, *, in_place: bool = False) -> i
     return n
 
 
-
-
 def release_quantised_weights(model: torch.nn.Module) -> list:
     """Quantise every NVFP4 weight of `model` now and free the storage of the weight itself, keeping its shape: the
     forward and backward of a train step read only the quantised copies (`NVFP4Context.weights_released`), so the

@@ -54,6 +54,9 @@ _LN2_HI = 6.93147180369123816490e-01
 _LN2_LO = 1.90821492927058770002e-10
 _RNE = 6755399441055744.0  # 1.5 * 2^52
 _EXP_COEFFS = [1.0 / math.factorial(i) for i in range(14)]
+EXP_ARGS = dict({f"C{i}": c for i, c in enumerate(_EXP_COEFFS)}, LOG2E=_LOG2E, LN2_HI=_LN2_HI, LN2_LO=_LN2_LO,
+                RNE=_RNE)
+"""The constexpr arguments of the strict exp (`_exp64`) for every kernel that computes it."""
 _SQRT2 = 1.4142135623730951
 _ATANH_COEFFS = [1.0 / (2 * k + 1) for k in range(12)]
 _TWO_OVER_PI = 0.6366197723675814  # ops.sincos' constants (tests/strict/test_fused.py checks that they are equal)
@@ -374,11 +377,11 @@ def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     ensure_interpreter_compat()
     width = 1 << (n - 1).bit_length()  # n == 1: width 1, no addition (adding the +0 padding would turn -0.0 into +0.0)
     block_r = max(1, min(64, 4096 // width))
+    # SPLIT=True on the GPU too: for these [rows, width] blocks tl.split compiles shorter (`sass_census.py --strict`,
+    # Triton 3.6: 504 against 1,000 instructions at width 128), the form that passed the H200 tests before 2765bc1
     _tree_sum_kernel[(triton.cdiv(rows, block_r),)](xm.contiguous(), out, rows, n, BLOCK_R=block_r, WIDTH=width,
                                                     LEVELS=width.bit_length() - 1, SPLIT=True, num_warps=4,
-                                                    enable_fp_fusion=False)  # tl.split on the GPU too: for these
-    # [rows, width] blocks it compiles shorter (`sass_census.py --strict`, Triton 3.6: 504 against 1,000 instructions
-    # at width 128), the form that passed the H200 tests before 2765bc1
+                                                    enable_fp_fusion=False)
     return out
 
 
@@ -412,9 +415,7 @@ def exp(x: torch.Tensor) -> torch.Tensor:
     n = xc.numel()
     if n == 0:
         return y
-    c = {f"C{i}": v for i, v in enumerate(_EXP_COEFFS)}
-    _exp_kernel[(triton.cdiv(n, BLOCK),)](xc, y, n, **c, LOG2E=_LOG2E, LN2_HI=_LN2_HI, LN2_LO=_LN2_LO, RNE=_RNE,
-                                          BLOCK_SIZE=BLOCK, enable_fp_fusion=False)
+    _exp_kernel[(triton.cdiv(n, BLOCK),)](xc, y, n, **EXP_ARGS, BLOCK_SIZE=BLOCK, enable_fp_fusion=False)
     return y
 
 

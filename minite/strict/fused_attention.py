@@ -16,7 +16,7 @@ import torch
 from minite.kernels._interpreter import ensure_interpreter_compat
 
 from . import fused
-from .fused import _EXP_COEFFS, _LN2_HI, _LN2_LO, _LOG2E, _RNE, available
+from .fused import EXP_ARGS, available
 
 if fused.triton is not None:
     import triton
@@ -107,7 +107,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     qc, kc, vc = (t.contiguous().view(t.shape[0], b * t.shape[2], d) for t in (q, k, v))
     dp = 1 << (d - 1).bit_length()
     skp = 1 << (sk - 1).bit_length()
-    c = {f"C{i}": v for i, v in enumerate(_EXP_COEFFS)}
     o = out.view(sq, b * h, d)
     strides = (qc.stride(0), qc.stride(1), kc.stride(0), kc.stride(1), o.stride(0), o.stride(1))
     kb = min(ATTENTION_KEY_BLOCK, skp)
@@ -121,8 +120,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     for i0 in range(0, sq, step):
         n = min(step, sq - i0)
         _attention_kernel[(n * b * h,)](qc, kc, vc, o, scratch, e, bs, cs, sq, sk, d, b * h, i0, h, h // hkv,
-                                        float(scale), *strides, **c, LOG2E=_LOG2E, LN2_HI=_LN2_HI, LN2_LO=_LN2_LO,
-                                        RNE=_RNE, DP=dp, DL=dp.bit_length() - 1, KB=kb, KL=kb.bit_length() - 1, NB=nb,
-                                        NL=nb.bit_length() - 1, SPLIT=fused.pair_split(), num_warps=4,
-                                        enable_fp_fusion=False)
+                                        float(scale), *strides, **EXP_ARGS, DP=dp, DL=dp.bit_length() - 1, KB=kb,
+                                        KL=kb.bit_length() - 1, NB=nb, NL=nb.bit_length() - 1,
+                                        SPLIT=fused.pair_split(), num_warps=4, enable_fp_fusion=False)
     return out

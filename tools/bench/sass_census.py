@@ -106,19 +106,18 @@ def census(variant: str, config: tuple) -> dict:
 def strict_rows() -> list:
     """The strict kernels' whole-kernel census, pair levels as sums (SPLIT False) and as tl.split (SPLIT True)."""
     from minite.strict import fused as F, fused_attention as FA, fused_linear as FL
-    exp = dict({f"C{i}": v for i, v in enumerate(F._EXP_COEFFS)}, LOG2E=F._LOG2E, LN2_HI=F._LN2_HI,
-               LN2_LO=F._LN2_LO, RNE=F._RNE)
-    att_sig = {**{k: t for k, t in zip(("q_ptr", "k_ptr", "v_ptr"), ["*bf16"] * 3)},
+    strides = ("sq_i", "sq_bh", "sk_j", "sk_bh", "so_i", "so_bh")
+    att_sig = {**{k: "*bf16" for k in ("q_ptr", "k_ptr", "v_ptr")},
                **{k: "*fp32" for k in ("o_ptr", "s_ptr", "e_ptr", "bs_ptr", "cs_ptr")},
                **{k: "i32" for k in ("sq", "sk", "d", "bh", "i0", "h", "rep")}, "scale": "fp32",
-               **{k: "i32" for k in ("sq_i", "sq_bh", "sk_j", "sk_bh", "so_i", "so_bh")}}
+               **{k: "i32" for k in strides}}
     kernels = [  # (label, kernel, signature, constexprs, divisible arguments)
         ("rms_norm bf16 width 2048", F._rms_norm_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", n="i32",
                                                               eps="fp32"),
          dict(WIDTH=2048, LEVELS=11), ["x_ptr", "w_ptr", "y_ptr"]),
         ("attention bf16 128 keys x 128 channels", FA._attention_kernel, att_sig,
-         dict(exp, DP=128, DL=7, KB=32, KL=5, NB=4, NL=2),
-         [k for k, t in att_sig.items() if t.startswith("*")] + ["sq_i", "sq_bh", "sk_j", "sk_bh", "so_i", "so_bh"]),
+         dict(F.EXP_ARGS, DP=128, DL=7, KB=32, KL=5, NB=4, NL=2),
+         [k for k, t in att_sig.items() if t.startswith("*")] + list(strides)),
         ("tree_sum fp32 width 128", F._tree_sum_kernel, dict(x_ptr="*fp32", y_ptr="*fp32", rows="i32", n="i32"),
          dict(BLOCK_R=32, WIDTH=128, LEVELS=7), ["x_ptr", "y_ptr"]),
         ("linear bf16 K 2048", FL._linear_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*fp32", m="i32",
@@ -151,18 +150,15 @@ def main(argv=None) -> None:
         for r in rows:
             print(f"{r['kernel']:>40} | {r['pair_levels']:>22}: {r['instructions']:5d} instructions, FADD "
                   f"{r['FADD']:4d}, spill loads/stores {r['spills']}")
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump({"triton": triton.__version__, "target": "sm_90", "rows": rows}, f, indent=1)
-        return
-    parts = a.config.split(",")
-    config = (*map(int, parts[:5]), len(parts) > 5 and parts[5] == "swap")
-    rows = [census(v, config) for v in a.variants.split(",")]
-    print(f"triton {triton.__version__}, sm_90, config {a.config}: the K loop's body, one iteration per thread")
-    for r in rows:
-        top = ", ".join(f"{k} {v}" for k, v in list(r["opcodes"].items())[:8])
-        print(f"{r['variant']:>18}: {r['loop_instructions']:4d} instructions, {r['instructions_per_code']:.2f} per "
-              f"code ({r['codes_per_thread']} codes) | {top}")
+    else:
+        parts = a.config.split(",")
+        config = (*map(int, parts[:5]), len(parts) > 5 and parts[5] == "swap")
+        rows = [census(v, config) for v in a.variants.split(",")]
+        print(f"triton {triton.__version__}, sm_90, config {a.config}: the K loop's body, one iteration per thread")
+        for r in rows:
+            top = ", ".join(f"{k} {v}" for k, v in list(r["opcodes"].items())[:8])
+            print(f"{r['variant']:>18}: {r['loop_instructions']:4d} instructions, {r['instructions_per_code']:.2f} "
+                  f"per code ({r['codes_per_thread']} codes) | {top}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"triton": triton.__version__, "target": "sm_90", "rows": rows}, f, indent=1)
