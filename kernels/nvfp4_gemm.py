@@ -86,6 +86,46 @@ or.b32 $3, y9, t;
 PACKED_SHIFT = 7  # _unshift multiplies by 128.0 = 2^PACKED_SHIFT per packed operand
 
 
+# The decode order's words (minite.nvfp4.grouped.DECODE_BLOCK: pair i's magnitudes 3i bits below 9..11, its sign
+# WORD_SIGN_BIT below 15): pair i of word w is ((w << 3i) & MAG) | ((w << (0, 3, 1, 2)[i]) & SIGN), int32 constants.
+_MAG = tl.constexpr(0x0E000E00)
+_SIGN = tl.constexpr(-0x7FFF8000)  # 0x80008000 as int32
+_MAG_SIGN = tl.constexpr(-0x71FF7200)  # 0x8E008E00 as int32
+
+
+@triton.jit
+def _word_codes(data_ptr, rows, rmask, k0, kmax, stride_d, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                PTX: tl.constexpr, EVEN_K: tl.constexpr):
+    """fp16 bits of code x 2^-14 [BLOCK_R, BLOCK_K] (the packed decode's `mag`) of rows `rows`, columns k0.., read as
+    the decode order's words (K % 128 == 0, k0 and BLOCK_K multiples of 128). Two codes of a pair are one 32-bit
+    register: on the GPU a `mov` hands it to Triton as two fp16 elements (pack=2: the pair's two elements hold the
+    same word, each takes its half; no repacking), the interpreter takes each element's half with a shift."""
+    kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    kw = tl.max_contiguous(tl.multiple_of(kw, BLOCK_K // 8), BLOCK_K // 8)
+    w_ptrs = data_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None].to(tl.int64) * tl.multiple_of(stride_d // 4, 16) \
+        + kw[None, :]
+    if EVEN_K:
+        w = tl.load(w_ptrs, mask=rmask[:, None], other=0)
+    else:
+        w = tl.load(w_ptrs, mask=rmask[:, None] & (kw < kmax // 8)[None, :], other=0)
+    p0 = w & _MAG_SIGN
+    p1 = (w << 3) & _MAG_SIGN
+    p2 = ((w << 6) & _MAG) | ((w << 1) & _SIGN)
+    p3 = ((w << 9) & _MAG) | ((w << 2) & _SIGN)
+    pairs = tl.reshape(tl.join(tl.join(p0, p2), tl.join(p1, p3)), [BLOCK_R, BLOCK_K // 8, 4])  # pair i at [:, :, i]
+    pairs = tl.broadcast_to(pairs[:, :, :, None], [BLOCK_R, BLOCK_K // 8, 4, 2])
+    if PTX:
+        mag = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [tl.reshape(pairs, [BLOCK_R, BLOCK_K])],
+                                        dtype=tl.float16, is_pure=True, pack=2)
+    else:
+        half = tl.arange(0, 2)[None, None, None, :]
+        mag = tl.reshape(((pairs >> (16 * half)) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True),
+                         [BLOCK_R, BLOCK_K])
+    # element (word 4t + q, pair 2a + b, half h) of a 128-code block is its code 32q + 16a + 8b + 2t + h
+    return tl.reshape(tl.permute(tl.reshape(mag, [BLOCK_R, BLOCK_K // 128, 4, 4, 2, 2, 2]), [0, 1, 3, 4, 5, 2, 6]),
+                      [BLOCK_R, BLOCK_K])
+
+
 @triton.jit
 def _operand_tile(data_ptr, scale_ptr, vals_ptr, rows, rmask, k0, kmax, stride_d, stride_s, stride_v,
                   SBR: tl.constexpr, PACKED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -98,30 +138,32 @@ def _operand_tile(data_ptr, scale_ptr, vals_ptr, rows, rmask, k0, kmax, stride_d
     loads be vectors (byte loads otherwise, the packed path's cost on the H200)."""
     if PACKED:
         # (a 4-D [rows, group, byte, nibble] variant of this decode crashed Triton 3.6's dot-operand pass on sm_90)
-        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        if K0_ALIGNED:
-            kb = tl.max_contiguous(tl.multiple_of(kb, BLOCK_K // 2), BLOCK_K // 2)
-        d_ptrs = data_ptr + rows[:, None].to(tl.int64) * tl.multiple_of(stride_d, 8) + kb[None, :]
         ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
         s_ptrs = scale_ptr + (rows // SBR)[:, None].to(tl.int64) * stride_s + ks[None, :]
         if EVEN_K:
-            d = tl.load(d_ptrs, mask=rmask[:, None], other=0)
             s = tl.load(s_ptrs, mask=rmask[:, None], other=0)
         else:
-            d = tl.load(d_ptrs, mask=rmask[:, None] & (kb < kmax // 2)[None, :], other=0)
             s = tl.load(s_ptrs, mask=rmask[:, None] & (ks < kmax // 16)[None, :], other=0)
-        if DECODE_ORDER:  # minite.nvfp4.decode_order: stored byte t*16 + c*2 + h of a 64-byte block is byte 8c + 4h + t
-            d = tl.reshape(tl.permute(tl.reshape(d, [BLOCK_R, BLOCK_K // 128, 4, 8, 2]), [0, 1, 3, 4, 2]),
-                           [BLOCK_R, BLOCK_K // 2])
-        if PTX:  # the same bits as the branch below, in 2.75 integer ops per code instead of ~6 (the decode's cost)
-            pair = tl.inline_asm_elementwise(_E2M1_X2_PTX, "=r,=r,=r,=r,r", [d], dtype=tl.int32, is_pure=True,
-                                             pack=4)
-            lo = pair.to(tl.int16).to(tl.float16, bitcast=True)
-            hi = (pair >> 16).to(tl.int16).to(tl.float16, bitcast=True)
-            mag = tl.reshape(tl.join(lo, hi), [BLOCK_R, BLOCK_K])
+        if DECODE_ORDER:
+            mag = _word_codes(data_ptr, rows, rmask, k0, kmax, stride_d, BLOCK_R, BLOCK_K, PTX, EVEN_K)
         else:
-            c = tl.reshape(tl.join(d & 15, d >> 4), [BLOCK_R, BLOCK_K]).to(tl.uint16)
-            mag = (((c & 7) << 9) | ((c & 8) << 12)).to(tl.float16, bitcast=True)  # e2m1 * 2^-14
+            kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            if K0_ALIGNED:
+                kb = tl.max_contiguous(tl.multiple_of(kb, BLOCK_K // 2), BLOCK_K // 2)
+            d_ptrs = data_ptr + rows[:, None].to(tl.int64) * tl.multiple_of(stride_d, 8) + kb[None, :]
+            if EVEN_K:
+                d = tl.load(d_ptrs, mask=rmask[:, None], other=0)
+            else:
+                d = tl.load(d_ptrs, mask=rmask[:, None] & (kb < kmax // 2)[None, :], other=0)
+            if PTX:  # the same bits as the branch below, in 2.75 integer ops per code instead of ~6
+                pair = tl.inline_asm_elementwise(_E2M1_X2_PTX, "=r,=r,=r,=r,r", [d], dtype=tl.int32, is_pure=True,
+                                                 pack=4)
+                lo = pair.to(tl.int16).to(tl.float16, bitcast=True)
+                hi = (pair >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+                mag = tl.reshape(tl.join(lo, hi), [BLOCK_R, BLOCK_K])
+            else:
+                c = tl.reshape(tl.join(d & 15, d >> 4), [BLOCK_R, BLOCK_K]).to(tl.uint16)
+                mag = (((c & 7) << 9) | ((c & 8) << 12)).to(tl.float16, bitcast=True)  # e2m1 * 2^-14
         # E4M3 bits (s & 0x7F) << 7 as fp16 are the scale * 2^-8; times 2^15 (exact, <= 448 * 2^7 = 57344)
         sc = ((s.to(tl.uint16) & 0x7F) << 7).to(tl.float16, bitcast=True) * tl.full([], 32768.0, tl.float16)
         v = tl.reshape(mag, [BLOCK_R, BLOCK_K // 16, 16]) * sc[:, :, None]  # e2m1 * scale * 2^-7, exact

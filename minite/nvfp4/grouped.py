@@ -32,20 +32,38 @@ VALUES_DTYPE = torch.float16
 
 
 DECODE_BLOCK = 64
-"""Bytes (128 codes along K) per block of the decode order: stored byte t*16 + c*2 + h holds logical byte 8c + 4h + t
-(t 0..3, c 0..7, h 0..1). On Hopper, the small-M W4A4 kernel's MMA fragment gives thread t of a quad the code pairs
-2t, 2t+1 and 2t+8, 2t+9 of each 16-code group (logical bytes t and t+4): in this order those bytes lie next to each
-other and load as vectors (kernels/nvfp4_gemm.py)."""
+"""Bytes (128 codes along K) per block of the decode order.
+
+The decode order is the layout the small-M W4A4 kernel reads packed weights in (kernels/nvfp4_gemm.py, DECODE_ORDER):
+32-bit words of 8 codes each, laid out so that one thread loads its codes as vectors and turns a word into the fp16
+bits of four MMA registers with 11 integer operations (the plain nibble order took 22, plus the repacking of 16-bit
+halves). On Hopper the MMA fragment gives thread t (0..3) of a quad the code pairs 2t, 2t+1 and 2t+8, 2t+9 of each
+16-code group, two codes to a 32-bit register. Of a row's 128-code block, word 4t + q (t, q 0..3; 16 words) holds
+the register pairs i = 0..3 of codes 32q + 16(i // 2) + 8(i % 2) + 2t + h, h 0..1: half h of the word (bits 16h..)
+holds code h of every pair, pair i's three magnitude bits at 16h + WORD_MAG_BIT[i] and its sign at
+16h + WORD_SIGN_BIT[i]. Shifting the word left by 9 - WORD_MAG_BIT[i] (15 - WORD_SIGN_BIT[i]) puts pair i's
+magnitudes (signs) at bits 9..11 and 25..27 (15 and 31), where the fp16 bits of code x 2^-14 have them."""
+WORD_MAG_BIT = (9, 6, 3, 0)
+WORD_SIGN_BIT = (15, 12, 14, 13)
 
 
 def decode_order(data: torch.Tensor) -> torch.Tensor:
-    """Packed codes [..., C/2] (C a multiple of 128) in the decode order; a copy. A permutation of bytes within each
-    row: the codes, scales and results do not change."""
+    """Packed codes [..., C/2] (C a multiple of 128) in the decode order (`DECODE_BLOCK`); a copy, uint8 of the same
+    shape (the words' bytes, little-endian). Only the layout changes: the codes, scales and results do not."""
     *lead, nb = data.shape
     if nb % DECODE_BLOCK:
         raise ValueError(f"decode_order: K = {2 * nb} is not a multiple of {2 * DECODE_BLOCK}")
-    x = data.reshape(*lead, nb // DECODE_BLOCK, 8, 2, 4)  # logical byte 8c + 4h + t as [c, h, t]
-    return x.permute(*range(len(lead) + 1), -1, -3, -2).reshape(data.shape).contiguous()  # stored as [t, c, h]
+    rows = data.reshape(-1, nb)
+    codes = unpack_codes(rows).to(torch.int64)  # [R, C]
+    # code 32q + 16a + 8b + 2t + h of a block as [q, a, b, t, h] -> [t, q, a, b, h]: word 4t + q, pair i = 2a + b
+    c = codes.reshape(rows.shape[0], nb // DECODE_BLOCK, 4, 2, 2, 4, 2).permute(0, 1, 5, 2, 3, 4, 6)
+    c = c.reshape(rows.shape[0], nb // DECODE_BLOCK, 16, 4, 2)
+    half = torch.tensor([0, 16], device=data.device)
+    mag_bit = torch.tensor(WORD_MAG_BIT, device=data.device)[:, None] + half
+    sign_bit = torch.tensor(WORD_SIGN_BIT, device=data.device)[:, None] + half
+    words = (((c & 7) << mag_bit) | ((c >> 3) << sign_bit)).sum(dim=(-1, -2))  # disjoint bits: the sum is an OR
+    out = (words.unsqueeze(-1) >> torch.tensor([0, 8, 16, 24], device=data.device)) & 0xFF  # little-endian bytes
+    return out.to(torch.uint8).reshape(data.shape).contiguous()
 
 
 @dataclass

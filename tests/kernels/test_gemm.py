@@ -3,10 +3,13 @@
 Runs under TRITON_INTERPRET=1 on the CPU (conftest.py) at small shapes; tests/kernels/test_kernels_gpu.py repeats it at real shapes.
 Bitwise among paths: packed vs block-value operands, M=1 vs a batch, grouped vs dense, tile shapes at fixed BLOCK_K.
 """
+import itertools
+
 import pytest
 import torch
 
 from minite.nvfp4 import gemm, grouped_gemm_reference, gemm_reference, quantize_reference, row_slice
+from minite.nvfp4.tensor import unpack_codes
 from minite.kernels.nvfp4_gemm import (GemmConfig, gemm_triton, grouped_gemm_triton, kgrouped_gemm_triton,
                                        stack_expert_weights)
 from minite.kernels.nvfp4_quant import quantize_with_values_triton
@@ -173,6 +176,24 @@ def test_public_gemm_dispatches_to_triton():
     a = _q(torch.randn(8, 64, device=DEVICE))
     b = _weights(16, 64, 6)
     assert torch.equal(gemm(a, b, backend="triton"), gemm_triton(a, b))
+
+
+def test_decode_order_words_hold_the_documented_bits():
+    """decode_order's words, read as minite.nvfp4.grouped.DECODE_BLOCK says (word 4t + q of a 128-code block, pair
+    i's magnitudes at WORD_MAG_BIT[i] and sign at WORD_SIGN_BIT[i] of half h), give back every code in K order."""
+    from minite.nvfp4 import decode_order
+    from minite.nvfp4.grouped import WORD_MAG_BIT, WORD_SIGN_BIT
+    torch.manual_seed(10)
+    data = torch.randint(0, 256, (3, 128), dtype=torch.uint8)  # two 128-code blocks a row
+    codes = unpack_codes(data)
+    words = decode_order(data).view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # little-endian bytes
+    got = torch.empty_like(codes)
+    for blk, t, q, i, h in itertools.product(range(2), range(4), range(4), range(4), range(2)):
+        w = words[:, blk * 16 + 4 * t + q]
+        mag = (w >> (16 * h + WORD_MAG_BIT[i])) & 7
+        sign = (w >> (16 * h + WORD_SIGN_BIT[i])) & 1
+        got[:, blk * 128 + 32 * q + 16 * (i // 2) + 8 * (i % 2) + 2 * t + h] = (mag | sign << 3).to(torch.uint8)
+    assert torch.equal(got, codes)
 
 
 def test_decode_order_weights_bitwise():

@@ -103,6 +103,35 @@ def test_grouped_training_batch_vs_decode_vs_dense():
         assert torch.equal(dec, big[rows]), f"decode config {cfg}"
 
 
+@pytest.mark.parametrize("per_expert", [1, 4, 16, 32, 64])
+def test_decode_order_weights_equal_the_training_tile(per_expert):
+    """Packed weights read as the decode order's words (`stack_expert_weights(decode=True)`; the kernel's inline `mov`
+    hands each 32-bit register to Triton as two fp16 elements) give the training tile's bits, for every tile that
+    reads that order, with 1 to 64 tokens for each of 8 experts (the default tile for each count included)."""
+    torch.manual_seed(5)
+    experts, tokens = 64, 8192
+    counts = torch.bincount(torch.randint(0, experts, (tokens,), device="cuda"), minlength=experts)
+    ws = [_weight(FFN2, HIDDEN, 300 + e) for e in range(experts)]
+    x = torch.randn(tokens, HIDDEN, device="cuda").bfloat16()
+    qa, a_vals = quantize_with_values_triton(x, (1, 16), "row", "nearest", None, False)
+    big = grouped_gemm_triton(qa, stack_expert_weights(ws, values=True), counts, torch.bfloat16, a_values=a_vals,
+                              config=TRAIN)
+    starts = (torch.cumsum(counts, 0) - counts).tolist()
+    chosen = [e for e in range(experts) if counts[e] >= per_expert][:8]
+    assert len(chosen) == 8
+    rows = [starts[e] + i for e in chosen for i in range(per_expert)]
+    ordered = stack_expert_weights([ws[e] for e in chosen], decode=True)
+    assert ordered.decode_data is not None
+    xq, x_vals = quantize_with_values_triton(x[rows], (1, 16), "row", "nearest", None, False)
+    tiles = [None, GemmConfig(16, 64, 128, 4, 4, swap_ab=True), GemmConfig(32, 64, 128, 4, 4, swap_ab=True),
+             GemmConfig(64, 64, 128, 4, 4), GemmConfig(16, 64, 256, 4, 4), GemmConfig(16, 32, 128, 4, 4),
+             GemmConfig(16, 128, 128, 4, 4, swap_ab=True), GemmConfig(32, 64, 256, 4, 3, swap_ab=True)]
+    for cfg in tiles:
+        got = grouped_gemm_triton(xq, ordered, [per_expert] * 8, torch.bfloat16, a_values=x_vals, config=cfg,
+                                  rows_hint=per_expert)
+        assert torch.equal(got, big[rows]), f"{per_expert} tokens per expert, tile {cfg}"
+
+
 def test_wgrad_real_shape_within_bound():
     torch.manual_seed(5)
     counts = [1024, 0, 512, 2048]

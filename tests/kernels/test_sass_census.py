@@ -29,7 +29,10 @@ def test_decode_loop_census(tmp_path):
     def byte_loads(r):
         return sum(n for op, n in r["opcodes"].items() if op.startswith("LDS.U8"))
     assert 0 < 4 * byte_loads(rows["ptx_decode_order"]) <= byte_loads(rows["triton"])
-    assert rows["ptx_decode_order"]["loop_instructions"] < rows["triton"]["loop_instructions"]
+    # the decode order's words turn into MMA registers in 11 integer operations per 8 codes, with no repacking of
+    # 16-bit halves: 300 instructions against 589 on Triton 3.6, 292 against 584 on 3.9 (453 with the byte order)
+    assert rows["ptx_decode_order"]["loop_instructions"] < 0.6 * rows["triton"]["loop_instructions"]
+    assert rows["ptx_decode_order"]["opcodes"].get("PRMT", 0) < 16
 
 
 def test_strict_kernels_census(tmp_path):

@@ -310,7 +310,7 @@ def section_decode(res: dict, decode_cfg: GemmConfig | None) -> None:
     wq = []
     for s in range(sets):
         qs = [quantize_triton(wb[s][i].t().contiguous(), (16, 16), "tensor", "nearest", None, False) for i in range(e)]
-        wq.append(stack_expert_weights(qs))
+        wq.append(stack_expert_weights(qs, decode=True))  # the rollout's layout (in the decode order)
     res["decode_speedup_vs_bf16"] = {}
     res["decode_us"] = {}
     for m in (1, 4, 16, 32):
