@@ -95,11 +95,14 @@ _MAG_SIGN = tl.constexpr(-0x71FF7200)  # 0x8E008E00 as int32
 
 @triton.jit
 def _word_codes(data_ptr, rows, rmask, k0, kmax, stride_d, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                PTX: tl.constexpr, EVEN_K: tl.constexpr):
+                MOV: tl.constexpr, EVEN_K: tl.constexpr):
     """fp16 bits of code x 2^-14 [BLOCK_R, BLOCK_K] (the packed decode's `mag`) of rows `rows`, columns k0.., read as
-    the decode order's words (K % 128 == 0, k0 and BLOCK_K multiples of 128). Two codes of a pair are one 32-bit
-    register: on the GPU a `mov` hands it to Triton as two fp16 elements (pack=2: the pair's two elements hold the
-    same word, each takes its half; no repacking), the interpreter takes each element's half with a shift."""
+    the decode order's words (K % 128 == 0, k0 and BLOCK_K multiples of 128). The two codes of a pair are one 32-bit
+    register. MOV (the GPU, when the tile is the MMA's register operand): one inline `mov` hands that register to
+    Triton as the pair's two fp16 elements (pack=2; no repacking of halves). It relies on each pack of two being one
+    pair, which holds in the MMA operand's register layout (pairs of K) but not in every blocked layout: a 64x64x128
+    tile that decodes before its shared-memory store gave other bits (H200, 2026-12-01). Otherwise each element takes
+    its half with a shift, in any layout."""
     kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     kw = tl.max_contiguous(tl.multiple_of(kw, BLOCK_K // 8), BLOCK_K // 8)
     w_ptrs = data_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None].to(tl.int64) * tl.multiple_of(stride_d // 4, 16) \
@@ -114,7 +117,7 @@ def _word_codes(data_ptr, rows, rmask, k0, kmax, stride_d, BLOCK_R: tl.constexpr
     p3 = ((w << 9) & _MAG) | ((w << 2) & _SIGN)
     pairs = tl.reshape(tl.join(tl.join(p0, p2), tl.join(p1, p3)), [BLOCK_R, BLOCK_K // 8, 4])  # pair i at [:, :, i]
     pairs = tl.broadcast_to(pairs[:, :, :, None], [BLOCK_R, BLOCK_K // 8, 4, 2])
-    if PTX:
+    if MOV:
         mag = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [tl.reshape(pairs, [BLOCK_R, BLOCK_K])],
                                         dtype=tl.float16, is_pure=True, pack=2)
     else:
@@ -130,7 +133,7 @@ def _word_codes(data_ptr, rows, rmask, k0, kmax, stride_d, BLOCK_R: tl.constexpr
 def _operand_tile(data_ptr, scale_ptr, vals_ptr, rows, rmask, k0, kmax, stride_d, stride_s, stride_v,
                   SBR: tl.constexpr, PACKED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                   PTX: tl.constexpr = False, EVEN_K: tl.constexpr = False, DECODE_ORDER: tl.constexpr = False,
-                  K0_ALIGNED: tl.constexpr = False):
+                  K0_ALIGNED: tl.constexpr = False, REG_OPERAND: tl.constexpr = False):
     """fp16 block values [BLOCK_R, BLOCK_K] of rows `rows`, columns k0..k0+BLOCK_K (zero at and beyond kmax); a packed
     operand's are scaled by 2^-PACKED_SHIFT (module comment above). EVEN_K: kmax is a multiple of BLOCK_K (no column
     mask). K0_ALIGNED: k0 is a multiple of BLOCK_K (the grouped kernel; not the K-grouped one, whose segments start at
@@ -145,7 +148,7 @@ def _operand_tile(data_ptr, scale_ptr, vals_ptr, rows, rmask, k0, kmax, stride_d
         else:
             s = tl.load(s_ptrs, mask=rmask[:, None] & (ks < kmax // 16)[None, :], other=0)
         if DECODE_ORDER:
-            mag = _word_codes(data_ptr, rows, rmask, k0, kmax, stride_d, BLOCK_R, BLOCK_K, PTX, EVEN_K)
+            mag = _word_codes(data_ptr, rows, rmask, k0, kmax, stride_d, BLOCK_R, BLOCK_K, PTX and REG_OPERAND, EVEN_K)
         else:
             kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
             if K0_ALIGNED:
@@ -181,16 +184,17 @@ def _operand_tile(data_ptr, scale_ptr, vals_ptr, rows, rmask, k0, kmax, stride_d
 @triton.jit
 def _b_tile(bd, bs, bv, cols, cmask, k0, N, K, B_SBR: tl.constexpr, B_PACKED: tl.constexpr, B_TRANS: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr, EVEN_K: tl.constexpr,
-            DECODE_ORDER: tl.constexpr = False):
+            DECODE_ORDER: tl.constexpr = False, REG_OPERAND: tl.constexpr = False):
     """fp16 block values [BLOCK_N, BLOCK_K] of b rows `cols`: from b [N, K] (packed or values), or with B_TRANS
-    from the values of b^T [K, N] (element (n, k) at k * N + n). k0: a multiple of BLOCK_K (the grouped kernel)."""
+    from the values of b^T [K, N] (element (n, k) at k * N + n). k0: a multiple of BLOCK_K (the grouped kernel).
+    REG_OPERAND: the tile is the MMA's register operand (SWAP_AB)."""
     if B_TRANS:
         kk = k0 + tl.arange(0, BLOCK_K)
         return tl.load(bv + kk[None, :].to(tl.int64) * N + cols[:, None], mask=cmask[:, None] & (kk < K)[None, :],
                        other=0.0)
     else:
         return _operand_tile(bd, bs, bv, cols, cmask, k0, K, K // 2, K // 16, K, B_SBR, B_PACKED, BLOCK_N, BLOCK_K,
-                             PTX, EVEN_K, DECODE_ORDER, True)
+                             PTX, EVEN_K, DECODE_ORDER, True, REG_OPERAND)
 
 
 @triton.jit
@@ -261,7 +265,7 @@ def _grouped_gemm_kernel(a_data, a_scale, a_vals, a_amax, a_amax_stride,
                               A_SBR, A_PACKED, BLOCK_M, BLOCK_K, PTX, EVEN_K,
                               K0_ALIGNED=True)
             b = _b_tile(bd, bs, bv, cols, cmask, k0, N, K, B_SBR, B_PACKED, B_TRANS, BLOCK_N, BLOCK_K, PTX, EVEN_K,
-                        DECODE_ORDER)
+                        DECODE_ORDER, True)
             acc_t = tl.dot(b, tl.trans(a), acc_t)
         acc = tl.trans(acc_t)
     else:
