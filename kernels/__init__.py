@@ -4,6 +4,7 @@ minite.nvfp4 (docs/nvfp4.md).
 nvfp4_quant.py   fused quantisation (1x16 / 16x16 blocks, tensor / row scale, RNE / stochastic, RHT), bitwise = reference
 nvfp4_gemm.py    W4A4 GEMMs: dense, MoE grouped over tokens (fprop, dgrad), grouped over K (wgrad), small-M decode tiles
 nvfp4_swiglu.py  SwiGLU with its NVFP4 output quantisation fused in, and its backward
+finite_max.py    the NaN/Inf flag of the NVFP4 layers (minite.ops.FiniteFlag) in one launch
 _interpreter.py  a fix that lets triton 3.6's CPU interpreter run kernels with runtime loop bounds under numpy >= 2.4
 
 The folder is the top-level kernels/ of the repository, installed under the minite namespace (setup.py's
@@ -13,8 +14,10 @@ Importing it needs Triton and registers the entry points with minite.nvfp4.backe
 """
 from minite.nvfp4.backend import register_kernels
 
+from .finite_max import finite_max_into
 from .nvfp4_gemm import gemm_triton, grouped_gemm_triton, segmented_gemm_triton
 from .nvfp4_quant import quantize_segments_triton, quantize_with_values_triton
 
 register_kernels(quantize_with_values=quantize_with_values_triton, quantize_segments=quantize_segments_triton,
-                 gemm=gemm_triton, grouped_gemm=grouped_gemm_triton, segmented_gemm=segmented_gemm_triton)
+                 gemm=gemm_triton, grouped_gemm=grouped_gemm_triton, segmented_gemm=segmented_gemm_triton,
+                 finite_max=finite_max_into)

@@ -35,8 +35,13 @@ def register_kernels(**entry_points: Callable) -> None:
 
 
 def kernel(name: str) -> Callable:
-    """The registered Triton entry point `name` (only after `resolve` chose "triton")."""
+    """The registered Triton entry point `name` (only after `resolve` chose "triton", or `has_kernel` said yes)."""
     return _KERNELS[name]
+
+
+def has_kernel(name: str) -> bool:
+    """Whether minite.kernels registered `name` (entry points outside the quantise/GEMM probe, e.g. finite_max)."""
+    return name in _KERNELS
 
 
 @functools.cache

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from minite.nvfp4 import NVFP4Tensor, OperandRecipe, apply_rht
-from minite.nvfp4.backend import resolve
+from minite.nvfp4.backend import has_kernel, kernel, resolve
 
 _M32 = 0xFFFFFFFF
 ROLES = {"gradient": 1, "wgrad_gradient": 2, "wgrad_input": 3}
@@ -90,10 +90,10 @@ def collective_device(group=None) -> torch.device:
 
 class FiniteFlag:
     """Whether every tensor recorded since the last `check` was finite, kept on the device as the running max of
-    |x| in fp32 (torch's max reductions and `maximum` propagate NaN; Inf stays Inf). `record` is two launches (an
-    inf-norm and an in-place maximum) and no host synchronisation, so it can also be captured in a CUDA graph once
-    the flag exists; `check` reads it once, resets it and raises a one-line ValueError naming `where` if anything
-    recorded was NaN or Inf."""
+    |x| in fp32. `record` has no host synchronisation, so it can also be captured in a CUDA graph once the flag
+    exists: on a CUDA tensor with the kernels loaded it is one launch (minite.kernels.finite_max: a NaN counts as
+    +Inf), elsewhere torch's inf-norm and an in-place maximum (both propagate NaN; Inf stays Inf). `check` reads it
+    once, resets it and raises a one-line ValueError naming `where` if anything recorded was NaN or Inf."""
 
     def __init__(self):
         self._amax: Optional[torch.Tensor] = None
@@ -101,14 +101,17 @@ class FiniteFlag:
     def record(self, t: torch.Tensor) -> None:
         if t.numel() == 0:
             return
-        amax = torch.linalg.vector_norm(t.detach(), ord=float("inf"), dtype=torch.float32)
         # The flag is a normal tensor even when first made under torch.inference_mode (a generate): an inference
         # tensor could not be updated in place afterwards outside it (a weight update re-quantising, a train step).
         with torch.inference_mode(False):
             if self._amax is None:
-                self._amax = torch.zeros((), dtype=torch.float32, device=amax.device)
-            elif self._amax.device != amax.device:  # a model moved between devices: keep what was recorded
-                self._amax = self._amax.to(amax.device)
+                self._amax = torch.zeros((), dtype=torch.float32, device=t.device)
+            elif self._amax.device != t.device:  # a model moved between devices: keep what was recorded
+                self._amax = self._amax.to(t.device)
+        if t.is_cuda and has_kernel("finite_max"):  # one launch (minite.kernels.finite_max; NaN counts as +Inf)
+            kernel("finite_max")(t, self._amax)
+            return
+        amax = torch.linalg.vector_norm(t.detach(), ord=float("inf"), dtype=torch.float32)
         torch.maximum(self._amax, amax, out=self._amax)
 
     def check(self, where: str, group=None) -> None:

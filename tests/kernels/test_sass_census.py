@@ -31,7 +31,7 @@ def test_decode_loop_census(tmp_path):
     assert 0 < 4 * byte_loads(rows["ptx_decode_order"]) <= byte_loads(rows["triton"])
     # the decode order's words turn into MMA registers in 11 integer operations per 8 codes, with no repacking of
     # 16-bit halves: 300 instructions against 589 on Triton 3.6, 292 against 584 on 3.9 (453 with the byte order)
-    assert rows["ptx_decode_order"]["loop_instructions"] < 0.6 * rows["triton"]["loop_instructions"]
+    assert 5 * rows["ptx_decode_order"]["loop_instructions"] < 3 * rows["triton"]["loop_instructions"]
     assert rows["ptx_decode_order"]["opcodes"].get("PRMT", 0) < 16
 
 

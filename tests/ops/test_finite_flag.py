@@ -39,3 +39,26 @@ def test_check_over_a_process_group_agrees():
     with pytest.raises(ValueError, match="during a generate"):
         flag.check("a generate", group=group)
     flag.check("after the reset", group=group)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_finite_max_kernel_is_the_inf_norm_and_counts_nan_as_inf(dtype):
+    """minite.kernels.finite_max (what `record` runs on CUDA tensors; here under Triton's interpreter) keeps the
+    flag the exact running max of |x| over several blocks, and turns it non-finite for a NaN or an Inf anywhere."""
+    pytest.importorskip("triton")
+    from minite.kernels.finite_max import BLOCK, finite_max_into
+    torch.manual_seed(0)
+    x = (torch.randn(3 * BLOCK + 5) * 7).to(dtype)
+    flag = torch.zeros((), dtype=torch.float32)
+    finite_max_into(x, flag)
+    assert flag.item() == x.float().abs().max().item()
+    finite_max_into(torch.zeros(10, dtype=dtype), flag)  # a smaller max leaves it
+    assert flag.item() == x.float().abs().max().item()
+    for bad in (float("nan"), float("-inf")):
+        y = torch.zeros(2 * BLOCK, dtype=dtype)
+        y[BLOCK + 3] = bad
+        f = torch.zeros((), dtype=torch.float32)
+        finite_max_into(y, f)
+        assert f.item() == float("inf")
+    with pytest.raises(ValueError, match="one fp32 element"):
+        finite_max_into(x, torch.zeros(2))
