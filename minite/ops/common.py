@@ -103,16 +103,20 @@ class FiniteFlag:
             return
         # The flag is a normal tensor even when first made under torch.inference_mode (a generate): an inference
         # tensor could not be updated in place afterwards outside it (a weight update re-quantising, a train step).
+        # A flag on a GPU is never replaced: CUDA graphs captured with records hold its address (replacing it
+        # left them writing into freed memory: a CPU tensor recorded into a GPU engine's flag moved the flag, and
+        # the next graph replay corrupted that generate's tokens; H200, 2026-12-01). A CPU flag moves to the GPU
+        # once (no graph holds it); a record from another device is folded into the flag where it lives.
         with torch.inference_mode(False):
             if self._amax is None:
                 self._amax = torch.zeros((), dtype=torch.float32, device=t.device)
-            elif self._amax.device != t.device:  # a model moved between devices: keep what was recorded
+            elif self._amax.device != t.device and not self._amax.is_cuda:
                 self._amax = self._amax.to(t.device)
-        if t.is_cuda and has_kernel("finite_max"):  # one launch (minite.kernels.finite_max; NaN counts as +Inf)
-            kernel("finite_max")(t, self._amax)
+        if t.device == self._amax.device and t.is_cuda and has_kernel("finite_max"):
+            kernel("finite_max")(t, self._amax)  # one launch (minite.kernels.finite_max; NaN counts as +Inf)
             return
         amax = torch.linalg.vector_norm(t.detach(), ord=float("inf"), dtype=torch.float32)
-        torch.maximum(self._amax, amax, out=self._amax)
+        torch.maximum(self._amax, amax.to(self._amax.device), out=self._amax)
 
     def check(self, where: str, group=None) -> None:
         """Raise if anything recorded was NaN or Inf; with `group` (a process group), if any rank's was: a collective

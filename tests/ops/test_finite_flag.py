@@ -48,17 +48,37 @@ def test_finite_max_kernel_is_the_inf_norm_and_counts_nan_as_inf(dtype):
     pytest.importorskip("triton")
     from minite.kernels.finite_max import BLOCK, finite_max_into
     torch.manual_seed(0)
-    x = (torch.randn(3 * BLOCK + 5) * 7).to(dtype)
-    flag = torch.zeros((), dtype=torch.float32)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter runs it on the CPU (conftest.py)
+    x = (torch.randn(3 * BLOCK + 5, device=dev) * 7).to(dtype)
+    flag = torch.zeros((), dtype=torch.float32, device=dev)
     finite_max_into(x, flag)
     assert flag.item() == x.float().abs().max().item()
-    finite_max_into(torch.zeros(10, dtype=dtype), flag)  # a smaller max leaves it
+    finite_max_into(torch.zeros(10, dtype=dtype, device=dev), flag)  # a smaller max leaves it
     assert flag.item() == x.float().abs().max().item()
     for bad in (float("nan"), float("-inf")):
-        y = torch.zeros(2 * BLOCK, dtype=dtype)
+        y = torch.zeros(2 * BLOCK, dtype=dtype, device=dev)
         y[BLOCK + 3] = bad
-        f = torch.zeros((), dtype=torch.float32)
+        f = torch.zeros((), dtype=torch.float32, device=dev)
         finite_max_into(y, f)
         assert f.item() == float("inf")
     with pytest.raises(ValueError, match="one fp32 element"):
-        finite_max_into(x, torch.zeros(2))
+        finite_max_into(x, torch.zeros(2, device=dev))
+
+
+@pytest.mark.gpu
+def test_a_gpu_flag_stays_where_captured_graphs_write():
+    """A record from the CPU into a flag on the GPU folds in place: the flag's storage (which captured decode graphs
+    write to) is never replaced; a CPU flag moves to the GPU once."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    flag = FiniteFlag()
+    flag.record(torch.ones(8, device="cuda"))
+    ptr = flag._amax.data_ptr()
+    flag.record(torch.tensor([float("nan")]))
+    assert flag._amax.is_cuda and flag._amax.data_ptr() == ptr
+    with pytest.raises(ValueError, match="during a generate"):
+        flag.check("a generate")
+    cpu = FiniteFlag()
+    cpu.record(torch.ones(2))
+    cpu.record(torch.full((3,), 5.0, device="cuda"))
+    assert cpu._amax.is_cuda and float(cpu._amax) == 5.0
