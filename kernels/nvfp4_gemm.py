@@ -342,7 +342,9 @@ def default_config(rows_per_group: int, interpreter: bool, packed: bool = False)
     # (unswapped 29.4-30.7 us), 32 tokens: 32x64x128 swapped 28.6 us (unswapped 44.0 us); all bitwise equal to the
     # training tile in the same run and in the GPU tests (marker gpu).
     # packed weights in the decode order (bench_nvfp4.py --sections rollout_gemm, 2026-11-30, f5b08c7): 128 experts,
-    # 4 rows each: FC1 16x64x128 swapped 140.2 us (32 rows: 162.3); 16 rows each: 16x64x128 197.4, 32x64x128 167.5
+    # 4 rows each: FC1 16x64x128 swapped 140.2 us (32 rows: 162.3); 16 rows each: 16x64x128 197.4, 32x64x128 167.5;
+    # the decode order as words (70f8ceb, session 8 call 1): 4 rows each 16x64x128 swapped 96.2 us (16x128x128 93.5),
+    # 0.5 rows each 44.7 us, 16 rows each 32x64x128 swapped 119.5 us
     if rows_per_group <= (8 if packed else 16):
         return GemmConfig(16, 64, 128, 4, 4, swap_ab=True)
     if rows_per_group <= 32:
