@@ -61,8 +61,10 @@ def sample(last_logits: torch.Tensor, temperature: float, top_p: float, generato
            vocab_size: int) -> torch.Tensor:
     """One token per row of last_logits [B, V], with Megatron-Core 0.16.1's `_torch_sampling_func` arithmetic for
     top_k = 0 (the same ops in the same order on the same generator, so the same tokens): temperature, then nucleus
-    filtering with its shifted mask (top_p < 1), softmax, one multinomial draw, clamped into the vocabulary."""
-    logits = last_logits.clone()
+    filtering with its shifted mask (top_p < 1), softmax, one multinomial draw, clamped into the vocabulary.
+    last_logits is left as it is (the caller's log-softmax reads it): copied only where an op below works in place
+    (a copy of [batch, vocab] fp32 costs ~20 us at batch 64 on the H200, every step)."""
+    logits = last_logits.clone() if temperature != 1.0 or 0.0 < top_p < 1.0 else last_logits
     if temperature != 1.0:
         logits.div_(temperature)
     if 0.0 < top_p < 1.0:
