@@ -77,6 +77,8 @@ ATTENTION_KEY_BLOCK = 32
 aligned blocks of this many keys, then the tree over the block sums, so the split changes no bit."""
 ATTENTION_MAX_KEYS = 8192
 """The longest context routed to the fused attention (its last pass holds [d, keys / ATTENTION_KEY_BLOCK] values)."""
+ATTENTION_WARPS = 4
+"""Warps per program (any count computes the same bits: every sum is an explicit pair tree)."""
 ATTENTION_SCRATCH_BYTES = 256 << 20
 """Scratch of one launch; more queries run as further launches (programs are independent: no bit changes)."""
 
@@ -122,5 +124,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
         _attention_kernel[(n * b * h,)](qc, kc, vc, o, scratch, e, bs, cs, sq, sk, d, b * h, i0, h, h // hkv,
                                         float(scale), *strides, **EXP_ARGS, DP=dp, DL=dp.bit_length() - 1, KB=kb,
                                         KL=kb.bit_length() - 1, NB=nb, NL=nb.bit_length() - 1,
-                                        SPLIT=fused.pair_split(), num_warps=4, enable_fp_fusion=False)
+                                        SPLIT=fused.pair_split(), num_warps=ATTENTION_WARPS,
+                                        enable_fp_fusion=False)
     return out

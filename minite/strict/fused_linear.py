@@ -26,6 +26,8 @@ except ImportError:  # pragma: no cover - triton is a dependency, but keep CPU i
 
 BLOCK_ELEMS = 8192
 """Products one program holds (BLOCK_N rows of the padded width): 4 output columns at K = 2048."""
+LINEAR_WARPS = 4
+"""Warps per program (any count computes the same bits: the sums are an explicit pair tree)."""
 MAX_COLUMN_BLOCKS = 65535
 """CUDA's limit on the grid's second axis (the column blocks); wider outputs stay on the torch ops (`applies`)."""
 
@@ -77,5 +79,5 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     block_n = _block_n(n, width)
     _linear_kernel[(m, triton.cdiv(n, block_n))](xc, wc, out, m, n, k, xc.stride(0), wc.stride(0), BLOCK_N=block_n,
                                                  WIDTH=width, LEVELS=width.bit_length() - 1, SPLIT=fused.pair_split(),
-                                                 num_warps=4, enable_fp_fusion=False)
+                                                 num_warps=LINEAR_WARPS, enable_fp_fusion=False)
     return out
