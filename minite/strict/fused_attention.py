@@ -77,8 +77,13 @@ ATTENTION_KEY_BLOCK = 32
 aligned blocks of this many keys, then the tree over the block sums, so the split changes no bit."""
 ATTENTION_MAX_KEYS = 8192
 """The longest context routed to the fused attention (its last pass holds [d, keys / ATTENTION_KEY_BLOCK] values)."""
-ATTENTION_WARPS = 4
-"""Warps per program (any count computes the same bits: every sum is an explicit pair tree)."""
+ATTENTION_WARPS = 1
+"""Warps per program (any count computes the same bits: every sum is an explicit pair tree). One warp: measured on the
+H200 (2026-12-01, session 8 call 6, `.calls/attn.py`-style timing of CUDA-graph replays, 32 heads over 4 KV heads, 128
+channels; every variant bitwise equal to the 4-warp launch): batch 64 x 72 keys 40.2 us against 173.1 us with 4 warps
+(116.3 with 2, 243.6 with 8), 40 keys 22.4 against 88.7, batch 256 x 72 keys 154.9 against 665.2, batch 8 13.7 against
+26.2. A program's sums are short (128 channels, a few 32-key blocks), so cross-warp reductions cost more than they
+spread."""
 ATTENTION_SCRATCH_BYTES = 256 << 20
 """Scratch of one launch; more queries run as further launches (programs are independent: no bit changes)."""
 
