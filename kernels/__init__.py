@@ -5,6 +5,7 @@ nvfp4_quant.py   fused quantisation (1x16 / 16x16 blocks, tensor / row scale, RN
 nvfp4_gemm.py    W4A4 GEMMs: dense, MoE grouped over tokens (fprop, dgrad), grouped over K (wgrad), small-M decode tiles
 nvfp4_swiglu.py  SwiGLU with its NVFP4 output quantisation fused in, and its backward
 finite_max.py    the NaN/Inf flag of the NVFP4 layers (minite.ops.FiniteFlag) in one launch
+megatron_rope.py Megatron-Core's unfused RoPE in one launch, for CUDA inference (megatron_patches.rope)
 _interpreter.py  a fix that lets triton 3.6's CPU interpreter run kernels with runtime loop bounds under numpy >= 2.4
 
 The folder is the top-level kernels/ of the repository, installed under the minite namespace (setup.py's

@@ -46,6 +46,7 @@ from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from minite.models.qwen3_moe import Qwen3MoeShape
 
 from .nvfp4_layers import GroupedExperts, NVFP4ColumnParallelLinear, NVFP4Context, NVFP4RowParallelLinear
+from .rope import install as install_rope_dispatch
 
 
 def transformer_config(shape: Qwen3MoeShape, *, compute_dtype: torch.dtype = torch.bfloat16, tp: int = 1,
@@ -223,4 +224,5 @@ def build_gpt_model(shape_src: Union[Qwen3MoeShape, dict, str, Path, object], *,
     )
     number_nvfp4_layers(model)
     model.nvfp4_context = ctx if precision == "nvfp4" else None
+    install_rope_dispatch()  # rollout decode steps: Megatron's RoPE arithmetic in one launch (megatron_patches.rope)
     return model

@@ -111,28 +111,10 @@ def _combine_postprocess(self, permuted):
     return output
 
 
-def strict_rope(t, freqs, config, cu_seqlens=None, mscale: float = 1.0, cp_group=None):
-    """Megatron's apply_rotary_pos_emb signature over minite.strict.ops.rope (bshd, non-interleaved, as Qwen3)."""
-    if cu_seqlens is not None or config.rotary_interleaved or config.multi_latent_attention:
-        raise ValueError("strict RoPE supports the bshd, non-interleaved layout only")
-    return S.rope(t, freqs, mscale)
-
-
 def _install_rope_dispatch() -> None:
-    import megatron.core.transformer.attention as attention_mod
-
-    if getattr(attention_mod.apply_rotary_pos_emb, "_minite_strict_dispatch", False):
-        return
-    upstream = attention_mod.apply_rotary_pos_emb
-
-    def apply_rotary_pos_emb(t, freqs, config, *args, **kwargs):
-        if getattr(config, "minite_strict", False):
-            return strict_rope(t, freqs, config, *args, **kwargs)
-        return upstream(t, freqs, config, *args, **kwargs)
-
-    apply_rotary_pos_emb._minite_strict_dispatch = True
-    attention_mod.apply_rotary_pos_emb = apply_rotary_pos_emb
-    logger.info("strict mode: megatron.core.transformer.attention.apply_rotary_pos_emb dispatches on config")
+    """Megatron's apply_rotary_pos_emb dispatches on the config (strict mode: megatron_patches.rope.strict_rope)."""
+    from .rope import install
+    install()
 
 
 def _check_supported(cfg) -> None:
