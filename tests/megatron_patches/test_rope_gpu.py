@@ -8,7 +8,7 @@ from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_
 
 def _freqs(positions, d, theta=1_000_000.0, device="cpu"):
     inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
-    f = torch.outer(positions.float(), inv)
+    f = torch.outer(positions.to(device).float(), inv)
     return torch.cat([f, f], dim=-1)[:, None, None, :]  # Megatron's [s, 1, 1, d] (rotary_interleaved False)
 
 
