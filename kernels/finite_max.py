@@ -5,7 +5,8 @@ rollout's decode step those were four graph nodes per quantised linear (a memset
 the idle gap before the reduction: ~12 us on the H200, 16 linears a step of the 4-layer slice). Each program takes
 the max of |x| over its block (NaN -> +Inf, so the flag stays non-finite whatever the order) and one fp32 atomic max
 into the flag; the values are >= 0, where the float order is the integer order of the bits, so the result is the
-exact max (or +Inf) whatever order the programs run in.
+exact max (or +Inf) whatever order the programs run in. A non-contiguous input is copied first (the quantisers'
+inputs are contiguous).
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ __nv_cosf/__nv_sinf, the functions torch's float kernels call), the fp32 multipl
 cast is round-to-nearest-even), no FMA contraction (the launch passes enable_fp_fusion=False). Whether that is
 bitwise torch's is a GPU fact: tests/megatron_patches/test_rope_gpu.py compares it with Megatron's function on the
 H200 (marker gpu). Used only on CUDA tensors without autograd (megatron_patches.rope): the learner's training
-forward keeps Megatron's ops and their backward.
+forward keeps Megatron's ops and their backward (a recompute run under no_grad would take the kernel: the same bits).
 """
 from __future__ import annotations
 

@@ -329,7 +329,10 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     swap_ab: bool = False
-    """Compute out^T = b @ a^T (weights as the first MMA operand); used only where the GPU tests prove it bitwise."""
+    """Compute out^T = b @ a^T (weights as the first MMA operand); used only where the GPU tests prove it bitwise.
+    With decode-order weights a swapped tile hands registers to Triton with an inline mov whose correctness depends
+    on the layout Triton picks (`_word_codes`): the tiles of `default_config` and the benchmarks' candidates were
+    proven on the H200; a tile outside them needs that GPU test first."""
 
 
 def default_config(rows_per_group: int, interpreter: bool, packed: bool = False) -> GemmConfig:

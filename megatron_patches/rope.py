@@ -5,7 +5,7 @@
                                                      one launch instead of ~12 (rollout decode steps)
     anything else                                    Megatron's own function
 
-`install` is idempotent; the model builder (megatron_patches.qwen3_moe.build_model) and apply_strict call it.
+`install` is idempotent; the model builder (megatron_patches.qwen3_moe.build_gpt_model) and apply_strict call it.
 """
 from __future__ import annotations
 

@@ -47,6 +47,11 @@ WORD_MAG_BIT = (9, 6, 3, 0)
 WORD_SIGN_BIT = (15, 12, 14, 13)
 
 
+DECODE_CHUNK_BYTES = 16 << 20
+"""Packed bytes `decode_order` rearranges at a time: its temporaries are a few times a chunk, not of the whole stack
+(128 experts' FC1 of Qwen3-30B-A3B is 201 MB packed)."""
+
+
 def decode_order(data: torch.Tensor) -> torch.Tensor:
     """Packed codes [..., C/2] (C a multiple of 128) in the decode order (`DECODE_BLOCK`); a copy, uint8 of the same
     shape (the words' bytes, little-endian). Only the layout changes: the codes, scales and results do not."""
@@ -54,16 +59,26 @@ def decode_order(data: torch.Tensor) -> torch.Tensor:
     if nb % DECODE_BLOCK:
         raise ValueError(f"decode_order: K = {2 * nb} is not a multiple of {2 * DECODE_BLOCK}")
     rows = data.reshape(-1, nb)
-    codes = unpack_codes(rows).to(torch.int64)  # [R, C]
+    out = torch.empty(rows.shape[0], nb // 4, dtype=torch.int32, device=data.device)
+    step = max(1, DECODE_CHUNK_BYTES // max(1, nb))
+    for r0 in range(0, rows.shape[0], step):
+        out[r0:r0 + step] = _words(rows[r0:r0 + step])
+    return out.view(torch.uint8).reshape(data.shape)  # int32 words as their little-endian bytes
+
+
+def _words(rows: torch.Tensor) -> torch.Tensor:
+    """int32 words [R, C/8] of packed rows [R, C/2] (`decode_order`): each pair's codes ORed in place."""
+    n, nb = rows.shape
     # code 32q + 16a + 8b + 2t + h of a block as [q, a, b, t, h] -> [t, q, a, b, h]: word 4t + q, pair i = 2a + b
-    c = codes.reshape(rows.shape[0], nb // DECODE_BLOCK, 4, 2, 2, 4, 2).permute(0, 1, 5, 2, 3, 4, 6)
-    c = c.reshape(rows.shape[0], nb // DECODE_BLOCK, 16, 4, 2)
-    half = torch.tensor([0, 16], device=data.device)
-    mag_bit = torch.tensor(WORD_MAG_BIT, device=data.device)[:, None] + half
-    sign_bit = torch.tensor(WORD_SIGN_BIT, device=data.device)[:, None] + half
-    words = (((c & 7) << mag_bit) | ((c >> 3) << sign_bit)).sum(dim=(-1, -2))  # disjoint bits: the sum is an OR
-    out = (words.unsqueeze(-1) >> torch.tensor([0, 8, 16, 24], device=data.device)) & 0xFF  # little-endian bytes
-    return out.to(torch.uint8).reshape(data.shape).contiguous()
+    c = unpack_codes(rows).view(n, nb // DECODE_BLOCK, 4, 2, 2, 4, 2).permute(0, 1, 5, 2, 3, 4, 6)
+    words = torch.zeros(n, nb // DECODE_BLOCK, 4, 4, dtype=torch.int32, device=rows.device)
+    for a in range(2):
+        for b in range(2):
+            for h in range(2):
+                code = c[:, :, :, :, a, b, h].to(torch.int32)
+                mag_bit, sign_bit = WORD_MAG_BIT[2 * a + b] + 16 * h, WORD_SIGN_BIT[2 * a + b] + 16 * h
+                words |= ((code & 7) << mag_bit) | ((code >> 3) << sign_bit)
+    return words.view(n, nb // 4)
 
 
 @dataclass

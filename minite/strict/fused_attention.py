@@ -83,7 +83,9 @@ H200 (2026-12-01, session 8 call 6, `.calls/attn.py`-style timing of CUDA-graph 
 channels; every variant bitwise equal to the 4-warp launch): batch 64 x 72 keys 40.2 us against 173.1 us with 4 warps
 (116.3 with 2, 243.6 with 8), 40 keys 22.4 against 88.7, batch 256 x 72 keys 154.9 against 665.2, batch 8 13.7 against
 26.2. A program's sums are short (128 channels, a few 32-key blocks), so cross-warp reductions cost more than they
-spread."""
+spread. Only for contexts up to ATTENTION_ONE_WARP_KEYS (padded) keys, the range measured: longer ones (prefill,
+training forwards; up to 8192 keys, whose last pass holds 128 x 256 values a program) keep 4 warps."""
+ATTENTION_ONE_WARP_KEYS = 256
 ATTENTION_SCRATCH_BYTES = 256 << 20
 """Scratch of one launch; more queries run as further launches (programs are independent: no bit changes)."""
 
@@ -129,6 +131,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
         _attention_kernel[(n * b * h,)](qc, kc, vc, o, scratch, e, bs, cs, sq, sk, d, b * h, i0, h, h // hkv,
                                         float(scale), *strides, **EXP_ARGS, DP=dp, DL=dp.bit_length() - 1, KB=kb,
                                         KL=kb.bit_length() - 1, NB=nb, NL=nb.bit_length() - 1,
-                                        SPLIT=fused.pair_split(), num_warps=ATTENTION_WARPS,
+                                        SPLIT=fused.pair_split(),
+                                        num_warps=ATTENTION_WARPS if skp <= ATTENTION_ONE_WARP_KEYS else 4,
                                         enable_fp_fusion=False)
     return out

@@ -34,6 +34,43 @@ def test_dispatch_is_megatrons_rope_off_the_gpu():
     assert torch.equal(_dispatched(t, f), _apply_rotary_pos_emb_bshd(t, f, mscale=1.0))
 
 
+def test_dispatch_hands_the_kernel_megatrons_mscale(monkeypatch):
+    """Where the kernel applies, it gets the call's tensors and its mscale (here forced on the CPU, kernel faked)."""
+    from minite.kernels import megatron_rope
+    from minite.megatron_patches import rope as dispatch
+    got = []
+    monkeypatch.setattr(dispatch, "_fused_applies", lambda *a: True)
+    monkeypatch.setattr(megatron_rope, "rope", lambda t, f, mscale: got.append((t, f, mscale)) or t)
+    import megatron.core.transformer.attention as attention_mod
+    dispatch.install()
+    t, f = torch.randn(1, 2, 2, 8).bfloat16(), _freqs(torch.tensor([3]), 8)
+    attention_mod.apply_rotary_pos_emb(t, f, config=_Config(), cu_seqlens=None, mscale=0.7, cp_group=object())
+    assert len(got) == 1 and got[0][0] is t and got[0][1] is f and got[0][2] == 0.7
+
+
+@pytest.mark.gpu
+def test_dispatch_keeps_megatron_where_the_kernel_does_not_apply(monkeypatch):
+    """Partial rotary widths, freqs per batch row, cu_seqlens and interleaving go to Megatron's function; inference
+    mode takes the kernel."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from minite.kernels import megatron_rope
+    from minite.megatron_patches.rope import _fused_applies
+    t = torch.randn(1, 4, 8, 128, device="cuda").bfloat16()
+    full = _freqs(torch.tensor([9]), 128, device="cuda")
+    cfg = _Config()
+    with torch.no_grad():
+        assert _fused_applies(t, full, cfg, (), {"mscale": 1.0})
+        assert not _fused_applies(t, full[..., :64], cfg, (), {})  # rotary over part of the head
+        assert not _fused_applies(t, full.expand(1, 4, 1, 128), cfg, (), {})  # freqs per batch row
+        assert not _fused_applies(t, full, cfg, (), {"cu_seqlens": torch.zeros(2, device="cuda")})
+        inter = _Config()
+        inter.rotary_interleaved = True
+        assert not _fused_applies(t, full, inter, (), {})
+    with torch.inference_mode():
+        assert _fused_applies(t, full, cfg, (), {}) and megatron_rope.applies(t, full)
+
+
 @pytest.mark.gpu
 def test_dispatch_takes_the_kernel_only_without_autograd(monkeypatch):
     if not torch.cuda.is_available():
