@@ -30,14 +30,14 @@ def install() -> None:
 
     if getattr(attention_mod.apply_rotary_pos_emb, "_minite_rope_dispatch", False):
         return
+    from minite.kernels import megatron_rope  # needs Triton: imported when installed, not per call
     upstream = attention_mod.apply_rotary_pos_emb
 
     def apply_rotary_pos_emb(t, freqs, config, *args, **kwargs):
         if getattr(config, "minite_strict", False):
             return strict_rope(t, freqs, config, *args, **kwargs)
         if _fused_applies(t, freqs, config, args, kwargs):
-            from minite.kernels.megatron_rope import rope
-            return rope(t, freqs, kwargs.get("mscale", 1.0))
+            return megatron_rope.rope(t, freqs, kwargs.get("mscale", 1.0))
         return upstream(t, freqs, config, *args, **kwargs)
 
     apply_rotary_pos_emb._minite_rope_dispatch = True
@@ -52,5 +52,5 @@ def _fused_applies(t, freqs, config, args, kwargs) -> bool:
         return False
     if not t.is_cuda or (torch.is_grad_enabled() and (t.requires_grad or freqs.requires_grad)):
         return False
-    from minite.kernels.megatron_rope import applies
-    return applies(t, freqs)
+    from minite.kernels import megatron_rope
+    return megatron_rope.applies(t, freqs)

@@ -52,6 +52,7 @@ from minite.strict import ops as S
 
 from .moe_dispatch import LocalTokenDispatcher
 from .nvfp4_layers import GroupedExperts, NVFP4ColumnParallelLinear, NVFP4RowParallelLinear
+from .rope import install as install_rope_dispatch
 
 logger = logging.getLogger(__name__)
 
@@ -111,12 +112,6 @@ def _combine_postprocess(self, permuted):
     return output
 
 
-def _install_rope_dispatch() -> None:
-    """Megatron's apply_rotary_pos_emb dispatches on the config (strict mode: megatron_patches.rope.strict_rope)."""
-    from .rope import install
-    install()
-
-
 def _check_supported(cfg) -> None:
     if cfg.tensor_model_parallel_size != 1:
         raise ValueError(f"strict mode needs tensor parallel size 1 (got tp={cfg.tensor_model_parallel_size})")
@@ -145,7 +140,7 @@ def apply_strict(model: torch.nn.Module) -> dict:
 
     config = get_model_config(model)
     _check_supported(config)
-    _install_rope_dispatch()
+    install_rope_dispatch()  # config.minite_strict routes RoPE to strict_rope (megatron_patches.rope)
     config.minite_strict = True
     counts: dict[str, int] = {}
 

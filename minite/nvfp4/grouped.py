@@ -72,12 +72,9 @@ def _words(rows: torch.Tensor) -> torch.Tensor:
     # code 32q + 16a + 8b + 2t + h of a block as [q, a, b, t, h] -> [t, q, a, b, h]: word 4t + q, pair i = 2a + b
     c = unpack_codes(rows).view(n, nb // DECODE_BLOCK, 4, 2, 2, 4, 2).permute(0, 1, 5, 2, 3, 4, 6)
     words = torch.zeros(n, nb // DECODE_BLOCK, 4, 4, dtype=torch.int32, device=rows.device)
-    for a in range(2):
-        for b in range(2):
-            for h in range(2):
-                code = c[:, :, :, :, a, b, h].to(torch.int32)
-                mag_bit, sign_bit = WORD_MAG_BIT[2 * a + b] + 16 * h, WORD_SIGN_BIT[2 * a + b] + 16 * h
-                words |= ((code & 7) << mag_bit) | ((code >> 3) << sign_bit)
+    for i, h in ((i, h) for i in range(4) for h in range(2)):
+        code = c[..., i // 2, i % 2, h].to(torch.int32)
+        words |= ((code & 7) << (WORD_MAG_BIT[i] + 16 * h)) | ((code >> 3) << (WORD_SIGN_BIT[i] + 16 * h))
     return words.view(n, nb // 4)
 
 

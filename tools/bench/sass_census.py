@@ -128,7 +128,8 @@ def strict_rows() -> list:
     rows = []
     for label, fn, sig, ce, div in kernels:
         for split in (False, True):
-            sass = kernel_sass(fn, sig, dict(ce, SPLIT=split), div, dict(num_warps=4, enable_fp_fusion=False))
+            warps = FA.ATTENTION_WARPS if fn is FA._attention_kernel else 4  # each kernel's decode launch
+            sass = kernel_sass(fn, sig, dict(ce, SPLIT=split), div, dict(num_warps=warps, enable_fp_fusion=False))
             ops = collections.Counter(m.group(2).split(".")[0] for m in map(_INSTR.match, sass.splitlines()) if m)
             rows.append({"kernel": label, "pair_levels": "tl.split" if split else "sum over the pair axis",
                          "instructions": sum(ops.values()), "FADD": ops.get("FADD", 0),
@@ -147,7 +148,7 @@ def main(argv=None) -> None:
         sys.exit("sass_census: TRITON_INTERPRET=1 makes Triton interpret, not compile; unset it")
     if a.strict:
         rows = strict_rows()
-        print(f"triton {triton.__version__}, sm_90, 4 warps: whole kernel, per thread")
+        print(f"triton {triton.__version__}, sm_90, the decode launches' warps: whole kernel, per thread")
         for r in rows:
             print(f"{r['kernel']:>40} | {r['pair_levels']:>22}: {r['instructions']:5d} instructions, FADD "
                   f"{r['FADD']:4d}, spill loads/stores {r['spills']}")
