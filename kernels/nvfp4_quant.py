@@ -15,11 +15,17 @@ request, the block values (code x block scale, exact in fp16/bf16) that feed an 
 Why bit arithmetic for the casts: Hopper has no E2M1 convert, and Triton's interpreter gets fp32 -> float8e4nv wrong
 (carry, ties, saturation, subnormals; docs/nvfp4.md, "Triton's CPU interpreter"). The E4M3 rounding here adds
 0x7FFFF + lsb to the fp32 bits and truncates 20 mantissa bits (round to nearest even), and rounds subnormals
-(< 2^-6) with the 1.5 * 2^23 magic-number add; E2M1 nearest-even rounds |v| with (|v| + M) - M, M = 2^22 / 2^23 /
-2^24 for the grid steps 0.5 / 1 / 2 (an exact add, IEEE ties-to-even) and reads the index off the fp32 bits. All of
-it is exact on the GPU and in the interpreter. Every fp32 multiply/divide mirrors one in the reference; the
-possible fma contraction (x*s + acc in the RHT, v*512 + C in the subnormal rounding) changes nothing because each
-product is exact.
+(< 2^-6) with the 1.5 * 2^23 magic-number add. E2M1 (`_e2m1_nearest`, `_e2m1_stochastic`) works on the fp32 bits
+of |v| too: at 1 and above, E2M1 is fp32 with one mantissa bit (round: add 0x1FFFFF + lsb, clear 22 bits; stochastic:
+truncate, and compare the 24 random bits with the 22 bits cut off, in integers); below 1 the step is 0.5 (2|v| +
+2^23 in one rounding). The code index and the block value come off the rounded bits, with no float -> int
+conversion and no comparison against a table of midpoints. All of it is exact on the GPU and in the interpreter.
+Every fp32 multiply/divide mirrors one in the reference; the possible fma contraction (x*s + acc in the RHT,
+v*512 + C and 2|v| + 2^23 in the roundings) changes nothing because each product is exact.
+Instructions per element (sm_90 SASS, Triton 3.6; tools/bench/sass_census.py --quant): the shapes of the learner's
+calls went from 50 to 37.5 (per-row, codes + values), 100 to 73 (stochastic) and 106 to 80 (a wgrad segment of
+dy^T, RHT + stochastic) with these roundings, one block-amax reduction instead of two, and the block values stored
+as pairs in 32-bit words (they had been 16-bit stores, one per element).
 
 Tile layout: [BLOCK_R, G, 8, 2] (rows, 16-groups, byte, nibble), so block maxima reduce the last two axes and the
 nibble pair of a byte is a split of the last axis: no reshape moves data between threads.
@@ -122,9 +128,15 @@ def _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C,
 
 
 @triton.jit
+def _block_amax(x):
+    """max |x| of each 16-group of a [BLOCK_R, G, 8, 2] tile: [BLOCK_R, G] (exact in any order)."""
+    return tl.max(tl.max(tl.abs(x), axis=3), axis=2)
+
+
+@triton.jit
 def _row_amax(x):
     """max |x| over the last three axes of a [BLOCK_R, G, 8, 2] tile (exact in any order)."""
-    return tl.max(tl.max(tl.max(tl.abs(x), axis=3), axis=2), axis=1)
+    return tl.max(_block_amax(x), axis=1)
 
 
 @triton.jit
@@ -160,30 +172,48 @@ def _e4m3_rne(v):
 
 
 @triton.jit
-def _e2m1_value(idx):
-    """fp32 magnitude of E2M1 index 0..7: 0, 0.5, 1, 1.5, 2, 3, 4, 6."""
-    f = idx.to(tl.float32)
-    return tl.where(idx <= 4, f * 0.5, tl.where(idx == 7, 6.0, f - 2.0))
+def _e2m1_nearest(mag):
+    """(E2M1 magnitude index, its fp32 value) of 0 <= mag <= 6, nearest-even, from the fp32 bits: no comparison
+    against the midpoints and no float -> int conversion (the conversions run at 1/8 of the FMA rate on Hopper).
+    mag >= 1 (the E2M1 normals 1..6, one mantissa bit): the fp32 bits rounded to one mantissa bit, nearest-even
+    (add 0x1FFFFF + that bit's lsb, clear the 22 bits below; a carry moves to the next binade, 1.75 -> 2), and the
+    index is (bits >> 22) - 252 = 2 * (exp - 126) + mantissa bit. mag < 1 (step 0.5: 0, 0.5, 1): 2 * mag + 2^23 in
+    one IEEE rounding (2 * mag is exact, so an fma changes nothing) puts round-half-even(2 * mag) in the low bits."""
+    bits = mag.to(tl.int32, bitcast=True)
+    r = (bits + (0x1FFFFF + ((bits >> 22) & 1))) & -4194304  # -4194304 = 0xFFC00000
+    f = mag * 2.0 + 8388608.0
+    sub = mag < 1.0
+    idx = tl.where(sub, f.to(tl.int32, bitcast=True) - 0x4B000000, (r >> 22) - 252)
+    return idx, tl.where(sub, f * 0.5 - 4194304.0, r.to(tl.float32, bitcast=True))
 
 
 @triton.jit
-def _e2m1_rne_index(mag):
-    """E2M1 magnitude index of 0 <= mag <= 6, nearest-even: the grid step is 0.5 below 2, 1 below 4, 2 up to 6, and
-    (mag + M) - M with M = 2^22, 2^23, 2^24 rounds to that step with IEEE ties-to-even (an exact add, no product).
-    The index is then read off the fp32 bits of the rounded value: (bits >> 22) - 252 = 2 * (exp - 126) + mantissa
-    bit for values >= 1, and 2 * r for r in {0, 0.5}."""
-    magic = tl.where(mag < 2.0, 4194304.0, tl.where(mag < 4.0, 8388608.0, 16777216.0))
-    r = (mag + magic) - magic
-    hi = (r.to(tl.int32, bitcast=True) >> 22) - 252
-    return tl.where(r >= 1.0, hi, (r * 2.0).to(tl.int32))
+def _e2m1_stochastic(mag, k):
+    """(E2M1 magnitude index, its fp32 value) of 0 <= mag <= 6 rounded up from the grid point below with probability
+    (mag - lo) / (hi - lo), up when k * 2^-24 < that fraction (k: 24 random bits, int32), as the reference.
+    mag >= 1: lo is mag's fp32 bits truncated to one mantissa bit, and the fraction is exactly the 22 bits below it
+    over 2^22, so the test is the integer k < 4 * (bits & 0x3FFFFF); up adds one unit of bit 22 (1.5 -> 2, a carry
+    into the exponent; 6 has no bits below and never rounds up). mag < 1: t = 2 * mag (exact), lo = t >= 1, fraction
+    t - lo (exact), compared in fp32 as the reference does."""
+    bits = mag.to(tl.int32, bitcast=True)
+    up_n = k < ((bits & 0x3FFFFF) << 2)
+    r = (bits & -4194304) + tl.where(up_n, 0x400000, 0)
+    t = mag * 2.0
+    lo_s = (t >= 1.0).to(tl.int32)
+    up_s = (k.to(tl.float32) * 5.9604644775390625e-08) < (t - lo_s.to(tl.float32))  # * 2^-24
+    idx_s = lo_s + up_s.to(tl.int32)
+    sub = mag < 1.0
+    idx = tl.where(sub, idx_s, (r >> 22) - 252)
+    return idx, tl.where(sub, idx_s.to(tl.float32) * 0.5, r.to(tl.float32, bitcast=True))
 
 
 @triton.jit
-def _quantize_tile(x, rows, c0, R, C, s_enc, s_dec, sixth, seed_mix,
+def _quantize_tile(x, bamax, rows, c0, R, C, s_enc, s_dec, sixth, seed_mix,
                    data_ptr, scale_ptr, vals_ptr, scale_row0, out_r0, out_c0, OC,
                    BLOCK_R: tl.constexpr, G: tl.constexpr, BR: tl.constexpr,
                    STOCHASTIC: tl.constexpr, WRITE_VALS: tl.constexpr, VEC2D: tl.constexpr):
-    """Quantise a [BLOCK_R, G, 8, 2] fp32 tile; s_enc/s_dec are scalars or [BLOCK_R, 1] (per row).
+    """Quantise a [BLOCK_R, G, 8, 2] fp32 tile with block maxima bamax = _block_amax(x) (the caller's: a per-row
+    amax reduces the same maxima); s_enc/s_dec are scalars or [BLOCK_R, 1] (per row).
 
     rows, c0, R, C are coordinates inside the tensor being quantised (masks, the stochastic-rounding index); the
     outputs land at row out_r0 + r, column out_c0 + c of output arrays OC columns wide (0, 0, C for a whole tensor;
@@ -192,30 +222,22 @@ def _quantize_tile(x, rows, c0, R, C, s_enc, s_dec, sixth, seed_mix,
     g = tl.arange(0, G)
     jj = tl.arange(0, 8)
     gmask = (c0 + g * 16) < C
-    bamax = tl.max(tl.max(tl.abs(x), axis=3), axis=2)  # [BLOCK_R, G]
     if BR == 16:
         bamax = tl.max(bamax, axis=0)[None, :]  # one amax per 16x16 tile
     sv = tl.minimum(bamax * (s_enc * sixth), 448.0)
     scode, sf = _e4m3_rne(sv)
     mult = tl.minimum(tl.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf * s_dec), 3.4028234663852886e38)
     v = x * mult[:, :, None, None]
-    v = tl.minimum(tl.maximum(v, -6.0), 6.0)
-    mag = tl.abs(v)
+    mag = tl.minimum(tl.abs(v), 6.0)  # |clamp(v, -6, 6)|
     if STOCHASTIC:
-        lo = ((mag >= 0.5).to(tl.int32) + (mag >= 1.0).to(tl.int32) + (mag >= 1.5).to(tl.int32)
-              + (mag >= 2.0).to(tl.int32) + (mag >= 3.0).to(tl.int32) + (mag >= 4.0).to(tl.int32)
-              + (mag >= 6.0).to(tl.int32))
-        inv_step = tl.where(lo < 4, 2.0, tl.where(lo < 6, 1.0, tl.where(lo == 6, 0.5, 0.0)))
-        frac = (mag - _e2m1_value(lo)) * inv_step
         pp = tl.arange(0, 2)
         col = (c0 + g * 16)[None, :, None, None] + jj[None, None, :, None] * 2 + pp[None, None, None, :]
         # (flat index + mix) mod 2^32 computed directly in wrapping uint32 arithmetic (cheaper than int64)
         flat = rows[:, None, None, None].to(tl.uint32) * C.to(tl.uint32) + col.to(tl.uint32)
         h = _lowbias32(flat + seed_mix.to(tl.uint32, bitcast=True))  # seed_mix arrives as its int32 bit pattern
-        u = (h >> 8).to(tl.float32) * 5.9604644775390625e-08  # * 2^-24
-        idx = lo + (u < frac).to(tl.int32)
+        idx, rounded = _e2m1_stochastic(mag, (h >> 8).to(tl.int32))
     else:
-        idx = _e2m1_rne_index(mag)
+        idx, rounded = _e2m1_nearest(mag)
     neg = v < 0.0  # TE's sign test: -0.0 gets code 0, a negative value rounding to zero code 8 (docs/nvfp4.md)
     code = idx | (neg.to(tl.int32) << 3)
     even, odd = tl.split(code)  # [BLOCK_R, G, 8] each: even element in the low nibble
@@ -223,12 +245,12 @@ def _quantize_tile(x, rows, c0, R, C, s_enc, s_dec, sixth, seed_mix,
     orows = (out_r0 + rows).to(tl.int64)
     if VEC2D:
         bcols = c0 // 2 + tl.arange(0, G * 8)
-        dptr = data_ptr + orows[:, None] * (OC // 2) + out_c0 // 2 + bcols[None, :]
-        tl.store(dptr, tl.reshape(byte, [BLOCK_R, G * 8]), mask=rmask[:, None] & (bcols < C // 2)[None, :])
+        doff = orows[:, None] * (OC // 2) + out_c0 // 2 + bcols[None, :]
+        tl.store(data_ptr + doff, tl.reshape(byte, [BLOCK_R, G * 8]), mask=rmask[:, None] & (bcols < C // 2)[None, :])
     else:
         bcol = (c0 // 2 + g * 8)[None, :, None] + jj[None, None, :]
-        dptr = data_ptr + orows[:, None, None] * (OC // 2) + out_c0 // 2 + bcol
-        tl.store(dptr, byte, mask=rmask[:, None, None] & gmask[None, :, None])
+        doff = orows[:, None, None] * (OC // 2) + out_c0 // 2 + bcol
+        tl.store(data_ptr + doff, byte, mask=rmask[:, None, None] & gmask[None, :, None])
     scols = c0 // 16 + g
     if BR == 16:
         sptr = scale_ptr + (out_r0 // 16 + scale_row0).to(tl.int64) * (OC // 16) + out_c0 // 16 + scols
@@ -237,18 +259,17 @@ def _quantize_tile(x, rows, c0, R, C, s_enc, s_dec, sixth, seed_mix,
         sptr = scale_ptr + orows[:, None] * (OC // 16) + out_c0 // 16 + scols[None, :]
         tl.store(sptr, scode.to(tl.uint8), mask=rmask[:, None] & gmask[None, :])
     if WRITE_VALS:
-        val = tl.where(neg, -_e2m1_value(idx), _e2m1_value(idx)) * sf[:, :, None, None]
+        # the block values in pairs: one 32-bit word per code byte (even element in the low half), stored with the
+        # codes' addressing, so the stores vectorise as the codes' do (one 16-bit store per element otherwise)
+        val = (tl.where(neg, -rounded, rounded) * sf[:, :, None, None]).to(vals_ptr.dtype.element_ty)
+        ev, od = tl.split(val.to(tl.uint16, bitcast=True).to(tl.uint32))
+        word = ev | (od << 16)
+        wptr = tl.multiple_of(vals_ptr.to(tl.pointer_type(tl.uint32), bitcast=True), 16)
         if VEC2D:
-            vcols = c0 + tl.arange(0, G * 16)
-            vptr = vals_ptr + orows[:, None] * OC + out_c0 + vcols[None, :]
-            tl.store(vptr, tl.reshape(val, [BLOCK_R, G * 16]).to(vals_ptr.dtype.element_ty),
-                     mask=rmask[:, None] & (vcols < C)[None, :])
+            tl.store(wptr + doff, tl.reshape(word, [BLOCK_R, G * 8]),
+                     mask=rmask[:, None] & (bcols < C // 2)[None, :])
         else:
-            pp2 = tl.arange(0, 2)
-            col = (c0 + g * 16)[None, :, None, None] + jj[None, None, :, None] * 2 + pp2[None, None, None, :]
-            vptr = vals_ptr + orows[:, None, None, None] * OC + out_c0 + col
-            tl.store(vptr, val.to(vals_ptr.dtype.element_ty),
-                     mask=rmask[:, None, None, None] & gmask[None, :, None, None])
+            tl.store(wptr + doff, word, mask=rmask[:, None, None] & gmask[None, :, None])
 
 
 @triton.jit(do_not_specialize=["seed_mix"])
@@ -267,14 +288,15 @@ def _quant_kernel(x_ptr, stride_r, stride_c, R, C, data_ptr, scale_ptr, gs_ptr, 
     if ROW_SCOPE:
         if SINGLE:
             x = _load_tile(x_ptr, stride_r, stride_c, rows, 0, R, C, BLOCK_R, G, RHT, SIGN_MASK, VEC2D)
+            bamax = _block_amax(x)
             if GIVEN_AMAX:
                 amax = tl.load(amax_ptr + rows, mask=rows < R, other=0.0)
             else:
-                amax = _row_amax(x)
+                amax = tl.max(bamax, axis=1)
             s_enc, s_dec = _global_scales(amax)
             tl.store(gs_ptr + rows, s_dec, mask=rows < R)
             tl.store(amax_out_ptr + rows, _decode_amax(amax, s_enc), mask=rows < R)
-            _quantize_tile(x, rows, 0, R, C, s_enc[:, None], s_dec[:, None], sixth, seed_mix,
+            _quantize_tile(x, bamax, rows, 0, R, C, s_enc[:, None], s_dec[:, None], sixth, seed_mix,
                            data_ptr, scale_ptr, vals_ptr, scale_row0, 0, 0, C, BLOCK_R, G, BR, STOCHASTIC, WRITE_VALS, VEC2D)
         else:
             if GIVEN_AMAX:
@@ -289,9 +311,9 @@ def _quant_kernel(x_ptr, stride_r, stride_c, R, C, data_ptr, scale_ptr, gs_ptr, 
             tl.store(amax_out_ptr + rows, _decode_amax(amax, s_enc), mask=rows < R)
             for c0 in range(0, C, BLOCK_C):
                 x = _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C, BLOCK_R, G, RHT, SIGN_MASK, VEC2D)
-                _quantize_tile(x, rows, c0, R, C, s_enc[:, None], s_dec[:, None], sixth, seed_mix,
-                               data_ptr, scale_ptr, vals_ptr, scale_row0, 0, 0, C, BLOCK_R, G, BR, STOCHASTIC,
-                               WRITE_VALS, VEC2D)
+                _quantize_tile(x, _block_amax(x), rows, c0, R, C, s_enc[:, None], s_dec[:, None], sixth,
+                               seed_mix, data_ptr, scale_ptr, vals_ptr, scale_row0, 0, 0, C, BLOCK_R, G, BR,
+                               STOCHASTIC, WRITE_VALS, VEC2D)
     else:
         # the global scale from the tensor's amax (the atomic max of `_amax_kernel`, or the caller's), in the
         # reference's operations (`_global_scales`); one program writes what the tensor carries
@@ -302,8 +324,9 @@ def _quant_kernel(x_ptr, stride_r, stride_c, R, C, data_ptr, scale_ptr, gs_ptr, 
             tl.store(amax_out_ptr, _decode_amax(amax, s_enc))
         c0 = pid_c * BLOCK_C
         x = _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C, BLOCK_R, G, RHT, SIGN_MASK, VEC2D)
-        _quantize_tile(x, rows, c0, R, C, s_enc, s_dec, sixth, seed_mix,
-                       data_ptr, scale_ptr, vals_ptr, scale_row0, 0, 0, C, BLOCK_R, G, BR, STOCHASTIC, WRITE_VALS, VEC2D)
+        _quantize_tile(x, _block_amax(x), rows, c0, R, C, s_enc, s_dec, sixth, seed_mix,
+                       data_ptr, scale_ptr, vals_ptr, scale_row0, 0, 0, C, BLOCK_R, G, BR, STOCHASTIC, WRITE_VALS,
+                       VEC2D)
 
 
 @triton.jit
@@ -387,8 +410,8 @@ def _segments_quant_kernel(x_ptr, stride_r, stride_c, table_ptr, OC, data_ptr, s
     mix = tl.load(seed_ptr + b) if STOCHASTIC else 0
     c0 = pid_c * BLOCK_C
     x = _load_tile(xb, stride_r, stride_c, rows, c0, R, C, BLOCK_R, G, RHT, SIGN_MASK, VEC2D)
-    _quantize_tile(x, rows, c0, R, C, s_enc, s_dec, sixth, mix, data_ptr, scale_ptr, vals_ptr, pid_r,
-                   orow, ocol, OC, BLOCK_R, G, BR, STOCHASTIC, WRITE_VALS, VEC2D)
+    _quantize_tile(x, _block_amax(x), rows, c0, R, C, s_enc, s_dec, sixth, mix, data_ptr, scale_ptr, vals_ptr,
+                   pid_r, orow, ocol, OC, BLOCK_R, G, BR, STOCHASTIC, WRITE_VALS, VEC2D)
 
 
 # Tuning knobs, one set per kind of call. Every setting computes the same bits (elementwise math and an exact max;

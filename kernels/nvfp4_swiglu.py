@@ -19,7 +19,7 @@ import triton.language as tl
 from minite.nvfp4.tensor import NVFP4Tensor
 
 from ._interpreter import ensure_interpreter_compat
-from .nvfp4_quant import SIXTH, _decode_amax, _global_scales, _quantize_tile, _row_amax
+from .nvfp4_quant import SIXTH, _block_amax, _decode_amax, _global_scales, _quantize_tile
 
 
 @triton.jit
@@ -54,11 +54,12 @@ def _swiglu_quant_kernel(h_ptr, a_ptr, data_ptr, scale_ptr, gs_ptr, amax_ptr, va
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     x = _swiglu_tile(h_ptr, a_ptr, rows, R, F, BLOCK_R, G)
     if QUANT:
-        amax = _row_amax(x)
+        bamax = _block_amax(x)
+        amax = tl.max(bamax, axis=1)
         s_enc, s_dec = _global_scales(amax)
         tl.store(gs_ptr + rows, s_dec, mask=rows < R)
         tl.store(amax_ptr + rows, _decode_amax(amax, s_enc), mask=rows < R)
-        _quantize_tile(x, rows, 0, R, F, s_enc[:, None], s_dec[:, None], sixth, 0,
+        _quantize_tile(x, bamax, rows, 0, R, F, s_enc[:, None], s_dec[:, None], sixth, 0,
                        data_ptr, scale_ptr, vals_ptr, 0, 0, 0, F, BLOCK_R, G, 1, False, WRITE_VALS, False)
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from minite.nvfp4 import apply_rht, quantize, quantize_reference
+from minite.nvfp4.quantize import uniform_u24
 from minite.kernels import nvfp4_quant
 from minite.kernels.nvfp4_quant import quantize_triton, quantize_with_values_triton
 
@@ -235,3 +236,47 @@ def test_transposed_view_bitwise(monkeypatch, vec2d, dtype):
         q, vals = quantize_with_values_triton(x.t(), (1, 16), "tensor", rounding, 5, rht)
         assert q.equal(ref), (rounding, rht)
         assert torch.equal(vals, ref.block_values(torch.float16)), (rounding, rht)
+
+
+def _e2m1_neighbourhoods() -> torch.Tensor:
+    """Magnitudes the E2M1 rounding must get right: every grid point and midpoint with its fp32 neighbours on both
+    sides, the bottom of each binade's mantissa (m = 1, 2 ulps: the stochastic test's smallest fractions), tiny and
+    fp32-subnormal values, and a uniform sweep over [0, 6]."""
+    points = [0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0]
+    t = torch.tensor(points, dtype=torch.float32)
+    near = [t, torch.nextafter(t, torch.zeros_like(t)), torch.nextafter(t, torch.full_like(t, 7.0))]
+    ulps = [torch.tensor(b, dtype=torch.float32) * (1 + k * 2.0 ** -23) for b in (0.5, 1.0, 2.0, 4.0) for k in (1, 2)]
+    tiny = torch.tensor([1e-45, 1e-40, 2.0 ** -126, 2.0 ** -24, 1e-7, 0.124])
+    sweep = torch.linspace(0, 6, 361)
+    mags = torch.cat(near + [torch.stack(ulps), tiny, sweep]).clamp(0, 6)
+    return mags[torch.randperm(len(mags), generator=torch.Generator().manual_seed(0))]
+
+
+@pytest.mark.parametrize("scope", ["tensor", "row"])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_every_e2m1_neighbourhood_bitwise(scope, rounding):
+    """Multiplier exactly 1 (block amax 6 beside a tensor / row amax of 10.5: S_enc = 256, block scale 256), so the
+    kernel's E2M1 rounding sees these magnitudes unchanged, with both signs: codes and fp16 block values bitwise the
+    reference's, nearest-even and stochastic (the kernel compares the hash's 24 bits in integers above 1; some
+    elements are exact ties u == fraction, which round down)."""
+    mags = _e2m1_neighbourhoods()
+    per_row = 15 * 3  # blocks 1..3 of each row: 6.0, then 15 test magnitudes
+    rows = -(-len(mags) // per_row)
+    vals = torch.zeros(rows * per_row)
+    vals[:len(mags)] = mags
+    signs = torch.where(torch.rand(len(vals), generator=torch.Generator().manual_seed(1)) < 0.5, -1.0, 1.0)
+    x = torch.zeros(rows, 64)
+    x[:, 0] = 10.5
+    body = (vals * signs).reshape(rows, 3, 15)
+    x[:, 16:].view(rows, 3, 16)[:, :, 0] = 6.0
+    x[:, 16:].view(rows, 3, 16)[:, :, 1:] = body
+    if rounding == "stochastic":  # exact ties u == fraction, from the element's own 24 random bits k
+        k = uniform_u24(77, torch.arange(x.numel()).reshape(x.shape)).double()
+        tie = torch.where(k % 4 == 0, 1 + k / 4 * 2.0 ** -23, k * 2.0 ** -25).float()  # above 1 / below 1
+        x[:, 17:32:3] = tie[:, 17:32:3] * torch.sign(x[:, 17:32:3] + 0.5)
+    x = x.to(DEVICE)
+    ref = quantize_reference(x, block=(1, 16), scale_scope=scope, rounding=rounding, seed=77, rht=False)
+    assert torch.equal(ref.scale.view(torch.uint8)[:, 1:].cpu(), torch.full((rows, 3), 0x78, dtype=torch.uint8))
+    q, v = quantize_with_values_triton(x, (1, 16), scope, rounding, 77, False)
+    assert torch.equal(q.data, ref.data), f"codes differ at {(q.data != ref.data).nonzero()[:5].tolist()}"
+    assert q.equal(ref) and torch.equal(v, ref.block_values(torch.float16))

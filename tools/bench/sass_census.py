@@ -18,6 +18,15 @@ compiles the strict kernels of `minite.strict` (rms_norm at width 2048 in bf16, 
 and the router's linear) twice, with their adjacent-pair trees as sums over the pair axis (what runs on the GPU) and
 as `tl.split` (what the interpreter runs, and what the GPU ran before 2765bc1), and counts whole-kernel instructions,
 FADD and local-memory spills (LDL/STL) per thread.
+
+    python tools/bench/sass_census.py --quant
+
+compiles the NVFP4 quantisation kernels of `kernels/nvfp4_quant.py` at the tiles their launchers pick for the
+learner's calls (131072 x 2048 bf16, TUNING as shipped): per-row activations (codes, codes + fp16 values), tensor
+scope nearest and stochastic, a transposed view with RHT + stochastic rounding (dy^T), the expert-weight stack (16x16)
+and the wgrad column segments (x^T with RHT, dy^T with RHT + stochastic); whole-kernel instructions per element and
+per thread, and the stores by width. The quantisers are bound by instruction issue on the H200 (docs/benchmarks.md,
+"quantisation"), so the count per element predicts their time.
 """
 from __future__ import annotations
 
@@ -137,16 +146,74 @@ def strict_rows() -> list:
     return rows
 
 
+_QUANT_SIG = dict(x_ptr="*bf16", stride_r="i32", stride_c="i32", R="i32", C="i32", data_ptr="*u8", scale_ptr="*u8",
+                  gs_ptr="*fp32", vals_ptr="*fp16", seed_mix="i32", sixth="fp32", amax_ptr="*fp32",
+                  amax_out_ptr="*fp32")
+_SEGMENT_SIG = dict(x_ptr="*bf16", stride_r="i32", stride_c="i32", table_ptr="*i64", OC="i32", data_ptr="*u8",
+                    scale_ptr="*u8", amax_ptr="*fp32", gs_ptr="*fp32", amax_out_ptr="*fp32", seed_ptr="*i32",
+                    vals_ptr="*fp16", sixth="fp32")
+
+
+def quant_rows(rows: int = 131072, cols: int = 2048) -> list:
+    """The quantisation kernels' whole-kernel census at the tiles their launchers choose (module docstring)."""
+    from minite.kernels import nvfp4_quant as nq
+    calls = [  # label, kernel, tuning kind, block rows, row scope, stochastic, RHT, values, transposed view
+        ("row, codes", nq._quant_kernel, "plain", 1, True, False, False, False, False),
+        ("row, codes + values", nq._quant_kernel, "values", 1, True, False, False, True, False),
+        ("tensor, codes + values", nq._quant_kernel, "values", 1, False, False, False, True, False),
+        ("tensor, stochastic, codes + values", nq._quant_kernel, "values", 1, False, True, False, True, False),
+        ("dy^T, RHT + stochastic, values", nq._quant_kernel, "colmajor", 1, False, True, True, True, True),
+        ("expert stack 16x16, values", nq._segments_quant_kernel, "stack", 16, False, False, False, True, False),
+        ("wgrad segments x^T, RHT, values", nq._segments_quant_kernel, "colmajor_segments", 1, False, False, True,
+         True, True),
+        ("wgrad segments dy^T, RHT + SR, values", nq._segments_quant_kernel, "colmajor_segments", 1, False, True,
+         True, True, True),
+    ]
+    out = []
+    for label, fn, kind, br, row, sr, rht, vals, transposed in calls:
+        tune = nq.TUNING[kind]
+        r, c = (cols, rows) if transposed else (rows, cols)
+        block_r, block_c, single = nq._tile_shape(r, c, br, row, tune["elems"], transposed, tune.get("rows", 128))
+        warps = tune["warps"] or (8 if block_r * block_c >= 8192 else 4)
+        sig = dict(_QUANT_SIG if fn is nq._quant_kernel else _SEGMENT_SIG)
+        unit = "stride_r" if transposed else "stride_c"
+        del sig[unit]
+        ce = dict(BLOCK_R=block_r, BLOCK_C=block_c, BR=br, STOCHASTIC=sr, RHT=rht, WRITE_VALS=vals,
+                  SIGN_MASK=nq.RHT_SIGN_MASK, VEC2D=tune["vec2d"], **{unit: 1})
+        if fn is nq._quant_kernel:
+            ce.update(ROW_SCOPE=row, SINGLE=single, GIVEN_AMAX=False)
+        else:
+            ce.update(ROWS16=True)
+        div = [k for k, t in sig.items() if t.startswith("*")] + [k for k in ("stride_r", "stride_c", "C", "OC")
+                                                                  if k in sig]
+        sass = kernel_sass(fn, sig, ce, div, dict(num_warps=warps))
+        ops = collections.Counter(m.group(2) for m in map(_INSTR.match, sass.splitlines()) if m)
+        per_thread = block_r * block_c // (32 * warps)
+        n = sum(ops.values())
+        out.append({"call": label, "tile": [block_r, block_c], "warps": warps, "elements_per_thread": per_thread,
+                    "instructions": n, "per_element": n / per_thread,
+                    "stores": {op: k for op, k in sorted(ops.items()) if op.startswith("STG")},
+                    "float_to_int": sum(k for op, k in ops.items() if op.startswith("F2I"))})
+    return out
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="16,64,128,4,4,swap", help="BLOCK_M,BLOCK_N,BLOCK_K,warps,stages[,swap]")
     p.add_argument("--variants", default="triton,ptx,ptx_decode_order")
     p.add_argument("--json", default="", help="also write the rows here")
     p.add_argument("--strict", action="store_true", help="the strict kernels instead (module docstring)")
+    p.add_argument("--quant", action="store_true", help="the quantisation kernels instead (module docstring)")
     a = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("sass_census: TRITON_INTERPRET=1 makes Triton interpret, not compile; unset it")
-    if a.strict:
+    if a.quant:
+        rows = quant_rows()
+        print(f"triton {triton.__version__}, sm_90, the learner's quantisation calls at 131072 x 2048: whole kernel")
+        for r in rows:
+            print(f"{r['call']:>38} | tile {r['tile']} x {r['warps']} warps: {r['instructions']:5d} instructions, "
+                  f"{r['per_element']:5.1f} per element | stores {r['stores']}")
+    elif a.strict:
         rows = strict_rows()
         print(f"triton {triton.__version__}, sm_90, the decode launches' warps: whole kernel, per thread")
         for r in rows:
