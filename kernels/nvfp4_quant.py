@@ -416,21 +416,21 @@ def _segments_quant_kernel(x_ptr, stride_r, stride_c, table_ptr, OC, data_ptr, s
 
 # Tuning knobs, one set per kind of call. Every setting computes the same bits (elementwise math and an exact max;
 # tests/kernels checks the addressing variants), so these change speed only. The defaults are what the H200 sweeps
-# in tools/bench/bench_nvfp4.py chose (docs/benchmarks.md names each sweep's commit; 131072 x 2048 bf16): codes only,
-# per-row RNE: 4-D addressing, 2048 elements, 2 warps, 272 us (0.61 of copy; 2-D loads: 294-300 us; the first
-# 8192-element / 8-warp tile: 913 us); codes + fp16 values: 2-D vector loads/stores, 1024 elements, 425 us (4-D
-# addressing: 1045 us).
+# in tools/bench/bench_nvfp4.py chose (docs/benchmarks.md names each sweep's commit; 131072 x 2048 bf16). At 346e9b1
+# (session 9 call 1; the block values stored as 32-bit pairs): codes only, per-row RNE: 4-D addressing, 2048
+# elements, 2 warps, 267 us (2-D loads 299 us); codes + fp16 values: 4-D addressing, 1024 elements, 354 us (2-D
+# loads/stores 385 us; before the paired stores 2-D was the faster, 425 against 1045 us); transposed views (x^T, dy^T,
+# the wgrad operands; RHT + stochastic, values): 32-row tiles of 4096 elements on 8 warps, 1177 us (8192 elements:
+# 1451 us, 148 registers against 80; 4-D stores wrote the values element by element before the paired stores).
 #   elems: fp32 elements one program holds; warps: None = 8 if elems >= 8192 else 4; vec2d: 2-D row loads/stores
 #   (16-byte vectors) reshaped to the 4-D view, else 4-D addressing; rows (transposed views only): the tile's rows,
 #   the contiguous direction in memory.
-# Transposed views (x^T, dy^T: the wgrad operands): 32-row tiles with 2-D stores (1.34 ms against 2.92 ms for
-# 4-D stores, which write fp16 values element by element), their segments on 4 warps; docs/benchmarks.md has the
-# sweeps. amax: at most programs_per_sm x the SM count programs (a CPU: x 1) per amax pass, each looping over tiles.
+# amax: at most programs_per_sm x the SM count programs (a CPU: x 1) per amax pass, each looping over tiles.
 TUNING = {
     "plain": {"elems": 2048, "warps": 2, "vec2d": False},
-    "values": {"elems": 1024, "warps": 2, "vec2d": True},
+    "values": {"elems": 1024, "warps": 2, "vec2d": False},
     "rht": {"elems": 8192, "warps": None, "vec2d": True},
-    "colmajor": {"elems": 8192, "warps": 8, "vec2d": True, "rows": 32},
+    "colmajor": {"elems": 4096, "warps": 8, "vec2d": True, "rows": 32},
     "colmajor_segments": {"elems": 8192, "warps": 4, "vec2d": True, "rows": 32},
     "stack": {"elems": 8192, "warps": 4, "vec2d": True},
     "amax": {"programs_per_sm": 16},

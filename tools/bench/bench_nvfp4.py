@@ -100,7 +100,7 @@ def section_copy_quant(res: dict) -> None:
         log(f"  quant sweep colmajor (values) shipped {shipped}: {best_cm[0] * 1e3:.1f} us")
         sweep = [{"elems": 8192, "warps": 8, "vec2d": False, "rows": 128}]  # the default before 2026-12-01
         sweep += [{"elems": n, "warps": wp, "vec2d": True, "rows": r}
-                  for r in (32, 64, 128) for n in (4096, 8192) for wp in (4, 8)]
+                  for r in (16, 32, 64) for n in (2048, 4096, 8192) for wp in (4, 8)]
         res["colmajor_sweep_us"] = []
         for tu in sweep:
             nq.TUNING["colmajor"] = tu
@@ -478,12 +478,13 @@ def section_segments(res: dict) -> None:
     x = torch.randn(sum(counts), HIDDEN, device="cuda").bfloat16()
     cases = {
         "stack": (w.reshape(-1, HIDDEN), [(e * 2 * FFN, 0, 2 * FFN, HIDDEN, e * 2 * FFN, 0) for e in range(EXPERTS)],
-                  (EXPERTS * 2 * FFN, HIDDEN), (16, 16), False, [{"elems": n, "warps": wp, "vec2d": True}
-                                                                   for n in (1024, 4096, 8192, 16384) for wp in (4, 8)]),
+                  (EXPERTS * 2 * FFN, HIDDEN), (16, 16), False, [{"elems": n, "warps": wp, "vec2d": v}
+                                                                   for v in (True, False) for n in (2048, 4096, 8192)
+                                                                   for wp in (4, 8)]),
         "wgrad_xT_rht": (x.t(), [(0, s, HIDDEN, c, 0, s) for s, c in zip(
             [sum(counts[:i]) for i in range(EXPERTS)], counts)], (HIDDEN, sum(counts)), (1, 16), True,
             [{"elems": n, "warps": wp, "vec2d": True, "rows": r}
-             for r in (32, 64, 128) for n in (4096, 8192) for wp in (4, 8)]),
+             for r in (32, 64) for n in (2048, 4096, 8192) for wp in (4, 8)]),
     }
     res["segments_us"] = {}
     # for scale: the same stack as one [E*N, K] tensor (one global scale: other bits, the same bytes moved)
