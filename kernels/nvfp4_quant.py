@@ -340,9 +340,16 @@ def _tiles_amax(x_ptr, stride_r, stride_c, R, C, tiles_c, n_tiles, BLOCK_R: tl.c
     for t in range(pid, n_tiles, tl.num_programs(0)):
         pid_r = t // tiles_c
         rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-        x = _load_tile(x_ptr, stride_r, stride_c, rows, (t - pid_r * tiles_c) * BLOCK_C, R, C, BLOCK_R,
-                       BLOCK_C // 16, RHT, SIGN_MASK, VEC2D)
-        m = tl.maximum(m, tl.max(_row_amax(x), axis=0).to(tl.int32, bitcast=True))
+        c0 = (t - pid_r * tiles_c) * BLOCK_C
+        if VEC2D and not RHT:  # a plain 2-D max (no 16-group view needed)
+            cols = c0 + tl.arange(0, BLOCK_C)
+            ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :].to(tl.int64) * stride_c
+            x2 = tl.load(ptrs, mask=(rows < R)[:, None] & (cols < C)[None, :], other=0.0).to(tl.float32)
+            tm = tl.max(tl.max(tl.abs(x2), axis=1), axis=0)
+        else:
+            x = _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C, BLOCK_R, BLOCK_C // 16, RHT, SIGN_MASK, VEC2D)
+            tm = tl.max(_row_amax(x), axis=0)
+        m = tl.maximum(m, tm.to(tl.int32, bitcast=True))
     return m
 
 
@@ -425,15 +432,18 @@ def _segments_quant_kernel(x_ptr, stride_r, stride_c, table_ptr, OC, data_ptr, s
 #   elems: fp32 elements one program holds; warps: None = 8 if elems >= 8192 else 4; vec2d: 2-D row loads/stores
 #   (16-byte vectors) reshaped to the 4-D view, else 4-D addressing; rows (transposed views only): the tile's rows,
 #   the contiguous direction in memory.
-# amax: at most programs_per_sm x the SM count programs (a CPU: x 1) per amax pass, each looping over tiles.
+# Segments (session 9 call 2): the expert-weight stack 4096 elements on 4 warps, 757 us (8192: 990 us); the wgrad
+# column segments (x^T, RHT) 64-row tiles of 4096 elements, 1030 us (32 x 8192: 1170 us).
+# amax: at most programs_per_sm x the SM count programs (a CPU: x 1) per amax pass, each looping over tiles; a pass
+# without the RHT reads x's contiguous storage in tiles of `elems` elements on `warps` warps (`_tensor_amax`).
 TUNING = {
     "plain": {"elems": 2048, "warps": 2, "vec2d": False},
     "values": {"elems": 1024, "warps": 2, "vec2d": False},
     "rht": {"elems": 8192, "warps": None, "vec2d": True},
     "colmajor": {"elems": 4096, "warps": 8, "vec2d": True, "rows": 32},
-    "colmajor_segments": {"elems": 8192, "warps": 4, "vec2d": True, "rows": 32},
-    "stack": {"elems": 8192, "warps": 4, "vec2d": True},
-    "amax": {"programs_per_sm": 16},
+    "colmajor_segments": {"elems": 4096, "warps": 4, "vec2d": True, "rows": 64},
+    "stack": {"elems": 4096, "warps": 4, "vec2d": True},
+    "amax": {"programs_per_sm": 16, "elems": 4096, "warps": 4},
 }
 
 
@@ -470,6 +480,25 @@ def _tile_shape(rows: int, cols: int, br: int, row_scope: bool, budget: int,
         return 16, max(16, min(full, budget // 16)), False
     block_c = min(full, 1024, budget)
     return max(1, min(64, budget // block_c)), block_c, False
+
+
+def _tensor_amax(x: torch.Tensor, rht: bool, block_r: int, block_c: int, vec2d: bool, warps: int,
+                 bits: torch.Tensor) -> None:
+    """max |x| (after the RHT when rht) into bits (int32, zeroed): `_amax_kernel` over the quantisation's tiles, or,
+    without the RHT, over x's contiguous storage in plain 2-D tiles (TUNING["amax"]): the max does not depend on the
+    layout, and a transposed view's storage is its contiguous transpose."""
+    if not rht:
+        storage = x if x.is_contiguous() else (x.t() if x.t().is_contiguous() else None)
+        if storage is not None:
+            tune = TUNING["amax"]
+            x, vec2d, warps = storage, True, tune["warps"]
+            block_r, block_c, _ = _tile_shape(x.shape[0], x.shape[1], 1, False, tune["elems"])
+    rows, cols = x.shape
+    tiles_c = triton.cdiv(cols, block_c)
+    tiles = triton.cdiv(rows, block_r) * tiles_c
+    _amax_kernel[(_amax_programs(x.device, tiles),)](
+        x, x.stride(0), x.stride(1), rows, cols, bits, tiles_c, tiles, BLOCK_R=block_r, BLOCK_C=block_c, RHT=rht,
+        SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d, num_warps=warps)
 
 
 def quantize_triton(x: torch.Tensor, block=(1, 16), scale_scope: str = "tensor", rounding: str = "nearest",
@@ -519,10 +548,7 @@ def quantize_with_values_triton(x: torch.Tensor, block=(1, 16), scale_scope: str
         if given is None:  # the amax pass: an atomic max of the fp32 bits; the kernel below derives the scales
             bits = torch.zeros((), dtype=torch.int32, device=dev)
             if x.numel():
-                tiles = grid[0] * grid[1]
-                _amax_kernel[(_amax_programs(dev, tiles),)](
-                    x, x.stride(0), x.stride(1), rows, cols, bits, grid[1], tiles, BLOCK_R=block_r, BLOCK_C=block_c,
-                    RHT=rht, SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d, num_warps=warps)
+                _tensor_amax(x, rht, block_r, block_c, vec2d, warps, bits)
             amax_in = bits.view(torch.float32)
         else:
             amax_in = given.reshape(())

@@ -156,15 +156,21 @@ def test_amax_pass_programs_loop_over_tiles(monkeypatch, programs, rht):
     """The tensor-scope amax pass runs a few programs per SM, each looping over tiles pid, pid + P, ... (P = 1: one
     program takes all 48 tiles; 3: an uneven share; 64: more programs than tiles, some with none): the same amax and
     bits as the reference, also where the largest magnitude sits in the last tile or is an inf; the segments' pass
-    too, over segments of different sizes and an empty one."""
+    too, over segments of different sizes and an empty one. Without the RHT the pass reads the contiguous storage in
+    its own tiles (TUNING["amax"]), also for a transposed view."""
     from minite.kernels.nvfp4_quant import quantize_segments_triton
     monkeypatch.setattr(nvfp4_quant, "_amax_programs", lambda dev, tiles, segments=1: programs)
     for kind in ("plain", "values", "rht", "stack"):  # small tiles: many per tensor
         monkeypatch.setitem(nvfp4_quant.TUNING, kind, {"elems": 256, "warps": 2, "vec2d": True})
+    monkeypatch.setitem(nvfp4_quant.TUNING, "amax", {"programs_per_sm": 16, "elems": 256, "warps": 2})
     torch.manual_seed(9)
     x = torch.randn(96, 80, device=DEVICE)
     x[-1, -1] = 37.0
     _check(x, (1, 16), "tensor", "nearest", rht)
+    _check(x.t().contiguous(), (1, 16), "tensor", "nearest", rht)
+    assert quantize_triton(x.t(), (1, 16), "tensor", "nearest", None, rht).equal(
+        quantize_reference(x.t().contiguous(), block=(1, 16), scale_scope="tensor", rounding="nearest", seed=None,
+                           rht=rht))
     x[50, 3] = -math.inf
     ref = quantize_reference(x, block=(1, 16), scale_scope="tensor", rounding="nearest", seed=None, rht=rht)
     assert torch.equal(quantize_triton(x, (1, 16), "tensor", "nearest", None, rht).amax.cpu(), ref.amax.cpu())

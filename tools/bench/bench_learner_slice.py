@@ -138,7 +138,7 @@ def world_size() -> int:
 
 
 def run(precision: str, shape: dict, layers: int, seq: int, steps: int, warmup: int, micro_batches=(1,),
-        profile_top: int = 0, ep: int = 1) -> list[dict]:
+        profile_top: int = 0, ep: int = 1, profile_micro: int = 1) -> list[dict]:
     """One learner, one row per micro-batch count: a step of `micro` x `seq` tokens and one optimizer step."""
     from minite.config import load_config
     from minite.learner.learner import Learner
@@ -177,7 +177,7 @@ def run(precision: str, shape: dict, layers: int, seq: int, steps: int, warmup: 
         if RANK0:
             print(json.dumps(rows[-1]), flush=True)
     if profile_top:
-        _profile_step(learner, tokens[:world], profile_top)  # one sequence per rank
+        _profile_step(learner, tokens[:world * profile_micro], profile_top)  # profile_micro sequences per rank
     learner.close()  # without it Megatron's DDP hooks keep the model, gradients and masters alive (Learner.close)
     del learner
     gc.collect()
@@ -198,13 +198,16 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--profile", type=int, default=0, metavar="TOP",
                    help="after timing, profile one more step and print the TOP ops by device and host time")
+    p.add_argument("--profile-micro-batches", type=int, default=1, metavar="N",
+                   help="the profiled step's micro-batches (sequences per rank)")
     a = p.parse_args()
     shape = TINY if a.tiny else FULL
     micro = tuple(int(m) for m in a.micro_batches.split(","))
     rows = []
     for prec in a.precisions.split(","):
         try:
-            rows += run(prec, shape, a.layers, a.seq, a.steps, a.warmup, micro, a.profile, a.ep)
+            rows += run(prec, shape, a.layers, a.seq, a.steps, a.warmup, micro, a.profile, a.ep,
+                        a.profile_micro_batches)
         except Exception as e:  # report and go on: one precision failing must not hide the other's number
             rows.append({"precision": prec, "error": f"{type(e).__name__}: {e}"})
             print(json.dumps(rows[-1]), flush=True)
