@@ -47,9 +47,9 @@ def model_flops_per_token(m: dict, layers: int, seq: int) -> float:
     return 3 * (2 * dense + attention)
 
 
-def _profile_step(learner, tokens, top: int) -> None:
-    """One more step under torch.profiler (tools/bench/profiling.py)."""
-    step = lambda: learner.train_step(tokens, lambda lp: (-lp.mean(), {}))  # noqa: E731
+def _profile_step(learner, tokens, top: int, micro: int = 1) -> None:
+    """One more step of `micro` micro-batches under torch.profiler (tools/bench/profiling.py)."""
+    step = lambda: learner.train_step(tokens, lambda lp: (-lp.mean() / micro, {}), micro_batches=micro)  # noqa: E731
     print_top(step, top, "one train step", show=RANK0)
     print_py_top(step, top, "one train step", show=RANK0)
 
@@ -177,7 +177,10 @@ def run(precision: str, shape: dict, layers: int, seq: int, steps: int, warmup: 
         if RANK0:
             print(json.dumps(rows[-1]), flush=True)
     if profile_top:
-        _profile_step(learner, tokens[:world * profile_micro], profile_top)  # profile_micro sequences per rank
+        try:  # a failing profile must not lose the rows timed above
+            _profile_step(learner, tokens[:world * profile_micro], profile_top, profile_micro)
+        except Exception as e:
+            print(f"profile failed: {type(e).__name__}: {e}", flush=True)
     learner.close()  # without it Megatron's DDP hooks keep the model, gradients and masters alive (Learner.close)
     del learner
     gc.collect()
@@ -199,7 +202,7 @@ def main() -> None:
     p.add_argument("--profile", type=int, default=0, metavar="TOP",
                    help="after timing, profile one more step and print the TOP ops by device and host time")
     p.add_argument("--profile-micro-batches", type=int, default=1, metavar="N",
-                   help="the profiled step's micro-batches (sequences per rank)")
+                   help="the profiled step's micro-batches of one sequence per rank (at most the largest count)")
     a = p.parse_args()
     shape = TINY if a.tiny else FULL
     micro = tuple(int(m) for m in a.micro_batches.split(","))
