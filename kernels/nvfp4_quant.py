@@ -49,7 +49,7 @@ from minite.nvfp4.quantize import SATURATED_AMAX
 from minite.nvfp4.tensor import NVFP4Tensor
 
 from ._interpreter import ensure_interpreter_compat
-from .nvfp4_seeds import _as_int32_bits, seed_mix, seed_mixes  # noqa: F401 (seed_mix: part of this module's API)
+from .nvfp4_seeds import _as_int32_bits, seed_mix  # noqa: F401 (seed_mix: part of this module's API)
 
 FP32_MAX = float(np.finfo(np.float32).max)
 SIXTH = float(np.float32(1.0) / np.float32(6.0))  # the reference's fp32 1/6, exactly representable as a Python float
@@ -88,10 +88,12 @@ def _round_to_input(y, in_ty: tl.constexpr):
 @triton.jit
 def _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C,
                BLOCK_R: tl.constexpr, G: tl.constexpr, RHT: tl.constexpr, SIGN_MASK: tl.constexpr,
-               VEC2D: tl.constexpr):
+               VEC2D: tl.constexpr, PARTIAL: tl.constexpr = False):
     """fp32 tile [BLOCK_R, G, 8, 2] of x: rows `rows`, 16-groups g at columns c0 + 16 g + 2 j + p; Hadamard-
     transformed per 16-group when RHT. The 4-D shape (group, pair, even/odd) is the layout every later step needs
-    (block reductions over the last two axes, nibble packing over the last one), so no reshape moves data."""
+    (block reductions over the last two axes, nibble packing over the last one), so no reshape moves data.
+    Columns at or past C read as zeros; PARTIAL: C need not be a multiple of 16 (element masks, not group masks:
+    the zero padding of a segment that the kernel pads itself)."""
     rmask = rows < R
     g = tl.arange(0, G)
     jj = tl.arange(0, 8)
@@ -110,7 +112,8 @@ def _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C,
         mv0 = tl.where(par0 == 1, -1.0, 1.0) * (1.0 - 2.0 * ((SIGN_MASK >> 0) & 1))
         acc = x0 * mv0[None, None, :, :]
         for i in tl.static_range(1, 16):
-            xi = tl.load(x_ptr + r4 + g4 + i * stride_c, mask=m4, other=0.0).to(tl.float32)
+            mi = (m4 & (gcol + i < C)[None, :, None, None]) if PARTIAL else m4
+            xi = tl.load(x_ptr + r4 + g4 + i * stride_c, mask=mi, other=0.0).to(tl.float32)
             pi = i & j16
             par = (pi ^ (pi >> 1) ^ (pi >> 2) ^ (pi >> 3)) & 1
             mvi = tl.where(par == 1, -1.0, 1.0) * (1.0 - 2.0 * ((SIGN_MASK >> i) & 1))
@@ -123,8 +126,9 @@ def _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C,
         x2 = tl.load(ptrs, mask=rmask[:, None] & (cols < C)[None, :], other=0.0).to(tl.float32)
         return tl.reshape(x2, [BLOCK_R, G, 8, 2])
     else:
-        c4 = (jj[None, None, :, None] * 2 + pp[None, None, None, :]).to(tl.int64) * stride_c
-        return tl.load(x_ptr + r4 + g4 + c4, mask=m4, other=0.0).to(tl.float32)
+        j4 = jj[None, None, :, None] * 2 + pp[None, None, None, :]
+        m = (m4 & (gcol[None, :, None, None] + j4 < C)) if PARTIAL else m4
+        return tl.load(x_ptr + r4 + g4 + j4.to(tl.int64) * stride_c, mask=m, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -297,7 +301,8 @@ def _quant_kernel(x_ptr, stride_r, stride_c, R, C, data_ptr, scale_ptr, gs_ptr, 
             tl.store(gs_ptr + rows, s_dec, mask=rows < R)
             tl.store(amax_out_ptr + rows, _decode_amax(amax, s_enc), mask=rows < R)
             _quantize_tile(x, bamax, rows, 0, R, C, s_enc[:, None], s_dec[:, None], sixth, seed_mix,
-                           data_ptr, scale_ptr, vals_ptr, scale_row0, 0, 0, C, BLOCK_R, G, BR, STOCHASTIC, WRITE_VALS, VEC2D)
+                           data_ptr, scale_ptr, vals_ptr, scale_row0, 0, 0, C, BLOCK_R, G, BR, STOCHASTIC, WRITE_VALS,
+                           VEC2D)
         else:
             if GIVEN_AMAX:
                 amax = tl.load(amax_ptr + rows, mask=rows < R, other=0.0)
@@ -331,7 +336,7 @@ def _quant_kernel(x_ptr, stride_r, stride_c, R, C, data_ptr, scale_ptr, gs_ptr, 
 
 @triton.jit
 def _tiles_amax(x_ptr, stride_r, stride_c, R, C, tiles_c, n_tiles, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                RHT: tl.constexpr, SIGN_MASK: tl.constexpr, VEC2D: tl.constexpr):
+                RHT: tl.constexpr, SIGN_MASK: tl.constexpr, VEC2D: tl.constexpr, PARTIAL: tl.constexpr = False):
     """max |x| (after the RHT when RHT) over the tiles pid, pid + P, ... (P programs) of an R x C view with tiles_c
     tiles per tile row, as the fp32 bits (int32): for values >= 0 (and NaN, whose bits exceed +inf's) the integer
     order is the float order, so the caller's atomic max of the bits is the float max."""
@@ -347,7 +352,8 @@ def _tiles_amax(x_ptr, stride_r, stride_c, R, C, tiles_c, n_tiles, BLOCK_R: tl.c
             x2 = tl.load(ptrs, mask=(rows < R)[:, None] & (cols < C)[None, :], other=0.0).to(tl.float32)
             tm = tl.max(tl.max(tl.abs(x2), axis=1), axis=0)
         else:
-            x = _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C, BLOCK_R, BLOCK_C // 16, RHT, SIGN_MASK, VEC2D)
+            x = _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C, BLOCK_R, BLOCK_C // 16, RHT, SIGN_MASK, VEC2D,
+                           PARTIAL)
             tm = tl.max(_row_amax(x), axis=0)
         m = tl.maximum(m, tm.to(tl.int32, bitcast=True))
     return m
@@ -361,64 +367,6 @@ def _amax_kernel(x_ptr, stride_r, stride_c, R, C, amax_bits_ptr, tiles_c, n_tile
     (one per tile on one address cost 60-190 us at 131072 x 2048)."""
     tl.atomic_max(amax_bits_ptr, _tiles_amax(x_ptr, stride_r, stride_c, R, C, tiles_c, n_tiles, BLOCK_R, BLOCK_C, RHT,
                                              SIGN_MASK, VEC2D))
-
-
-@triton.jit
-def _segment(table_ptr, b, ROWS16: tl.constexpr):
-    """Row b of a segment table int64 [B, 6]: x row, x column, rows, columns, output row, output column. The host
-    checked that columns, x columns and output columns are multiples of 16, and ROWS16 says that the rows, x rows
-    and output rows of every segment are too; saying so lets the compiler vectorise the loads and stores (a masked
-    16-byte access needs its mask constant over the vector): without it the expert-weight stacks ran at 0.86 TB/s
-    against 2 TB/s for the same bytes as one tensor (docs/benchmarks.md)."""
-    t = table_ptr + b * 6
-    xr, xc, r, c = tl.load(t), tl.multiple_of(tl.load(t + 1), 16), tl.load(t + 2), tl.multiple_of(tl.load(t + 3), 16)
-    orow, ocol = tl.load(t + 4), tl.multiple_of(tl.load(t + 5), 16)
-    if ROWS16:
-        xr, r, orow = tl.multiple_of(xr, 16), tl.multiple_of(r, 16), tl.multiple_of(orow, 16)
-    return xr, xc, r, c, orow, ocol
-
-
-@triton.jit
-def _segments_amax_kernel(x_ptr, stride_r, stride_c, table_ptr, amax_bits_ptr,
-                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, RHT: tl.constexpr,
-                          SIGN_MASK: tl.constexpr, VEC2D: tl.constexpr, ROWS16: tl.constexpr):
-    """Per segment b (grid axis 2), max |x| of the segment into amax_bits_ptr[b] (int32, zeroed), as `_amax_kernel`:
-    the grid's first axis strides over the segment's tiles, one atomic per program."""
-    b = tl.program_id(2)
-    xr, xc, R, C, _, _ = _segment(table_ptr, b, ROWS16)
-    tiles_c = tl.cdiv(C, BLOCK_C)
-    tl.atomic_max(amax_bits_ptr + b, _tiles_amax(x_ptr + xr * stride_r + xc * stride_c, stride_r, stride_c, R, C,
-                                                 tiles_c, tl.cdiv(R, BLOCK_R) * tiles_c, BLOCK_R, BLOCK_C, RHT,
-                                                 SIGN_MASK, VEC2D))
-
-
-@triton.jit
-def _segments_quant_kernel(x_ptr, stride_r, stride_c, table_ptr, OC, data_ptr, scale_ptr, amax_ptr, gs_ptr,
-                           amax_out_ptr, seed_ptr, vals_ptr, sixth,
-                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BR: tl.constexpr,
-                           STOCHASTIC: tl.constexpr, RHT: tl.constexpr, WRITE_VALS: tl.constexpr,
-                           SIGN_MASK: tl.constexpr, VEC2D: tl.constexpr, ROWS16: tl.constexpr):
-    """Segment b (grid axis 2) quantised as its own tensor (one global scale, its own seed, stochastic-rounding
-    index r * C_b + c inside the segment): the same bits as `_quant_kernel` on that segment alone."""
-    G: tl.constexpr = BLOCK_C // 16
-    pid_r = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    b = tl.program_id(2)
-    xr, xc, R, C, orow, ocol = _segment(table_ptr, b, ROWS16)
-    amax = tl.load(amax_ptr + b)
-    s_enc, s_dec = _global_scales(amax)  # an empty segment: amax 0, S_enc 1
-    if (pid_r == 0) & (pid_c == 0):
-        tl.store(gs_ptr + b, s_dec)
-        tl.store(amax_out_ptr + b, _decode_amax(amax, s_enc))
-    if (pid_r * BLOCK_R >= R) | (pid_c * BLOCK_C >= C):
-        return
-    xb = x_ptr + xr * stride_r + xc * stride_c
-    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    mix = tl.load(seed_ptr + b) if STOCHASTIC else 0
-    c0 = pid_c * BLOCK_C
-    x = _load_tile(xb, stride_r, stride_c, rows, c0, R, C, BLOCK_R, G, RHT, SIGN_MASK, VEC2D)
-    _quantize_tile(x, _block_amax(x), rows, c0, R, C, s_enc, s_dec, sixth, mix, data_ptr, scale_ptr, vals_ptr,
-                   pid_r, orow, ocol, OC, BLOCK_R, G, BR, STOCHASTIC, WRITE_VALS, VEC2D)
 
 
 # Tuning knobs, one set per kind of call. Every setting computes the same bits (elementwise math and an exact max;
@@ -561,73 +509,3 @@ def quantize_with_values_triton(x: torch.Tensor, block=(1, 16), scale_scope: str
     q = NVFP4Tensor(data=data, scale=scale.view(torch.float8_e4m3fn), global_scale=gs, shape=(rows, cols),
                     block=block, amax=amax_out)
     return q, (vals if values_dtype is not None else None)
-
-
-def quantize_segments_triton(x: torch.Tensor, segments, out_shape: tuple[int, int], block=(1, 16),
-                             rounding: str = "nearest", seeds=None, rht: bool = False,
-                             values_dtype: torch.dtype | None = None, tuning: dict | None = None,
-                             amax: torch.Tensor | None = None):
-    """Quantise B rectangles of x, each as its own tensor (scale_scope="tensor"), into one output array.
-
-    segments: B tuples (x_row, x_col, rows, cols, out_row, out_col): rows x cols of x starting at (x_row, x_col),
-    written at (out_row, out_col) of outputs shaped `out_shape` [R_out, C_out] (codes [R_out, C_out/2], E4M3
-    scales [R_out/br, C_out/16], block values [R_out, C_out] if values_dtype). Columns and output columns are
-    multiples of 16 (rows too for 16x16 blocks). seeds: B stochastic-rounding seeds. Every segment's bits equal
-    `quantize_with_values_triton` (and the reference) on that rectangle alone. Returns (data, scale, global scales
-    fp32 [B], decode amaxes fp32 [B], values or None); output positions no segment covers are left uninitialised.
-    One amax launch and one quantisation launch for all segments, no host synchronisation. tuning: a TUNING-style
-    dict (elems, warps, vec2d) overriding the default tile for x's layout (same bits, speed only). amax: each
-    segment's max |x| (fp32 [B], after the RHT when rht) computed by the caller: no amax launch then.
-    """
-    ensure_interpreter_compat()
-    block = tuple(block)
-    br = block[0]
-    stochastic = rounding == "stochastic"
-    if stochastic and (seeds is None or len(seeds) != len(segments)):
-        raise ValueError("stochastic rounding needs one seed per segment")
-    tab = np.asarray(segments, dtype=np.int64).reshape(-1, 6)  # x_row, x_col, rows, cols, out_row, out_col
-    must16 = tab[:, [1, 3, 5]] if br == 1 else tab
-    if (must16 % 16).any():
-        bad = tuple(int(v) for v in tab[np.nonzero((must16 % 16).any(axis=1))[0][0]])
-        raise ValueError(f"segment {bad}: columns, x columns and output columns (and rows for 16x16 blocks) "
-                         f"must be multiples of 16")
-    dev = x.device
-    out_r, out_c = out_shape
-    data = torch.empty(out_r, out_c // 2, dtype=torch.uint8, device=dev)
-    scale = torch.empty(out_r // br, out_c // 16, dtype=torch.uint8, device=dev)
-    vals = torch.empty(out_r, out_c, dtype=values_dtype, device=dev) if values_dtype is not None else data
-    nseg = len(tab)
-    if nseg == 0:
-        empty = torch.empty(0, device=dev)
-        return data, scale.view(torch.float8_e4m3fn), empty, empty, (vals if values_dtype else None)
-    if amax is not None and amax.shape != (nseg,):
-        raise ValueError(f"amax of shape {tuple(amax.shape)} for {nseg} segments")
-    max_r, max_c = int(tab[:, 2].max()), int(tab[:, 3].max())
-    table = torch.from_numpy(tab).to(dev, non_blocking=True)
-    col_major = _col_major(x) and br == 1
-    tune = tuning or TUNING["colmajor_segments" if col_major else ("stack" if br == 16 else "values")]
-    block_r, block_c, _ = _tile_shape(max(max_r, 1), max(max_c, 16), br, False, tune["elems"], col_major,
-                                      tune.get("rows", 128))
-    warps = tune["warps"] or (8 if block_r * block_c >= 8192 else 4)
-    vec2d = tune["vec2d"]
-    grid = (triton.cdiv(max(max_r, 1), block_r), triton.cdiv(max(max_c, 16), block_c), nseg)
-    rows16 = not (tab[:, [0, 2, 4]] % 16).any()  # a compile-time hint (_segment)
-    if amax is None:  # an atomic max per segment of the fp32 bits; the quantisation kernel derives the scales
-        bits = torch.zeros(nseg, dtype=torch.int32, device=dev)
-        _segments_amax_kernel[(_amax_programs(dev, grid[0] * grid[1], nseg), 1, nseg)](
-                                    x, x.stride(0), x.stride(1), table, bits, BLOCK_R=block_r, BLOCK_C=block_c,
-                                    RHT=rht, SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d, ROWS16=rows16,
-                                    num_warps=warps)
-        amax = bits.view(torch.float32)
-    else:
-        amax = amax.to(device=dev, dtype=torch.float32).contiguous()
-    gs = torch.empty(nseg, dtype=torch.float32, device=dev)
-    amax_out = torch.empty(nseg, dtype=torch.float32, device=dev)
-    mixes = torch.from_numpy(seed_mixes(seeds) if stochastic else np.zeros(nseg, dtype=np.int32)).to(
-        dev, non_blocking=True)
-    _segments_quant_kernel[grid](x, x.stride(0), x.stride(1), table, out_c, data, scale, amax, gs, amax_out, mixes,
-                                 vals, SIXTH,
-                                 BLOCK_R=block_r, BLOCK_C=block_c, BR=br, STOCHASTIC=stochastic, RHT=rht,
-                                 WRITE_VALS=values_dtype is not None, SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d,
-                                 ROWS16=rows16, num_warps=warps)
-    return data, scale.view(torch.float8_e4m3fn), gs, amax_out, vals if values_dtype is not None else None

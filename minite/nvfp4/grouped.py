@@ -267,24 +267,37 @@ def quantize_stack(x: torch.Tensor, *, block=BLOCK_2D, rounding: str = "nearest"
 
 def quantize_column_segments(x: torch.Tensor, widths: Sequence[int], *, rounding: str = "nearest", seeds=None,
                              rht: bool = False, values: bool = False, check_finite: bool = True,
-                             backend: str = "auto") -> NVFP4Segments:
+                             backend: str = "auto", counts: Sequence[int] | None = None) -> NVFP4Segments:
     """Quantise column segments of x [R, T] (T = sum of widths, each a multiple of 16; x may be a strided view such
     as the transpose of the permuted tokens) along T, segment e as its own [R, w_e] tensor: one global scale
-    (1 for an empty segment), stochastic rounding from seeds[e] indexed inside the segment, RHT per 16 columns."""
+    (1 for an empty segment), stochastic rounding from seeds[e] indexed inside the segment, RHT per 16 columns.
+    counts: x holds sum(counts) columns, and segment e is its next counts[e] <= widths[e] columns zero-padded to
+    widths[e] (the MoE wgrad's experts; the kernels pad inside, without a padded copy of x)."""
     widths = tuple(int(w) for w in widths)
-    if x.dim() != 2 or sum(widths) != x.shape[1] or any(w < 0 or w % 16 for w in widths):
-        raise ValueError(f"quantize_column_segments: widths {widths} must be multiples of 16 summing to the "
-                         f"columns of x {tuple(x.shape)}")
-    if check_finite:
+    if counts is None:
+        counts = widths
+    counts = tuple(int(c) for c in counts)
+    if (x.dim() != 2 or len(counts) != len(widths) or sum(counts) != x.shape[1]
+            or any(w < 0 or w % 16 or not 0 <= c <= w for c, w in zip(counts, widths))):
+        raise ValueError(f"quantize_column_segments: widths {widths} must be multiples of 16, each at least its count "
+                         f"{counts}, the counts summing to the columns of x {tuple(x.shape)}")
+    if check_finite and counts == widths:
         _validate(x, BLOCK_1D, "tensor", rounding)
+    elif check_finite and (not x.is_floating_point() or not bool(torch.isfinite(x).all())):  # any column count
+        raise ValueError(f"quantize_column_segments: x must be finite floating point ({x.dtype}; NaN or Inf?)")
     _check_rounding(rounding, seeds, len(widths))
-    rows, total = x.shape
+    rows, total = x.shape[0], sum(widths)
     starts = _starts(widths)
     if _use_triton(backend, x):
-        segs = [(0, s, rows, w, 0, s) for s, w in zip(starts, widths)]
+        segs = [(0, c0, rows, w, 0, s, c) for c0, s, w, c in zip(_starts(counts), starts, widths, counts)]
         data, scale, gs, amax, vals = kernel("quantize_segments")(x, segs, (rows, total), BLOCK_1D, rounding, seeds,
                                                                rht, VALUES_DTYPE if values else None)
         return NVFP4Segments(data, scale, gs, widths, vals, amax)
+    if counts != widths:  # the reference on the padded copy
+        padded = x.new_zeros(rows, total)
+        for c0, s, c in zip(_starts(counts), starts, counts):
+            padded[:, s:s + c] = x[:, c0:c0 + c]
+        x = padded
     datas, scales, gss, amaxes, vals = [], [], [], [], []
     for e, (s, w) in enumerate(zip(starts, widths)):
         if w == 0:

@@ -3,8 +3,9 @@
 The weights are an `NVFP4Stack` (each expert its own global scale, quantised in one launch); fprop quantises the
 tokens with per-row scales, so a token's result does not depend on its expert group; dgrad reuses the weights' exact
 16x16 transpose (the kernels read the forward block values transposed); wgrad pads each expert's tokens to a
-multiple of 16 and quantises dy^T and x^T as column segments, one per expert (`quantize_column_segments`: per expert
-its own global scale and seed, bitwise what E separate wgrads would draw), then one segmented GEMM computes all dW_e.
+multiple of 16 (the quantiser pads inside: no padded copy) and quantises dy^T and x^T as column segments, one per
+expert (`quantize_column_segments`: per expert its own global scale and seed, bitwise what E separate wgrads would
+draw), then one segmented GEMM computes all dW_e.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from minite.nvfp4 import (NVFP4Recipe, NVFP4Stack, OperandRecipe, decode_order, 
 
 from minite.nvfp4.backend import resolve
 
-from .common import ROLES, derive_seed, derive_seeds, pad_groups, padded, quant_flags
+from .common import ROLES, derive_seed, derive_seeds, padded, quant_flags
 from .linear import wgrad
 
 def _counts(tokens_per_expert, experts: int, rows: int, *, keep_tensor: bool = False):
@@ -101,9 +102,9 @@ def _grouped_wgrad(dy: torch.Tensor, x: torch.Tensor, counts: list[int], recipe:
     widths = [padded(c) for c in counts]
     segs = []
     for t, op, role in ((dy, recipe.wgrad_gradient, "wgrad_gradient"), (x, recipe.wgrad_input, "wgrad_input")):
-        segs.append(quantize_column_segments(
-            pad_groups(t, counts, widths).t(), widths, rounding=op.rounding, rht=op.rht,
-            seeds=derive_seeds(seeds, ROLES[role]), backend=backend, **quant_flags(backend, x)))
+        segs.append(quantize_column_segments(  # each expert's tokens zero-padded to its width by the quantiser
+            t.t(), widths, rounding=op.rounding, rht=op.rht, seeds=derive_seeds(seeds, ROLES[role]),
+            backend=backend, counts=counts, **quant_flags(backend, x)))
     return segmented_gemm(segs[0], segs[1], out_dtype=out_dtype, backend=backend)
 
 

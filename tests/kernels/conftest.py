@@ -11,7 +11,8 @@ import sys
 
 import torch
 
-KERNEL_MODULES = ("minite.kernels.nvfp4_quant", "minite.kernels.nvfp4_gemm", "minite.kernels.nvfp4_swiglu")
+KERNEL_MODULES = ("minite.kernels.nvfp4_quant", "minite.kernels.nvfp4_segments", "minite.kernels.nvfp4_gemm",
+                  "minite.kernels.nvfp4_swiglu")
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     os.environ["TRITON_INTERPRET"] = "1"

@@ -4,6 +4,7 @@ Quantisation of expert stacks and of wgrad column segments is bitwise equal to q
 reference (codes, scales, global scales, block values); the segmented GEMM is within the fp32-accumulation bound of
 the reference and bitwise equal to the per-expert dense kernel.
 """
+import numpy as np
 import pytest
 import torch
 
@@ -149,9 +150,11 @@ def test_errors():
         quantize_column_segments(torch.randn(4, 40, device=DEVICE), [24, 16])
     with pytest.raises(ValueError, match="seeds"):
         quantize_column_segments(torch.randn(4, 32, device=DEVICE), [16, 16], rounding="stochastic", seeds=[1])
-    from minite.kernels.nvfp4_quant import quantize_segments_triton
-    with pytest.raises(ValueError, match="x columns"):  # the kernels are told that segments start on 16-columns
-        quantize_segments_triton(torch.randn(4, 48, device=DEVICE), [(0, 8, 4, 16, 0, 0)], (4, 16))
+    from minite.kernels.nvfp4_segments import quantize_segments_triton
+    with pytest.raises(ValueError, match="columns read"):
+        quantize_segments_triton(torch.randn(4, 48, device=DEVICE), [(0, 8, 4, 16, 0, 0, 17)], (4, 16))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        quantize_segments_triton(torch.randn(4, 48, device=DEVICE), [(0, 8, 4, 12, 0, 0)], (4, 16))
     x = torch.randn(2, 16, 16, device=DEVICE)
     x[1, 3, 3] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
@@ -207,7 +210,7 @@ def test_stack_amax_is_the_amax_kernels_value():
     """quantize_stack's amax (one torch reduction, minite.nvfp4.grouped.stack_amax) is bitwise the segments amax
     kernel's on finite inputs (random, all zero, -0 only, an Inf), and the reference's where a NaN is present (the
     kernel's max skips a NaN; the reference and stack_amax propagate it)."""
-    from minite.kernels.nvfp4_quant import quantize_segments_triton
+    from minite.kernels.nvfp4_segments import quantize_segments_triton
     from minite.nvfp4.grouped import stack_amax
 
     w = _experts(5, 32, 48, 1)
@@ -222,3 +225,32 @@ def test_stack_amax_is_the_amax_kernels_value():
     w[0, 1, 1] = float("nan")
     assert torch.isnan(stack_amax(w)[0]) and not torch.isnan(stack_amax(w)[1:]).any()
     assert stack_amax(torch.empty(2, 0, 16, device=DEVICE)).tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("rounding,rht", [("nearest", False), ("nearest", True), ("stochastic", True)])
+def test_segments_pad_themselves_bitwise(rounding, rht):
+    """Segments that read fewer columns than they hold, from any x column (the wgrad operands of experts whose token
+    counts are not multiples of 16, read through the transposed view): the same bits as the reference on explicitly
+    zero-padded copies, codes, scales, global scales and fp16 values; an empty segment and a full one beside them."""
+    from minite.kernels.nvfp4_segments import quantize_segments_triton
+    torch.manual_seed(3)
+    counts, widths = [5, 0, 16, 21, 1], [16, 0, 16, 32, 16]
+    t = torch.randn(sum(counts), 48, device=DEVICE) * torch.logspace(-2, 2, 48, device=DEVICE)
+    xs, ps = np.cumsum([0] + counts[:-1]), np.cumsum([0] + widths[:-1])
+    segs = [(0, int(s), 48, w, 0, int(p), c) for s, p, c, w in zip(xs, ps, counts, widths)]
+    seeds = [11, 12, 13, 14, 15]
+    data, scale, gs, amax, vals = quantize_segments_triton(t.t(), segs, (48, sum(widths)), (1, 16), rounding,
+                                                           seeds if rounding == "stochastic" else None, rht,
+                                                           torch.float16)
+    for e, (s, p, c, w) in enumerate(zip(xs, ps, counts, widths)):
+        if w == 0:
+            assert float(gs[e]) == 1.0 and float(amax[e]) == 0.0
+            continue
+        padded = torch.zeros(w, 48, device=DEVICE)
+        padded[:c] = t[s:s + c]
+        ref = quantize_reference(padded.t().contiguous(), block=(1, 16), scale_scope="tensor", rounding=rounding,
+                                 seed=seeds[e], rht=rht)
+        assert torch.equal(data[:, p // 2:(p + w) // 2], ref.data), e
+        assert torch.equal(scale[:, p // 16:(p + w) // 16].view(torch.uint8), ref.scale.view(torch.uint8)), e
+        assert torch.equal(gs[e], ref.global_scale.reshape(())) and torch.equal(amax[e], ref.amax.reshape(())), e
+        assert torch.equal(vals[:, p:p + w], ref.block_values(torch.float16)), e

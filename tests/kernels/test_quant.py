@@ -158,7 +158,7 @@ def test_amax_pass_programs_loop_over_tiles(monkeypatch, programs, rht):
     bits as the reference, also where the largest magnitude sits in the last tile or is an inf; the segments' pass
     too, over segments of different sizes and an empty one. Without the RHT the pass reads the contiguous storage in
     its own tiles (TUNING["amax"]), also for a transposed view."""
-    from minite.kernels.nvfp4_quant import quantize_segments_triton
+    from minite.kernels.nvfp4_segments import quantize_segments_triton
     monkeypatch.setattr(nvfp4_quant, "_amax_programs", lambda dev, tiles, segments=1: programs)
     for kind in ("plain", "values", "rht", "stack"):  # small tiles: many per tensor
         monkeypatch.setitem(nvfp4_quant.TUNING, kind, {"elems": 256, "warps": 2, "vec2d": True})

@@ -82,7 +82,7 @@ def test_derive_seeds_is_derive_seed_elementwise():
 
 
 def test_seed_mixes_is_seed_mix_elementwise():
-    from minite.kernels.nvfp4_quant import _as_int32_bits, seed_mix, seed_mixes
+    from minite.kernels.nvfp4_seeds import _as_int32_bits, seed_mix, seed_mixes
     seeds = [0, 1, 7, 2**31 - 1, 2**31, 2**32 - 1, 123456789, -1]
     assert seed_mixes(seeds).tolist() == [_as_int32_bits(seed_mix(s)) for s in seeds]
     assert seed_mixes(torch.tensor(seeds)).tolist() == seed_mixes(seeds).tolist()

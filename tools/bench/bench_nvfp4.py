@@ -34,7 +34,7 @@ from triton.testing import do_bench
 
 from minite.kernels.nvfp4_swiglu import SwiGLUFunction, swiglu_bwd_triton, swiglu_quant_triton
 from minite.kernels.nvfp4_gemm import ExpertWeights, GemmConfig, grouped_gemm_triton, kgrouped_gemm_triton, stack_expert_weights
-from minite.kernels import nvfp4_quant as nq
+from minite.kernels import nvfp4_quant as nq, nvfp4_segments as ns
 from minite.kernels.nvfp4_quant import quantize_triton, quantize_with_values_triton
 
 HIDDEN, FFN, EXPERTS, TOPK, TOKENS = 2048, 768, 128, 8, 16384
@@ -496,7 +496,7 @@ def section_segments(res: dict) -> None:
         nelem = shape[0] * shape[1]
         base, best = None, None
         for tu in [None] + (tunings if SWEEP else []):
-            fn = lambda: nq.quantize_segments_triton(src, segs, shape, block, "nearest", None, rht,  # noqa: E731
+            fn = lambda: ns.quantize_segments_triton(src, segs, shape, block, "nearest", None, rht,  # noqa: E731
                                                      torch.float16, tuning=tu)
             out = fn()
             t = bench(fn, rep=50)

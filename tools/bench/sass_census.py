@@ -156,17 +156,17 @@ _SEGMENT_SIG = dict(x_ptr="*bf16", stride_r="i32", stride_c="i32", table_ptr="*i
 
 def quant_rows(rows: int = 131072, cols: int = 2048) -> list:
     """The quantisation kernels' whole-kernel census at the tiles their launchers choose (module docstring)."""
-    from minite.kernels import nvfp4_quant as nq
+    from minite.kernels import nvfp4_quant as nq, nvfp4_segments as ns
     calls = [  # label, kernel, tuning kind, block rows, row scope, stochastic, RHT, values, transposed view
         ("row, codes", nq._quant_kernel, "plain", 1, True, False, False, False, False),
         ("row, codes + values", nq._quant_kernel, "values", 1, True, False, False, True, False),
         ("tensor, codes + values", nq._quant_kernel, "values", 1, False, False, False, True, False),
         ("tensor, stochastic, codes + values", nq._quant_kernel, "values", 1, False, True, False, True, False),
         ("dy^T, RHT + stochastic, values", nq._quant_kernel, "colmajor", 1, False, True, True, True, True),
-        ("expert stack 16x16, values", nq._segments_quant_kernel, "stack", 16, False, False, False, True, False),
-        ("wgrad segments x^T, RHT, values", nq._segments_quant_kernel, "colmajor_segments", 1, False, False, True,
+        ("expert stack 16x16, values", ns._segments_quant_kernel, "stack", 16, False, False, False, True, False),
+        ("wgrad segments x^T, RHT, values", ns._segments_quant_kernel, "colmajor_segments", 1, False, False, True,
          True, True),
-        ("wgrad segments dy^T, RHT + SR, values", nq._segments_quant_kernel, "colmajor_segments", 1, False, True,
+        ("wgrad segments dy^T, RHT + SR, values", ns._segments_quant_kernel, "colmajor_segments", 1, False, True,
          True, True, True),
     ]
     out = []
@@ -183,7 +183,7 @@ def quant_rows(rows: int = 131072, cols: int = 2048) -> list:
         if fn is nq._quant_kernel:
             ce.update(ROW_SCOPE=row, SINGLE=single, GIVEN_AMAX=False)
         else:
-            ce.update(ROWS16=True)
+            ce.update(ROWS16=True, XC16=kind == "stack")  # the wgrad experts' token counts: any columns
         div = [k for k, t in sig.items() if t.startswith("*")] + [k for k in ("stride_r", "stride_c", "C", "OC")
                                                                   if k in sig]
         sass = kernel_sass(fn, sig, ce, div, dict(num_warps=warps))

@@ -1,0 +1,161 @@
+"""NVFP4 quantisation of B rectangles (segments) of one tensor in one amax launch and one quantisation launch, each
+segment as its own tensor (one global scale, its own seed): the expert-weight stacks (16x16 blocks, one segment per
+expert) and the MoE wgrad operands (x^T, dy^T: one column segment per expert, zero-padded to a multiple of 16 tokens
+inside the kernel). The tile arithmetic is kernels/nvfp4_quant.py's (`_load_tile`, `_quantize_tile`), so every
+segment's bits are that kernel's, and the reference's, on the segment alone.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from . import nvfp4_quant as nq
+from ._interpreter import ensure_interpreter_compat
+from .nvfp4_quant import (RHT_SIGN_MASK, SIXTH, _block_amax, _decode_amax, _global_scales, _load_tile,
+                          _quantize_tile, _tiles_amax)
+from .nvfp4_seeds import seed_mixes
+
+
+@triton.jit
+def _segment(table_ptr, b, ROWS16: tl.constexpr, XC16: tl.constexpr):
+    """Row b of a segment table int64 [B, 7]: x row, x column, rows, columns, output row, output column, and the
+    columns read from x (at most the columns; the rest of the segment is zero padding, which the kernels write). The
+    host checked that columns and output columns are multiples of 16; XC16 says that the x columns and the columns
+    read are too, and ROWS16 that the rows, x rows and output rows of every segment are; saying so lets the compiler
+    vectorise the loads and stores (a masked 16-byte access needs its mask constant over the vector): without it the
+    expert-weight stacks ran at 0.86 TB/s against 2 TB/s for the same bytes as one tensor (docs/benchmarks.md)."""
+    t = table_ptr + b * 7
+    xr, xc, r, c = tl.load(t), tl.load(t + 1), tl.load(t + 2), tl.multiple_of(tl.load(t + 3), 16)
+    orow, ocol, cl = tl.load(t + 4), tl.multiple_of(tl.load(t + 5), 16), tl.load(t + 6)
+    if XC16:
+        xc, cl = tl.multiple_of(xc, 16), tl.multiple_of(cl, 16)
+    if ROWS16:
+        xr, r, orow = tl.multiple_of(xr, 16), tl.multiple_of(r, 16), tl.multiple_of(orow, 16)
+    return xr, xc, r, c, orow, ocol, cl
+
+
+@triton.jit
+def _segments_amax_kernel(x_ptr, stride_r, stride_c, table_ptr, amax_bits_ptr,
+                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, RHT: tl.constexpr,
+                          SIGN_MASK: tl.constexpr, VEC2D: tl.constexpr, ROWS16: tl.constexpr,
+                          XC16: tl.constexpr):
+    """Per segment b (grid axis 2), max |x| of the segment into amax_bits_ptr[b] (int32, zeroed), as `_amax_kernel`:
+    the grid's first axis strides over the segment's tiles, one atomic per program (the padding adds zeros only)."""
+    b = tl.program_id(2)
+    xr, xc, R, _, _, _, CL = _segment(table_ptr, b, ROWS16, XC16)
+    tiles_c = tl.cdiv(CL, BLOCK_C)
+    tl.atomic_max(amax_bits_ptr + b, _tiles_amax(x_ptr + xr * stride_r + xc * stride_c, stride_r, stride_c, R, CL,
+                                                 tiles_c, tl.cdiv(R, BLOCK_R) * tiles_c, BLOCK_R, BLOCK_C, RHT,
+                                                 SIGN_MASK, VEC2D, not XC16))
+
+
+@triton.jit
+def _segments_quant_kernel(x_ptr, stride_r, stride_c, table_ptr, OC, data_ptr, scale_ptr, amax_ptr, gs_ptr,
+                           amax_out_ptr, seed_ptr, vals_ptr, sixth,
+                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BR: tl.constexpr,
+                           STOCHASTIC: tl.constexpr, RHT: tl.constexpr, WRITE_VALS: tl.constexpr,
+                           SIGN_MASK: tl.constexpr, VEC2D: tl.constexpr, ROWS16: tl.constexpr,
+                           XC16: tl.constexpr):
+    """Segment b (grid axis 2) quantised as its own tensor (one global scale, its own seed, stochastic-rounding
+    index r * C_b + c inside the segment): the same bits as `_quant_kernel` on that segment alone, zero-padded
+    from the columns read to the segment's columns."""
+    G: tl.constexpr = BLOCK_C // 16
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    b = tl.program_id(2)
+    xr, xc, R, C, orow, ocol, CL = _segment(table_ptr, b, ROWS16, XC16)
+    amax = tl.load(amax_ptr + b)
+    s_enc, s_dec = _global_scales(amax)  # an empty segment: amax 0, S_enc 1
+    if (pid_r == 0) & (pid_c == 0):
+        tl.store(gs_ptr + b, s_dec)
+        tl.store(amax_out_ptr + b, _decode_amax(amax, s_enc))
+    if (pid_r * BLOCK_R >= R) | (pid_c * BLOCK_C >= C):
+        return
+    xb = x_ptr + xr * stride_r + xc * stride_c
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    mix = tl.load(seed_ptr + b) if STOCHASTIC else 0
+    c0 = pid_c * BLOCK_C
+    x = _load_tile(xb, stride_r, stride_c, rows, c0, R, CL, BLOCK_R, G, RHT, SIGN_MASK, VEC2D, not XC16)
+    _quantize_tile(x, _block_amax(x), rows, c0, R, C, s_enc, s_dec, sixth, mix, data_ptr, scale_ptr, vals_ptr,
+                   pid_r, orow, ocol, OC, BLOCK_R, G, BR, STOCHASTIC, WRITE_VALS, VEC2D)
+
+
+def quantize_segments_triton(x: torch.Tensor, segments, out_shape: tuple[int, int], block=(1, 16),
+                             rounding: str = "nearest", seeds=None, rht: bool = False,
+                             values_dtype: torch.dtype | None = None, tuning: dict | None = None,
+                             amax: torch.Tensor | None = None):
+    """Quantise B rectangles of x, each as its own tensor (scale_scope="tensor"), into one output array.
+
+    segments: B tuples (x_row, x_col, rows, cols, out_row, out_col[, read]): rows x cols of x starting at (x_row,
+    x_col), written at (out_row, out_col) of outputs shaped `out_shape` [R_out, C_out] (codes [R_out, C_out/2], E4M3
+    scales [R_out/br, C_out/16], block values [R_out, C_out] if values_dtype). Columns and output columns are
+    multiples of 16 (rows too for 16x16 blocks). read (1x16 blocks; default cols): only the first `read` <= cols
+    columns come from x, the rest of the segment is zeros (the kernels pad it: no padded copy of x); x_col is then
+    any column. seeds: B stochastic-rounding seeds. Every segment's bits equal `quantize_with_values_triton` (and
+    the reference) on that rectangle alone, zero-padded. Returns (data, scale, global scales
+    fp32 [B], decode amaxes fp32 [B], values or None); output positions no segment covers are left uninitialised.
+    One amax launch and one quantisation launch for all segments, no host synchronisation. tuning: a TUNING-style
+    dict (elems, warps, vec2d) overriding the default tile for x's layout (same bits, speed only). amax: each
+    segment's max |x| (fp32 [B], after the RHT when rht) computed by the caller: no amax launch then.
+    """
+    ensure_interpreter_compat()
+    block = tuple(block)
+    br = block[0]
+    stochastic = rounding == "stochastic"
+    if stochastic and (seeds is None or len(seeds) != len(segments)):
+        raise ValueError("stochastic rounding needs one seed per segment")
+    segments = [tuple(sg) for sg in segments]
+    if any(len(sg) not in (6, 7) for sg in segments):
+        raise ValueError("segments are (x_row, x_col, rows, cols, out_row, out_col[, read]) tuples")
+    tab = np.asarray([sg if len(sg) == 7 else sg + (sg[3],) for sg in segments], dtype=np.int64).reshape(-1, 7)
+    must16 = tab[:, [3, 5]] if br == 1 else tab
+    if (must16 % 16).any():
+        bad = tuple(int(v) for v in tab[np.nonzero((must16 % 16).any(axis=1))[0][0]])
+        raise ValueError(f"segment {bad}: columns and output columns (and everything for 16x16 blocks) must be "
+                         f"multiples of 16")
+    if ((tab[:, 6] < 0) | (tab[:, 6] > tab[:, 3])).any():
+        bad = tuple(int(v) for v in tab[np.nonzero((tab[:, 6] < 0) | (tab[:, 6] > tab[:, 3]))[0][0]])
+        raise ValueError(f"segment {bad}: the columns read must be between 0 and the segment's columns")
+    xc16 = not (tab[:, [1, 6]] % 16).any()  # a compile-time hint (_segment); False: element masks on the loads
+    dev = x.device
+    out_r, out_c = out_shape
+    data = torch.empty(out_r, out_c // 2, dtype=torch.uint8, device=dev)
+    scale = torch.empty(out_r // br, out_c // 16, dtype=torch.uint8, device=dev)
+    vals = torch.empty(out_r, out_c, dtype=values_dtype, device=dev) if values_dtype is not None else data
+    nseg = len(tab)
+    if nseg == 0:
+        empty = torch.empty(0, device=dev)
+        return data, scale.view(torch.float8_e4m3fn), empty, empty, (vals if values_dtype else None)
+    if amax is not None and amax.shape != (nseg,):
+        raise ValueError(f"amax of shape {tuple(amax.shape)} for {nseg} segments")
+    max_r, max_c = int(tab[:, 2].max()), int(tab[:, 3].max())
+    table = torch.from_numpy(tab).to(dev, non_blocking=True)
+    col_major = nq._col_major(x) and br == 1
+    tune = tuning or nq.TUNING["colmajor_segments" if col_major else ("stack" if br == 16 else "values")]
+    block_r, block_c, _ = nq._tile_shape(max(max_r, 1), max(max_c, 16), br, False, tune["elems"], col_major,
+                                      tune.get("rows", 128))
+    warps = tune["warps"] or (8 if block_r * block_c >= 8192 else 4)
+    vec2d = tune["vec2d"]
+    grid = (triton.cdiv(max(max_r, 1), block_r), triton.cdiv(max(max_c, 16), block_c), nseg)
+    rows16 = not (tab[:, [0, 2, 4]] % 16).any()  # a compile-time hint (_segment)
+    if amax is None:  # an atomic max per segment of the fp32 bits; the quantisation kernel derives the scales
+        bits = torch.zeros(nseg, dtype=torch.int32, device=dev)
+        _segments_amax_kernel[(nq._amax_programs(dev, grid[0] * grid[1], nseg), 1, nseg)](
+                                    x, x.stride(0), x.stride(1), table, bits, BLOCK_R=block_r, BLOCK_C=block_c,
+                                    RHT=rht, SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d, ROWS16=rows16,
+                                    XC16=xc16, num_warps=warps)
+        amax = bits.view(torch.float32)
+    else:
+        amax = amax.to(device=dev, dtype=torch.float32).contiguous()
+    gs = torch.empty(nseg, dtype=torch.float32, device=dev)
+    amax_out = torch.empty(nseg, dtype=torch.float32, device=dev)
+    mixes = torch.from_numpy(seed_mixes(seeds) if stochastic else np.zeros(nseg, dtype=np.int32)).to(
+        dev, non_blocking=True)
+    _segments_quant_kernel[grid](x, x.stride(0), x.stride(1), table, out_c, data, scale, amax, gs, amax_out, mixes,
+                                 vals, SIXTH,
+                                 BLOCK_R=block_r, BLOCK_C=block_c, BR=br, STOCHASTIC=stochastic, RHT=rht,
+                                 WRITE_VALS=values_dtype is not None, SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d,
+                                 ROWS16=rows16, XC16=xc16, num_warps=warps)
+    return data, scale.view(torch.float8_e4m3fn), gs, amax_out, vals if values_dtype is not None else None
