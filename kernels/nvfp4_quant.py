@@ -383,7 +383,8 @@ def _amax_kernel(x_ptr, stride_r, stride_c, R, C, amax_bits_ptr, tiles_c, n_tile
 # Segments (session 9 call 2): the expert-weight stack 4096 elements on 4 warps, 757 us (8192: 990 us); the wgrad
 # column segments (x^T, RHT) 64-row tiles of 4096 elements, 1030 us (32 x 8192: 1170 us).
 # amax: at most programs_per_sm x the SM count programs (a CPU: x 1) per amax pass, each looping over tiles; a pass
-# without the RHT reads x's contiguous storage in tiles of `elems` elements on `warps` warps (`_tensor_amax`).
+# without the RHT reads x's storage, when x or x.t() is contiguous, in tiles of `elems` elements on `warps` warps
+# (`_tensor_amax`; other views take the quantisation's tiles).
 TUNING = {
     "plain": {"elems": 2048, "warps": 2, "vec2d": False},
     "values": {"elems": 1024, "warps": 2, "vec2d": False},
@@ -466,6 +467,8 @@ def quantize_with_values_triton(x: torch.Tensor, block=(1, 16), scale_scope: str
     x may be a strided view (e.g. the transpose of a contiguous tensor, for column-wise wgrad operands).
     global_amax: the amax of the global-scale scope given by the caller (fp32, [] or [rows]); no amax pass then."""
     ensure_interpreter_compat()
+    if values_dtype not in (None, torch.float16, torch.bfloat16):
+        raise ValueError(f"block values are fp16 or bf16 (exact in both), got {values_dtype}")
     block = tuple(block)
     rows, cols = x.shape
     br = block[0]

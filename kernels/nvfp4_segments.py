@@ -91,16 +91,19 @@ def quantize_segments_triton(x: torch.Tensor, segments, out_shape: tuple[int, in
     segments: B tuples (x_row, x_col, rows, cols, out_row, out_col[, read]): rows x cols of x starting at (x_row,
     x_col), written at (out_row, out_col) of outputs shaped `out_shape` [R_out, C_out] (codes [R_out, C_out/2], E4M3
     scales [R_out/br, C_out/16], block values [R_out, C_out] if values_dtype). Columns and output columns are
-    multiples of 16 (rows too for 16x16 blocks). read (1x16 blocks; default cols): only the first `read` <= cols
-    columns come from x, the rest of the segment is zeros (the kernels pad it: no padded copy of x); x_col is then
-    any column. seeds: B stochastic-rounding seeds. Every segment's bits equal `quantize_with_values_triton` (and
-    the reference) on that rectangle alone, zero-padded. Returns (data, scale, global scales
-    fp32 [B], decode amaxes fp32 [B], values or None); output positions no segment covers are left uninitialised.
+    multiples of 16 (for 16x16 blocks every entry is). x_col is any column for 1x16 blocks. read
+    (default cols): only the first `read` <= cols columns come from x, the rest of the segment is zeros (the
+    kernels pad it: no padded copy of x). Every rectangle read must lie inside x. seeds: B stochastic-rounding
+    seeds. Every segment's bits equal `quantize_with_values_triton` (and the reference) on that rectangle alone,
+    zero-padded. Returns (data, scale, global scales fp32 [B], decode amaxes fp32 [B], values or None); output
+    positions no segment covers are left uninitialised.
     One amax launch and one quantisation launch for all segments, no host synchronisation. tuning: a TUNING-style
     dict (elems, warps, vec2d) overriding the default tile for x's layout (same bits, speed only). amax: each
     segment's max |x| (fp32 [B], after the RHT when rht) computed by the caller: no amax launch then.
     """
     ensure_interpreter_compat()
+    if values_dtype not in (None, torch.float16, torch.bfloat16):
+        raise ValueError(f"block values are fp16 or bf16 (exact in both), got {values_dtype}")
     block = tuple(block)
     br = block[0]
     stochastic = rounding == "stochastic"
@@ -118,6 +121,10 @@ def quantize_segments_triton(x: torch.Tensor, segments, out_shape: tuple[int, in
     if ((tab[:, 6] < 0) | (tab[:, 6] > tab[:, 3])).any():
         bad = tuple(int(v) for v in tab[np.nonzero((tab[:, 6] < 0) | (tab[:, 6] > tab[:, 3]))[0][0]])
         raise ValueError(f"segment {bad}: the columns read must be between 0 and the segment's columns")
+    outside = (tab[:, 0] + tab[:, 2] > x.shape[0]) | (tab[:, 1] + tab[:, 6] > x.shape[1]) | (tab[:, :2] < 0).any(1)
+    if outside.any():
+        raise ValueError(f"segment {tuple(int(v) for v in tab[np.nonzero(outside)[0][0]])} reads outside x "
+                         f"{tuple(x.shape)}")
     xc16 = not (tab[:, [1, 6]] % 16).any()  # a compile-time hint (_segment); False: element masks on the loads
     dev = x.device
     out_r, out_c = out_shape

@@ -268,9 +268,10 @@ def quantize_stack(x: torch.Tensor, *, block=BLOCK_2D, rounding: str = "nearest"
 def quantize_column_segments(x: torch.Tensor, widths: Sequence[int], *, rounding: str = "nearest", seeds=None,
                              rht: bool = False, values: bool = False, check_finite: bool = True,
                              backend: str = "auto", counts: Sequence[int] | None = None) -> NVFP4Segments:
-    """Quantise column segments of x [R, T] (T = sum of widths, each a multiple of 16; x may be a strided view such
-    as the transpose of the permuted tokens) along T, segment e as its own [R, w_e] tensor: one global scale
-    (1 for an empty segment), stochastic rounding from seeds[e] indexed inside the segment, RHT per 16 columns.
+    """Quantise column segments of x [R, T] (T = sum of widths, each a multiple of 16, or sum of counts; x may be a
+    strided view such as the transpose of the permuted tokens) along T, segment e as its own [R, w_e] tensor: one
+    global scale (1 for an empty segment), stochastic rounding from seeds[e] indexed inside the segment, RHT per 16
+    columns.
     counts: x holds sum(counts) columns, and segment e is its next counts[e] <= widths[e] columns zero-padded to
     widths[e] (the MoE wgrad's experts; the kernels pad inside, without a padded copy of x)."""
     widths = tuple(int(w) for w in widths)
@@ -283,6 +284,8 @@ def quantize_column_segments(x: torch.Tensor, widths: Sequence[int], *, rounding
                          f"{counts}, the counts summing to the columns of x {tuple(x.shape)}")
     if check_finite and counts == widths:
         _validate(x, BLOCK_1D, "tensor", rounding)
+    elif rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
     elif check_finite and (not x.is_floating_point() or not bool(torch.isfinite(x).all())):  # any column count
         raise ValueError(f"quantize_column_segments: x must be finite floating point ({x.dtype}; NaN or Inf?)")
     _check_rounding(rounding, seeds, len(widths))

@@ -227,8 +227,9 @@ def test_stack_amax_is_the_amax_kernels_value():
     assert stack_amax(torch.empty(2, 0, 16, device=DEVICE)).tolist() == [0.0, 0.0]
 
 
+@pytest.mark.parametrize("vec2d", [True, False])
 @pytest.mark.parametrize("rounding,rht", [("nearest", False), ("nearest", True), ("stochastic", True)])
-def test_segments_pad_themselves_bitwise(rounding, rht):
+def test_segments_pad_themselves_bitwise(rounding, rht, vec2d):
     """Segments that read fewer columns than they hold, from any x column (the wgrad operands of experts whose token
     counts are not multiples of 16, read through the transposed view): the same bits as the reference on explicitly
     zero-padded copies, codes, scales, global scales and fp16 values; an empty segment and a full one beside them."""
@@ -239,9 +240,10 @@ def test_segments_pad_themselves_bitwise(rounding, rht):
     xs, ps = np.cumsum([0] + counts[:-1]), np.cumsum([0] + widths[:-1])
     segs = [(0, int(s), 48, w, 0, int(p), c) for s, p, c, w in zip(xs, ps, counts, widths)]
     seeds = [11, 12, 13, 14, 15]
+    tune = {"elems": 512, "warps": 2, "vec2d": vec2d, "rows": 16}  # 2-D or 4-D loads, both with element masks
     data, scale, gs, amax, vals = quantize_segments_triton(t.t(), segs, (48, sum(widths)), (1, 16), rounding,
                                                            seeds if rounding == "stochastic" else None, rht,
-                                                           torch.float16)
+                                                           torch.float16, tuning=tune)
     for e, (s, p, c, w) in enumerate(zip(xs, ps, counts, widths)):
         if w == 0:
             assert float(gs[e]) == 1.0 and float(amax[e]) == 0.0
@@ -254,3 +256,12 @@ def test_segments_pad_themselves_bitwise(rounding, rht):
         assert torch.equal(scale[:, p // 16:(p + w) // 16].view(torch.uint8), ref.scale.view(torch.uint8)), e
         assert torch.equal(gs[e], ref.global_scale.reshape(())) and torch.equal(amax[e], ref.amax.reshape(())), e
         assert torch.equal(vals[:, p:p + w], ref.block_values(torch.float16)), e
+    # the public entry (the MoE wgrad's call): the kernels against the reference path, which pads a copy
+    kw = dict(rounding=rounding, rht=rht, seeds=seeds if rounding == "stochastic" else None, values=True,
+              counts=counts)
+    tri = quantize_column_segments(t.t(), widths, backend="triton", **kw)
+    ref = quantize_column_segments(t.t(), widths, backend="reference", **kw)
+    assert torch.equal(tri.data, ref.data) and torch.equal(tri.scale.view(torch.uint8), ref.scale.view(torch.uint8))
+    assert torch.equal(tri.global_scale, ref.global_scale) and torch.equal(tri.values, ref.values)
+    with pytest.raises(ValueError, match="reads outside"):
+        quantize_segments_triton(t.t(), [(0, 40, 48, 16, 0, 0, 8)], (48, 16))

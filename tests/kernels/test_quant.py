@@ -123,6 +123,8 @@ def test_block_values_output_is_exact(values_dtype):
     q, vals = quantize_with_values_triton(x, (1, 16), "row", "nearest", None, False, values_dtype=values_dtype)
     assert q.equal(quantize_reference(x, block=(1, 16), scale_scope="row", rounding="nearest", seed=None, rht=False))
     assert torch.equal(vals, q.block_values(values_dtype))
+    with pytest.raises(ValueError, match="fp16 or bf16"):  # the kernel stores the values as 16-bit pairs
+        quantize_with_values_triton(x, (1, 16), "row", "nearest", None, False, values_dtype=torch.float32)
 
 
 def test_row_quantisation_is_batch_invariant():
