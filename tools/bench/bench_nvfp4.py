@@ -486,6 +486,14 @@ def section_segments(res: dict) -> None:
             [{"elems": n, "warps": wp, "vec2d": True, "rows": r}
              for r in (32, 64) for n in (2048, 4096, 8192) for wp in (4, 8)]),
     }
+    # the learner's call since c870e45: raw token counts, each expert padded to 16 by the kernel (segments that read
+    # `count` columns of `width`)
+    raw = [max(0, c - int(torch.randint(0, 16, (), generator=gen))) for c in counts]
+    xr = torch.randn(sum(raw), HIDDEN, device="cuda").bfloat16()
+    rs = [sum(raw[:i]) for i in range(EXPERTS)]
+    ps = [sum(counts[:i]) for i in range(EXPERTS)]
+    cases["wgrad_xT_rht_selfpad"] = (xr.t(), [(0, r, HIDDEN, c, 0, q, n) for r, q, c, n in zip(rs, ps, counts, raw)],
+                                     (HIDDEN, sum(counts)), (1, 16), True, [])
     res["segments_us"] = {}
     # for scale: the same stack as one [E*N, K] tensor (one global scale: other bits, the same bytes moved)
     flat = w.reshape(-1, HIDDEN)
@@ -512,6 +520,17 @@ def section_segments(res: dict) -> None:
                 best = (t, tu)
         if best is not None:
             res["segments_us"][name].update(best_us=best[0] * 1e3, best_tuning=best[1])
+        if SWEEP and name != "stack":  # the amax pass's programs per SM (same bits: an exact max)
+            shipped = nq.TUNING["amax"]["programs_per_sm"]
+            sweep_pps = {}
+            for pps in (8, 16, 32, 64, 128):
+                nq.TUNING["amax"]["programs_per_sm"] = pps
+                fn = lambda: ns.quantize_segments_triton(src, segs, shape, block, "nearest", None, rht,  # noqa: E731
+                                                         torch.float16)
+                sweep_pps[pps] = bench(fn, rep=50) * 1e3
+                log(f"  segments {name} amax programs_per_sm={pps}: {sweep_pps[pps]:.1f} us")
+            nq.TUNING["amax"]["programs_per_sm"] = shipped
+            res["segments_us"][name]["amax_programs_per_sm_us"] = sweep_pps
 
 
 def main() -> None:
