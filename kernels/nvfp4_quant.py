@@ -382,7 +382,9 @@ def _amax_kernel(x_ptr, stride_r, stride_c, R, C, amax_bits_ptr, tiles_c, n_tile
 #   the contiguous direction in memory.
 # Segments (session 9 call 2): the expert-weight stack 4096 elements on 4 warps, 757 us (8192: 990 us); the wgrad
 # column segments (x^T, RHT) 64-row tiles of 4096 elements, 1030 us (32 x 8192: 1170 us).
-# amax: at most programs_per_sm x the SM count programs (a CPU: x 1) per amax pass, each looping over tiles; a pass
+# amax: at most programs_per_sm x the SM count programs (a CPU: x 1) per amax pass, each looping over tiles (for
+# segments, segment_programs_per_sm in all: 64, the wgrad segments of x^T 1030 -> 986 us, session 9 call 7; 128:
+# 982 us; one tensor's pass keeps 16, not swept since the single-address atomics of 4935506); a pass
 # without the RHT reads x's storage, when x or x.t() is contiguous, in tiles of `elems` elements on `warps` warps
 # (`_tensor_amax`; other views take the quantisation's tiles).
 TUNING = {
@@ -392,14 +394,15 @@ TUNING = {
     "colmajor": {"elems": 4096, "warps": 8, "vec2d": True, "rows": 32},
     "colmajor_segments": {"elems": 4096, "warps": 4, "vec2d": True, "rows": 64},
     "stack": {"elems": 4096, "warps": 4, "vec2d": True},
-    "amax": {"programs_per_sm": 16, "elems": 4096, "warps": 4},
+    "amax": {"programs_per_sm": 16, "segment_programs_per_sm": 64, "elems": 4096, "warps": 4},
 }
 
 
 def _amax_programs(dev: torch.device, tiles: int, segments: int = 1) -> int:
     """Programs of an amax pass over `tiles` tiles per segment: loads in flight, few atomics per address."""
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
-    return max(1, min(tiles, sms * TUNING["amax"]["programs_per_sm"] // segments))
+    per_sm = TUNING["amax"]["segment_programs_per_sm" if segments > 1 else "programs_per_sm"]
+    return max(1, min(tiles, sms * per_sm // segments))
 
 
 def _col_major(x: torch.Tensor) -> bool:

@@ -164,7 +164,8 @@ def test_amax_pass_programs_loop_over_tiles(monkeypatch, programs, rht):
     monkeypatch.setattr(nvfp4_quant, "_amax_programs", lambda dev, tiles, segments=1: programs)
     for kind in ("plain", "values", "rht", "stack"):  # small tiles: many per tensor
         monkeypatch.setitem(nvfp4_quant.TUNING, kind, {"elems": 256, "warps": 2, "vec2d": True})
-    monkeypatch.setitem(nvfp4_quant.TUNING, "amax", {"programs_per_sm": 16, "elems": 256, "warps": 2})
+    monkeypatch.setitem(nvfp4_quant.TUNING, "amax", {"programs_per_sm": 16, "segment_programs_per_sm": 16, "elems": 256,
+                                                    "warps": 2})
     torch.manual_seed(9)
     x = torch.randn(96, 80, device=DEVICE)
     x[-1, -1] = 37.0

@@ -521,15 +521,15 @@ def section_segments(res: dict) -> None:
         if best is not None:
             res["segments_us"][name].update(best_us=best[0] * 1e3, best_tuning=best[1])
         if SWEEP and name != "stack":  # the amax pass's programs per SM (same bits: an exact max)
-            shipped = nq.TUNING["amax"]["programs_per_sm"]
+            shipped = nq.TUNING["amax"]["segment_programs_per_sm"]
             sweep_pps = {}
             for pps in (8, 16, 32, 64, 128):
-                nq.TUNING["amax"]["programs_per_sm"] = pps
+                nq.TUNING["amax"]["segment_programs_per_sm"] = pps
                 fn = lambda: ns.quantize_segments_triton(src, segs, shape, block, "nearest", None, rht,  # noqa: E731
                                                          torch.float16)
                 sweep_pps[pps] = bench(fn, rep=50) * 1e3
                 log(f"  segments {name} amax programs_per_sm={pps}: {sweep_pps[pps]:.1f} us")
-            nq.TUNING["amax"]["programs_per_sm"] = shipped
+            nq.TUNING["amax"]["segment_programs_per_sm"] = shipped
             res["segments_us"][name]["amax_programs_per_sm_us"] = sweep_pps
 
 
