@@ -22,10 +22,11 @@ truncate, and compare the 24 random bits with the 22 bits cut off, in integers);
 conversion and no comparison against a table of midpoints. All of it is exact on the GPU and in the interpreter.
 Every fp32 multiply/divide mirrors one in the reference; the possible fma contraction (x*s + acc in the RHT,
 v*512 + C and 2|v| + 2^23 in the roundings) changes nothing because each product is exact.
-Instructions per element (sm_90 SASS, Triton 3.6; tools/bench/sass_census.py --quant): the shapes of the learner's
-calls went from 50 to 37.5 (per-row, codes + values), 100 to 73 (stochastic) and 106 to 80 (a wgrad segment of
-dy^T, RHT + stochastic) with these roundings, one block-amax reduction instead of two, and the block values stored
-as pairs in 32-bit words (they had been 16-bit stores, one per element).
+Instructions per element (sm_90 SASS, Triton 3.6; tools/bench/sass_census.py --quant, at the launchers' tiles):
+these roundings, one block-amax reduction instead of two, the block values stored as pairs in 32-bit words (they had
+been 16-bit stores, one per element) and the tiles re-swept took the learner's calls from 50 to 34.8 (per-row,
+codes + values), 100 to 67.5 (stochastic) and 106 to 90 (a wgrad segment of dy^T, RHT + stochastic);
+docs/benchmarks.md has the rest and the times.
 
 Tile layout: [BLOCK_R, G, 8, 2] (rows, 16-groups, byte, nibble), so block maxima reduce the last two axes and the
 nibble pair of a byte is a split of the last axis: no reshape moves data between threads.
@@ -405,6 +406,17 @@ def _amax_programs(dev: torch.device, tiles: int, segments: int = 1) -> int:
     return max(1, min(tiles, sms * per_sm // segments))
 
 
+def _warps(tune: dict, block_r: int, block_c: int) -> int:
+    """A tuning's warps, or its default (`TUNING`): 8 for tiles of at least 8192 elements, else 4."""
+    return tune["warps"] or (8 if block_r * block_c >= 8192 else 4)
+
+
+def _check_values_dtype(values_dtype) -> None:
+    """Block values are stored as 16-bit pairs: fp16 or bf16 (both hold them exactly), or None for none."""
+    if values_dtype not in (None, torch.float16, torch.bfloat16):
+        raise ValueError(f"block values are fp16 or bf16 (exact in both), got {values_dtype}")
+
+
 def _col_major(x: torch.Tensor) -> bool:
     """x is a transposed view: its rows, not its columns, are contiguous in memory."""
     return x.stride(0) == 1 and x.stride(1) != 1 and x.shape[0] > 1
@@ -470,8 +482,7 @@ def quantize_with_values_triton(x: torch.Tensor, block=(1, 16), scale_scope: str
     x may be a strided view (e.g. the transpose of a contiguous tensor, for column-wise wgrad operands).
     global_amax: the amax of the global-scale scope given by the caller (fp32, [] or [rows]); no amax pass then."""
     ensure_interpreter_compat()
-    if values_dtype not in (None, torch.float16, torch.bfloat16):
-        raise ValueError(f"block values are fp16 or bf16 (exact in both), got {values_dtype}")
+    _check_values_dtype(values_dtype)
     block = tuple(block)
     rows, cols = x.shape
     br = block[0]
@@ -486,7 +497,7 @@ def quantize_with_values_triton(x: torch.Tensor, block=(1, 16), scale_scope: str
     col_major = _col_major(x) and br == 1 and not row_scope
     tune = TUNING["colmajor"] if col_major else _tuning(rht, values_dtype is not None)
     block_r, block_c, single = _tile_shape(rows, cols, br, row_scope, tune["elems"], col_major, tune.get("rows", 128))
-    warps = tune["warps"] or (8 if block_r * block_c >= 8192 else 4)
+    warps = _warps(tune, block_r, block_c)
     vec2d = tune["vec2d"]
     given = global_amax.to(device=dev, dtype=torch.float32).contiguous() if global_amax is not None else None
     if row_scope:

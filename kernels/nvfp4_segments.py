@@ -102,8 +102,7 @@ def quantize_segments_triton(x: torch.Tensor, segments, out_shape: tuple[int, in
     segment's max |x| (fp32 [B], after the RHT when rht) computed by the caller: no amax launch then.
     """
     ensure_interpreter_compat()
-    if values_dtype not in (None, torch.float16, torch.bfloat16):
-        raise ValueError(f"block values are fp16 or bf16 (exact in both), got {values_dtype}")
+    nq._check_values_dtype(values_dtype)
     block = tuple(block)
     br = block[0]
     stochastic = rounding == "stochastic"
@@ -114,17 +113,14 @@ def quantize_segments_triton(x: torch.Tensor, segments, out_shape: tuple[int, in
         raise ValueError("segments are (x_row, x_col, rows, cols, out_row, out_col[, read]) tuples")
     tab = np.asarray([sg if len(sg) == 7 else sg + (sg[3],) for sg in segments], dtype=np.int64).reshape(-1, 7)
     must16 = tab[:, [3, 5]] if br == 1 else tab
-    if (must16 % 16).any():
-        bad = tuple(int(v) for v in tab[np.nonzero((must16 % 16).any(axis=1))[0][0]])
-        raise ValueError(f"segment {bad}: columns and output columns (and everything for 16x16 blocks) must be "
-                         f"multiples of 16")
-    if ((tab[:, 6] < 0) | (tab[:, 6] > tab[:, 3])).any():
-        bad = tuple(int(v) for v in tab[np.nonzero((tab[:, 6] < 0) | (tab[:, 6] > tab[:, 3]))[0][0]])
-        raise ValueError(f"segment {bad}: the columns read must be between 0 and the segment's columns")
-    outside = (tab[:, 0] + tab[:, 2] > x.shape[0]) | (tab[:, 1] + tab[:, 6] > x.shape[1]) | (tab[:, :2] < 0).any(1)
-    if outside.any():
-        raise ValueError(f"segment {tuple(int(v) for v in tab[np.nonzero(outside)[0][0]])} reads outside x "
-                         f"{tuple(x.shape)}")
+    for bad, why in (((must16 % 16).any(axis=1), "columns and output columns (and everything for 16x16 blocks) must "
+                                                 "be multiples of 16"),
+                     ((tab[:, 6] < 0) | (tab[:, 6] > tab[:, 3]), "the columns read must be between 0 and the "
+                                                                "segment's columns"),
+                     ((tab[:, 0] + tab[:, 2] > x.shape[0]) | (tab[:, 1] + tab[:, 6] > x.shape[1])
+                      | (tab[:, :2] < 0).any(axis=1), f"reads outside x {tuple(x.shape)}")):
+        if bad.any():
+            raise ValueError(f"segment {tuple(int(v) for v in tab[np.nonzero(bad)[0][0]])}: {why}")
     xc16 = not (tab[:, [1, 6]] % 16).any()  # a compile-time hint (_segment); False: element masks on the loads
     dev = x.device
     out_r, out_c = out_shape
@@ -143,7 +139,7 @@ def quantize_segments_triton(x: torch.Tensor, segments, out_shape: tuple[int, in
     tune = tuning or nq.TUNING["colmajor_segments" if col_major else ("stack" if br == 16 else "values")]
     block_r, block_c, _ = nq._tile_shape(max(max_r, 1), max(max_c, 16), br, False, tune["elems"], col_major,
                                       tune.get("rows", 128))
-    warps = tune["warps"] or (8 if block_r * block_c >= 8192 else 4)
+    warps = nq._warps(tune, block_r, block_c)
     vec2d = tune["vec2d"]
     grid = (triton.cdiv(max(max_r, 1), block_r), triton.cdiv(max(max_c, 16), block_c), nseg)
     rows16 = not (tab[:, [0, 2, 4]] % 16).any()  # a compile-time hint (_segment)

@@ -282,12 +282,13 @@ def quantize_column_segments(x: torch.Tensor, widths: Sequence[int], *, rounding
             or any(w < 0 or w % 16 or not 0 <= c <= w for c, w in zip(counts, widths))):
         raise ValueError(f"quantize_column_segments: widths {widths} must be multiples of 16, each at least its count "
                          f"{counts}, the counts summing to the columns of x {tuple(x.shape)}")
-    if check_finite and counts == widths:
-        _validate(x, BLOCK_1D, "tensor", rounding)
-    elif rounding not in ("nearest", "stochastic"):
+    # the shapes are checked above (x's columns need not be a multiple of 16 with counts): the rest of _validate
+    if rounding not in ("nearest", "stochastic"):
         raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
-    elif check_finite and (not x.is_floating_point() or not bool(torch.isfinite(x).all())):  # any column count
-        raise ValueError(f"quantize_column_segments: x must be finite floating point ({x.dtype}; NaN or Inf?)")
+    if check_finite and not x.is_floating_point():
+        raise ValueError(f"quantize expects a floating-point tensor, got {x.dtype}")
+    if check_finite and not bool(torch.isfinite(x).all()):
+        raise ValueError("quantize input contains NaN or Inf")
     _check_rounding(rounding, seeds, len(widths))
     rows, total = x.shape[0], sum(widths)
     starts = _starts(widths)

@@ -476,13 +476,14 @@ def section_segments(res: dict) -> None:
     w = (torch.randn(EXPERTS, 2 * FFN, HIDDEN, device="cuda") * 0.02).bfloat16()
     counts = [c + (-c) % 16 for c in _routing_counts(TOKENS * TOPK, EXPERTS, gen).tolist()]
     x = torch.randn(sum(counts), HIDDEN, device="cuda").bfloat16()
+    ps = [sum(counts[:i]) for i in range(EXPERTS)]  # each expert's first (padded) token
     cases = {
         "stack": (w.reshape(-1, HIDDEN), [(e * 2 * FFN, 0, 2 * FFN, HIDDEN, e * 2 * FFN, 0) for e in range(EXPERTS)],
                   (EXPERTS * 2 * FFN, HIDDEN), (16, 16), False, [{"elems": n, "warps": wp, "vec2d": v}
                                                                    for v in (True, False) for n in (2048, 4096, 8192)
                                                                    for wp in (4, 8)]),
-        "wgrad_xT_rht": (x.t(), [(0, s, HIDDEN, c, 0, s) for s, c in zip(
-            [sum(counts[:i]) for i in range(EXPERTS)], counts)], (HIDDEN, sum(counts)), (1, 16), True,
+        "wgrad_xT_rht": (x.t(), [(0, s, HIDDEN, c, 0, s) for s, c in zip(ps, counts)], (HIDDEN, sum(counts)), (1, 16),
+                         True,
             [{"elems": n, "warps": wp, "vec2d": True, "rows": r}
              for r in (32, 64) for n in (2048, 4096, 8192) for wp in (4, 8)]),
     }
@@ -491,7 +492,6 @@ def section_segments(res: dict) -> None:
     raw = [max(0, c - int(torch.randint(0, 16, (), generator=gen))) for c in counts]
     xr = torch.randn(sum(raw), HIDDEN, device="cuda").bfloat16()
     rs = [sum(raw[:i]) for i in range(EXPERTS)]
-    ps = [sum(counts[:i]) for i in range(EXPERTS)]
     cases["wgrad_xT_rht_selfpad"] = (xr.t(), [(0, r, HIDDEN, c, 0, q, n) for r, q, c, n in zip(rs, ps, counts, raw)],
                                      (HIDDEN, sum(counts)), (1, 16), True, [])
     res["segments_us"] = {}
@@ -503,9 +503,11 @@ def section_segments(res: dict) -> None:
     for name, (src, segs, shape, block, rht, tunings) in cases.items():
         nelem = shape[0] * shape[1]
         base, best = None, None
+        def run(tu=None):
+            return ns.quantize_segments_triton(src, segs, shape, block, "nearest", None, rht, torch.float16, tuning=tu)
+
         for tu in [None] + (tunings if SWEEP else []):
-            fn = lambda: ns.quantize_segments_triton(src, segs, shape, block, "nearest", None, rht,  # noqa: E731
-                                                     torch.float16, tuning=tu)
+            fn = lambda: run(tu)  # noqa: E731
             out = fn()
             t = bench(fn, rep=50)
             bits = [t_.view(torch.uint8) if t_.dtype == torch.float8_e4m3fn else t_ for t_ in out]
@@ -525,9 +527,7 @@ def section_segments(res: dict) -> None:
             sweep_pps = {}
             for pps in (8, 16, 32, 64, 128):
                 nq.TUNING["amax"]["segment_programs_per_sm"] = pps
-                fn = lambda: ns.quantize_segments_triton(src, segs, shape, block, "nearest", None, rht,  # noqa: E731
-                                                         torch.float16)
-                sweep_pps[pps] = bench(fn, rep=50) * 1e3
+                sweep_pps[pps] = bench(run, rep=50) * 1e3
                 log(f"  segments {name} amax programs_per_sm={pps}: {sweep_pps[pps]:.1f} us")
             nq.TUNING["amax"]["segment_programs_per_sm"] = shipped
             res["segments_us"][name]["amax_programs_per_sm_us"] = sweep_pps

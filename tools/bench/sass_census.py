@@ -174,7 +174,7 @@ def quant_rows(rows: int = 131072, cols: int = 2048) -> list:
         tune = nq.TUNING[kind]
         r, c = (cols, rows) if transposed else (rows, cols)
         block_r, block_c, single = nq._tile_shape(r, c, br, row, tune["elems"], transposed, tune.get("rows", 128))
-        warps = tune["warps"] or (8 if block_r * block_c >= 8192 else 4)
+        warps = nq._warps(tune, block_r, block_c)
         sig = dict(_QUANT_SIG if fn is nq._quant_kernel else _SEGMENT_SIG)
         unit = "stride_r" if transposed else "stride_c"
         del sig[unit]
