@@ -156,18 +156,13 @@ def padded(rows: int) -> int:
     return rows + (-rows) % 16
 
 
-def pad_groups(t: torch.Tensor, counts: list[int], widths: list[int]) -> torch.Tensor:
-    """Rows of t grouped by expert -> each group zero-padded to its width (a multiple of 16); no host sync."""
-    if list(counts) == list(widths):
+def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """t [R, C] with zero rows appended up to `rows` >= R (the dense wgrad's tokens to a multiple of 16): one
+    constant pad, no host tables (t itself when R == rows). The MoE wgrad pads each expert inside the quantiser
+    (`quantize_column_segments(counts=...)`)."""
+    if rows == t.shape[0]:
         return t
-    dev = t.device
-    starts = torch.tensor([0] + counts[:-1], dtype=torch.long).cumsum(0)
-    pstarts = torch.tensor([0] + widths[:-1], dtype=torch.long).cumsum(0)
-    # small host tables go over with non_blocking=True: from pageable memory that is safe and skips a stream sync
-    shift = torch.repeat_interleave((pstarts - starts).to(dev, non_blocking=True),
-                                    torch.tensor(counts).to(dev, non_blocking=True), output_size=t.shape[0])
-    dest = torch.arange(t.shape[0], device=dev) + shift
-    return t.new_zeros(sum(widths), t.shape[1]).index_copy_(0, dest, t)
+    return torch.nn.functional.pad(t, (0, 0, 0, rows - t.shape[0]))
 
 
 def refill_in_place(old, new) -> bool:

@@ -27,7 +27,7 @@ import torch
 
 from minite.nvfp4 import NVFP4Recipe, NVFP4Tensor, gemm
 
-from .common import ROLES, derive_seed, group_size, pad_groups, padded, quantize_scoped
+from .common import ROLES, derive_seed, group_size, pad_rows, padded, quantize_scoped
 
 def quantize_weight(weight: torch.Tensor, recipe: NVFP4Recipe, *, backend: str = "auto",
                     amax_group=None, values: bool = True) -> NVFP4Tensor:
@@ -56,10 +56,10 @@ def wgrad(dy: torch.Tensor, x: torch.Tensor, recipe: NVFP4Recipe, seed: int, bac
            dy_group=None, x_group=None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """dW [N, K] = Q(dy^T) @ Q(x^T)^T (fp32, rounded once to out_dtype), both operands quantised along tokens (RHT
     per recipe). The transposes are strided views: the quantisers read them in place."""
-    rows, widths = [dy.shape[0]], [padded(dy.shape[0])]  # one group: all tokens
-    gq = quantize_scoped(pad_groups(dy, rows, widths).t(), recipe.wgrad_gradient,
+    rows = padded(dy.shape[0])  # all tokens, zero-padded to a multiple of 16
+    gq = quantize_scoped(pad_rows(dy, rows).t(), recipe.wgrad_gradient,
                           seed=derive_seed(seed, ROLES["wgrad_gradient"]), backend=backend, amax_group=dy_group)
-    xq = quantize_scoped(pad_groups(x, rows, widths).t(), recipe.wgrad_input,
+    xq = quantize_scoped(pad_rows(x, rows).t(), recipe.wgrad_input,
                           seed=derive_seed(seed, ROLES["wgrad_input"]), backend=backend, amax_group=x_group)
     return gemm(gq, xq, out_dtype=out_dtype, backend=backend)
 
