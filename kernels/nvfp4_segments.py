@@ -134,7 +134,13 @@ def quantize_segments_triton(x: torch.Tensor, segments, out_shape: tuple[int, in
     if amax is not None and amax.shape != (nseg,):
         raise ValueError(f"amax of shape {tuple(amax.shape)} for {nseg} segments")
     max_r, max_c = int(tab[:, 2].max()), int(tab[:, 3].max())
-    table = torch.from_numpy(tab).to(dev, non_blocking=True)
+    # one host-to-device copy: the table (int64 [B, 7]), then B seed mixes and B zeroed amax bits (int32 pairs)
+    tail = np.zeros(2 * nseg, dtype=np.int32)
+    if stochastic:
+        tail[:nseg] = seed_mixes(seeds)
+    blob = torch.from_numpy(np.concatenate([tab.reshape(-1), tail.view(np.int64)])).to(dev, non_blocking=True)
+    table, tail_d = blob[:7 * nseg].view(nseg, 7), blob[7 * nseg:].view(torch.int32)
+    mixes, zero_bits = tail_d[:nseg], tail_d[nseg:]
     col_major = nq._col_major(x) and br == 1
     tune = tuning or nq.TUNING["colmajor_segments" if col_major else ("stack" if br == 16 else "values")]
     block_r, block_c, _ = nq._tile_shape(max(max_r, 1), max(max_c, 16), br, False, tune["elems"], col_major,
@@ -144,7 +150,7 @@ def quantize_segments_triton(x: torch.Tensor, segments, out_shape: tuple[int, in
     grid = (triton.cdiv(max(max_r, 1), block_r), triton.cdiv(max(max_c, 16), block_c), nseg)
     rows16 = not (tab[:, [0, 2, 4]] % 16).any()  # a compile-time hint (_segment)
     if amax is None:  # an atomic max per segment of the fp32 bits; the quantisation kernel derives the scales
-        bits = torch.zeros(nseg, dtype=torch.int32, device=dev)
+        bits = zero_bits
         _segments_amax_kernel[(nq._amax_programs(dev, grid[0] * grid[1], nseg), 1, nseg)](
                                     x, x.stride(0), x.stride(1), table, bits, BLOCK_R=block_r, BLOCK_C=block_c,
                                     RHT=rht, SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d, ROWS16=rows16,
@@ -154,8 +160,6 @@ def quantize_segments_triton(x: torch.Tensor, segments, out_shape: tuple[int, in
         amax = amax.to(device=dev, dtype=torch.float32).contiguous()
     gs = torch.empty(nseg, dtype=torch.float32, device=dev)
     amax_out = torch.empty(nseg, dtype=torch.float32, device=dev)
-    mixes = torch.from_numpy(seed_mixes(seeds) if stochastic else np.zeros(nseg, dtype=np.int32)).to(
-        dev, non_blocking=True)
     _segments_quant_kernel[grid](x, x.stride(0), x.stride(1), table, out_c, data, scale, amax, gs, amax_out, mixes,
                                  vals, SIXTH,
                                  BLOCK_R=block_r, BLOCK_C=block_c, BR=br, STOCHASTIC=stochastic, RHT=rht,
