@@ -384,8 +384,8 @@ def _amax_kernel(x_ptr, stride_r, stride_c, R, C, amax_bits_ptr, tiles_c, n_tile
 # Segments (session 9 call 2): the expert-weight stack 4096 elements on 4 warps, 757 us (8192: 990 us); the wgrad
 # column segments (x^T, RHT) 64-row tiles of 4096 elements, 1030 us (32 x 8192: 1170 us).
 # amax: at most programs_per_sm x the SM count programs (a CPU: x 1) per amax pass, each looping over tiles (for
-# segments, segment_programs_per_sm in all; session 9 call 7 measured the wgrad segments of x^T at 1030 / 986 / 982 us
-# with 16 / 64 / 128, after that session's headline, which ran 16: left at 16 until a headline runs the change); a pass
+# segments, segment_programs_per_sm in all: session 9 call 7 measured the wgrad segments of x^T at 1030 / 986 / 982 us
+# with 16 / 64 / 128); a pass
 # without the RHT reads x's storage, when x or x.t() is contiguous, in tiles of `elems` elements on `warps` warps
 # (`_tensor_amax`; other views take the quantisation's tiles).
 TUNING = {
@@ -395,7 +395,7 @@ TUNING = {
     "colmajor": {"elems": 4096, "warps": 8, "vec2d": True, "rows": 32},
     "colmajor_segments": {"elems": 4096, "warps": 4, "vec2d": True, "rows": 64},
     "stack": {"elems": 4096, "warps": 4, "vec2d": True},
-    "amax": {"programs_per_sm": 16, "segment_programs_per_sm": 16, "elems": 4096, "warps": 4},
+    "amax": {"programs_per_sm": 16, "segment_programs_per_sm": 64, "elems": 4096, "warps": 4},
 }
 
 
