@@ -427,7 +427,7 @@ def grouped_gemm_triton(a: NVFP4Tensor, weights, tokens_per_expert, out_dtype=to
     ensure_interpreter_compat()
     b_trans = False
     if transpose_weights:
-        if isinstance(weights, NVFP4Stack) and weights.values is not None:
+        if isinstance(weights, (NVFP4Stack, ExpertWeights)) and weights.values is not None:
             b_trans = True
         else:
             weights = weights.t() if isinstance(weights, NVFP4Stack) else [w.t() for w in weights]
@@ -470,15 +470,20 @@ def grouped_gemm_triton(a: NVFP4Tensor, weights, tokens_per_expert, out_dtype=to
 
 
 def gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype=torch.float32, *, a_values=None, b_values=None,
-                config: GemmConfig | None = None) -> torch.Tensor:
+                config: GemmConfig | None = None, transpose_b: bool = False) -> torch.Tensor:
     """a @ b^T for NVFP4 a [M, K], b [N, K]: the grouped kernel with one group (same arithmetic per row).
-    Block values default to the operands' own (`NVFP4Tensor.values`) when they carry them."""
+    Block values default to the operands' own (`NVFP4Tensor.values`) when they carry them.
+    transpose_b: a @ b for a 16x16-block b [N, K] (a [M, N]); b's block values are read transposed in place, a b
+    without them is transposed (`NVFP4Tensor.t()`, exact)."""
     b_values = b.values if b_values is None else b_values
+    if transpose_b and b_values is None:
+        b, transpose_b = b.t(), False
     w = ExpertWeights(b.data[None], b.scale.view(torch.uint8)[None], b.decode_amax().reshape(1, -1).float(),
                       None if b_values is None else b_values[None], b.block[0], b.shape)
     m = a.shape[0]
     rows = torch.full((1,), m, dtype=torch.int32, device=a.data.device)  # made on the device: no host copy at all
-    return grouped_gemm_triton(a, w, rows, out_dtype, a_values=a_values, config=config, rows_hint=m)
+    return grouped_gemm_triton(a, w, rows, out_dtype, a_values=a_values, config=config, rows_hint=m,
+                               transpose_weights=transpose_b)
 
 
 def kgrouped_gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, tokens_per_expert, out_dtype=torch.float32, *,

@@ -40,13 +40,21 @@ def gemm_reference(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = torc
 
 
 def gemm(a: NVFP4Tensor, b: NVFP4Tensor, *, out_dtype: torch.dtype = torch.float32,
-         backend: str = "auto") -> torch.Tensor:
-    """a @ b^T with NVFP4 operands, [M, K] x [N, K] -> [M, N] in out_dtype."""
-    _check_pair(a, b)
+         backend: str = "auto", transpose_b: bool = False) -> torch.Tensor:
+    """a @ b^T with NVFP4 operands, [M, K] x [N, K] -> [M, N] in out_dtype.
+
+    transpose_b: a @ b instead, [M, N] x [N, K] -> [M, K], with b^T the exact transpose of a 16x16-block b (a
+    linear's dgrad). The kernels read b's block values transposed in place, so no transposed copy of b is made
+    (`NVFP4Tensor.t()`, cached on b, is what the reference and a b without block values use)."""
+    if transpose_b:
+        if a.shape[1] != b.shape[0]:
+            raise ValueError(f"gemm: K mismatch, a is {a.shape} and b is {b.shape} (transpose_b: computes a @ b)")
+    else:
+        _check_pair(a, b)
     name, _ = resolve(backend, a.data, op="gemm")
     if name == "triton":
-        return kernel("gemm")(a, b, out_dtype)
-    return gemm_reference(a, b, out_dtype)
+        return kernel("gemm")(a, b, out_dtype, transpose_b=transpose_b)
+    return gemm_reference(a, b.t() if transpose_b else b, out_dtype)
 
 
 def row_slice(t: NVFP4Tensor, start: int, end: int) -> NVFP4Tensor:

@@ -4,7 +4,8 @@ The three GEMMs and how each operand is quantised (roles from `NVFP4Recipe`, doc
     fprop  y  = Q_act(x) @ Q_w(W)^T            x [M, K] 1x16 blocks, one global scale per row (token);
                                                 W [N, K] 16x16 blocks, one global scale
     dgrad  dx = Q_grad(dy) @ Q_w(W)            dy [M, N] along N, stochastic rounding; Q_w(W)^T is the
-                                                16x16 transpose of the *same* quantised W (no requantisation)
+                                                16x16 transpose of the *same* quantised W (no requantisation;
+                                                the kernels read its block values transposed in place)
     wgrad  dW = Q_wg(dy^T) @ Q_wx(x^T)^T       both along the token dim M (zero-padded to a multiple of 16),
                                                 16-point random Hadamard transform first; dy^T stochastic
 Every GEMM returns fp32 (`minite.nvfp4.gemm`: exact block products, fp32 global scales); outputs are cast to the
@@ -102,7 +103,7 @@ class _NVFP4Linear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             gq = quantize_scoped(dy2, recipe.gradient, seed=derive_seed(seed, ROLES["gradient"]),
                                   backend=backend, amax_group=gdy)
-            dx = gemm(gq, ctx.w_q.t(), out_dtype=x.dtype, backend=backend).reshape(x.shape)
+            dx = gemm(gq, ctx.w_q, out_dtype=x.dtype, backend=backend, transpose_b=True).reshape(x.shape)
         if ctx.needs_input_grad[1]:
             dw = wgrad(dy2, x2, recipe, seed, backend, dy_group=gdy, x_group=gxt, out_dtype=ctx.w_dtype)
         return dx, dw, None, None, None, None, None, None

@@ -178,6 +178,27 @@ def test_public_gemm_dispatches_to_triton():
     assert torch.equal(gemm(a, b, backend="triton"), gemm_triton(a, b))
 
 
+@pytest.mark.parametrize("m,n,k", [(1, 32, 48), (20, 48, 96), (33, 64, 16)])
+def test_transpose_b_reads_block_values_in_place_bitwise(m, n, k):
+    """gemm(a, b, transpose_b=True) = a @ b for a 16x16-block b [N, K] (a linear's dgrad): bitwise the GEMM with b's
+    exact transpose, on block values read in place (no transposed copy is cached on b) and on packed codes; the
+    reference agrees within the fp32-accumulation bound."""
+    torch.manual_seed(m + n + k)
+    a = _q(torch.randn(m, n, device=DEVICE), rounding="stochastic")
+    b = _weights(n, k, 7)
+    with_values = type(b)(b.data, b.scale, b.global_scale, b.shape, b.block, b.block_values(torch.float16), b.amax)
+    got = gemm(a, with_values, backend="triton", transpose_b=True)
+    assert got.shape == (m, k) and with_values._transposed is None
+    assert torch.equal(got, gemm_triton(a, b.t()))
+    assert torch.equal(got, gemm(a, b, backend="triton", transpose_b=True))  # packed: transposed codes
+    ref = gemm(a, b, backend="reference", transpose_b=True)
+    assert torch.equal(ref, gemm_reference(a, b.t()))
+    _assert_close_to_reference(got, ref, _bound(a, b.t()))
+    with pytest.raises(ValueError, match="K mismatch"):
+        gemm(a, b.t(), backend="triton", transpose_b=True) if n != k else gemm(_q(torch.randn(m, n + 16)), b,
+                                                                             transpose_b=True)
+
+
 def test_decode_order_words_hold_the_documented_bits():
     """decode_order's words, read as minite.nvfp4.grouped.DECODE_BLOCK says (word 4t + q of a 128-code block, pair
     i's magnitudes at WORD_MAG_BIT[i] and sign at WORD_SIGN_BIT[i] of half h), give back every code in K order."""

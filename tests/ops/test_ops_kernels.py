@@ -44,6 +44,22 @@ def test_dense_linear_kernels_match_reference():
         _close(a, b)
 
 
+def test_dense_dgrad_reads_the_cached_weight_in_place():
+    """The dgrad of a cached quantised weight makes no transposed copy of it on the kernels (it would stay cached
+    with the weight: 2.5 B per parameter through the rest of the step), and gives the reference's gradient."""
+    from minite.ops import quantize_weight
+    torch.manual_seed(2)
+    x, w = torch.randn(24, 64, device=DEVICE), torch.randn(32, 64, device=DEVICE)
+    grads = {}
+    for backend in ("triton", "reference"):
+        w_q = quantize_weight(w, NVFP4Recipe(), backend=backend)
+        xx = x.clone().requires_grad_()
+        nvfp4_linear(xx, w, NVFP4Recipe(), seed=4, weight_q=w_q, backend=backend).sum().backward()
+        grads[backend] = xx.grad
+        assert (w_q._transposed is None) == (backend == "triton")
+    _close(grads["triton"], grads["reference"])
+
+
 def test_expert_weights_carry_block_values_only_for_the_kernels():
     w = torch.randn(3, 32, 48, device=DEVICE)
     tri = quantize_expert_weights(w, NVFP4Recipe(), backend="triton")
