@@ -48,7 +48,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from minite.megatron_patches.cpu import gpu_present
-from minite.nvfp4 import NVFP4Recipe, NVFP4Stack
+from minite.nvfp4 import NVFP4Recipe, NVFP4Stack, NVFP4Tensor
 from minite.ops import (FiniteFlag, derive_seed, group_size, grouped_linear_bf16, nvfp4_grouped_linear, nvfp4_linear,
                         quantiser_checks_finite, quantize_expert_weights, quantize_weight, refill_in_place,
                         swiglu_experts)
@@ -362,10 +362,10 @@ def release_quantised_weights(model: torch.nn.Module) -> list:
     bf16 weights are dead memory between here and the optimizer's write of new ones (2 B per parameter beside the
     caches' 2.5 B). Only a weight that owns its whole storage and has an fp32 master (`main_param`, set by
     Megatron's mixed-precision optimizer, from which `restore_quantised_weights` can rebuild it) is released.
-    A released expert weight whose cache keeps fp16 block values (the kernels') also drops the cache's packed codes
-    (`NVFP4Stack.drop_codes`; 0.5 B per parameter): its GEMMs read the values only; the caches are dropped before the
-    optimizer step (`release_weight_caches`) and the next forward quantises again, codes and all. The dense linears
-    keep theirs (~3% of a Qwen3-MoE layer).
+    A released weight whose cache keeps fp16 block values (the kernels') also drops the cache's packed codes
+    (`NVFP4Stack.drop_codes`, `NVFP4Tensor.drop_codes`; 0.5 B per parameter): its GEMMs read the values only (the
+    dgrad too, transposed in place); the caches are dropped before the optimizer step (`release_weight_caches`) and
+    the next forward quantises again, codes and all.
     Returns [(parameter, storage bytes)] for `restore_quantised_weights`."""
     quantize_weights_now(model)
     released = []
@@ -379,7 +379,7 @@ def release_quantised_weights(model: torch.nn.Module) -> list:
             released.append((p, storage.nbytes()))
             storage.resize_(0)
             cached = module.__dict__[f"_nvfp4_wq_cache_{slot}"][1]
-            if isinstance(cached, NVFP4Stack) and cached.values is not None:
+            if isinstance(cached, (NVFP4Stack, NVFP4Tensor)) and cached.values is not None:
                 cached.drop_codes()
     except BaseException:  # nothing half-released: the weights released so far come back from their masters
         restore_quantised_weights(model, released, values=True)

@@ -1,7 +1,8 @@
 """NVFP4Tensor: packed E2M1 codes, E4M3 block scales and an FP32 global decode scale.
 
 Bit layout (the same one Transformer Engine and ModelOpt checkpoints use):
-- `data` uint8 [R, C/2]: two 4-bit codes per byte, the even-indexed element in the low nibble.
+- `data` uint8 [R, C/2]: two 4-bit codes per byte, the even-indexed element in the low nibble (None in a tensor that
+  keeps only its block values, `drop_codes`).
   A code is sign bit (8) | magnitude index 0..7 for 0, 0.5, 1, 1.5, 2, 3, 4, 6. Code 8 is "-0".
 - `scale` float8_e4m3fn [R/br, C/16]: one block scale per (br x 16) block, row-major block order.
 - `global_scale` float32: the decode scale S_dec = 1/S_enc, a 0-d tensor (one per tensor) or [R] (one per row); the
@@ -58,7 +59,8 @@ def unpack_codes(data: torch.Tensor) -> torch.Tensor:
 class NVFP4Tensor:
     """A 2-D tensor quantised along its last dimension (the GEMM's K) in NVFP4."""
 
-    data: torch.Tensor
+    data: Optional[torch.Tensor]
+    """None only with `values`: a tensor whose codes were freed (`drop_codes`)."""
     scale: torch.Tensor
     global_scale: torch.Tensor
     shape: tuple[int, int]
@@ -70,11 +72,15 @@ class NVFP4Tensor:
     def __post_init__(self):
         rows, cols = self.shape
         br, bc = self.block
+        if self.data is None and self.values is None:
+            raise ValueError("NVFP4Tensor needs its packed codes (data) or its block values")
         expect = {
             "data": (self.data, torch.uint8, (rows, cols // 2)),
             "scale": (self.scale, torch.float8_e4m3fn, (rows // br, cols // bc)),
         }
         for name, (t, dtype, shape) in expect.items():
+            if t is None:
+                continue
             if t.dtype != dtype or tuple(t.shape) != shape:
                 raise ValueError(f"NVFP4Tensor.{name}: expected {dtype} {shape}, got {t.dtype} {tuple(t.shape)}")
         gs = self.global_scale
@@ -93,7 +99,7 @@ class NVFP4Tensor:
 
     @property
     def device(self) -> torch.device:
-        return self.data.device
+        return self.scale.device
 
     @property
     def per_row(self) -> bool:
@@ -101,7 +107,17 @@ class NVFP4Tensor:
 
     def codes(self) -> torch.Tensor:
         """Unpacked codes, uint8 [R, C]."""
+        if self.data is None:
+            raise ValueError("NVFP4Tensor: this tensor keeps block values only (drop_codes freed its codes)")
         return unpack_codes(self.data)
+
+    def drop_codes(self) -> "NVFP4Tensor":
+        """Free the packed codes (and a cached transpose) of a tensor that keeps its block values: 0.5 B per element
+        for GEMMs that read only the values (the kernels'; `block_values` returns them). Returns self."""
+        if self.values is None:
+            raise ValueError("NVFP4Tensor.drop_codes: the tensor has no block values, the codes are all it holds")
+        self.data = self._transposed = None
+        return self
 
     def expanded_scale(self) -> torch.Tensor:
         """fp32 block scale broadcast to every element, [R, C]."""
@@ -111,6 +127,8 @@ class NVFP4Tensor:
 
     def block_values(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """code x block scale (no global scale): exact in fp32, bf16 and fp16."""
+        if self.data is None:  # the kept fp16 block values are these, exactly
+            return self.values.to(dtype)
         vals = e2m1_table(self.device)[self.codes().long()] * self.expanded_scale()
         return vals.to(dtype)
 
@@ -143,7 +161,7 @@ class NVFP4Tensor:
         if self._transposed is None:
             rows, cols = self.shape
             self._transposed = NVFP4Tensor(
-                data=pack_codes(self.codes().t().contiguous()),
+                data=None if self.data is None else pack_codes(self.codes().t().contiguous()),
                 scale=self.scale.t().contiguous(),
                 global_scale=self.global_scale,
                 shape=(cols, rows),
@@ -154,12 +172,14 @@ class NVFP4Tensor:
         return self._transposed
 
     def to(self, device) -> "NVFP4Tensor":
-        return NVFP4Tensor(self.data.to(device), self.scale.to(device), self.global_scale.to(device),
+        return NVFP4Tensor(None if self.data is None else self.data.to(device), self.scale.to(device), self.global_scale.to(device),
                            self.shape, self.block, None if self.values is None else self.values.to(device),
                            None if self.amax is None else self.amax.to(device))
 
     def equal(self, other: "NVFP4Tensor") -> bool:
         """Bitwise equality of every field but `values` (scales compared as bits, so -0 and NaN patterns count)."""
+        if self.data is None or other.data is None:
+            raise ValueError("NVFP4Tensor.equal compares packed codes: a tensor keeps block values only (drop_codes)")
         same_amax = (self.amax is None) == (other.amax is None) and (
             self.amax is None or torch.equal(self.amax.view(torch.int32), other.amax.view(torch.int32)))
         return (self.shape == other.shape and self.block == other.block and same_amax

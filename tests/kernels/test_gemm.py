@@ -199,6 +199,27 @@ def test_transpose_b_reads_block_values_in_place_bitwise(m, n, k):
                                                                              transpose_b=True)
 
 
+def test_values_only_weight_gives_the_same_gemms():
+    """NVFP4Tensor.drop_codes (the learner's released dense weights): the kernels' forward and transposed GEMMs on
+    the kept block values are bitwise those of the full tensor; what needs the codes says so in one line."""
+    torch.manual_seed(8)
+    b = _weights(32, 48, 8)
+    full = type(b)(b.data, b.scale, b.global_scale, b.shape, b.block, b.block_values(torch.float16), b.amax)
+    bare = type(b)(b.data, b.scale, b.global_scale, b.shape, b.block, full.values, b.amax).drop_codes()
+    assert bare.data is None and torch.equal(bare.block_values(), b.block_values())
+    a, g = _q(torch.randn(20, 48, device=DEVICE)), _q(torch.randn(20, 32, device=DEVICE))
+    assert torch.equal(gemm(a, bare, backend="triton"), gemm(a, full, backend="triton"))
+    assert torch.equal(gemm(g, bare, backend="triton", transpose_b=True),
+                       gemm(g, full, backend="triton", transpose_b=True))
+    for use in (bare.codes, lambda: bare.equal(b)):
+        with pytest.raises(ValueError, match="block values only"):
+            use()
+    with pytest.raises(ValueError, match="no block values"):
+        _weights(16, 16, 1).drop_codes()
+    with pytest.raises(ValueError, match="codes .* or its block values"):
+        type(b)(None, b.scale, b.global_scale, b.shape, b.block)
+
+
 def test_decode_order_words_hold_the_documented_bits():
     """decode_order's words, read as minite.nvfp4.grouped.DECODE_BLOCK says (word 4t + q of a 128-code block, pair
     i's magnitudes at WORD_MAG_BIT[i] and sign at WORD_SIGN_BIT[i] of half h), give back every code in K order."""

@@ -141,10 +141,9 @@ def _poison_restored(monkeypatch):
     monkeypatch.setattr(learner_mod, "restore_quantised_weights", poisoned)
 
 
-def _expert_caches(learner):
-    from minite.megatron_patches.nvfp4_layers import GroupedExperts
-    return [v[1] for m in learner.model.modules() if isinstance(m, GroupedExperts)
-            for k, v in vars(m).items() if k.startswith("_nvfp4_wq_cache_")]
+def _weight_caches(learner):
+    """Every cached quantised weight (experts' stacks and the dense linears' tensors)."""
+    return [v[1] for m in learner.model.modules() for k, v in vars(m).items() if k.startswith("_nvfp4_wq_cache_")]
 
 
 @pytest.mark.parametrize("micro_batches,backend", [(1, "auto"), (2, "auto"),
@@ -155,8 +154,8 @@ def test_released_bf16_weights_change_no_bit(tokens, micro_batches, backend, mon
     steps (one on the interpreted kernels) give the same losses, gradient norms and weights, bit for bit, as a
     learner that keeps them; inside the loss function every quantised weight has no storage, at the optimizer step
     every one has its storage back. On the kernels (backend="triton", interpreted on a CPU; "auto" on a GPU) the
-    expert caches keep fp16 block values, and inside the loss they hold no packed codes either
-    (NVFP4Stack.drop_codes); on the reference they keep the codes."""
+    caches (experts and dense linears) keep fp16 block values, and inside the loss they hold no packed codes either
+    (NVFP4Stack.drop_codes, NVFP4Tensor.drop_codes); on the reference they keep the codes."""
     from minite.learner import learner as learner_mod
     steps = 1 if backend == "triton" else 3
     kept = _learner("nvfp4")
@@ -173,7 +172,7 @@ def test_released_bf16_weights_change_no_bit(tokens, micro_batches, backend, mon
 
     def probe(logp):
         seen.append([p.untyped_storage().nbytes() for p in quantised])
-        codes.append([(st.data is None, st.values is None) for st in _expert_caches(freed)])
+        codes.append([(st.data is None, st.values is None) for st in _weight_caches(freed)])
         return loss_fn(logp)
 
     step = freed.optimizer.step
@@ -189,7 +188,7 @@ def test_released_bf16_weights_change_no_bit(tokens, micro_batches, backend, mon
         assert torch.equal(w, _weights(freed)[name]), name
     assert seen[0] == [0] * 8 and all(seen[micro_batches])
     on_kernels = resolve(backend, quantised[0], op="gemm")[0] == "triton"  # "auto" too, on a GPU
-    assert codes[0] == [(True, False) if on_kernels else (False, True)] * 4
+    assert codes[0] == [(True, False) if on_kernels else (False, True)] * 8
     assert not freed.nvfp4.weights_released
     kept.close()
     freed.close()
