@@ -26,3 +26,25 @@ def test_bench_learner_slice_tiny_rows(tmp_path):
         assert r["tokens"] == 32 * r["micro_batches"] and r["tokens_per_s"] > 0 and 0 < r["optimizer_s"] < r["step_s"]
     assert set(doc["nvfp4_over_bf16_tokens_per_s_by_micro_batches"]) == {"1", "2"}
     assert doc["nvfp4_over_bf16_tokens_per_s"] == doc["nvfp4_over_bf16_tokens_per_s_by_micro_batches"]["1"]
+
+
+def test_memory_peak_replay_finds_the_blocks_alive_at_the_peak():
+    """tools/bench/memory_peak.py's replay of allocator events: the peak and, by allocation site, what is alive at
+    its first moment (a later equal total is not the peak; frees of blocks older than the replay come off the
+    "before the call" line)."""
+    sys.path.insert(0, str(ROOT / "tools" / "bench"))
+    from memory_peak import alive_at_peak
+
+    def frame(path, line):
+        return [{"filename": "/usr/lib/python3/x.py", "line": 1, "name": "inner"},
+                {"filename": f"/r/minite/{path}", "line": line, "name": "f"}]
+
+    ev = lambda action, addr, size, path="ops/a.py", line=3: {"action": action, "addr": addr, "size": size,  # noqa
+                                                               "frames": frame(path, line)}
+    events = [ev("alloc", 1, 100), ev("alloc", 2, 50, "ops/b.py", 9), ev("free_requested", 1, 100),
+              ev("free_completed", 1, 100), ev("free_completed", 77, 30), ev("alloc", 3, 120, "ops/a.py", 3),
+              ev("segment_alloc", 9, 4096), ev("alloc", 4, 20), ev("free_completed", 4, 20), ev("alloc", 5, 20)]
+    peak, at_peak = alive_at_peak(events, 1000)
+    assert peak == 1000 - 30 + 50 + 120 + 20
+    assert at_peak == {"before the call": 970, "ops/b.py:9 f": 50, "ops/a.py:3 f": 140}
+    assert alive_at_peak([], 5) == (5, {"before the call": 5})
