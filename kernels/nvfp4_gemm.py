@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -505,10 +506,15 @@ def kgrouped_gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, tokens_per_expert, out_
         raise ValueError("wgrad operands use (1, 16) blocks along the token dim")
     dev = a.data.device
     if not torch.is_tensor(tokens_per_expert) or not tokens_per_expert.is_cuda:  # checkable without a sync
-        if any(int(c) % 16 for c in tokens_per_expert):
-            raise ValueError(f"wgrad token counts must be multiples of 16 (pad per expert), got {tokens_per_expert}")
-    counts = int32_to(tokens_per_expert, dev)
-    starts = (torch.cumsum(counts, 0, dtype=torch.int32) - counts).to(torch.int32)
+        host = np.asarray(tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else tokens_per_expert,
+                          dtype=np.int64).reshape(-1)
+        if (host % 16).any():
+            raise ValueError(f"wgrad token counts must be multiples of 16 (pad per expert), got {host.tolist()}")
+        both = int32_to(np.stack([host, np.cumsum(host) - host]), dev)  # counts and starts: one copy, no launch
+        counts, starts = both[0], both[1]
+    else:
+        counts = tokens_per_expert.to(torch.int32)
+        starts = (torch.cumsum(counts, 0, dtype=torch.int32) - counts).to(torch.int32)
     experts = counts.numel()
     # 128x256x64, 3 stages: the expert block's FC2 wgrad on the H200 in 859 us (2026-12-01, f42a446) and 845 us
     # (4e12937) against 1002 and 1010 us for 128x128x64 (bench_nvfp4.py --sections block, wgrad_fc2*); the tile does

@@ -16,6 +16,7 @@ from ._interpreter import ensure_interpreter_compat
 from .nvfp4_quant import (RHT_SIGN_MASK, SIXTH, _block_amax, _decode_amax, _global_scales, _load_tile,
                           _quantize_tile, _tiles_amax)
 from .nvfp4_seeds import seed_mixes
+from minite.nvfp4.device_copy import host_to
 
 
 @triton.jit
@@ -88,7 +89,8 @@ def quantize_segments_triton(x: torch.Tensor, segments, out_shape: tuple[int, in
                              amax: torch.Tensor | None = None):
     """Quantise B rectangles of x, each as its own tensor (scale_scope="tensor"), into one output array.
 
-    segments: B tuples (x_row, x_col, rows, cols, out_row, out_col[, read]): rows x cols of x starting at (x_row,
+    segments: B tuples (x_row, x_col, rows, cols, out_row, out_col[, read]), or those rows as an int array [B, 7]
+    (read given): rows x cols of x starting at (x_row,
     x_col), written at (out_row, out_col) of outputs shaped `out_shape` [R_out, C_out] (codes [R_out, C_out/2], E4M3
     scales [R_out/br, C_out/16], block values [R_out, C_out] if values_dtype). Columns and output columns are
     multiples of 16 (for 16x16 blocks every entry is). x_col is any column for 1x16 blocks. read
@@ -108,10 +110,15 @@ def quantize_segments_triton(x: torch.Tensor, segments, out_shape: tuple[int, in
     stochastic = rounding == "stochastic"
     if stochastic and (seeds is None or len(seeds) != len(segments)):
         raise ValueError("stochastic rounding needs one seed per segment")
-    segments = [tuple(sg) for sg in segments]
-    if any(len(sg) not in (6, 7) for sg in segments):
-        raise ValueError("segments are (x_row, x_col, rows, cols, out_row, out_col[, read]) tuples")
-    tab = np.asarray([sg if len(sg) == 7 else sg + (sg[3],) for sg in segments], dtype=np.int64).reshape(-1, 7)
+    if isinstance(segments, np.ndarray):  # a table already (the MoE wgrad builds it with array operations)
+        if segments.ndim != 2 or segments.shape[1] != 7:
+            raise ValueError(f"a segment table is an integer array [B, 7], got shape {segments.shape}")
+        tab = segments.astype(np.int64, copy=False)
+    else:
+        segments = [tuple(sg) for sg in segments]
+        if any(len(sg) not in (6, 7) for sg in segments):
+            raise ValueError("segments are (x_row, x_col, rows, cols, out_row, out_col[, read]) tuples")
+        tab = np.asarray([sg if len(sg) == 7 else sg + (sg[3],) for sg in segments], dtype=np.int64).reshape(-1, 7)
     must16 = tab[:, [3, 5]] if br == 1 else tab
     for bad, why in (((must16 % 16).any(axis=1), "columns and output columns (and everything for 16x16 blocks) must "
                                                  "be multiples of 16"),
@@ -138,7 +145,7 @@ def quantize_segments_triton(x: torch.Tensor, segments, out_shape: tuple[int, in
     tail = np.zeros(2 * nseg, dtype=np.int32)
     if stochastic:
         tail[:nseg] = seed_mixes(seeds)
-    blob = torch.from_numpy(np.concatenate([tab.reshape(-1), tail.view(np.int64)])).to(dev, non_blocking=True)
+    blob = host_to(torch.from_numpy(np.concatenate([tab.reshape(-1), tail.view(np.int64)])), dev)  # no sync
     table, tail_d = blob[:7 * nseg].view(nseg, 7), blob[7 * nseg:].view(torch.int32)
     mixes, zero_bits = tail_d[:nseg], tail_d[nseg:]
     col_major = nq._col_major(x) and br == 1

@@ -12,12 +12,16 @@ from __future__ import annotations
 import torch
 
 
-def int32_to(values, device) -> torch.Tensor:
-    """`values` (a list or a CPU tensor of integers) as an int32 tensor on `device`, copied without a sync."""
-    t = torch.as_tensor(values, dtype=torch.int32)
+def host_to(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor (e.g. `torch.from_numpy` of a table) on `device`, copied without a sync."""
     if torch.device(device).type != "cuda" or t.is_cuda:  # already there (or no GPU): an ordinary copy, if any
         return t.to(device)
     if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("int32_to under CUDA-graph capture: the graph would replay the captured values; keep the "
-                           "table on the device")
+        raise RuntimeError("a host-to-device table copy under CUDA-graph capture: the graph would replay the captured "
+                           "values; keep the table on the device")
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def int32_to(values, device) -> torch.Tensor:
+    """`values` (a list or a CPU tensor of integers) as an int32 tensor on `device`, copied without a sync."""
+    return host_to(torch.as_tensor(values, dtype=torch.int32), device)

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from .backend import kernel, resolve
@@ -274,14 +275,13 @@ def quantize_column_segments(x: torch.Tensor, widths: Sequence[int], *, rounding
     columns.
     counts: x holds sum(counts) columns, and segment e is its next counts[e] <= widths[e] columns zero-padded to
     widths[e] (the MoE wgrad's experts; the kernels pad inside, without a padded copy of x)."""
-    widths = tuple(int(w) for w in widths)
-    if counts is None:
-        counts = widths
-    counts = tuple(int(c) for c in counts)
-    if (x.dim() != 2 or len(counts) != len(widths) or sum(counts) != x.shape[1]
-            or any(w < 0 or w % 16 or not 0 <= c <= w for c, w in zip(counts, widths))):
-        raise ValueError(f"quantize_column_segments: widths {widths} must be multiples of 16, each at least its count "
-                         f"{counts}, the counts summing to the columns of x {tuple(x.shape)}")
+    w = np.asarray(widths, dtype=np.int64).reshape(-1)  # array operations: the MoE wgrad has one segment per expert
+    c = w if counts is None else np.asarray(counts, dtype=np.int64).reshape(-1)
+    if (x.dim() != 2 or len(c) != len(w) or int(c.sum()) != x.shape[1]
+            or ((w % 16 != 0) | (c < 0) | (c > w)).any()):
+        raise ValueError(f"quantize_column_segments: widths {w.tolist()} must be multiples of 16, each at least its "
+                         f"count {c.tolist()}, the counts summing to the columns of x {tuple(x.shape)}")
+    widths, counts = tuple(w.tolist()), tuple(c.tolist())
     # the shapes are checked above (x's columns need not be a multiple of 16 with counts): the rest of _validate
     if rounding not in ("nearest", "stochastic"):
         raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
@@ -291,12 +291,13 @@ def quantize_column_segments(x: torch.Tensor, widths: Sequence[int], *, rounding
         raise ValueError("quantize input contains NaN or Inf")
     _check_rounding(rounding, seeds, len(widths))
     rows, total = x.shape[0], sum(widths)
-    starts = _starts(widths)
-    if _use_triton(backend, x):
-        segs = [(0, c0, rows, w, 0, s, c) for c0, s, w, c in zip(_starts(counts), starts, widths, counts)]
+    if _use_triton(backend, x):  # the table (x_row, x_col, rows, cols, out_row, out_col, read) per segment
+        zero = np.zeros_like(w)
+        segs = np.stack([zero, np.cumsum(c) - c, np.full_like(w, rows), w, zero, np.cumsum(w) - w, c], axis=1)
         data, scale, gs, amax, vals = kernel("quantize_segments")(x, segs, (rows, total), BLOCK_1D, rounding, seeds,
                                                                rht, VALUES_DTYPE if values else None)
         return NVFP4Segments(data, scale, gs, widths, vals, amax)
+    starts = _starts(widths)
     if counts != widths:  # the reference on the padded copy
         padded = x.new_zeros(rows, total)
         for c0, s, c in zip(_starts(counts), starts, counts):

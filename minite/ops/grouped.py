@@ -19,7 +19,7 @@ from minite.nvfp4 import (NVFP4Recipe, NVFP4Stack, OperandRecipe, decode_order, 
 
 from minite.nvfp4.backend import resolve
 
-from .common import ROLES, derive_seed, derive_seeds, padded, quant_flags
+from .common import ROLES, derive_seed, derive_seeds, quant_flags
 from .linear import wgrad
 
 def _counts(tokens_per_expert, experts: int, rows: int, *, keep_tensor: bool = False):
@@ -99,7 +99,7 @@ def _grouped_wgrad(dy: torch.Tensor, x: torch.Tensor, counts: list[int], recipe:
                                out_dtype=out_dtype)
             start += c
         return dw
-    widths = [padded(c) for c in counts]
+    widths = (np.asarray(counts, dtype=np.int64) + 15) // 16 * 16  # padded(c) of every count
     segs = []
     for t, op, role in ((dy, recipe.wgrad_gradient, "wgrad_gradient"), (x, recipe.wgrad_input, "wgrad_input")):
         segs.append(quantize_column_segments(  # each expert's tokens zero-padded to its width by the quantiser
@@ -130,6 +130,7 @@ class _NVFP4GroupedLinear(torch.autograd.Function):
             gq = recipe.gradient.quantize(dy, seed=derive_seed(seed, ROLES["gradient"]), backend=backend,
                                           **quant_flags(backend, dy))
             dx = grouped_gemm(gq, ctx.w_q, counts, out_dtype=x.dtype, backend=backend, transpose_weights=True)
+            del gq  # freed before the wgrad quantises dy^T and x^T (the backward's own peak)
         if ctx.needs_input_grad[1]:
             dw = _grouped_wgrad(dy, x, counts, recipe, seed, backend, ctx.w_dtype)
         return dx, dw, None, None, None, None, None

@@ -104,6 +104,7 @@ class _NVFP4Linear(torch.autograd.Function):
             gq = quantize_scoped(dy2, recipe.gradient, seed=derive_seed(seed, ROLES["gradient"]),
                                   backend=backend, amax_group=gdy)
             dx = gemm(gq, ctx.w_q, out_dtype=x.dtype, backend=backend, transpose_b=True).reshape(x.shape)
+            del gq  # freed before the wgrad quantises dy^T and x^T (the backward's own peak)
         if ctx.needs_input_grad[1]:
             dw = wgrad(dy2, x2, recipe, seed, backend, dy_group=gdy, x_group=gxt, out_dtype=ctx.w_dtype)
         return dx, dw, None, None, None, None, None, None

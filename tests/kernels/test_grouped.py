@@ -155,6 +155,10 @@ def test_errors():
         quantize_segments_triton(torch.randn(4, 48, device=DEVICE), [(0, 8, 4, 16, 0, 0, 17)], (4, 16))
     with pytest.raises(ValueError, match="multiples of 16"):
         quantize_segments_triton(torch.randn(4, 48, device=DEVICE), [(0, 8, 4, 12, 0, 0)], (4, 16))
+    with pytest.raises(ValueError, match=r"integer array \[B, 7\]"):
+        quantize_segments_triton(torch.randn(4, 48, device=DEVICE), np.zeros((2, 6), dtype=np.int64), (4, 16))
+    with pytest.raises(ValueError, match="columns read"):  # a table array is checked as the tuples are
+        quantize_segments_triton(torch.randn(4, 48, device=DEVICE), np.array([[0, 8, 4, 16, 0, 0, 17]]), (4, 16))
     x = torch.randn(2, 16, 16, device=DEVICE)
     x[1, 3, 3] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
