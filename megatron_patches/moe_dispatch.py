@@ -25,8 +25,10 @@ dtypes), so outputs are bitwise those of the upstream path (tests/megatron_patch
 
 Scope: installed by `use_local_dispatch(model)` on MoE layers whose dispatcher is upstream's alltoall or allgather
 with one EP and one expert-TP rank, no token dropping or padding, no fused permutation, no shared-expert overlap, no
-latent projection and no CUDA graphs; other layers keep their dispatcher. The embedded rollout engine installs it
-(its model is its own; the learner keeps Megatron's dispatcher). Checked against Megatron-Core 0.16.1.
+latent projection and no CUDA graphs; other layers keep their dispatcher. The embedded rollout engine and the
+Learner install it. Under autograd the rows are index_select's (backward: index_add, as upstream's permute) and
+the combine scatter_add's (backward: gather), so gradients are upstream's too (tests/learner). Checked against
+Megatron-Core 0.16.1.
 """
 from __future__ import annotations
 

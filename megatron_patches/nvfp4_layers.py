@@ -289,8 +289,11 @@ class GroupedExperts(MegatronModule):
             if torch.is_grad_enabled():      # the probs stay in the graph (their dispatch's backward is a collective)
                 out = _KeepInGraph.apply(out, permuted_probs, self.fc1_weight, self.fc2_weight)
             return out, None
+        # NVFP4 under autograd: the wgrad's segment tables need host counts, read here once for both GEMMs
         counts = tokens_per_expert
-        if not torch.is_tensor(counts) or (self.nvfp4 is None and (self.strict or not grouped_mm_applies(
+        host_wgrad = self.nvfp4 is not None and torch.is_grad_enabled() and (
+            permuted_hidden.requires_grad or self.fc1_weight.requires_grad)
+        if not torch.is_tensor(counts) or host_wgrad or (self.nvfp4 is None and (self.strict or not grouped_mm_applies(
                 permuted_hidden, self.fc1_weight))):
             counts = [int(c) for c in (counts.tolist() if torch.is_tensor(counts) else counts)]
         weights = (self.fc1_weight, self.fc2_weight)

@@ -47,7 +47,7 @@ from minite.console import CONSOLE
 from minite.learner.model import build_model, compute_dtype, nvfp4_context
 from minite.learner.weights import checked_weight_copy
 from minite.megatron_patches.cpu import cuda_as_cpu
-from minite.megatron_patches.moe_dispatch import detach_dispatcher_graphs
+from minite.megatron_patches.moe_dispatch import detach_dispatcher_graphs, use_local_dispatch
 from minite.megatron_patches.nvfp4_layers import (release_quantised_weights, release_weight_caches,
                                                    restore_quantised_weights)
 from minite.strict import ops as strict_ops
@@ -142,6 +142,9 @@ class Learner:
         self.cfg = cfg
         self.strict = bool(cfg.alignment.strict)
         self.model = build_model(cfg, strict=self.strict)
+        # EP = 1: MoE layers dispatch locally (Megatron's rows and bits, without its three host synchronisations and
+        # E-way split/cat per layer); other layouts keep Megatron's dispatcher (megatron_patches.moe_dispatch)
+        self.local_moe_layers = use_local_dispatch(self.model)
         if cfg.model.init_from:
             # before the optimizer exists: it copies fp32 master weights from the model at construction
             load_into_model(self.model, cfg.model.init_from)
