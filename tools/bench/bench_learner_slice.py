@@ -21,7 +21,9 @@ a step of 8 sequences with gradient accumulation (Learner.train_step(micro_batch
 real RL step amortises the optimizer. Each row's peak_mem_gib is torch's max_memory_allocated over that row's steps
 (the learner's own state included), the larger of peak_fwd_bwd_gib (forward, loss and backward, up to the optimizer
 step) and peak_optimizer_gib (the optimizer step and the rest of the train step after it); mem_start_gib is what
-was allocated before the precision's learner was built (0 unless an earlier learner leaked).
+was allocated before the precision's learner was built (0 unless an earlier learner leaked; cuBLAS's workspaces,
+which torch's allocator holds once a GEMM ran, are cleared first). `--memory-top N` records one more step's
+allocations and prints the N allocation sites alive at its peak (tools/bench/memory_peak.py).
 """
 from __future__ import annotations
 
@@ -154,6 +156,8 @@ def run(precision: str, shape: dict, layers: int, seq: int, steps: int, warmup: 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     gc.collect()
     if dev == "cuda":  # what an earlier precision's learner left allocated would show as mem_start_gib
+        if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):  # cuBLAS's workspaces (the allocator's, ~64 MiB):
+            torch._C._cuda_clearCublasWorkspaces()              # each learner counts the ones it allocates itself
         torch.cuda.empty_cache()
     mem_start = torch.cuda.memory_allocated() / 2**30 if dev == "cuda" else None
     learner = Learner(load_config(None, sets))
