@@ -423,13 +423,17 @@ def grouped_gemm_triton(a: NVFP4Tensor, weights, tokens_per_expert, out_dtype=to
     No host synchronisation: the expert of each tile comes from a device-side table, so the call can be captured in a
     CUDA graph. rows_hint (rows per expert, for the tile choice) defaults to T / E.
     transpose_weights: compute a_e @ w_e instead (the MoE dgrad with 16x16-block weights, whose transpose is exact):
-    with an NVFP4Stack carrying values the kernel reads them transposed in place, otherwise the stack is transposed.
+    with an NVFP4Stack or ExpertWeights carrying values (contiguous [E, N, K], one amax per expert) the kernel reads
+    them transposed in place, otherwise a stack or list is transposed.
     """
     ensure_interpreter_compat()
     b_trans = False
     if transpose_weights:
         if isinstance(weights, (NVFP4Stack, ExpertWeights)) and weights.values is not None:
             b_trans = True
+        elif isinstance(weights, ExpertWeights):
+            raise ValueError("transpose_weights: ExpertWeights without block values cannot be transposed; pass the "
+                             "NVFP4Stack (or the list of NVFP4Tensors) instead")
         else:
             weights = weights.t() if isinstance(weights, NVFP4Stack) else [w.t() for w in weights]
     if isinstance(weights, ExpertWeights):
@@ -439,6 +443,9 @@ def grouped_gemm_triton(a: NVFP4Tensor, weights, tokens_per_expert, out_dtype=to
     else:
         w = stack_expert_weights(list(weights))
     a_values = a.values if a_values is None else a_values
+    if b_trans and (w.block_rows != 16 or w.amax.shape[1] > 1 or not w.values.is_contiguous()):
+        raise ValueError("transpose_weights reads the block values transposed in place: it needs 16x16 blocks, one "
+                         "amax per expert and contiguous values")
     t_rows, k = a.shape
     kw, n = w.shape if b_trans else w.shape[::-1]
     if k != kw:

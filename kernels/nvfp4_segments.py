@@ -111,8 +111,8 @@ def quantize_segments_triton(x: torch.Tensor, segments, out_shape: tuple[int, in
     if stochastic and (seeds is None or len(seeds) != len(segments)):
         raise ValueError("stochastic rounding needs one seed per segment")
     if isinstance(segments, np.ndarray):  # a table already (the MoE wgrad builds it with array operations)
-        if segments.ndim != 2 or segments.shape[1] != 7:
-            raise ValueError(f"a segment table is an integer array [B, 7], got shape {segments.shape}")
+        if segments.ndim != 2 or segments.shape[1] != 7 or not np.issubdtype(segments.dtype, np.integer):
+            raise ValueError(f"a segment table is an integer array [B, 7], got {segments.dtype} {segments.shape}")
         tab = segments.astype(np.int64, copy=False)
     else:
         segments = [tuple(sg) for sg in segments]

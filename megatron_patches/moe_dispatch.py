@@ -17,7 +17,7 @@ tokens_per_expert `.cpu()` and the same masked_selects).
              check would be a host read)
     tokens_per_expert   routing_map.sum(0), left on the device: `GroupedExperts` hands it to grouped GEMMs that read
              counts on the device (torch._grouped_mm in BF16, the Triton kernels in NVFP4) and reads it on the host
-             only where a GEMM loops over experts in Python (the CPU, strict BF16, autograd)
+             only where a GEMM loops over experts in Python (the CPU, strict BF16) or NVFP4's wgrad needs them (autograd)
     combine  Megatron's unpermute (scatter_add into zeros in the rows' dtype, index_add_ under deterministic
              algorithms); strict: `combine_fixed_order`, as megatron_patches.strict does for the upstream dispatcher
 Every tensor the experts and the combine see is the one Megatron's dispatcher gives them (same rows, same order, same

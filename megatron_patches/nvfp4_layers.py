@@ -281,8 +281,9 @@ class GroupedExperts(MegatronModule):
         # Counts go on as given: a tensor reaches the grouped GEMMs, which read it on the device where they can
         # (torch._grouped_mm in BF16, the NVFP4 Triton kernels, when no backward needs host counts) and on the host
         # otherwise. Megatron's alltoall dispatcher hands them over on the host (0.16.1: moved at its
-        # cuda_dtoh_point, waited for at its cuda_sync_point); the embedded engine's LocalTokenDispatcher
-        # (megatron_patches.moe_dispatch) leaves them on the device, so a decode step needs no host synchronisation.
+        # cuda_dtoh_point, waited for at its cuda_sync_point); LocalTokenDispatcher (megatron_patches.moe_dispatch;
+        # the embedded engine's and the Learner's at EP = 1) leaves them on the device, so a decode step needs no host
+        # synchronisation; NVFP4 under autograd reads them on the host once, below.
         # (BF16 on the per-expert loops, CPU or strict, reads them on the host: once here, not once per GEMM.)
         if permuted_hidden.shape[0] == 0:  # this rank's experts got no token (EP): no GEMM runs (torch._grouped_mm's
             out = permuted_hidden * 0        # backward rejects 0 rows on CUDA); zero gradients for the weights, and

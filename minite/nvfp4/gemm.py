@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .backend import kernel, resolve
-from .tensor import FACTOR_INV, NVFP4Tensor
+from .tensor import BLOCK_2D, FACTOR_INV, NVFP4Tensor
 
 
 def _alpha(a: NVFP4Tensor, b: NVFP4Tensor) -> torch.Tensor:
@@ -49,6 +49,9 @@ def gemm(a: NVFP4Tensor, b: NVFP4Tensor, *, out_dtype: torch.dtype = torch.float
     if transpose_b:
         if a.shape[1] != b.shape[0]:
             raise ValueError(f"gemm: K mismatch, a is {a.shape} and b is {b.shape} (transpose_b: computes a @ b)")
+        if b.block != BLOCK_2D or b.per_row:
+            raise ValueError(f"gemm: transpose_b needs b with (16, 16) blocks and one global scale (an exact "
+                             f"transpose), got block={b.block}, per_row={b.per_row}")
     else:
         _check_pair(a, b)
     name, _ = resolve(backend, a.data, op="gemm")

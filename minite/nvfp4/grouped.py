@@ -274,7 +274,8 @@ def quantize_column_segments(x: torch.Tensor, widths: Sequence[int], *, rounding
     global scale (1 for an empty segment), stochastic rounding from seeds[e] indexed inside the segment, RHT per 16
     columns.
     counts: x holds sum(counts) columns, and segment e is its next counts[e] <= widths[e] columns zero-padded to
-    widths[e] (the MoE wgrad's experts; the kernels pad inside, without a padded copy of x)."""
+    widths[e] (the MoE wgrad's experts; the kernels pad inside, without a padded copy of x). widths and counts are
+    host sequences of integers (a list, tuple or numpy array)."""
     w = np.asarray(widths, dtype=np.int64).reshape(-1)  # array operations: the MoE wgrad has one segment per expert
     c = w if counts is None else np.asarray(counts, dtype=np.int64).reshape(-1)
     if (x.dim() != 2 or len(c) != len(w) or int(c.sum()) != x.shape[1]

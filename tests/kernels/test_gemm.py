@@ -195,8 +195,12 @@ def test_transpose_b_reads_block_values_in_place_bitwise(m, n, k):
     assert torch.equal(ref, gemm_reference(a, b.t()))
     _assert_close_to_reference(got, ref, _bound(a, b.t()))
     with pytest.raises(ValueError, match="K mismatch"):
-        gemm(a, b.t(), backend="triton", transpose_b=True) if n != k else gemm(_q(torch.randn(m, n + 16)), b,
-                                                                             transpose_b=True)
+        gemm(_q(torch.randn(m, n + 16, device=DEVICE)), b, backend="triton", transpose_b=True)
+    per_row = _q(torch.randn(n, k, device=DEVICE))  # (1, 16) blocks, one scale per row: no exact transpose
+    per_row = type(b)(per_row.data, per_row.scale, per_row.global_scale, per_row.shape, per_row.block,
+                      per_row.block_values(torch.float16), per_row.amax)
+    with pytest.raises(ValueError, match=r"\(16, 16\) blocks and one global scale"):
+        gemm(a, per_row, backend="triton", transpose_b=True)
 
 
 def test_values_only_weight_gives_the_same_gemms():
@@ -218,6 +222,8 @@ def test_values_only_weight_gives_the_same_gemms():
         _weights(16, 16, 1).drop_codes()
     with pytest.raises(ValueError, match="codes .* or its block values"):
         type(b)(None, b.scale, b.global_scale, b.shape, b.block)
+    with pytest.raises(ValueError, match="ExpertWeights without block values"):
+        grouped_gemm_triton(g, stack_expert_weights([b]), [20], transpose_weights=True)
 
 
 def test_decode_order_words_hold_the_documented_bits():

@@ -131,11 +131,13 @@ def test_grouped_gemms_take_counts_as_a_tensor():
         assert torch.equal(grouped_linear_bf16(xb, wb, t, strict=strict), grouped_linear_bf16(xb, wb, counts, strict=strict))
 
 
-@pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
-def test_learner_steps_with_local_dispatch_are_megatrons_bit_for_bit(precision, monkeypatch):
+@pytest.mark.parametrize("precision,backend", [("bf16", "auto"), ("nvfp4", "auto"),
+                                               pytest.param("nvfp4", "triton", marks=pytest.mark.slow)])
+def test_learner_steps_with_local_dispatch_are_megatrons_bit_for_bit(precision, backend, monkeypatch):
     """The Learner dispatches locally at EP = 1: two train steps (two micro-batches each) give the losses, gradient
     norms and weights of a learner on Megatron's alltoall dispatcher, bit for bit (gradients through the rows'
-    index_select and the combine's scatter_add are upstream's)."""
+    index_select and the combine's scatter_add are upstream's). backend="triton" runs the kernels' path (interpreted
+    on a CPU): host counts read once per layer, values-only caches, the dgrad's transposed reads."""
     from minite.learner import learner as learner_mod
     from minite.megatron_patches.moe_dispatch import LocalTokenDispatcher
     cfg = load_config(None, TINY + [f"precision.mode={precision}"])
@@ -145,15 +147,18 @@ def test_learner_steps_with_local_dispatch_are_megatrons_bit_for_bit(precision, 
         return -logp.mean(), {}
 
     runs = []
+    steps = 1 if backend == "triton" else 2  # the interpreter is slow
     for local in (True, False):
         with monkeypatch.context() as mp:
             if not local:
                 mp.setattr(learner_mod, "use_local_dispatch", lambda model: 0)
             learner = learner_mod.Learner(cfg)
+        if learner.nvfp4 is not None:
+            learner.nvfp4.backend = backend
         assert learner.local_moe_layers == (2 if local else 0)
         assert isinstance(_moe_layers(learner.model)[0].token_dispatcher, LocalTokenDispatcher) == local
         dev = next(learner.model.parameters()).device
-        metrics = [learner.train_step(tokens.to(dev), loss_fn, micro_batches=2) for _ in range(2)]
+        metrics = [learner.train_step(tokens.to(dev), loss_fn, micro_batches=2) for _ in range(steps)]
         runs.append((metrics, {n: p.detach().clone() for n, p in learner.model.named_parameters()}))
         learner.close()
     (m_local, w_local), (m_up, w_up) = runs

@@ -21,10 +21,14 @@ def site(frames: list) -> str:
     return f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}"
 
 
+MAX_EVENTS = 2_000_000
+
+
 def _replay(events: list, before: int, stop: int | None = None):
     """Replay events[:stop] ('alloc' adds a block, 'free_completed' removes it, other actions are ignored) from
     `before` bytes allocated: (alive blocks {addr: (size, frames)}, bytes still alive of those before, peak bytes,
-    index of the first event at the peak)."""
+    index of the first event at the peak). A block whose free waits for another stream's use (record_stream) counts
+    until its free completes."""
     alive: dict = {}
     pre = total = peak = before
     peak_at = -1
@@ -63,7 +67,7 @@ def print_memory_top(fn, top: int, label: str = "", show: bool = True) -> None:
         return
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    torch.cuda.memory._record_memory_history(max_entries=MAX_EVENTS, stacks="python")
     try:
         fn()
         torch.cuda.synchronize()
@@ -71,6 +75,8 @@ def print_memory_top(fn, top: int, label: str = "", show: bool = True) -> None:
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
     events = [e for trace in snap["device_traces"] for e in trace]
+    if len(events) >= MAX_EVENTS:  # the ring buffer dropped the oldest events: the baseline would be wrong
+        print(f"memory top: {len(events)} allocator events, the history's limit; the replay is not exact", flush=True)
     peak, at_peak = alive_at_peak(events, before)
     if not show:
         return
