@@ -486,8 +486,9 @@ def gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype=torch.float32, *, a_va
     b_values = b.values if b_values is None else b_values
     if transpose_b and b_values is None:
         b, transpose_b = b.t(), False
-    w = ExpertWeights(None if b.data is None else b.data[None], b.scale.view(torch.uint8)[None], b.decode_amax().reshape(1, -1).float(),
-                      None if b_values is None else b_values[None], b.block[0], b.shape)
+    w = ExpertWeights(None if b.data is None else b.data[None], b.scale.view(torch.uint8)[None],
+                      b.decode_amax().reshape(1, -1).float(), None if b_values is None else b_values[None],
+                      b.block[0], b.shape)
     m = a.shape[0]
     rows = torch.full((1,), m, dtype=torch.int32, device=a.data.device)  # made on the device: no host copy at all
     return grouped_gemm_triton(a, w, rows, out_dtype, a_values=a_values, config=config, rows_hint=m,

@@ -53,6 +53,7 @@ from minite.ops import (FiniteFlag, derive_seed, group_size, grouped_linear_bf16
                         quantiser_checks_finite, quantize_expert_weights, quantize_weight, refill_in_place,
                         swiglu_experts)
 from minite.ops.experts import grouped_mm_applies
+from minite.ops.grouped import backward_needs_host_counts
 
 
 @dataclass
@@ -292,8 +293,7 @@ class GroupedExperts(MegatronModule):
             return out, None
         # NVFP4 under autograd: the wgrad's segment tables need host counts, read here once for both GEMMs
         counts = tokens_per_expert
-        host_wgrad = self.nvfp4 is not None and torch.is_grad_enabled() and (
-            permuted_hidden.requires_grad or self.fc1_weight.requires_grad)
+        host_wgrad = self.nvfp4 is not None and backward_needs_host_counts(permuted_hidden, self.fc1_weight)
         if not torch.is_tensor(counts) or host_wgrad or (self.nvfp4 is None and (self.strict or not grouped_mm_applies(
                 permuted_hidden, self.fc1_weight))):
             counts = [int(c) for c in (counts.tolist() if torch.is_tensor(counts) else counts)]

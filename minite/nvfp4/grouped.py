@@ -219,6 +219,8 @@ def _use_triton(backend: str, x: torch.Tensor) -> bool:
 
 
 def _check_rounding(rounding: str, seeds, n: int) -> None:
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
     if rounding == "stochastic" and (seeds is None or len(seeds) != n):
         raise ValueError(f"stochastic rounding needs {n} seeds (one per member), got {seeds!r}")
     if seeds is not None and len(seeds):
@@ -283,13 +285,8 @@ def quantize_column_segments(x: torch.Tensor, widths: Sequence[int], *, rounding
         raise ValueError(f"quantize_column_segments: widths {w.tolist()} must be multiples of 16, each at least its "
                          f"count {c.tolist()}, the counts summing to the columns of x {tuple(x.shape)}")
     widths, counts = tuple(w.tolist()), tuple(c.tolist())
-    # the shapes are checked above (x's columns need not be a multiple of 16 with counts): the rest of _validate
-    if rounding not in ("nearest", "stochastic"):
-        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
-    if check_finite and not x.is_floating_point():
-        raise ValueError(f"quantize expects a floating-point tensor, got {x.dtype}")
-    if check_finite and not bool(torch.isfinite(x).all()):
-        raise ValueError("quantize input contains NaN or Inf")
+    if check_finite:  # the shapes are checked above (x's columns need not be a multiple of 16 with counts)
+        _validate(x, BLOCK_1D, "tensor", rounding, check_shape=False)
     _check_rounding(rounding, seeds, len(widths))
     rows, total = x.shape[0], sum(widths)
     if _use_triton(backend, x):  # the table (x_row, x_col, rows, cols, out_row, out_col, read) per segment

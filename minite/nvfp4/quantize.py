@@ -105,7 +105,9 @@ def e2m1_round_stochastic(mag: torch.Tensor, u24: torch.Tensor) -> torch.Tensor:
     return (lo + up.long()).to(torch.uint8)
 
 
-def _validate(x, block, scale_scope, rounding, check_finite: bool = True) -> tuple[int, int]:
+def _validate(x, block, scale_scope, rounding, check_finite: bool = True, check_shape: bool = True) -> tuple[int, int]:
+    """One-line errors for a bad quantiser input; check_shape=False leaves out the multiples of 16 (a caller that
+    pads inside checked its own shapes)."""
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"quantize expects a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 2:
@@ -115,9 +117,9 @@ def _validate(x, block, scale_scope, rounding, check_finite: bool = True) -> tup
     if block not in (BLOCK_1D, BLOCK_2D):
         raise ValueError(f"block must be (1, 16) or (16, 16), got {block}")
     rows, cols = x.shape
-    if cols % 16:
+    if check_shape and cols % 16:
         raise ValueError(f"the last dim (K) must be a multiple of 16, got shape {tuple(x.shape)}")
-    if block == BLOCK_2D and rows % 16:
+    if check_shape and block == BLOCK_2D and rows % 16:
         raise ValueError(f"(16, 16) blocks need both dims to be multiples of 16, got shape {tuple(x.shape)}")
     if scale_scope not in ("tensor", "row"):
         raise ValueError(f"scale_scope must be 'tensor' or 'row', got {scale_scope!r}")

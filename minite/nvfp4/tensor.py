@@ -172,9 +172,10 @@ class NVFP4Tensor:
         return self._transposed
 
     def to(self, device) -> "NVFP4Tensor":
-        return NVFP4Tensor(None if self.data is None else self.data.to(device), self.scale.to(device), self.global_scale.to(device),
-                           self.shape, self.block, None if self.values is None else self.values.to(device),
-                           None if self.amax is None else self.amax.to(device))
+        def moved(t):
+            return None if t is None else t.to(device)
+        return NVFP4Tensor(moved(self.data), self.scale.to(device), self.global_scale.to(device), self.shape,
+                           self.block, moved(self.values), moved(self.amax))
 
     def equal(self, other: "NVFP4Tensor") -> bool:
         """Bitwise equality of every field but `values` (scales compared as bits, so -0 and NaN patterns count)."""

@@ -151,8 +151,9 @@ def quantize_scoped(x: torch.Tensor, op: OperandRecipe, *, seed: Optional[int], 
 
 
 
-def padded(rows: int) -> int:
-    """rows rounded up to a multiple of 16 (wgrad quantises along the tokens in 16-blocks)."""
+def padded(rows):
+    """rows rounded up to a multiple of 16 (wgrad quantises along the tokens in 16-blocks); an int, or elementwise
+    for an integer numpy array."""
     return rows + (-rows) % 16
 
 

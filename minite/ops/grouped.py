@@ -19,7 +19,7 @@ from minite.nvfp4 import (NVFP4Recipe, NVFP4Stack, OperandRecipe, decode_order, 
 
 from minite.nvfp4.backend import resolve
 
-from .common import ROLES, derive_seed, derive_seeds, quant_flags
+from .common import ROLES, derive_seed, derive_seeds, padded, quant_flags
 from .linear import wgrad
 
 def _counts(tokens_per_expert, experts: int, rows: int, *, keep_tensor: bool = False):
@@ -36,6 +36,12 @@ def _counts(tokens_per_expert, experts: int, rows: int, *, keep_tensor: bool = F
         raise ValueError(f"tokens_per_expert {counts} must have {experts} non-negative entries "
                          f"summing to the {rows} input rows")
     return counts
+
+
+def backward_needs_host_counts(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a grouped linear on x and weight will run a backward, whose wgrad reads the counts on the host
+    (its segment tables): autograd is on and x or the weight requires a gradient."""
+    return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
 
 
 def _kernels_read_counts(x: torch.Tensor, backend: str) -> bool:
@@ -99,7 +105,7 @@ def _grouped_wgrad(dy: torch.Tensor, x: torch.Tensor, counts: list[int], recipe:
                                out_dtype=out_dtype)
             start += c
         return dw
-    widths = (np.asarray(counts, dtype=np.int64) + 15) // 16 * 16  # padded(c) of every count
+    widths = padded(np.asarray(counts, dtype=np.int64))  # every count rounded up to a multiple of 16
     segs = []
     for t, op, role in ((dy, recipe.wgrad_gradient, "wgrad_gradient"), (x, recipe.wgrad_input, "wgrad_input")):
         segs.append(quantize_column_segments(  # each expert's tokens zero-padded to its width by the quantiser
@@ -150,8 +156,7 @@ def nvfp4_grouped_linear(x: torch.Tensor, weight, tokens_per_expert, recipe: NVF
     if weight.dim() != 3 or x.dim() != 2 or x.shape[1] != weight.shape[2]:
         raise ValueError(f"nvfp4_grouped_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not "
                          "match (expects x [T, K] and weight [E, N, K])")
-    no_backward = not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad)
     counts = _counts(tokens_per_expert, weight.shape[0], x.shape[0],
-                     keep_tensor=no_backward and _kernels_read_counts(x, backend))
+                     keep_tensor=not backward_needs_host_counts(x, weight) and _kernels_read_counts(x, backend))
     return _NVFP4GroupedLinear.apply(x, weight, counts, recipe, int(seed), weight_q, backend)
 
