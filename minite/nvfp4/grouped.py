@@ -24,10 +24,10 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from .backend import kernel, resolve
+from .backend import has_kernel, kernel, resolve
 from .gemm import gemm_reference
 from .quantize import _validate, quantize_reference
-from .tensor import BLOCK_1D, BLOCK_2D, NVFP4Tensor, pack_codes, unpack_codes
+from .tensor import BLOCK_1D, BLOCK_2D, NVFP4Tensor, e2m1_table, pack_codes, unpack_codes
 
 VALUES_DTYPE = torch.float16
 
@@ -195,6 +195,18 @@ class NVFP4Segments:
     @property
     def starts(self) -> list[int]:
         return _starts(self.widths)
+
+    def with_values(self, backend: str = "auto") -> "NVFP4Segments":
+        """Keep fp16 block values, computed from the codes when missing: bitwise the values the quantiser writes
+        with values=True (one launch on the kernels, minite.kernels.nvfp4_values). A segment operand kept packed
+        (0.5625 B per element) until the GEMM that reads values (the MoE wgrad's x^T). Returns self."""
+        if self.values is None:
+            if _use_triton(backend, self.data) and has_kernel("block_values"):
+                self.values = kernel("block_values")(self.data, self.scale)
+            else:
+                scale = self.scale.float().repeat_interleave(16, dim=1)
+                self.values = (e2m1_table(self.data.device)[unpack_codes(self.data).long()] * scale).to(VALUES_DTYPE)
+        return self
 
     def segment(self, e: int) -> NVFP4Tensor:
         """Segment e as a standalone NVFP4Tensor [R, w_e] (copies)."""

@@ -6,6 +6,11 @@ tokens with per-row scales, so a token's result does not depend on its expert gr
 multiple of 16 (the quantiser pads inside: no padded copy) and quantises dy^T and x^T as column segments, one per
 expert (`quantize_column_segments`: per expert its own global scale and seed, bitwise what E separate wgrads would
 draw), then one segmented GEMM computes all dW_e.
+
+Saved for the backward: x^T's segments, quantised in the forward and kept packed (codes and scales, 0.5625 B per
+element; the kernels' block values are written from them just before the wgrad GEMM, `NVFP4Segments.with_values`),
+not x (2 B per element in bf16), as Transformer Engine keeps its column-wise quantised input. Nothing of x when the
+weights need no gradient: dgrad reads dy and the weights only.
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from minite.nvfp4 import (NVFP4Recipe, NVFP4Stack, OperandRecipe, decode_order, grouped_gemm,
+from minite.nvfp4 import (NVFP4Recipe, NVFP4Segments, NVFP4Stack, decode_order, grouped_gemm,
                           quantize_column_segments, quantize_stack, segmented_gemm)
 
 from minite.nvfp4.backend import resolve
@@ -85,18 +90,36 @@ def nvfp4_grouped_linear_forward(x: torch.Tensor, w_q, tokens_per_expert, recipe
     return grouped_gemm(xq, w_q, counts, out_dtype=out_dtype or x.dtype, backend=backend)
 
 
-def _segmentable(op: OperandRecipe) -> bool:
-    return op.block == (1, 16) and op.scale_scope == "tensor"
+def _segmentable(recipe: NVFP4Recipe) -> bool:
+    """Whether both wgrad roles use (1, 16) blocks with one global scale (the default recipe): the wgrad quantises
+    its operands as column segments then, a few launches for all experts."""
+    return all(op.block == (1, 16) and op.scale_scope == "tensor"
+               for op in (recipe.wgrad_gradient, recipe.wgrad_input))
 
 
-def _grouped_wgrad(dy: torch.Tensor, x: torch.Tensor, counts: list[int], recipe: NVFP4Recipe, seed: int,
-                   backend: str, out_dtype: torch.dtype) -> torch.Tensor:
+def _wgrad_seeds(seed: int, experts: int) -> np.ndarray:
+    return derive_seeds(seed, 1000 + np.arange(experts))  # derive_seed(seed, 1000 + e) for each expert e
+
+
+def _wgrad_segments(t: torch.Tensor, counts: list[int], recipe: NVFP4Recipe, role: str, seeds: np.ndarray,
+                    backend: str, values: bool):
+    """The wgrad operand t^T of rows t [T, C] grouped by expert: one column segment per expert, its tokens
+    zero-padded to a multiple of 16 by the quantiser (no padded copy), seeds derived per expert and role."""
+    op = getattr(recipe, role)
+    return quantize_column_segments(t.t(), padded(np.asarray(counts, dtype=np.int64)), rounding=op.rounding,
+                                    rht=op.rht, seeds=derive_seeds(seeds, ROLES[role]), backend=backend,
+                                    counts=counts, **quant_flags(backend, t, values))
+
+
+def _grouped_wgrad(dy: torch.Tensor, x: Optional[torch.Tensor], counts: list[int], recipe: NVFP4Recipe, seed: int,
+                   backend: str, out_dtype: torch.dtype, x_segments: Optional[NVFP4Segments] = None) -> torch.Tensor:
     """dW [E, N, K]: per expert e, Q(dy_e^T) @ Q(x_e^T)^T with tokens padded to a multiple of 16 and seeds derived
     from (seed, 1000 + e): exactly E separate `_wgrad` calls (the loop below), done as column segments in a
-    few launches when both wgrad roles use (1, 16) blocks with one global scale (the default recipe)."""
+    few launches when the recipe is `_segmentable`. x_segments: x^T quantised already (`_wgrad_segments`, kept
+    packed since the forward), in place of x."""
     experts = len(counts)
-    seeds = derive_seeds(seed, 1000 + np.arange(experts))  # derive_seed(seed, 1000 + e) for each expert e
-    if not (_segmentable(recipe.wgrad_gradient) and _segmentable(recipe.wgrad_input)):
+    seeds = _wgrad_seeds(seed, experts)
+    if not _segmentable(recipe):
         dw = torch.zeros(experts, dy.shape[1], x.shape[1], dtype=out_dtype, device=x.device)
         start = 0
         for e, c in enumerate(counts):
@@ -105,13 +128,13 @@ def _grouped_wgrad(dy: torch.Tensor, x: torch.Tensor, counts: list[int], recipe:
                                out_dtype=out_dtype)
             start += c
         return dw
-    widths = padded(np.asarray(counts, dtype=np.int64))  # every count rounded up to a multiple of 16
-    segs = []
-    for t, op, role in ((dy, recipe.wgrad_gradient, "wgrad_gradient"), (x, recipe.wgrad_input, "wgrad_input")):
-        segs.append(quantize_column_segments(  # each expert's tokens zero-padded to its width by the quantiser
-            t.t(), widths, rounding=op.rounding, rht=op.rht, seeds=derive_seeds(seeds, ROLES[role]),
-            backend=backend, counts=counts, **quant_flags(backend, x)))
-    return segmented_gemm(segs[0], segs[1], out_dtype=out_dtype, backend=backend)
+    values = quant_flags(backend, dy)["values"]  # whether the kernels' GEMM reads block values
+    gs = _wgrad_segments(dy, counts, recipe, "wgrad_gradient", seeds, backend, values)
+    if x_segments is None:
+        xs = _wgrad_segments(x, counts, recipe, "wgrad_input", seeds, backend, values)
+    else:
+        xs = x_segments.with_values(backend) if values else x_segments
+    return segmented_gemm(gs, xs, out_dtype=out_dtype, backend=backend)
 
 
 class _NVFP4GroupedLinear(torch.autograd.Function):
@@ -119,9 +142,17 @@ class _NVFP4GroupedLinear(torch.autograd.Function):
     def forward(ctx, x, weight, counts, recipe, seed, w_q, backend):
         w_q = quantize_expert_weights(weight, recipe, backend=backend) if w_q is None else _as_stack(w_q)
         y = nvfp4_grouped_linear_forward(x, w_q, counts, recipe, backend=backend)
-        ctx.save_for_backward(x)
+        # Only the wgrad reads x. With the segment recipe it gets x^T quantised here and kept packed until the
+        # backward: 0.5625 B per element instead of x's 2 (bf16), the same bits (its rounding draws nothing from
+        # the backward). The learner's peak, at the end of the forward, holds every layer's.
+        ctx.x_segments, keep_x = None, ctx.needs_input_grad[1]
+        if keep_x and x.shape[0] and _segmentable(recipe):
+            ctx.x_segments = _wgrad_segments(x, counts, recipe, "wgrad_input", _wgrad_seeds(seed, len(counts)),
+                                             backend, values=False)
+            keep_x = False
+        ctx.save_for_backward(x if keep_x else None)
         ctx.w_q, ctx.counts, ctx.recipe, ctx.seed, ctx.backend = w_q, counts, recipe, seed, backend
-        ctx.w_shape, ctx.w_dtype = weight.shape, weight.dtype
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         return y
 
     @staticmethod
@@ -130,15 +161,16 @@ class _NVFP4GroupedLinear(torch.autograd.Function):
         recipe, seed, backend, counts = ctx.recipe, ctx.seed, ctx.backend, ctx.counts
         dy = dy.contiguous()
         dx = dw = None
-        if ctx.needs_input_grad[0] and x.shape[0] == 0:
-            dx = torch.zeros_like(x)
+        if ctx.needs_input_grad[0] and ctx.x_shape[0] == 0:
+            dx = dy.new_zeros(ctx.x_shape, dtype=ctx.x_dtype)
         elif ctx.needs_input_grad[0]:
             gq = recipe.gradient.quantize(dy, seed=derive_seed(seed, ROLES["gradient"]), backend=backend,
                                           **quant_flags(backend, dy))
-            dx = grouped_gemm(gq, ctx.w_q, counts, out_dtype=x.dtype, backend=backend, transpose_weights=True)
-            del gq  # freed before the wgrad quantises dy^T and x^T (the backward's own peak)
+            dx = grouped_gemm(gq, ctx.w_q, counts, out_dtype=ctx.x_dtype, backend=backend, transpose_weights=True)
+            del gq  # freed before the wgrad quantises dy^T (the backward's own peak)
         if ctx.needs_input_grad[1]:
-            dw = _grouped_wgrad(dy, x, counts, recipe, seed, backend, ctx.w_dtype)
+            dw = _grouped_wgrad(dy, x, counts, recipe, seed, backend, ctx.w_dtype, x_segments=ctx.x_segments)
+            ctx.x_segments = None
         return dx, dw, None, None, None, None, None
 
 

@@ -269,3 +269,42 @@ def test_segments_pad_themselves_bitwise(rounding, rht, vec2d):
     assert torch.equal(tri.global_scale, ref.global_scale) and torch.equal(tri.values, ref.values)
     with pytest.raises(ValueError, match="reads outside"):
         quantize_segments_triton(t.t(), [(0, 40, 48, 16, 0, 0, 8)], (48, 16))
+
+
+@pytest.mark.parametrize("case", ["random", "zero", "max", "tiny", "nonfinite"])
+def test_segment_values_from_codes_are_the_quantisers(case):
+    """`NVFP4Segments.with_values` on segments quantised without values (the MoE wgrad's x^T, kept packed from the
+    forward to the backward) writes bitwise the block values the quantiser writes with values=True (the kernels';
+    -0 kept); for finite input also the reference's and `block_values`' (fp16)."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(100, 40, generator=g)
+    if case == "zero":
+        x.zero_()
+    elif case == "max":
+        x = torch.sign(x) * 3.0e38
+    elif case == "tiny":
+        x = x * 1e-30
+    elif case == "nonfinite":
+        x[3, 5], x[50, 7], x[70, 9] = float("nan"), float("inf"), -float("inf")
+    x = x.to(torch.bfloat16).to(DEVICE)
+    args = dict(counts=[10, 30, 0, 60], rht=True, check_finite=False, backend="triton")
+    want = quantize_column_segments(x.t(), [16, 32, 0, 64], values=True, **args)
+    packed = quantize_column_segments(x.t(), [16, 32, 0, 64], values=False, **args)
+    assert packed.values is None and torch.equal(packed.data, want.data)
+    got = packed.with_values("triton").values
+    assert torch.equal(got.view(torch.int16), want.values.view(torch.int16))
+    if case != "nonfinite":
+        ref = quantize_column_segments(x.t(), [16, 32, 0, 64], values=False,
+                                       **{**args, "backend": "reference"}).with_values("reference").values
+        assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
+        seg = want.segment(3)
+        assert torch.equal(got[:, 48:].view(torch.int16), seg.block_values(torch.float16).view(torch.int16))
+
+
+def test_block_values_kernel_refuses_bad_operands():
+    from minite.kernels.nvfp4_values import block_values_triton
+    data = torch.zeros(4, 8, dtype=torch.uint8, device=DEVICE)
+    with pytest.raises(ValueError, match="block_values"):
+        block_values_triton(data, torch.zeros(4, 2, device=DEVICE).to(torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match="block_values"):
+        block_values_triton(data.float(), torch.zeros(4, 1, device=DEVICE).to(torch.float8_e4m3fn))

@@ -85,3 +85,33 @@ def test_packed_expert_weights_keep_the_decode_order_and_refill_it_in_place():
     assert old.decode_data.data_ptr() == ptr and torch.equal(old.decode_data, decode_order(new.data))
     vals = quantize_expert_weights(torch.randn(2, 32, 256, device=DEVICE), NVFP4Recipe(), backend="triton")
     assert vals.decode_data is None and not refill_in_place(vals, new)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("train_weights", [True, False])
+def test_grouped_linear_keeps_its_wgrad_operand_packed(backend, train_weights):
+    """The grouped linear saves no copy of x for its backward: the wgrad's x^T is quantised in the forward and kept
+    as packed codes and scales (no block values until the wgrad), and the gradients are bitwise those of the wgrad
+    quantising x^T in the backward; with frozen weights nothing of x is kept at all."""
+    from minite.ops.grouped import _grouped_wgrad
+    torch.manual_seed(4)
+    counts = [10, 0, 17, 21]
+    x = torch.randn(sum(counts), 64, device=DEVICE).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(4, 48, 64, device=DEVICE) * 0.1).to(torch.bfloat16).requires_grad_(train_weights)
+    dy = torch.randn(sum(counts), 48, device=DEVICE).to(torch.bfloat16)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = nvfp4_grouped_linear(x, w, counts, NVFP4Recipe(), seed=5, backend=backend)
+    assert not any(t is not None and t.shape == x.shape for t in saved)  # x itself is not saved
+    segs = y.grad_fn.x_segments
+    assert (segs is not None) == train_weights
+    if train_weights:
+        assert segs.values is None and segs.data.dtype == torch.uint8  # packed: 0.5625 B per element
+    y.backward(dy)
+    if train_weights:
+        want = _grouped_wgrad(dy, x.detach(), counts, NVFP4Recipe(), 5, backend, w.dtype)
+        assert torch.equal(w.grad.view(torch.int16), want.view(torch.int16))
+    x2 = x.detach().clone().requires_grad_()
+    nvfp4_grouped_linear(x2, w.detach().clone().requires_grad_(), counts, NVFP4Recipe(), seed=5,
+                         backend=backend).backward(dy)
+    assert torch.equal(x.grad, x2.grad)  # dgrad does not depend on what the wgrad kept
