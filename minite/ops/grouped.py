@@ -139,13 +139,15 @@ def _grouped_wgrad(dy: torch.Tensor, x: Optional[torch.Tensor], counts: list[int
 
 class _NVFP4GroupedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, counts, recipe, seed, w_q, backend):
+    def forward(ctx, x, weight, counts, recipe, seed, w_q, backend, wgrad_follows):
         w_q = quantize_expert_weights(weight, recipe, backend=backend) if w_q is None else _as_stack(w_q)
         y = nvfp4_grouped_linear_forward(x, w_q, counts, recipe, backend=backend)
         # Only the wgrad reads x. With the segment recipe it gets x^T quantised here and kept packed until the
         # backward: 0.5625 B per element instead of x's 2 (bf16), the same bits (its rounding draws nothing from
-        # the backward). The learner's peak, at the end of the forward, holds every layer's.
-        ctx.x_segments, keep_x = None, ctx.needs_input_grad[1]
+        # the backward). The learner's peak, at the end of the forward, holds every layer's. wgrad_follows: grad
+        # mode was on and the weights need a gradient (inside forward grad mode is off, and a forward without
+        # autograd, e.g. a rollout's, has device counts the segment tables cannot read without a synchronisation).
+        ctx.x_segments, keep_x = None, wgrad_follows
         if keep_x and x.shape[0] and _segmentable(recipe):
             ctx.x_segments = _wgrad_segments(x, counts, recipe, "wgrad_input", _wgrad_seeds(seed, len(counts)),
                                              backend, values=False)
@@ -171,7 +173,7 @@ class _NVFP4GroupedLinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dw = _grouped_wgrad(dy, x, counts, recipe, seed, backend, ctx.w_dtype, x_segments=ctx.x_segments)
             ctx.x_segments = None
-        return dx, dw, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None
 
 
 def nvfp4_grouped_linear(x: torch.Tensor, weight, tokens_per_expert, recipe: NVFP4Recipe, *, seed: int = 0,
@@ -190,5 +192,6 @@ def nvfp4_grouped_linear(x: torch.Tensor, weight, tokens_per_expert, recipe: NVF
                          "match (expects x [T, K] and weight [E, N, K])")
     counts = _counts(tokens_per_expert, weight.shape[0], x.shape[0],
                      keep_tensor=not backward_needs_host_counts(x, weight) and _kernels_read_counts(x, backend))
-    return _NVFP4GroupedLinear.apply(x, weight, counts, recipe, int(seed), weight_q, backend)
+    wgrad_follows = torch.is_grad_enabled() and weight.requires_grad
+    return _NVFP4GroupedLinear.apply(x, weight, counts, recipe, int(seed), weight_q, backend, wgrad_follows)
 

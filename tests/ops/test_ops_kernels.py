@@ -89,7 +89,7 @@ def test_packed_expert_weights_keep_the_decode_order_and_refill_it_in_place():
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("train_weights", [True, False])
-def test_grouped_linear_keeps_its_wgrad_operand_packed(backend, train_weights):
+def test_grouped_linear_keeps_its_wgrad_operand_packed(backend, train_weights, monkeypatch):
     """The grouped linear saves no copy of x for its backward: the wgrad's x^T is quantised in the forward and kept
     as packed codes and scales (no block values until the wgrad), and the gradients are bitwise those of the wgrad
     quantising x^T in the backward; with frozen weights nothing of x is kept at all."""
@@ -111,6 +111,13 @@ def test_grouped_linear_keeps_its_wgrad_operand_packed(backend, train_weights):
     if train_weights:
         want = _grouped_wgrad(dy, x.detach(), counts, NVFP4Recipe(), 5, backend, w.dtype)
         assert torch.equal(w.grad.view(torch.int16), want.view(torch.int16))
+    import minite.ops.grouped as grouped
+    calls = []
+    monkeypatch.setattr(grouped, "quantize_column_segments", lambda *a, **k: calls.append(1))
+    with torch.no_grad():  # no backward follows: nothing quantised for a wgrad, device counts taken as they are
+        y0 = nvfp4_grouped_linear(x, w, torch.tensor(counts, device=DEVICE), NVFP4Recipe(), seed=5, backend=backend)
+    assert torch.equal(y0, y.detach()) and not calls
+    monkeypatch.undo()
     x2 = x.detach().clone().requires_grad_()
     nvfp4_grouped_linear(x2, w.detach().clone().requires_grad_(), counts, NVFP4Recipe(), seed=5,
                          backend=backend).backward(dy)
