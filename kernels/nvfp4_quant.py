@@ -196,20 +196,24 @@ def _e2m1_nearest(mag):
 def _e2m1_stochastic(mag, k):
     """(E2M1 magnitude index, its fp32 value) of 0 <= mag <= 6 rounded up from the grid point below with probability
     (mag - lo) / (hi - lo), up when k * 2^-24 < that fraction (k: 24 random bits, int32), as the reference.
-    mag >= 1: lo is mag's fp32 bits truncated to one mantissa bit, and the fraction is exactly the 22 bits below it
-    over 2^22, so the test is the integer k < 4 * (bits & 0x3FFFFF); up adds one unit of bit 22 (1.5 -> 2, a carry
-    into the exponent; 6 has no bits below and never rounds up). mag < 1: t = 2 * mag (exact), lo = t >= 1, fraction
-    t - lo (exact), compared in fp32 as the reference does."""
+    mag >= 1: lo is mag's fp32 bits truncated to one mantissa bit and the fraction is exactly the 22 bits L below it
+    over 2^22, so up iff k < 4 L iff (k >> 2) < L iff L + (2^22 - 1 - (k >> 2)) carries into bit 22: the bits plus
+    (k >> 2) ^ 0x3FFFFF, truncated, are the rounded value (a carry into the exponent is 1.5 -> 2; 6 has L = 0 and
+    never rounds up). mag < 1: t = 2 * mag (exact), lo = t >= 1, fraction t - lo (exact), compared in fp32 as the
+    reference does; lo and up stay fp32 (0 or 1), and lo + up + 2^23 puts the index in the low bits, as in
+    `_e2m1_nearest` (integer 0/1 arithmetic here compiled to packed 16-bit lanes and byte permutes, and the compare
+    and select of the normal branch cost more: the tensor-scope quantiser with stochastic rounding took 26.5 more
+    instructions per element than with nearest-even on sm_90, 16.0 in this form; tools/bench/sass_census.py --quant)."""
     bits = mag.to(tl.int32, bitcast=True)
-    up_n = k < ((bits & 0x3FFFFF) << 2)
-    r = (bits & -4194304) + tl.where(up_n, 0x400000, 0)
+    r = (bits + ((k >> 2) ^ 0x3FFFFF)) & -4194304  # -4194304 = 0xFFC00000
     t = mag * 2.0
-    lo_s = (t >= 1.0).to(tl.int32)
-    up_s = (k.to(tl.float32) * 5.9604644775390625e-08) < (t - lo_s.to(tl.float32))  # * 2^-24
-    idx_s = lo_s + up_s.to(tl.int32)
+    lo = tl.where(t >= 1.0, 1.0, 0.0)
+    up = tl.where((k.to(tl.float32) * 5.9604644775390625e-08) < (t - lo), 1.0, 0.0)  # * 2^-24
+    idx_s = lo + up
     sub = mag < 1.0
-    idx = tl.where(sub, idx_s, (r >> 22) - 252)
-    return idx, tl.where(sub, idx_s.to(tl.float32) * 0.5, r.to(tl.float32, bitcast=True))
+    f = idx_s + 8388608.0
+    idx = tl.where(sub, f.to(tl.int32, bitcast=True) - 0x4B000000, (r >> 22) - 252)
+    return idx, tl.where(sub, idx_s * 0.5, r.to(tl.float32, bitcast=True))
 
 
 @triton.jit

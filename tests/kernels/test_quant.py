@@ -289,3 +289,56 @@ def test_every_e2m1_neighbourhood_bitwise(scope, rounding):
     q, v = quantize_with_values_triton(x, (1, 16), scope, rounding, 77, False)
     assert torch.equal(q.data, ref.data), f"codes differ at {(q.data != ref.data).nonzero()[:5].tolist()}"
     assert q.equal(ref) and torch.equal(v, ref.block_values(torch.float16))
+
+
+def _rounding_probe():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def probe(mag_ptr, k_ptr, idx_ptr, val_ptr, n, STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        mag = tl.load(mag_ptr + offs, mask=m, other=0.0)
+        if STOCHASTIC:
+            idx, val = nvfp4_quant._e2m1_stochastic(mag, tl.load(k_ptr + offs, mask=m, other=0))
+        else:
+            idx, val = nvfp4_quant._e2m1_nearest(mag)
+        tl.store(idx_ptr + offs, idx, mask=m)
+        tl.store(val_ptr + offs, val, mask=m)
+    return probe
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_e2m1_rounding_at_its_boundaries(stochastic):
+    """The kernels' E2M1 rounding (nearest-even, and stochastic from 24 random bits) against the reference's, value by
+    value: every grid point, its neighbours one ulp away, the midpoints, tiny and subnormal magnitudes, 6; for each
+    magnitude the random draws on either side of the round-up threshold (k = 4L - 1, 4L, 4L + 1 for the normals, where
+    L is the 22 bits below the kept mantissa bit; the floor of the fraction x 2^24 and its neighbours below 1), 0 and
+    2^24 - 1."""
+    from minite.nvfp4.quantize import E2M1_MAGNITUDES, e2m1_round_nearest, e2m1_round_stochastic
+    grid = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32)
+    mids = (grid[1:] + grid[:-1]) / 2
+    base = torch.cat([grid, mids, torch.tensor([1e-30, 1e-40, 2.0 ** -24, 0.2499999, 0.25, 0.7500001, 5.9999995])])
+    up = torch.nextafter(base, torch.tensor(float("inf")))
+    down = torch.nextafter(base, torch.tensor(0.0))
+    mags = torch.cat([base, up, down]).clamp(0, 6)
+    mags = torch.cat([mags, torch.rand(200, generator=torch.Generator().manual_seed(3)) * 6])
+    low22 = (mags.view(torch.int32) & 0x3FFFFF).long()
+    frac = torch.where(mags < 1, mags * 2 - (mags * 2 >= 1).float(), torch.zeros_like(mags))
+    f24 = (frac.double() * 2 ** 24).floor().long()
+    ks = torch.stack([4 * low22 - 1, 4 * low22, 4 * low22 + 1, f24 - 1, f24, f24 + 1, torch.zeros_like(low22),
+                      torch.full_like(low22, 2 ** 24 - 1)], dim=1).clamp(0, 2 ** 24 - 1)
+    mag = mags[:, None].expand_as(ks).reshape(-1).contiguous()
+    k = ks.reshape(-1).to(torch.int32).contiguous()
+    idx = torch.empty(mag.shape, dtype=torch.int32, device=DEVICE)
+    val = torch.empty(mag.shape, dtype=torch.float32, device=DEVICE)
+    _rounding_probe()[(triton_cdiv(mag.numel(), 256),)](mag.to(DEVICE), k.to(DEVICE), idx, val, mag.numel(),
+                                                         STOCHASTIC=stochastic, BLOCK=256)
+    want = e2m1_round_stochastic(mag, k) if stochastic else e2m1_round_nearest(mag)
+    assert torch.equal(idx.cpu(), want.to(torch.int32)), (mag[idx.cpu() != want.to(torch.int32)][:5], stochastic)
+    assert torch.equal(val.cpu(), grid[want.long()])
+
+
+def triton_cdiv(a, b):
+    return (a + b - 1) // b
