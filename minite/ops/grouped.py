@@ -147,19 +147,28 @@ class _NVFP4GroupedLinear(torch.autograd.Function):
         # the backward). The learner's peak, at the end of the forward, holds every layer's. wgrad_follows: grad
         # mode was on and the weights need a gradient (inside forward grad mode is off, and a forward without
         # autograd, e.g. a rollout's, has device counts the segment tables cannot read without a synchronisation).
-        ctx.x_segments, keep_x = None, wgrad_follows
-        if keep_x and x.shape[0] and _segmentable(recipe):
-            ctx.x_segments = _wgrad_segments(x, counts, recipe, "wgrad_input", _wgrad_seeds(seed, len(counts)),
-                                             backend, values=False)
-            keep_x = False
-        ctx.save_for_backward(x if keep_x else None)
+        # Saved through save_for_backward (the codes, scales and scales' amaxes; the widths on ctx), so that saved-
+        # tensor hooks see them as they see every other saved activation.
+        ctx.x_widths = None
+        if wgrad_follows and x.shape[0] and _segmentable(recipe):
+            xs = _wgrad_segments(x, counts, recipe, "wgrad_input", _wgrad_seeds(seed, len(counts)), backend,
+                                 values=False)
+            ctx.x_widths = xs.widths
+            ctx.save_for_backward(xs.data, xs.scale, xs.global_scale, xs.amax)
+        else:
+            ctx.save_for_backward(x if wgrad_follows else None)
         ctx.w_q, ctx.counts, ctx.recipe, ctx.seed, ctx.backend = w_q, counts, recipe, seed, backend
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        (x,) = ctx.saved_tensors
+        x = x_segments = None
+        if ctx.x_widths is None:
+            (x,) = ctx.saved_tensors
+        else:
+            data, scale, global_scale, amax = ctx.saved_tensors
+            x_segments = NVFP4Segments(data, scale, global_scale, ctx.x_widths, None, amax)
         recipe, seed, backend, counts = ctx.recipe, ctx.seed, ctx.backend, ctx.counts
         dy = dy.contiguous()
         dx = dw = None
@@ -171,8 +180,7 @@ class _NVFP4GroupedLinear(torch.autograd.Function):
             dx = grouped_gemm(gq, ctx.w_q, counts, out_dtype=ctx.x_dtype, backend=backend, transpose_weights=True)
             del gq  # freed before the wgrad quantises dy^T (the backward's own peak)
         if ctx.needs_input_grad[1]:
-            dw = _grouped_wgrad(dy, x, counts, recipe, seed, backend, ctx.w_dtype, x_segments=ctx.x_segments)
-            ctx.x_segments = None
+            dw = _grouped_wgrad(dy, x, counts, recipe, seed, backend, ctx.w_dtype, x_segments=x_segments)
         return dx, dw, None, None, None, None, None, None
 
 

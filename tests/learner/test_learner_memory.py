@@ -44,9 +44,10 @@ def _saved_by_layer(precision, tokens):
 
 
 def test_nvfp4_layer_saves_no_more_than_bf16(tokens):
-    """Bound: the BF16 layer's saved bytes. Both grouped-GEMM autograd functions save only their bf16 input (the NVFP4
-    one quantises again in backward; its quantised weight is the module's cache, not a per-step activation), so an
-    NVFP4 layer that saved a quantised or fp32 copy of an activation would exceed it."""
+    """Bound: the BF16 layer's saved bytes. BF16's grouped GEMM saves its bf16 input; the NVFP4 one saves instead the
+    wgrad operand x^T quantised and packed (codes and scales, through save_for_backward: counted here), and its
+    quantised weight is the module's cache, not a per-step activation. An NVFP4 layer that saved an fp32 or fp16
+    copy of an activation beside would exceed the bound."""
     bf16, nvfp4 = _saved_by_layer("bf16", tokens), _saved_by_layer("nvfp4", tokens)
     assert len(bf16) == len(nvfp4) == 2 and min(bf16.values()) > 0
     for layer in bf16:
