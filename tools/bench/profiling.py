@@ -44,3 +44,46 @@ def print_py_top(fn, top: int, label: str = "", show: bool = True) -> None:
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
         print(f"== python profile {label}: top {top} functions by own time", flush=True)
         print(out.getvalue(), flush=True)
+
+
+def print_sync_sites(fn, top: int, label: str = "", show: bool = True, root: str | None = None) -> int:
+    """One call of fn with torch's CUDA sync debug mode on: every host synchronisation (an `.item()`, a `.tolist()`,
+    a pageable copy) is counted by the call site nearest to it in this repository (or Megatron-Core), printed as the
+    `top` sites with their counts and the Python line that reached torch. Returns the number of synchronisations
+    (0 off CUDA, where nothing synchronises)."""
+    import collections
+    import os
+    import traceback
+    import warnings
+
+    if not torch.cuda.is_available():
+        return 0
+    root = root or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sites: collections.Counter = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1]
+                  if (f.filename.startswith(root) or "/megatron/" in f.filename) and "/tools/bench/" not in f.filename]
+        inner = frames[-1] if frames else None
+        where = f"{os.path.relpath(inner.filename, root) if inner.filename.startswith(root) else inner.filename}" \
+                f":{inner.lineno} {inner.name}" if inner else f"{filename}:{lineno}"
+        sites[where] += 1
+
+    torch.cuda.synchronize()
+    old = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = old
+    torch.cuda.synchronize()
+    total = sum(sites.values())
+    if show:
+        print(f"== host synchronisations {label}: {total} in all, by call site", flush=True)
+        for where, n in sites.most_common(top):
+            print(f"{n:6d}  {where}", flush=True)
+    return total
