@@ -14,6 +14,7 @@ exercised against the real upstream classes by tests/learner/ and tests/megatron
 | `torch.cuda.current_device()` as a `device=` argument         | raises (no CUDA in the build)        | returns "cpu"                                  |
 | `CudaRNGStatesTracker.add/fork` (tensor_parallel/random.py)   | calls torch.cuda RNG functions       | the tracked states live in CPU generators      |
 | `moe_utils.te_general_gemm` (a 0.16.1 bug: unset without TE)  | NameError in the router GEMM (on GPUs too) | defined as None (router falls back to torch); `apply_upstream_fixes()`, on every device |
+| `clip_grads.l2_norm_impl` = `utils.local_multi_tensor_l2_norm` (the fallback without TE or apex) | reads every gradient's norm back to the host, one synchronisation each (41 per step of the H200 learner slice) | the same norms gathered on the device, one read back, the same bits; `apply_upstream_fixes()`, on every device |
 | `grouped_gemm_util.ops.gmm` (legacy GroupedMLP)               | needs the grouped_gemm CUDA package  | a per-expert torch.matmul fallback             |
 | `MoEAlltoAllTokenDispatcher` streams and device->host copies  | creates torch.cuda.Stream; gloo gets tensors as split sizes | no streams; split sizes become numpy arrays |
 | `transformer.utils.get_default_causal_mask` / sliding window  | hard-codes device="cuda"             | same masks on the CPU                          |
@@ -212,8 +213,32 @@ def _patch_causal_masks() -> str:
     return "get_default_causal_mask / get_sliding_window_causal_mask build on the CPU"
 
 
+def _gathered_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """`local_multi_tensor_l2_norm` (megatron.core.utils, 0.16.1) with its norms gathered on the device: upstream
+    builds `torch.tensor(norms)` from the per-tensor device norms, a host read (and a stream synchronisation) per
+    gradient. Here they are stacked and read back once; the total is the same CPU fp32 norm of the same values
+    (so the same bits), copied back without a second synchronisation. Returns ([total] fp32 on the grads' device,
+    None), as upstream."""
+    from minite.nvfp4.device_copy import host_to
+
+    norms = [torch.norm(t) for tensors in tensor_lists for t in tensors]
+    dev = norms[0].device if norms else torch.device("cpu")
+    total = torch.norm(torch.stack(norms).cpu() if norms else torch.zeros(0))
+    return host_to(torch.tensor([float(total)], dtype=torch.float), dev), None
+
+
+def _patch_local_l2_norm() -> str:
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    if getattr(clip_grads, "l2_norm_impl", None) is not utils.local_multi_tensor_l2_norm:
+        return ""  # TE's or apex's multi-tensor kernel, or patched already
+    clip_grads.l2_norm_impl = _gathered_l2_norm
+    return "clip_grads.l2_norm_impl: the local fallback's norms gathered on the device (one host read, not one each)"
+
+
 # Upstream bugs that bite on every device: apply_upstream_fixes() runs them with or without a GPU.
-_UPSTREAM_FIXES: List[Callable[[], str]] = [_patch_te_general_gemm]
+_UPSTREAM_FIXES: List[Callable[[], str]] = [_patch_te_general_gemm, _patch_local_l2_norm]
 
 
 def _run_patches(patches: List[Callable[[], str]], applied: List[str], prefix: str) -> None:

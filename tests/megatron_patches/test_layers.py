@@ -47,6 +47,23 @@ def test_cpu_patches_idempotent_on_real_classes():
         assert t.device.type == "cpu" and t.type() == "torch.cuda.FloatTensor" and t.cuda() is t
 
 
+def test_gathered_l2_norm_is_upstreams_bitwise():
+    """The grad-norm fallback patched to read its norms back once gives upstream's value bit for bit (the same CPU
+    fp32 norm of the same per-tensor norms), on gradients of very different sizes and scales; clip_grads uses it."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    from minite.megatron_patches import cpu
+    cpu.apply_upstream_fixes()
+    assert clip_grads.l2_norm_impl is cpu._gathered_l2_norm
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(n, generator=g) * s for n, s in ((7, 1e-3), (4096, 1.0), (33, 1e3), (1, 0.5))]
+    ours, _ = cpu._gathered_l2_norm(2048 * 32, None, [grads], False)
+    with cpu.cuda_as_cpu():  # upstream writes its result with device="cuda"
+        theirs, _ = utils.local_multi_tensor_l2_norm(2048 * 32, None, [grads], False)
+    assert ours.shape == (1,) and ours.dtype == torch.float32 and torch.equal(ours, theirs)
+
+
 def test_cpu_grouped_gemm_fallback_runs_upstream_grouped_mlp():
     """The legacy GroupedMLP (upstream class) runs on the patched gmm and equals a per-expert matmul loop."""
     import torch.nn.functional as F
