@@ -20,9 +20,10 @@ from minite.nvfp4.backend import register_kernels
 from .finite_max import finite_max_into
 from .nvfp4_gemm import gemm_triton, grouped_gemm_triton, segmented_gemm_triton
 from .nvfp4_quant import quantize_with_values_triton
-from .nvfp4_segments import quantize_segments_triton
+from .nvfp4_segments import quantize_count_segments_triton, quantize_segments_triton
 from .nvfp4_values import block_values_triton
 
 register_kernels(quantize_with_values=quantize_with_values_triton, quantize_segments=quantize_segments_triton,
+                 quantize_count_segments=quantize_count_segments_triton,
                  gemm=gemm_triton, grouped_gemm=grouped_gemm_triton, segmented_gemm=segmented_gemm_triton,
                  finite_max=finite_max_into, block_values=block_values_triton)

@@ -38,14 +38,47 @@ def _segment(table_ptr, b, ROWS16: tl.constexpr, XC16: tl.constexpr):
 
 
 @triton.jit
+def _count_segment(count_ptr, b, E, BLOCK_E: tl.constexpr):
+    """Segment b of the count layout (`quantize_count_segments_triton`) from E counts (int32, on the device): x's
+    first column of it, the columns read (its count), its columns (the count padded to a multiple of 16) and its
+    first output column (the padded counts before it), as int64 like a table's entries. Every program reads the E
+    counts (cached) and sums them itself: no table, no launch, no host synchronisation (as the grouped GEMM's tiles)."""
+    ei = tl.arange(0, BLOCK_E)
+    cnt = tl.load(count_ptr + ei, mask=ei < E, other=0).to(tl.int64)
+    w = (cnt + 15) // 16 * 16
+    sel = ei == b
+    c = tl.sum(tl.where(sel, cnt, 0), 0)
+    cols = tl.sum(tl.where(sel, w, 0), 0)
+    xc = tl.sum(tl.where(ei < b, cnt, 0), 0)
+    ocol = tl.sum(tl.where(ei < b, w, 0), 0)
+    return xc, c, tl.multiple_of(cols, 16), tl.multiple_of(ocol, 16)
+
+
+@triton.jit
+def _count_tile(count_ptr, t, E, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr):
+    """(segment, its column tile) of flat column tile t over the segments' tiles in order; segment E past the last."""
+    ei = tl.arange(0, BLOCK_E)
+    cnt = tl.load(count_ptr + ei, mask=ei < E, other=0)
+    tiles = ((cnt + 15) // 16 * 16 + BLOCK_C - 1) // BLOCK_C
+    tile_end = tl.cumsum(tiles, 0)
+    b = tl.sum((tile_end <= t).to(tl.int32), 0)
+    return b, t - tl.sum(tl.where(ei == b, tile_end - tiles, 0), 0)
+
+
+@triton.jit
 def _segments_amax_kernel(x_ptr, stride_r, stride_c, table_ptr, amax_bits_ptr,
                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, RHT: tl.constexpr,
                           SIGN_MASK: tl.constexpr, VEC2D: tl.constexpr, ROWS16: tl.constexpr,
-                          XC16: tl.constexpr):
+                          XC16: tl.constexpr, COUNTS: tl.constexpr = False, R_ALL=0, E=0,
+                          BLOCK_E: tl.constexpr = 16):
     """Per segment b (grid axis 2), max |x| of the segment into amax_bits_ptr[b] (int32, zeroed), as `_amax_kernel`:
     the grid's first axis strides over the segment's tiles, one atomic per program (the padding adds zeros only)."""
     b = tl.program_id(2)
-    xr, xc, R, _, _, _, CL = _segment(table_ptr, b, ROWS16, XC16)
+    if COUNTS:  # segment b: the next counts[b] columns of x (table_ptr holds the counts, R_ALL x's rows)
+        xc, CL, _, _ = _count_segment(table_ptr, b, E, BLOCK_E)
+        xr, R = 0, R_ALL
+    else:
+        xr, xc, R, _, _, _, CL = _segment(table_ptr, b, ROWS16, XC16)
     tiles_c = tl.cdiv(CL, BLOCK_C)
     tl.atomic_max(amax_bits_ptr + b, _tiles_amax(x_ptr + xr * stride_r + xc * stride_c, stride_r, stride_c, R, CL,
                                                  tiles_c, tl.cdiv(R, BLOCK_R) * tiles_c, BLOCK_R, BLOCK_C, RHT,
@@ -58,20 +91,39 @@ def _segments_quant_kernel(x_ptr, stride_r, stride_c, table_ptr, OC, data_ptr, s
                            BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BR: tl.constexpr,
                            STOCHASTIC: tl.constexpr, RHT: tl.constexpr, WRITE_VALS: tl.constexpr,
                            SIGN_MASK: tl.constexpr, VEC2D: tl.constexpr, ROWS16: tl.constexpr,
-                           XC16: tl.constexpr):
+                           XC16: tl.constexpr, COUNTS: tl.constexpr = False, R_ALL=0, E=0,
+                           BLOCK_E: tl.constexpr = 16):
     """Segment b (grid axis 2) quantised as its own tensor (one global scale, its own seed, stochastic-rounding
     index r * C_b + c inside the segment): the same bits as `_quant_kernel` on that segment alone, zero-padded
-    from the columns read to the segment's columns."""
+    from the columns read to the segment's columns. COUNTS: the segments of `_count_segment`, found per program
+    from the counts on the device (`quantize_count_segments_triton`); the tile arithmetic is the same."""
     G: tl.constexpr = BLOCK_C // 16
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
-    b = tl.program_id(2)
-    xr, xc, R, C, orow, ocol, CL = _segment(table_ptr, b, ROWS16, XC16)
-    amax = tl.load(amax_ptr + b)
-    s_enc, s_dec = _global_scales(amax)  # an empty segment: amax 0, S_enc 1
-    if (pid_r == 0) & (pid_c == 0):
-        tl.store(gs_ptr + b, s_dec)
-        tl.store(amax_out_ptr + b, _decode_amax(amax, s_enc))
+    if COUNTS:  # axis 1 runs over every segment's column tiles in turn; the segments come from the counts
+        if (pid_r == 0) & (pid_c == 0):  # every segment's scales, empty ones included (they have no tile)
+            ei = tl.arange(0, BLOCK_E)
+            am = tl.load(amax_ptr + ei, mask=ei < E, other=0.0)
+            se, sd = _global_scales(am)
+            tl.store(gs_ptr + ei, sd, mask=ei < E)
+            tl.store(amax_out_ptr + ei, _decode_amax(am, se), mask=ei < E)
+        b, pid_c = _count_tile(table_ptr, pid_c, E, BLOCK_E, BLOCK_C)
+        if b >= E:  # past the last segment's tiles (the grid is sized for the most tiles the counts can need)
+            return
+        xc, CL, C, ocol = _count_segment(table_ptr, b, E, BLOCK_E)
+        xr, R, orow = 0, R_ALL, 0
+        if ROWS16:
+            R = tl.multiple_of(R, 16)
+        amax = tl.load(amax_ptr + b)
+        s_enc, s_dec = _global_scales(amax)
+    else:
+        b = tl.program_id(2)
+        xr, xc, R, C, orow, ocol, CL = _segment(table_ptr, b, ROWS16, XC16)
+        amax = tl.load(amax_ptr + b)
+        s_enc, s_dec = _global_scales(amax)  # an empty segment: amax 0, S_enc 1
+        if (pid_r == 0) & (pid_c == 0):
+            tl.store(gs_ptr + b, s_dec)
+            tl.store(amax_out_ptr + b, _decode_amax(amax, s_enc))
     if (pid_r * BLOCK_R >= R) | (pid_c * BLOCK_C >= C):
         return
     xb = x_ptr + xr * stride_r + xc * stride_c
@@ -172,4 +224,70 @@ def quantize_segments_triton(x: torch.Tensor, segments, out_shape: tuple[int, in
                                  BLOCK_R=block_r, BLOCK_C=block_c, BR=br, STOCHASTIC=stochastic, RHT=rht,
                                  WRITE_VALS=values_dtype is not None, SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d,
                                  ROWS16=rows16, XC16=xc16, num_warps=warps)
+    return data, scale.view(torch.float8_e4m3fn), gs, amax_out, vals if values_dtype is not None else None
+
+
+def count_segments_columns(total: int, experts: int) -> int:
+    """Output columns of `quantize_count_segments_triton` for `total` columns of x in `experts` segments: the most
+    that the padded counts can sum to (each count padded by at most 15), so that the counts never leave the device."""
+    return triton.cdiv(total + 15 * experts, 16) * 16
+
+
+def quantize_count_segments_triton(x: torch.Tensor, counts: torch.Tensor, rounding: str = "nearest", seeds=None,
+                                   rht: bool = False, values_dtype: torch.dtype | None = None,
+                                   tuning: dict | None = None):
+    """`quantize_segments_triton` for the MoE wgrad's column segments given by device counts: segment e is the next
+    counts[e] columns of x [R, T] (the tokens of expert e), zero-padded to a multiple of 16 columns and written
+    after the segments before it, with no host synchronisation (the counts stay on the device; every program finds
+    its segment from them). Each segment's bits are those of the table launch on the same segments. The outputs
+    have `count_segments_columns(T, E)` columns, of which the padded counts' sum are written (the rest is left
+    uninitialised). The counts are trusted: they must be E non-negative integers summing to T (as a router's are),
+    which cannot be checked without reading them. Returns (data, scale, global scales fp32 [E], decode amaxes fp32
+    [E], values or None)."""
+    ensure_interpreter_compat()
+    nq._check_values_dtype(values_dtype)
+    if x.dim() != 2 or counts.dim() != 1 or counts.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"count segments need x [R, T] and integer counts [E], got x {tuple(x.shape)}, counts "
+                         f"{counts.dtype} {tuple(counts.shape)}")
+    nseg = counts.numel()
+    stochastic = rounding == "stochastic"
+    if stochastic and (seeds is None or len(seeds) != nseg):
+        raise ValueError("stochastic rounding needs one seed per segment")
+    dev = x.device
+    rows, total = x.shape
+    out_c = count_segments_columns(total, nseg)
+    data = torch.empty(rows, out_c // 2, dtype=torch.uint8, device=dev)
+    scale = torch.empty(rows, out_c // 16, dtype=torch.uint8, device=dev)
+    vals = torch.empty(rows, out_c, dtype=values_dtype, device=dev) if values_dtype is not None else data
+    if nseg == 0:
+        empty = torch.empty(0, device=dev)
+        return data, scale.view(torch.float8_e4m3fn), empty, empty, (vals if values_dtype else None)
+    cnt = counts.to(device=dev, dtype=torch.int32).contiguous()
+    tail = np.zeros(2 * nseg, dtype=np.int32)  # B seed mixes and B zeroed amax bits, one copy
+    if stochastic:
+        tail[:nseg] = seed_mixes(seeds)
+    tail_d = host_to(torch.from_numpy(tail), dev)  # no sync
+    mixes, bits = tail_d[:nseg], tail_d[nseg:]
+    col_major = nq._col_major(x)
+    tune = tuning or nq.TUNING["colmajor_segments" if col_major else "values"]
+    # the tile for the widest segment the counts allow (at least 64 columns: the tiles of a table launch whose widest
+    # segment is that wide); the bits do not depend on it
+    block_r, block_c, _ = nq._tile_shape(max(rows, 1), max(total, 16), 1, False, tune["elems"], col_major,
+                                      tune.get("rows", 128))
+    warps = nq._warps(tune, block_r, block_c)
+    vec2d = tune["vec2d"]
+    tiles_r = triton.cdiv(max(rows, 1), block_r)
+    tiles_c = triton.cdiv(out_c, block_c) + nseg  # each segment's tiles: its padded width / BLOCK_C, plus one at most
+    block_e = max(16, triton.next_power_of_2(nseg))
+    rows16 = rows % 16 == 0
+    common = dict(COUNTS=True, R_ALL=rows, E=nseg, BLOCK_E=block_e, BLOCK_R=block_r, BLOCK_C=block_c, RHT=rht,
+                  SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d, ROWS16=rows16, XC16=False, num_warps=warps)
+    amax_grid = (nq._amax_programs(dev, tiles_r * triton.cdiv(max(total, 1), block_c * nseg), nseg), 1, nseg)
+    _segments_amax_kernel[amax_grid](x, x.stride(0), x.stride(1), cnt, bits, **common)
+    amax = bits.view(torch.float32)
+    gs = torch.empty(nseg, dtype=torch.float32, device=dev)
+    amax_out = torch.empty(nseg, dtype=torch.float32, device=dev)
+    _segments_quant_kernel[(tiles_r, tiles_c, 1)](x, x.stride(0), x.stride(1), cnt, out_c, data, scale, amax, gs,
+                                                  amax_out, mixes, vals, SIXTH, BR=1, STOCHASTIC=stochastic,
+                                                  WRITE_VALS=values_dtype is not None, **common)
     return data, scale.view(torch.float8_e4m3fn), gs, amax_out, vals if values_dtype is not None else None

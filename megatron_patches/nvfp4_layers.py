@@ -284,16 +284,19 @@ class GroupedExperts(MegatronModule):
         # otherwise. Megatron's alltoall dispatcher hands them over on the host (0.16.1: moved at its
         # cuda_dtoh_point, waited for at its cuda_sync_point); LocalTokenDispatcher (megatron_patches.moe_dispatch;
         # the embedded engine's and the Learner's at EP = 1) leaves them on the device, so a decode step needs no host
-        # synchronisation; NVFP4 under autograd reads them on the host once, below.
+        # synchronisation; so does the NVFP4 train step on the kernels (its wgrad's segments are found from device
+        # counts), while a wgrad off them (the reference, a per-expert loop) reads them on the host once, below.
         # (BF16 on the per-expert loops, CPU or strict, reads them on the host: once here, not once per GEMM.)
         if permuted_hidden.shape[0] == 0:  # this rank's experts got no token (EP): no GEMM runs (torch._grouped_mm's
             out = permuted_hidden * 0        # backward rejects 0 rows on CUDA); zero gradients for the weights, and
             if torch.is_grad_enabled():      # the probs stay in the graph (their dispatch's backward is a collective)
                 out = _KeepInGraph.apply(out, permuted_probs, self.fc1_weight, self.fc2_weight)
             return out, None
-        # NVFP4 under autograd: the wgrad's segment tables need host counts, read here once for both GEMMs
+        # NVFP4 under autograd: a wgrad off the kernels' segment path (a per-expert loop, the reference) needs host
+        # counts, read here once for both GEMMs; the kernels' reads them on the device
         counts = tokens_per_expert
-        host_wgrad = self.nvfp4 is not None and backward_needs_host_counts(permuted_hidden, self.fc1_weight)
+        host_wgrad = self.nvfp4 is not None and backward_needs_host_counts(permuted_hidden, self.fc1_weight,
+                                                                           self.nvfp4.recipe, self.nvfp4.backend)
         if not torch.is_tensor(counts) or host_wgrad or (self.nvfp4 is None and (self.strict or not grouped_mm_applies(
                 permuted_hidden, self.fc1_weight))):
             counts = [int(c) for c in (counts.tolist() if torch.is_tensor(counts) else counts)]

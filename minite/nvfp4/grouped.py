@@ -183,18 +183,25 @@ class NVFP4Stack:
 class NVFP4Segments:
     """Column segments of one [R, T] tensor, each quantised along T as its own tensor (1x16 blocks):
     data uint8 [R, T/2], scale e4m3 [R, T/16], global_scale fp32 [E], widths (multiples of 16, summing to T),
-    values fp16 [R, T] or None, amax fp32 [E] (each segment's decode amax; 0 for an empty one)."""
+    values fp16 [R, T] or None, amax fp32 [E] (each segment's decode amax; 0 for an empty one).
+    widths is a host tuple, or an integer tensor on the device (`quantize_count_segments` from device counts): then
+    T is an upper bound of their sum, and the columns past it are unused."""
 
     data: torch.Tensor
     scale: torch.Tensor
     global_scale: torch.Tensor
-    widths: tuple[int, ...]
+    widths: tuple[int, ...] | torch.Tensor
     values: Optional[torch.Tensor] = None
     amax: Optional[torch.Tensor] = None
 
     @property
+    def host_widths(self) -> tuple[int, ...]:
+        """The widths as host integers (a host synchronisation for device widths on a GPU)."""
+        return tuple(int(w) for w in self.widths.tolist()) if torch.is_tensor(self.widths) else tuple(self.widths)
+
+    @property
     def starts(self) -> list[int]:
-        return _starts(self.widths)
+        return _starts(self.host_widths)
 
     def with_values(self, backend: str = "auto") -> "NVFP4Segments":
         """Keep fp16 block values, computed from the codes when missing: bitwise the values the quantiser writes
@@ -210,7 +217,7 @@ class NVFP4Segments:
 
     def segment(self, e: int) -> NVFP4Tensor:
         """Segment e as a standalone NVFP4Tensor [R, w_e] (copies)."""
-        s, w = self.starts[e], self.widths[e]
+        s, w = self.starts[e], self.host_widths[e]
         rows = self.data.shape[0]
         return NVFP4Tensor(self.data[:, s // 2:(s + w) // 2].contiguous(),
                            self.scale[:, s // 16:(s + w) // 16].contiguous(), self.global_scale[e], (rows, w),
@@ -334,16 +341,54 @@ def quantize_column_segments(x: torch.Tensor, widths: Sequence[int], *, rounding
     return NVFP4Segments(data, scale, torch.stack(gss), widths, val, torch.stack(amaxes))
 
 
+def quantize_count_segments(x: torch.Tensor, counts, *, rounding: str = "nearest", seeds=None, rht: bool = False,
+                            values: bool = False, check_finite: bool = True, backend: str = "auto") -> NVFP4Segments:
+    """Column segments of x [R, T] by counts: segment e is the next counts[e] columns of x, zero-padded to a multiple
+    of 16 (the MoE wgrad's experts): `quantize_column_segments` with the padded counts as widths, the same bits.
+    counts: host integers, or an integer tensor. On the kernels a device tensor stays there (no host
+    synchronisation, minite.kernels.nvfp4_segments.quantize_count_segments_triton): the result's widths are then
+    the padded counts as a device tensor, its data an upper bound of columns wide, and the counts are trusted to sum
+    to T (checking would read them)."""
+    if torch.is_tensor(counts) and _use_triton(backend, x) and has_kernel("quantize_count_segments"):
+        if counts.dim() != 1:
+            raise ValueError(f"quantize_count_segments: counts of shape {tuple(counts.shape)}, expected [E]")
+        if check_finite:
+            _validate(x, BLOCK_1D, "tensor", rounding, check_shape=False)
+        _check_rounding(rounding, seeds, counts.numel())
+        data, scale, gs, amax, vals = kernel("quantize_count_segments")(x, counts, rounding, seeds, rht,
+                                                                     VALUES_DTYPE if values else None)
+        widths = (counts.to(device=x.device, dtype=torch.int32) + 15) // 16 * 16
+        return NVFP4Segments(data, scale, gs, widths, vals, amax)
+    c = np.asarray(counts.tolist() if torch.is_tensor(counts) else counts, dtype=np.int64).reshape(-1)
+    return quantize_column_segments(x, (c + 15) // 16 * 16, rounding=rounding, seeds=seeds, rht=rht, values=values,
+                                    check_finite=check_finite, backend=backend, counts=c)
+
+
 def segmented_gemm(a: NVFP4Segments, b: NVFP4Segments, *, out_dtype: torch.dtype = torch.float32,
-                   backend: str = "auto") -> torch.Tensor:
-    """out[e] = a_e @ b_e^T for matching segments (the MoE wgrad: [E, Ra, Rb]); an empty segment gives zeros."""
-    if a.widths != b.widths:
+                   backend: str = "auto", accumulate: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """out[e] = a_e @ b_e^T for matching segments (the MoE wgrad: [E, Ra, Rb]); an empty segment gives zeros.
+    Device widths (count segments of the same counts) are trusted to match: comparing them would synchronise.
+    accumulate: a contiguous fp32 [E, Ra, Rb] tensor that the fp32 products are added to in place and that is
+    returned (a gradient accumulated as Megatron's main_grad; out_dtype unused): bitwise accumulate + the fp32
+    result, without writing the result first."""
+    on_device = torch.is_tensor(a.widths), torch.is_tensor(b.widths)
+    if any(on_device):
+        if not all(on_device) or a.widths.shape != b.widths.shape or a.data.shape[1] != b.data.shape[1]:
+            raise ValueError("segmented_gemm: both operands need the segments of the same counts (device widths "
+                             f"{tuple(a.widths.shape) if on_device[0] else a.widths} vs "
+                             f"{tuple(b.widths.shape) if on_device[1] else b.widths})")
+    elif a.widths != b.widths:
         raise ValueError(f"segmented_gemm: segment widths differ ({a.widths} vs {b.widths})")
     ra, rb = a.data.shape[0], b.data.shape[0]
+    if accumulate is not None and (accumulate.dtype != torch.float32 or not accumulate.is_contiguous()
+                                   or tuple(accumulate.shape) != (len(a.widths), ra, rb)):
+        raise ValueError(f"segmented_gemm: accumulate must be a contiguous fp32 [{len(a.widths)}, {ra}, {rb}] tensor, "
+                         f"got {accumulate.dtype} {tuple(accumulate.shape)}")
     if resolve(backend, a.data, op="gemm")[0] == "triton":
-        return kernel("segmented_gemm")(a, b, out_dtype)
-    out = torch.zeros(len(a.widths), ra, rb, dtype=out_dtype, device=a.data.device)
-    for e, w in enumerate(a.widths):
+        return kernel("segmented_gemm")(a, b, out_dtype, accumulate=accumulate)
+    out = torch.zeros(len(a.widths), ra, rb, dtype=torch.float32 if accumulate is not None else out_dtype,
+                      device=a.data.device)
+    for e, w in enumerate(a.host_widths):
         if w:
-            out[e] = gemm_reference(a.segment(e), b.segment(e), out_dtype)
-    return out
+            out[e] = gemm_reference(a.segment(e), b.segment(e), out.dtype)
+    return out if accumulate is None else accumulate.add_(out)

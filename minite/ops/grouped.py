@@ -20,11 +20,11 @@ import numpy as np
 import torch
 
 from minite.nvfp4 import (NVFP4Recipe, NVFP4Segments, NVFP4Stack, decode_order, grouped_gemm,
-                          quantize_column_segments, quantize_stack, segmented_gemm)
+                          quantize_count_segments, quantize_stack, segmented_gemm)
 
 from minite.nvfp4.backend import resolve
 
-from .common import ROLES, derive_seed, derive_seeds, padded, quant_flags
+from .common import ROLES, derive_seed, derive_seeds, quant_flags
 from .linear import wgrad
 
 def _counts(tokens_per_expert, experts: int, rows: int, *, keep_tensor: bool = False):
@@ -43,10 +43,13 @@ def _counts(tokens_per_expert, experts: int, rows: int, *, keep_tensor: bool = F
     return counts
 
 
-def backward_needs_host_counts(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a grouped linear on x and weight will run a backward, whose wgrad reads the counts on the host
-    (its segment tables): autograd is on and x or the weight requires a gradient."""
-    return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+def backward_needs_host_counts(x: torch.Tensor, weight: torch.Tensor, recipe: NVFP4Recipe,
+                               backend: str = "auto") -> bool:
+    """Whether a grouped linear on x and weight will run a backward whose wgrad reads the counts on the host: autograd
+    is on, the weight requires a gradient, and the wgrad is not the kernels' segment path, which reads them on the
+    device (`quantize_count_segments`; a per-expert loop or the reference reads them on the host)."""
+    return (torch.is_grad_enabled() and weight.requires_grad
+            and not (_segmentable(recipe) and _kernels_read_counts(x, backend)))
 
 
 def _kernels_read_counts(x: torch.Tensor, backend: str) -> bool:
@@ -101,22 +104,25 @@ def _wgrad_seeds(seed: int, experts: int) -> np.ndarray:
     return derive_seeds(seed, 1000 + np.arange(experts))  # derive_seed(seed, 1000 + e) for each expert e
 
 
-def _wgrad_segments(t: torch.Tensor, counts: list[int], recipe: NVFP4Recipe, role: str, seeds: np.ndarray,
-                    backend: str, values: bool):
+def _wgrad_segments(t: torch.Tensor, counts, recipe: NVFP4Recipe, role: str, seeds: np.ndarray, backend: str,
+                    values: bool):
     """The wgrad operand t^T of rows t [T, C] grouped by expert: one column segment per expert, its tokens
-    zero-padded to a multiple of 16 by the quantiser (no padded copy), seeds derived per expert and role."""
+    zero-padded to a multiple of 16 by the quantiser (no padded copy), seeds derived per expert and role. counts:
+    host integers, or a device tensor that the kernels read where it is (no host synchronisation)."""
     op = getattr(recipe, role)
-    return quantize_column_segments(t.t(), padded(np.asarray(counts, dtype=np.int64)), rounding=op.rounding,
-                                    rht=op.rht, seeds=derive_seeds(seeds, ROLES[role]), backend=backend,
-                                    counts=counts, **quant_flags(backend, t, values))
+    return quantize_count_segments(t.t(), counts, rounding=op.rounding, rht=op.rht,
+                                   seeds=derive_seeds(seeds, ROLES[role]), backend=backend,
+                                   **quant_flags(backend, t, values))
 
 
-def _grouped_wgrad(dy: torch.Tensor, x: Optional[torch.Tensor], counts: list[int], recipe: NVFP4Recipe, seed: int,
-                   backend: str, out_dtype: torch.dtype, x_segments: Optional[NVFP4Segments] = None) -> torch.Tensor:
+def _grouped_wgrad(dy: torch.Tensor, x: Optional[torch.Tensor], counts, recipe: NVFP4Recipe, seed: int,
+                   backend: str, out_dtype: torch.dtype, x_segments: Optional[NVFP4Segments] = None,
+                   accumulate: Optional[torch.Tensor] = None) -> torch.Tensor:
     """dW [E, N, K]: per expert e, Q(dy_e^T) @ Q(x_e^T)^T with tokens padded to a multiple of 16 and seeds derived
     from (seed, 1000 + e): exactly E separate `_wgrad` calls (the loop below), done as column segments in a
     few launches when the recipe is `_segmentable`. x_segments: x^T quantised already (`_wgrad_segments`, kept
-    packed since the forward), in place of x."""
+    packed since the forward), in place of x. accumulate (segment path only): an fp32 [E, N, K] gradient that
+    the fp32 dW is added to in place by the GEMM (`segmented_gemm`), returned."""
     experts = len(counts)
     seeds = _wgrad_seeds(seed, experts)
     if not _segmentable(recipe):
@@ -134,7 +140,19 @@ def _grouped_wgrad(dy: torch.Tensor, x: Optional[torch.Tensor], counts: list[int
         xs = _wgrad_segments(x, counts, recipe, "wgrad_input", seeds, backend, values)
     else:
         xs = x_segments.with_values(backend) if values else x_segments
-    return segmented_gemm(gs, xs, out_dtype=out_dtype, backend=backend)
+    return segmented_gemm(gs, xs, out_dtype=out_dtype, backend=backend, accumulate=accumulate)
+
+
+def _main_grad(weight: torch.Tensor, recipe: NVFP4Recipe) -> Optional[torch.Tensor]:
+    """The fp32 gradient buffer that Megatron-Core's DDP gave `weight` (`main_grad`, with its
+    `grad_added_to_main_grad` flag), when the segment wgrad can add dW into it directly, as Megatron's and Transformer
+    Engine's gradient-accumulation fusion does: dW is not written in bf16 and then added (2 + 2 + 4 + 4 bytes per
+    element moved) but added once in fp32 (4 + 4), and without the bf16 rounding of each micro-batch's dW."""
+    main = getattr(weight, "main_grad", None)
+    if (main is None or not hasattr(weight, "grad_added_to_main_grad") or not _segmentable(recipe)
+            or main.dtype != torch.float32 or main.shape != weight.shape or not main.is_contiguous()):
+        return None
+    return main
 
 
 class _NVFP4GroupedLinear(torch.autograd.Function):
@@ -147,17 +165,19 @@ class _NVFP4GroupedLinear(torch.autograd.Function):
         # the backward). The learner's peak, at the end of the forward, holds every layer's. wgrad_follows: grad
         # mode was on and the weights need a gradient (inside forward grad mode is off, and a forward without
         # autograd, e.g. a rollout's, has device counts the segment tables cannot read without a synchronisation).
-        # Saved through save_for_backward (the codes, scales and scales' amaxes; the widths on ctx), so that saved-
-        # tensor hooks see them as they see every other saved activation.
+        # Saved through save_for_backward (the codes, scales and scales' amaxes, and device widths; host widths on
+        # ctx), so that saved-tensor hooks see them as they see every other saved activation.
         ctx.x_widths = None
         if wgrad_follows and x.shape[0] and _segmentable(recipe):
             xs = _wgrad_segments(x, counts, recipe, "wgrad_input", _wgrad_seeds(seed, len(counts)), backend,
                                  values=False)
-            ctx.x_widths = xs.widths
-            ctx.save_for_backward(xs.data, xs.scale, xs.global_scale, xs.amax)
+            on_device = torch.is_tensor(xs.widths)
+            ctx.x_widths = "saved" if on_device else xs.widths
+            ctx.save_for_backward(xs.data, xs.scale, xs.global_scale, xs.amax, *((xs.widths,) if on_device else ()))
         else:
             ctx.save_for_backward(x if wgrad_follows else None)
         ctx.w_q, ctx.counts, ctx.recipe, ctx.seed, ctx.backend = w_q, counts, recipe, seed, backend
+        ctx.weight = weight  # the parameter: its main_grad, if Megatron's DDP gave it one (`_main_grad`)
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         return y
 
@@ -167,8 +187,8 @@ class _NVFP4GroupedLinear(torch.autograd.Function):
         if ctx.x_widths is None:
             (x,) = ctx.saved_tensors
         else:
-            data, scale, global_scale, amax = ctx.saved_tensors
-            x_segments = NVFP4Segments(data, scale, global_scale, ctx.x_widths, None, amax)
+            data, scale, global_scale, amax, *widths = ctx.saved_tensors
+            x_segments = NVFP4Segments(data, scale, global_scale, widths[0] if widths else ctx.x_widths, None, amax)
         recipe, seed, backend, counts = ctx.recipe, ctx.seed, ctx.backend, ctx.counts
         dy = dy.contiguous()
         dx = dw = None
@@ -180,7 +200,13 @@ class _NVFP4GroupedLinear(torch.autograd.Function):
             dx = grouped_gemm(gq, ctx.w_q, counts, out_dtype=ctx.x_dtype, backend=backend, transpose_weights=True)
             del gq  # freed before the wgrad quantises dy^T (the backward's own peak)
         if ctx.needs_input_grad[1]:
-            dw = _grouped_wgrad(dy, x, counts, recipe, seed, backend, ctx.w_dtype, x_segments=x_segments)
+            weight, main = ctx.weight, _main_grad(ctx.weight, recipe)
+            dw = _grouped_wgrad(dy, x, counts, recipe, seed, backend, ctx.w_dtype, x_segments=x_segments,
+                                accumulate=main)
+            if main is not None:  # added to main_grad already: Megatron's convention, a placeholder its DDP hook skips
+                weight.grad_added_to_main_grad = True
+                make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+                dw = make(weight.shape, dtype=ctx.w_dtype, device=dy.device)
         return dx, dw, None, None, None, None, None, None
 
 
@@ -199,7 +225,8 @@ def nvfp4_grouped_linear(x: torch.Tensor, weight, tokens_per_expert, recipe: NVF
         raise ValueError(f"nvfp4_grouped_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not "
                          "match (expects x [T, K] and weight [E, N, K])")
     counts = _counts(tokens_per_expert, weight.shape[0], x.shape[0],
-                     keep_tensor=not backward_needs_host_counts(x, weight) and _kernels_read_counts(x, backend))
+                     keep_tensor=_kernels_read_counts(x, backend)
+                     and not backward_needs_host_counts(x, weight, recipe, backend))
     wgrad_follows = torch.is_grad_enabled() and weight.requires_grad
     return _NVFP4GroupedLinear.apply(x, weight, counts, recipe, int(seed), weight_q, backend, wgrad_follows)
 

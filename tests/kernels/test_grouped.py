@@ -309,3 +309,81 @@ def test_block_values_kernel_refuses_bad_operands():
         block_values_triton(data, torch.zeros(4, 2, device=DEVICE).to(torch.float8_e4m3fn))
     with pytest.raises(ValueError, match="block_values"):
         block_values_triton(data.float(), torch.zeros(4, 1, device=DEVICE).to(torch.float8_e4m3fn))
+
+
+@pytest.mark.parametrize("rounding,rht", [("nearest", False), ("nearest", True), ("stochastic", True),
+                                          ("stochastic", False)])
+@pytest.mark.parametrize("layout", ["transposed", "contiguous"])
+def test_count_segments_are_the_table_segments(rounding, rht, layout):
+    """Segments found on the device from device counts (the MoE wgrad's operands without a host synchronisation):
+    the bits of the host-table launch and of the reference on the same segments, codes, scales, global scales,
+    decode amaxes and fp16 values; counts not multiples of 16, empty experts, more experts than one 16-lane block of
+    counts, rows not a multiple of 16 (40)."""
+    from minite.kernels.nvfp4_segments import count_segments_columns
+    from minite.nvfp4 import quantize_count_segments
+    torch.manual_seed(5)
+    counts = [5, 0, 16, 21, 1, 0, 40, 3] + [7] * 12 + [0, 33]  # 22 experts
+    rows = 40 if layout == "transposed" else 48
+    t = torch.randn(sum(counts), rows, device=DEVICE) * torch.logspace(-2, 2, sum(counts), device=DEVICE)[:, None]
+    x = t.t() if layout == "transposed" else t.t().contiguous()
+    seeds = list(range(100, 100 + len(counts)))
+    kw = dict(rounding=rounding, rht=rht, seeds=seeds if rounding == "stochastic" else None, values=True)
+    dev = quantize_count_segments(x, torch.tensor(counts, device=DEVICE), backend="triton", **kw)
+    host = quantize_count_segments(x, counts, backend="triton", **kw)
+    ref = quantize_count_segments(x, counts, backend="reference", **kw)
+    assert torch.is_tensor(dev.widths) and dev.widths.tolist() == list(host.widths) == list(ref.widths)
+    used = sum(host.widths)
+    assert dev.data.shape == (rows, count_segments_columns(sum(counts), len(counts)) // 2) and used <= 2 * dev.data.shape[1]
+    for q in (host, ref):
+        assert torch.equal(dev.data[:, :used // 2], q.data)
+        assert torch.equal(dev.scale.view(torch.uint8)[:, :used // 16], q.scale.view(torch.uint8))
+        assert torch.equal(dev.global_scale, q.global_scale) and torch.equal(dev.amax, q.amax)
+        assert torch.equal(dev.values[:, :used], q.values)
+    for e in range(len(counts)):  # device widths read back on the host segment by segment
+        assert dev.segment(e).equal(ref.segment(e))
+
+
+def test_segmented_gemm_with_device_widths_is_the_host_ones():
+    from minite.nvfp4 import quantize_count_segments
+    torch.manual_seed(6)
+    counts = [9, 0, 16, 30, 2]
+    dy, x = torch.randn(sum(counts), 32, device=DEVICE), torch.randn(sum(counts), 48, device=DEVICE)
+    seeds = [1, 2, 3, 4, 5]
+
+    def operands(c):
+        return (quantize_count_segments(dy.t(), c, rounding="stochastic", seeds=seeds, rht=True, values=True,
+                                        backend="triton"),
+                quantize_count_segments(x.t(), c, rht=True, values=True, backend="triton"))
+
+    want = segmented_gemm(*operands(counts), backend="triton")
+    a, b = operands(torch.tensor(counts, device=DEVICE))
+    assert torch.equal(segmented_gemm(a, b, backend="triton"), want)
+    assert torch.equal(segmented_gemm(a, b, backend="reference"), segmented_gemm(*operands(counts),
+                                                                                 backend="reference"))
+    a.values = b.values = None  # packed operands
+    assert torch.equal(segmented_gemm(a, b, backend="triton"), want)
+    host_b = operands(counts)[1]
+    with pytest.raises(ValueError, match="same counts"):
+        segmented_gemm(a, host_b, backend="triton")
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_segmented_gemm_accumulates_in_place_bitwise(backend):
+    """accumulate=: the fp32 products added to a gradient buffer in place (Megatron's main_grad) are bitwise the
+    buffer plus the fp32 result (the kernel's add is not contracted into an FMA with the scale's multiply); an empty
+    segment adds zeros. A buffer of the wrong dtype or shape is refused."""
+    from minite.nvfp4 import quantize_count_segments
+    torch.manual_seed(8)
+    counts = [9, 0, 16, 30]
+    dy, x = torch.randn(sum(counts), 32, device=DEVICE), torch.randn(sum(counts), 48, device=DEVICE) * 3
+    a = quantize_count_segments(dy.t(), counts, rounding="stochastic", seeds=[1, 2, 3, 4], values=True,
+                                backend="triton")
+    b = quantize_count_segments(x.t(), counts, values=True, backend="triton")
+    grad = torch.randn(4, 32, 48, device=DEVICE) * 1e-3
+    want = grad + segmented_gemm(a, b, out_dtype=torch.float32, backend=backend)
+    buf = grad.clone()
+    got = segmented_gemm(a, b, backend=backend, accumulate=buf)
+    assert got is buf and torch.equal(buf, want)
+    for bad in (grad.to(torch.bfloat16), grad[:3].clone(), grad.transpose(1, 2).contiguous()):
+        with pytest.raises(ValueError, match="accumulate"):
+            segmented_gemm(a, b, backend=backend, accumulate=bad)

@@ -114,7 +114,7 @@ def test_grouped_linear_keeps_its_wgrad_operand_packed(backend, train_weights, m
         assert torch.equal(w.grad.view(torch.int16), want.view(torch.int16))
     import minite.ops.grouped as grouped
     calls = []
-    monkeypatch.setattr(grouped, "quantize_column_segments", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(grouped, "quantize_count_segments", lambda *a, **k: calls.append(1))
     with torch.no_grad():  # no backward follows: nothing quantised for a wgrad, device counts taken as they are
         y0 = nvfp4_grouped_linear(x, w, torch.tensor(counts, device=DEVICE), NVFP4Recipe(), seed=5, backend=backend)
     assert torch.equal(y0, y.detach()) and not calls
@@ -123,3 +123,75 @@ def test_grouped_linear_keeps_its_wgrad_operand_packed(backend, train_weights, m
     nvfp4_grouped_linear(x2, w.detach().clone().requires_grad_(), counts, NVFP4Recipe(), seed=5,
                          backend=backend).backward(dy)
     assert torch.equal(x.grad, x2.grad)  # dgrad does not depend on what the wgrad kept
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_grouped_linear_takes_device_counts_bitwise(backend):
+    """Counts as a tensor (the router's, on the device) give the bits of the same counts as a host list: output, dgrad
+    and wgrad. On the kernels they stay a tensor through the backward (the wgrad's segments come from them on the
+    device, and x^T is saved with device widths); on a GPU the forward and backward run without a host
+    synchronisation (torch's sync debug mode raises on one)."""
+    from minite.ops.grouped import backward_needs_host_counts
+    torch.manual_seed(7)
+    counts = [10, 0, 17, 21, 3]
+    x = torch.randn(sum(counts), 64, device=DEVICE).to(torch.bfloat16)
+    w = (torch.randn(5, 48, 64, device=DEVICE) * 0.1).to(torch.bfloat16)
+    dy = torch.randn(sum(counts), 48, device=DEVICE).to(torch.bfloat16)
+    recipe = NVFP4Recipe()
+
+    def step(c):
+        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            y = nvfp4_grouped_linear(xl, wl, c, recipe, seed=9, backend=backend)
+        y.backward(dy)
+        return (y.detach(), xl.grad, wl.grad), saved
+
+    want, _ = step(counts)
+    device_counts = torch.tensor(counts, device=DEVICE)
+    with torch.enable_grad():
+        assert backward_needs_host_counts(x, w.requires_grad_(), recipe, backend) == (backend == "reference")
+    w.requires_grad_(False)
+    if DEVICE == "cuda" and backend == "triton":
+        step(device_counts)  # compiled and warm first: the sync debug mode sees the step itself
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        got, saved = step(device_counts)
+    finally:
+        if DEVICE == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    for g, h in zip(got, want):
+        assert torch.equal(g.view(torch.int16), h.view(torch.int16))
+    widths = [t for t in saved if t is not None and t.dtype == torch.int32 and tuple(t.shape) == (5,)]
+    assert len(widths) == (backend == "triton")  # the kernels keep device widths for the backward
+    if widths:
+        assert widths[0].tolist() == [c + (-c) % 16 for c in counts]
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_grouped_wgrad_adds_into_megatron_main_grad(backend):
+    """A weight with Megatron-Core DDP's fp32 `main_grad` and `grad_added_to_main_grad`: the grouped linear's wgrad is
+    added into main_grad by the GEMM (bitwise main_grad + the fp32 dW of the same quantised operands), the flag says
+    so, and the gradient autograd receives is a placeholder of the weight's shape (which the DDP hook skips). Two
+    micro-batches accumulate; a weight without main_grad gets the bf16 dW as before."""
+    from minite.ops.grouped import _grouped_wgrad
+    torch.manual_seed(10)
+    counts = [10, 0, 17, 21]
+    w = (torch.randn(4, 48, 64, device=DEVICE) * 0.1).to(torch.bfloat16)
+    xs = [torch.randn(sum(counts), 64, device=DEVICE).to(torch.bfloat16) for _ in range(2)]
+    dys = [torch.randn(sum(counts), 48, device=DEVICE).to(torch.bfloat16) for _ in range(2)]
+    param = torch.nn.Parameter(w.clone())
+    param.main_grad = torch.randn(4, 48, 64, device=DEVICE) * 1e-2
+    param.grad_added_to_main_grad = False
+    want = param.main_grad.clone()
+    for i, (x, dy) in enumerate(zip(xs, dys)):
+        nvfp4_grouped_linear(x, param, counts, NVFP4Recipe(), seed=20 + i, backend=backend).backward(dy)
+        want += _grouped_wgrad(dy, x, counts, NVFP4Recipe(), 20 + i, backend, torch.float32)
+        assert param.grad_added_to_main_grad and param.grad.shape == w.shape
+        param.grad = None
+    assert torch.equal(param.main_grad, want)
+    plain = w.clone().requires_grad_()
+    nvfp4_grouped_linear(xs[0], plain, counts, NVFP4Recipe(), seed=20, backend=backend).backward(dys[0])
+    assert torch.equal(plain.grad.view(torch.int16),
+                       _grouped_wgrad(dys[0], xs[0], counts, NVFP4Recipe(), 20, backend, w.dtype).view(torch.int16))
