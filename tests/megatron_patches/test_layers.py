@@ -2,6 +2,7 @@
 the op functions inside Megatron's modules, the Qwen3-MoE spec from a config.json, the CPU patches, and one train
 step that lowers the loss. World size 1, gloo, CPU. On a machine with a GPU the models are built there and the inputs
 follow them; the tests of CPU-only paths skip, saying which GPU test covers the GPU's path."""
+import contextlib
 import json
 
 import pytest
@@ -57,11 +58,13 @@ def test_gathered_l2_norm_is_upstreams_bitwise():
     cpu.apply_upstream_fixes()
     assert clip_grads.l2_norm_impl is cpu._gathered_l2_norm
     g = torch.Generator().manual_seed(3)
-    grads = [torch.randn(n, generator=g) * s for n, s in ((7, 1e-3), (4096, 1.0), (33, 1e3), (1, 0.5))]
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    grads = [(torch.randn(n, generator=g) * s).to(dev) for n, s in ((7, 1e-3), (4096, 1.0), (33, 1e3), (1, 0.5))]
     ours, _ = cpu._gathered_l2_norm(2048 * 32, None, [grads], False)
-    with cpu.cuda_as_cpu():  # upstream writes its result with device="cuda"
+    with cpu.cuda_as_cpu() if dev == "cpu" else contextlib.nullcontext():  # upstream's result has device="cuda"
         theirs, _ = utils.local_multi_tensor_l2_norm(2048 * 32, None, [grads], False)
-    assert ours.shape == (1,) and ours.dtype == torch.float32 and torch.equal(ours, theirs)
+    assert ours.shape == (1,) and ours.dtype == torch.float32 and ours.device == grads[0].device
+    assert torch.equal(ours, theirs)
 
 
 def test_cpu_grouped_gemm_fallback_runs_upstream_grouped_mlp():
