@@ -45,24 +45,35 @@ def _count_segment(count_ptr, b, E, BLOCK_E: tl.constexpr):
     counts (cached) and sums them itself: no table, no launch, no host synchronisation (as the grouped GEMM's tiles)."""
     ei = tl.arange(0, BLOCK_E)
     cnt = tl.load(count_ptr + ei, mask=ei < E, other=0).to(tl.int64)
-    w = (cnt + 15) // 16 * 16
+    blocks = (cnt + 15) // 16  # the padded width in 16-column blocks
     sel = ei == b
     c = tl.sum(tl.where(sel, cnt, 0), 0)
-    cols = tl.sum(tl.where(sel, w, 0), 0)
     xc = tl.sum(tl.where(ei < b, cnt, 0), 0)
-    ocol = tl.sum(tl.where(ei < b, w, 0), 0)
-    return xc, c, tl.multiple_of(cols, 16), tl.multiple_of(ocol, 16)
+    # widths and output columns as products by 16, which the compiler knows to be multiples of 16 (a hint on a
+    # reduction's result is lost: the values' stores were not vectorised, sass_census.py --quant)
+    cols = tl.sum(tl.where(sel, blocks, 0), 0) * 16
+    ocol = tl.sum(tl.where(ei < b, blocks, 0), 0) * 16
+    return xc, c, cols, ocol
 
 
 @triton.jit
 def _count_tile(count_ptr, t, E, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr):
-    """(segment, its column tile) of flat column tile t over the segments' tiles in order; segment E past the last."""
+    """Flat column tile t over the segments' tiles in order: its segment b (E past the last), its column tile in
+    the segment, and the segment as `_count_segment` gives it, from one read of the counts."""
     ei = tl.arange(0, BLOCK_E)
-    cnt = tl.load(count_ptr + ei, mask=ei < E, other=0)
-    tiles = ((cnt + 15) // 16 * 16 + BLOCK_C - 1) // BLOCK_C
+    cnt = tl.load(count_ptr + ei, mask=ei < E, other=0)  # int32 sums here: T + 15 E < 2^31
+    blocks = (cnt + 15) // 16  # the padded width in 16-column blocks
+    tiles = (blocks * 16 + BLOCK_C - 1) // BLOCK_C
     tile_end = tl.cumsum(tiles, 0)
     b = tl.sum((tile_end <= t).to(tl.int32), 0)
-    return b, t - tl.sum(tl.where(ei == b, tile_end - tiles, 0), 0)
+    sel = ei == b
+    local = t - tl.sum(tl.where(sel, tile_end - tiles, 0), 0)
+    c = tl.sum(tl.where(sel, cnt, 0), 0).to(tl.int64)
+    xc = tl.sum(tl.where(ei < b, cnt, 0), 0).to(tl.int64)
+    # multiples of 16 the compiler can see (`_count_segment`)
+    cols = tl.sum(tl.where(sel, blocks, 0), 0).to(tl.int64) * 16
+    ocol = tl.sum(tl.where(ei < b, blocks, 0), 0).to(tl.int64) * 16
+    return b, local, xc, c, cols, ocol
 
 
 @triton.jit
@@ -107,10 +118,9 @@ def _segments_quant_kernel(x_ptr, stride_r, stride_c, table_ptr, OC, data_ptr, s
             se, sd = _global_scales(am)
             tl.store(gs_ptr + ei, sd, mask=ei < E)
             tl.store(amax_out_ptr + ei, _decode_amax(am, se), mask=ei < E)
-        b, pid_c = _count_tile(table_ptr, pid_c, E, BLOCK_E, BLOCK_C)
+        b, pid_c, xc, CL, C, ocol = _count_tile(table_ptr, pid_c, E, BLOCK_E, BLOCK_C)
         if b >= E:  # past the last segment's tiles (the grid is sized for the most tiles the counts can need)
             return
-        xc, CL, C, ocol = _count_segment(table_ptr, b, E, BLOCK_E)
         xr, R, orow = 0, R_ALL, 0
         if ROWS16:
             R = tl.multiple_of(R, 16)

@@ -151,7 +151,7 @@ _QUANT_SIG = dict(x_ptr="*bf16", stride_r="i32", stride_c="i32", R="i32", C="i32
                   amax_out_ptr="*fp32")
 _SEGMENT_SIG = dict(x_ptr="*bf16", stride_r="i32", stride_c="i32", table_ptr="*i64", OC="i32", data_ptr="*u8",
                     scale_ptr="*u8", amax_ptr="*fp32", gs_ptr="*fp32", amax_out_ptr="*fp32", seed_ptr="*i32",
-                    vals_ptr="*fp16", sixth="fp32")
+                    vals_ptr="*fp16", sixth="fp32", R_ALL="i32", E="i32")
 
 
 def quant_rows(rows: int = 131072, cols: int = 2048) -> list:
@@ -168,6 +168,8 @@ def quant_rows(rows: int = 131072, cols: int = 2048) -> list:
          True, True),
         ("wgrad segments dy^T, RHT + SR, values", ns._segments_quant_kernel, "colmajor_segments", 1, False, True,
          True, True, True),
+        ("wgrad count segments dy^T, RHT + SR, values", ns._segments_quant_kernel, "colmajor_segments", 1, False,
+         True, True, True, True),
     ]
     out = []
     for label, fn, kind, br, row, sr, rht, vals, transposed in calls:
@@ -176,6 +178,9 @@ def quant_rows(rows: int = 131072, cols: int = 2048) -> list:
         block_r, block_c, single = nq._tile_shape(r, c, br, row, tune["elems"], transposed, tune.get("rows", 128))
         warps = nq._warps(tune, block_r, block_c)
         sig = dict(_QUANT_SIG if fn is nq._quant_kernel else _SEGMENT_SIG)
+        counts = label.startswith("wgrad count")  # segments found from device counts (int32) instead of a table
+        if counts:
+            sig["table_ptr"] = "*i32"
         unit = "stride_r" if transposed else "stride_c"
         del sig[unit]
         ce = dict(BLOCK_R=block_r, BLOCK_C=block_c, BR=br, STOCHASTIC=sr, RHT=rht, WRITE_VALS=vals,
@@ -183,7 +188,8 @@ def quant_rows(rows: int = 131072, cols: int = 2048) -> list:
         if fn is nq._quant_kernel:
             ce.update(ROW_SCOPE=row, SINGLE=single, GIVEN_AMAX=False)
         else:
-            ce.update(ROWS16=True, XC16=kind == "stack")  # the wgrad experts' token counts: any columns
+            ce.update(ROWS16=True, XC16=kind == "stack", COUNTS=counts, BLOCK_E=128)  # the wgrad experts' token
+            # counts: any columns; 128 experts (Qwen3-30B-A3B)
         div = [k for k, t in sig.items() if t.startswith("*")] + [k for k in ("stride_r", "stride_c", "C", "OC")
                                                                   if k in sig]
         sass = kernel_sass(fn, sig, ce, div, dict(num_warps=warps))
