@@ -26,6 +26,34 @@ def test_bench_learner_slice_tiny_rows(tmp_path):
         assert r["tokens"] == 32 * r["micro_batches"] and r["tokens_per_s"] > 0 and 0 < r["optimizer_s"] < r["step_s"]
     assert set(doc["nvfp4_over_bf16_tokens_per_s_by_micro_batches"]) == {"1", "2"}
     assert doc["nvfp4_over_bf16_tokens_per_s"] == doc["nvfp4_over_bf16_tokens_per_s_by_micro_batches"]["1"]
+    assert {"date", "commit", "command"} <= set(doc) and "bench_learner_slice.py" in doc["command"]
+
+
+def test_benchmark_commit_says_when_the_tree_is_not_its_head(tmp_path):
+    """tools/bench/provenance.py: MINITE_COMMIT when set; else git's HEAD, with +dirty once a tracked file differs
+    (a device's copy of the tree whose git metadata is older than its files must not name a commit silently)."""
+    import shutil
+    repo = tmp_path / "repo"
+    (repo / "tools" / "bench").mkdir(parents=True)
+    shutil.copy(ROOT / "tools" / "bench" / "provenance.py", repo / "tools" / "bench" / "provenance.py")
+    (repo / "kernel.py").write_text("# measured\n")
+    git = dict(cwd=repo, check=True, capture_output=True)
+    subprocess.run(["git", "init", "-q"], **git)
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "x", "--allow-empty"], **git)
+    subprocess.run(["git", "add", "."], **git)
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "y"], **git)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], text=True, **git).stdout.strip()
+
+    def commit(**env):
+        code = "import sys; sys.path.insert(0, 'tools/bench'); import provenance; print(provenance.commit())"
+        return subprocess.run([sys.executable, "-c", code], cwd=repo, text=True, check=True, capture_output=True,
+                              env={k: v for k, v in dict(os.environ, **env).items() if k != "MINITE_COMMIT"
+                                   or "MINITE_COMMIT" in env}).stdout.strip()
+
+    assert commit() == head
+    (repo / "kernel.py").write_text("# changed after the commit\n")
+    assert commit() == head + "+dirty"
+    assert commit(MINITE_COMMIT="abc1234") == "abc1234"
 
 
 def test_memory_peak_replay_finds_the_blocks_alive_at_the_peak():

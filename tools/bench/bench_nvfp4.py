@@ -21,11 +21,8 @@ Timing: triton.testing.do_bench medians (events), after warm-up; every number in
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import subprocess
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +33,7 @@ from minite.kernels.nvfp4_swiglu import SwiGLUFunction, swiglu_bwd_triton, swigl
 from minite.kernels.nvfp4_gemm import ExpertWeights, GemmConfig, grouped_gemm_triton, kgrouped_gemm_triton, stack_expert_weights
 from minite.kernels import nvfp4_quant as nq, nvfp4_segments as ns
 from minite.kernels.nvfp4_quant import quantize_triton, quantize_with_values_triton
+from provenance import stamp  # tools/bench/, beside this script
 
 HIDDEN, FFN, EXPERTS, TOPK, TOKENS = 2048, 768, 128, 8, 16384
 LOG = []
@@ -580,16 +578,8 @@ def main() -> None:
         res["learner_slice_nvfp4_over_bf16_tokens_per_s"] = sl.get("nvfp4_over_bf16_tokens_per_s")
         res["learner_slice_reason"] = (f"tools/bench/bench_learner_slice.py --layers {sl.get('layers')} --seq "
                                        f"{sl.get('seq')}, same device call")
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
-    res.update({
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": os.environ.get("MINITE_COMMIT") or commit or "unknown",
-        "command": "python " + " ".join(sys.argv), "log": LOG,
-    })
+    res.update({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                **stamp(), "log": LOG})
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1, default=str)

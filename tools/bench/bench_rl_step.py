@@ -25,7 +25,6 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -34,6 +33,7 @@ import torch
 from minite.config import load_config
 from minite.rl import checkpoint as ckpt
 from minite.rl import loop
+from provenance import commit  # tools/bench/, beside this script
 
 ROW_KEYS = ("gpus", "layout", "precision", "strict")
 
@@ -69,18 +69,6 @@ def device_name() -> str:
     if torch.cuda.is_available():
         return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
     return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
-
-
-def commit() -> str:
-    """MINITE_COMMIT when the launcher sets it (a device's copy of the tree may carry stale git metadata), else
-    git's HEAD."""
-    if os.environ.get("MINITE_COMMIT"):
-        return os.environ["MINITE_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def measure(cfg, steps: int, skip: int) -> dict:

@@ -59,7 +59,6 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -69,6 +68,7 @@ import torch
 
 from decode_reference import ReferenceDecoder, Shape, time_step
 from profiling import print_top
+from provenance import commit
 from shapes import FULL
 
 TINY = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_query_groups=2, head_dim=16, num_experts=8,
@@ -151,18 +151,6 @@ def device_name() -> str:
     if torch.cuda.is_available():
         return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
     return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
-
-
-def commit() -> str:
-    """MINITE_COMMIT when the launcher sets it (a device's copy of the tree may carry stale git metadata), else
-    git's HEAD."""
-    if os.environ.get("MINITE_COMMIT"):
-        return os.environ["MINITE_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _sync() -> None:

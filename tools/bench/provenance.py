@@ -1,0 +1,35 @@
+"""Where a benchmark's numbers come from, for its JSON: the commit, the date and the command.
+
+The commit is MINITE_COMMIT when the caller sets it, else git's HEAD, marked `+dirty` when tracked files differ from
+it. A device's copy of the tree can carry git metadata older than its files (in the twelfth session a kernels JSON
+measured at 7693d02 said f3e5b6f): the mark shows that instead of naming the wrong commit silently.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], capture_output=True, text=True, cwd=HERE, check=True).stdout.strip()
+
+
+def commit() -> str:
+    if os.environ.get("MINITE_COMMIT"):
+        return os.environ["MINITE_COMMIT"]
+    try:
+        head = _git("rev-parse", "--short", "HEAD")
+        return head + ("+dirty" if _git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def stamp() -> dict:
+    """{"date", "commit", "command"} of this run (UTC, the commit as `commit()`, the command line as run)."""
+    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit(),
+            "command": "python3 " + " ".join(sys.argv)}
