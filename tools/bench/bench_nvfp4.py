@@ -246,6 +246,8 @@ def section_block(res: dict, train_cfg: GemmConfig | None) -> None:
     def swiglu_bwd():
         return swiglu_bwd_triton(h_, da)
 
+    main_grad = torch.zeros(EXPERTS, dy.shape[1], a_.shape[1], dtype=torch.float32, device="cuda")
+
     bwd_stages = {
         "quant_dy_sr": bench(lambda: quantize_with_values_triton(dy, (1, 16), "tensor", "stochastic", 1, False)),
         "dgrad_fc2": bench(lambda: grouped_gemm_triton(qd, w2t, counts, torch.bfloat16, a_values=dv, config=cfg)),
@@ -258,6 +260,15 @@ def section_block(res: dict, train_cfg: GemmConfig | None) -> None:
         "wgrad_fc2_128x128": bench(lambda: kgrouped_gemm_triton(qdyt, qat, counts, torch.bfloat16, a_values=dytv,
                                                                 b_values=atv, config=GemmConfig(128, 128, 64, 8, 4))),
         "bf16_fc2_wgrad_equiv_grouped_mm": bench(lambda: torch._grouped_mm(dy.t(), a_, offs=offs)),
+        # the learner's wgrad adds into Megatron's fp32 main_grad (minite.ops.grouped._main_grad): the default tile
+        # (128 x 256, which spills 90 registers with the fp32 accumulate in the sm_90 census) against 128 x 128 (none);
+        # BF16's equivalent is its grouped_mm then main_grad.add_
+        "wgrad_fc2_accumulate": bench(lambda: kgrouped_gemm_triton(qdyt, qat, counts, a_values=dytv, b_values=atv,
+                                                                   accumulate=main_grad)),
+        "wgrad_fc2_accumulate_128x128": bench(lambda: kgrouped_gemm_triton(
+            qdyt, qat, counts, a_values=dytv, b_values=atv, accumulate=main_grad,
+            config=GemmConfig(128, 128, 64, 8, 3))),
+        "bf16_fc2_wgrad_grouped_mm_then_add": bench(lambda: main_grad.add_(torch._grouped_mm(dy.t(), a_, offs=offs))),
     }
     for k_, v in bwd_stages.items():
         log(f"  bwd stage {k_:26s} {v * 1e3:8.1f} us")
