@@ -345,11 +345,13 @@ def quantize_count_segments(x: torch.Tensor, counts, *, rounding: str = "nearest
                             values: bool = False, check_finite: bool = True, backend: str = "auto") -> NVFP4Segments:
     """Column segments of x [R, T] by counts: segment e is the next counts[e] columns of x, zero-padded to a multiple
     of 16 (the MoE wgrad's experts): `quantize_column_segments` with the padded counts as widths, the same bits.
-    counts: host integers, or an integer tensor. On the kernels a device tensor stays there (no host
-    synchronisation, minite.kernels.nvfp4_segments.quantize_count_segments_triton): the result's widths are then
+    counts: host integers, or an integer tensor. On the kernels a tensor on x's device stays there (no host
+    synchronisation, minite.kernels.nvfp4_segments.quantize_count_segments_triton; a host tensor, e.g. the counts
+    Megatron's alltoall dispatcher hands over under EP, is read as host integers): the result's widths are then
     the padded counts as a device tensor, its data an upper bound of columns wide, and the counts are trusted to sum
     to T (checking would read them)."""
-    if torch.is_tensor(counts) and _use_triton(backend, x) and has_kernel("quantize_count_segments"):
+    if (torch.is_tensor(counts) and counts.device == x.device and _use_triton(backend, x)
+            and has_kernel("quantize_count_segments")):
         if counts.dim() != 1:
             raise ValueError(f"quantize_count_segments: counts of shape {tuple(counts.shape)}, expected [E]")
         if check_finite:

@@ -341,6 +341,9 @@ def test_count_segments_are_the_table_segments(rounding, rht, layout):
         assert torch.equal(dev.values[:, :used], q.values)
     for e in range(len(counts)):  # device widths read back on the host segment by segment
         assert dev.segment(e).equal(ref.segment(e))
+    if DEVICE == "cuda":  # host counts as a tensor (Megatron's alltoall dispatcher under EP): read on the host
+        on_host = quantize_count_segments(x, torch.tensor(counts), backend="triton", **kw)
+        assert on_host.widths == host.widths and torch.equal(on_host.data, host.data)
 
 
 def test_segmented_gemm_with_device_widths_is_the_host_ones():
