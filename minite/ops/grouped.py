@@ -34,6 +34,8 @@ def _counts(tokens_per_expert, experts: int, rows: int, *, keep_tensor: bool = F
     if keep_tensor and torch.is_tensor(tokens_per_expert):
         if tokens_per_expert.dim() != 1 or tokens_per_expert.numel() != experts:
             raise ValueError(f"tokens_per_expert of shape {tuple(tokens_per_expert.shape)} must have {experts} entries")
+        if not tokens_per_expert.is_cuda:  # checking host counts costs nothing
+            _counts(tokens_per_expert, experts, rows)
         return tokens_per_expert
     counts = [int(c) for c in (tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert)
                                else tokens_per_expert)]

@@ -163,6 +163,8 @@ def test_grouped_linear_takes_device_counts_bitwise(backend):
             torch.cuda.set_sync_debug_mode("default")
     for g, h in zip(got, want):
         assert torch.equal(g.view(torch.int16), h.view(torch.int16))
+    with pytest.raises(ValueError, match="summing to the 51 input rows"):  # host counts are checked (for free)
+        nvfp4_grouped_linear(x, w, torch.tensor([10, 0, 17, 21, 4]), recipe, seed=9, backend=backend)
     widths = [t for t in saved if t is not None and t.dtype == torch.int32 and tuple(t.shape) == (5,)]
     assert len(widths) == (backend == "triton")  # the kernels keep device widths for the backward
     if widths:
