@@ -260,9 +260,8 @@ def section_block(res: dict, train_cfg: GemmConfig | None) -> None:
         "wgrad_fc2_128x128": bench(lambda: kgrouped_gemm_triton(qdyt, qat, counts, torch.bfloat16, a_values=dytv,
                                                                 b_values=atv, config=GemmConfig(128, 128, 64, 8, 4))),
         "bf16_fc2_wgrad_equiv_grouped_mm": bench(lambda: torch._grouped_mm(dy.t(), a_, offs=offs)),
-        # the learner's wgrad adds into Megatron's fp32 main_grad (minite.ops.grouped._main_grad): the default tile
-        # (128 x 256, which spills 90 registers with the fp32 accumulate in the sm_90 census) against 128 x 128 (none);
-        # BF16's equivalent is its grouped_mm then main_grad.add_
+        # the learner's wgrad adds into the fp32 main_grad (minite.ops.grouped._main_grad): the default 128 x 256 tile
+        # (90 registers spilled in the sm_90 census) vs 128 x 128 (none); BF16's is its grouped_mm then add_
         "wgrad_fc2_accumulate": bench(lambda: kgrouped_gemm_triton(qdyt, qat, counts, a_values=dytv, b_values=atv,
                                                                    accumulate=main_grad)),
         "wgrad_fc2_accumulate_128x128": bench(lambda: kgrouped_gemm_triton(
