@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from minite.nvfp4.device_copy import int32_to
-from minite.nvfp4.grouped import NVFP4Segments, NVFP4Stack, decode_order
+from minite.nvfp4.grouped import NVFP4Segments, NVFP4Stack, check_accumulate, decode_order
 from minite.nvfp4.tensor import FACTOR_INV, NVFP4Tensor
 
 from ._interpreter import ensure_interpreter_compat, interpreting
@@ -545,10 +545,8 @@ def kgrouped_gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, tokens_per_expert, out_
     # (4e12937) against 1002 and 1010 us for 128x128x64 (bench_nvfp4.py --sections block, wgrad_fc2*); the tile does
     # not change the order of the K (token) loop
     cfg = config or (GemmConfig(16, 32, 64, 4, 1) if interpreting() else GemmConfig(128, 256, 64, 8, 3))
-    if accumulate is not None and (accumulate.dtype != torch.float32 or tuple(accumulate.shape) != (experts, m, n)
-                                   or not accumulate.is_contiguous() or accumulate.device != dev):
-        raise ValueError(f"accumulate must be a contiguous fp32 [{experts}, {m}, {n}] tensor on {dev}, got "
-                         f"{accumulate.dtype} {tuple(accumulate.shape)} on {accumulate.device}")
+    if accumulate is not None:
+        check_accumulate(accumulate, (experts, m, n), dev, "kgrouped_gemm")
     out = torch.empty(experts, m, n, dtype=out_dtype, device=dev) if accumulate is None else accumulate
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), experts)
     a_am, a_rs, a_es = ((a.decode_amax(), 1 if a.per_row else 0, 0) if a_expert_amax is None

@@ -38,41 +38,47 @@ def _segment(table_ptr, b, ROWS16: tl.constexpr, XC16: tl.constexpr):
 
 
 @triton.jit
-def _count_segment(count_ptr, b, E, BLOCK_E: tl.constexpr):
-    """Segment b of the count layout (`quantize_count_segments_triton`) from E counts (int32, on the device): x's
-    first column of it, the columns read (its count), its columns (the count padded to a multiple of 16) and its
-    first output column (the padded counts before it), as int64 like a table's entries. Every program reads the E
-    counts (cached) and sums them itself: no table, no launch, no host synchronisation (as the grouped GEMM's tiles)."""
-    ei = tl.arange(0, BLOCK_E)
-    cnt = tl.load(count_ptr + ei, mask=ei < E, other=0).to(tl.int64)
+def _count_geometry(cnt, ei, b):
+    """Segment b of the count layout from the E counts `cnt` (int32 lanes `ei`, zero past E): x's first column of
+    it, the columns read (its count), its columns (the count padded to a multiple of 16) and its first output column
+    (the padded counts before it), as int64 like a table's entries. The widths are products by 16, which the
+    compiler knows to be multiples of 16 (a hint on a reduction's result is lost: the values' stores were not
+    vectorised, sass_census.py --quant). int32 sums: T + 15 E < 2^31."""
     blocks = (cnt + 15) // 16  # the padded width in 16-column blocks
+    before = ei < b
     sel = ei == b
-    c = tl.sum(tl.where(sel, cnt, 0), 0)
-    xc = tl.sum(tl.where(ei < b, cnt, 0), 0)
-    # widths and output columns as products by 16, which the compiler knows to be multiples of 16 (a hint on a
-    # reduction's result is lost: the values' stores were not vectorised, sass_census.py --quant)
-    cols = tl.sum(tl.where(sel, blocks, 0), 0) * 16
-    ocol = tl.sum(tl.where(ei < b, blocks, 0), 0) * 16
+    xc = tl.sum(tl.where(before, cnt, 0), 0).to(tl.int64)
+    c = tl.sum(tl.where(sel, cnt, 0), 0).to(tl.int64)
+    cols = tl.sum(tl.where(sel, blocks, 0), 0).to(tl.int64) * 16
+    ocol = tl.sum(tl.where(before, blocks, 0), 0).to(tl.int64) * 16
     return xc, c, cols, ocol
+
+
+@triton.jit
+def _load_counts(count_ptr, E, BLOCK_E: tl.constexpr):
+    """The E counts (int32, on the device) as BLOCK_E lanes, zero past E, and the lane indices. Every program reads
+    them (cached) and sums them itself: no table, no launch, no host synchronisation (as the grouped GEMM's tiles)."""
+    ei = tl.arange(0, BLOCK_E)
+    return tl.load(count_ptr + ei, mask=ei < E, other=0), ei
+
+
+@triton.jit
+def _count_segment(count_ptr, b, E, BLOCK_E: tl.constexpr):
+    """Segment b of the count layout (`quantize_count_segments_triton`), as `_count_geometry`."""
+    cnt, ei = _load_counts(count_ptr, E, BLOCK_E)
+    return _count_geometry(cnt, ei, b)
 
 
 @triton.jit
 def _count_tile(count_ptr, t, E, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr):
     """Flat column tile t over the segments' tiles in order: its segment b (E past the last), its column tile in
-    the segment, and the segment as `_count_segment` gives it, from one read of the counts."""
-    ei = tl.arange(0, BLOCK_E)
-    cnt = tl.load(count_ptr + ei, mask=ei < E, other=0)  # int32 sums here: T + 15 E < 2^31
-    blocks = (cnt + 15) // 16  # the padded width in 16-column blocks
-    tiles = (blocks * 16 + BLOCK_C - 1) // BLOCK_C
+    the segment, and the segment as `_count_geometry` gives it, from one read of the counts."""
+    cnt, ei = _load_counts(count_ptr, E, BLOCK_E)
+    tiles = ((cnt + 15) // 16 * 16 + BLOCK_C - 1) // BLOCK_C
     tile_end = tl.cumsum(tiles, 0)
     b = tl.sum((tile_end <= t).to(tl.int32), 0)
-    sel = ei == b
-    local = t - tl.sum(tl.where(sel, tile_end - tiles, 0), 0)
-    c = tl.sum(tl.where(sel, cnt, 0), 0).to(tl.int64)
-    xc = tl.sum(tl.where(ei < b, cnt, 0), 0).to(tl.int64)
-    # multiples of 16 the compiler can see (`_count_segment`)
-    cols = tl.sum(tl.where(sel, blocks, 0), 0).to(tl.int64) * 16
-    ocol = tl.sum(tl.where(ei < b, blocks, 0), 0).to(tl.int64) * 16
+    local = t - tl.sum(tl.where(ei == b, tile_end - tiles, 0), 0)
+    xc, c, cols, ocol = _count_geometry(cnt, ei, b)
     return b, local, xc, c, cols, ocol
 
 
@@ -145,6 +151,27 @@ def _segments_quant_kernel(x_ptr, stride_r, stride_c, table_ptr, OC, data_ptr, s
                    pid_r, orow, ocol, OC, BLOCK_R, G, BR, STOCHASTIC, WRITE_VALS, VEC2D)
 
 
+def _outputs(rows: int, cols: int, br: int, values_dtype, dev):
+    """Uninitialised codes [rows, cols/2], E4M3 scale bits [rows/br, cols/16] and block values [rows, cols] (the codes
+    stand in when no values are written)."""
+    data = torch.empty(rows, cols // 2, dtype=torch.uint8, device=dev)
+    scale = torch.empty(rows // br, cols // 16, dtype=torch.uint8, device=dev)
+    vals = torch.empty(rows, cols, dtype=values_dtype, device=dev) if values_dtype is not None else data
+    return data, scale, vals
+
+
+def _result(data, scale, gs, amax_out, vals, values_dtype):
+    return data, scale.view(torch.float8_e4m3fn), gs, amax_out, vals if values_dtype is not None else None
+
+
+def _seed_tail(seeds, nseg: int, stochastic: bool) -> np.ndarray:
+    """int32 [2 B]: B seed mixes (zeros without stochastic rounding), then B zeroed amax bits, for one copy."""
+    tail = np.zeros(2 * nseg, dtype=np.int32)
+    if stochastic:
+        tail[:nseg] = seed_mixes(seeds)
+    return tail
+
+
 def quantize_segments_triton(x: torch.Tensor, segments, out_shape: tuple[int, int], block=(1, 16),
                              rounding: str = "nearest", seeds=None, rht: bool = False,
                              values_dtype: torch.dtype | None = None, tuning: dict | None = None,
@@ -193,20 +220,16 @@ def quantize_segments_triton(x: torch.Tensor, segments, out_shape: tuple[int, in
     xc16 = not (tab[:, [1, 6]] % 16).any()  # a compile-time hint (_segment); False: element masks on the loads
     dev = x.device
     out_r, out_c = out_shape
-    data = torch.empty(out_r, out_c // 2, dtype=torch.uint8, device=dev)
-    scale = torch.empty(out_r // br, out_c // 16, dtype=torch.uint8, device=dev)
-    vals = torch.empty(out_r, out_c, dtype=values_dtype, device=dev) if values_dtype is not None else data
+    data, scale, vals = _outputs(out_r, out_c, br, values_dtype, dev)
     nseg = len(tab)
     if nseg == 0:
         empty = torch.empty(0, device=dev)
-        return data, scale.view(torch.float8_e4m3fn), empty, empty, (vals if values_dtype else None)
+        return _result(data, scale, empty, empty, vals, values_dtype)
     if amax is not None and amax.shape != (nseg,):
         raise ValueError(f"amax of shape {tuple(amax.shape)} for {nseg} segments")
     max_r, max_c = int(tab[:, 2].max()), int(tab[:, 3].max())
     # one host-to-device copy: the table (int64 [B, 7]), then B seed mixes and B zeroed amax bits (int32 pairs)
-    tail = np.zeros(2 * nseg, dtype=np.int32)
-    if stochastic:
-        tail[:nseg] = seed_mixes(seeds)
+    tail = _seed_tail(seeds, nseg, stochastic)
     blob = host_to(torch.from_numpy(np.concatenate([tab.reshape(-1), tail.view(np.int64)])), dev)  # no sync
     table, tail_d = blob[:7 * nseg].view(nseg, 7), blob[7 * nseg:].view(torch.int32)
     mixes, zero_bits = tail_d[:nseg], tail_d[nseg:]
@@ -234,7 +257,7 @@ def quantize_segments_triton(x: torch.Tensor, segments, out_shape: tuple[int, in
                                  BLOCK_R=block_r, BLOCK_C=block_c, BR=br, STOCHASTIC=stochastic, RHT=rht,
                                  WRITE_VALS=values_dtype is not None, SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d,
                                  ROWS16=rows16, XC16=xc16, num_warps=warps)
-    return data, scale.view(torch.float8_e4m3fn), gs, amax_out, vals if values_dtype is not None else None
+    return _result(data, scale, gs, amax_out, vals, values_dtype)
 
 
 def count_segments_columns(total: int, experts: int) -> int:
@@ -266,17 +289,12 @@ def quantize_count_segments_triton(x: torch.Tensor, counts: torch.Tensor, roundi
     dev = x.device
     rows, total = x.shape
     out_c = count_segments_columns(total, nseg)
-    data = torch.empty(rows, out_c // 2, dtype=torch.uint8, device=dev)
-    scale = torch.empty(rows, out_c // 16, dtype=torch.uint8, device=dev)
-    vals = torch.empty(rows, out_c, dtype=values_dtype, device=dev) if values_dtype is not None else data
+    data, scale, vals = _outputs(rows, out_c, 1, values_dtype, dev)
     if nseg == 0:
         empty = torch.empty(0, device=dev)
-        return data, scale.view(torch.float8_e4m3fn), empty, empty, (vals if values_dtype else None)
+        return _result(data, scale, empty, empty, vals, values_dtype)
     cnt = counts.to(device=dev, dtype=torch.int32).contiguous()
-    tail = np.zeros(2 * nseg, dtype=np.int32)  # B seed mixes and B zeroed amax bits, one copy
-    if stochastic:
-        tail[:nseg] = seed_mixes(seeds)
-    tail_d = host_to(torch.from_numpy(tail), dev)  # no sync
+    tail_d = host_to(torch.from_numpy(_seed_tail(seeds, nseg, stochastic)), dev)  # one copy, no sync
     mixes, bits = tail_d[:nseg], tail_d[nseg:]
     col_major = nq._col_major(x)
     tune = tuning or nq.TUNING["colmajor_segments" if col_major else "values"]
@@ -300,4 +318,4 @@ def quantize_count_segments_triton(x: torch.Tensor, counts: torch.Tensor, roundi
     _segments_quant_kernel[(tiles_r, tiles_c, 1)](x, x.stride(0), x.stride(1), cnt, out_c, data, scale, amax, gs,
                                                   amax_out, mixes, vals, SIXTH, BR=1, STOCHASTIC=stochastic,
                                                   WRITE_VALS=values_dtype is not None, **common)
-    return data, scale.view(torch.float8_e4m3fn), gs, amax_out, vals if values_dtype is not None else None
+    return _result(data, scale, gs, amax_out, vals, values_dtype)

@@ -224,6 +224,21 @@ class NVFP4Segments:
                            BLOCK_1D, amax=None if self.amax is None else self.amax[e])
 
 
+def padded(rows):
+    """rows rounded up to a multiple of 16 (the wgrad quantises along the tokens in 16-blocks, one expert's tokens
+    zero-padded to whole blocks); an int, or elementwise for an integer numpy array or torch tensor."""
+    return rows + (-rows) % 16
+
+
+def check_accumulate(buf: torch.Tensor, shape: tuple, device, what: str) -> None:
+    """The gradient buffer a wgrad adds into in place (`segmented_gemm(accumulate=)`): contiguous fp32 of `shape`
+    on `device`, or a one-line error."""
+    if (buf.dtype != torch.float32 or tuple(buf.shape) != tuple(shape) or not buf.is_contiguous()
+            or buf.device != torch.device(device)):
+        raise ValueError(f"{what}: accumulate must be a contiguous fp32 {list(shape)} tensor on {device}, got "
+                         f"{buf.dtype} {tuple(buf.shape)}{'' if buf.is_contiguous() else ' (strided)'} on {buf.device}")
+
+
 def _starts(widths: Sequence[int]) -> list[int]:
     """First column of each segment."""
     out, s = [], 0
@@ -359,10 +374,9 @@ def quantize_count_segments(x: torch.Tensor, counts, *, rounding: str = "nearest
         _check_rounding(rounding, seeds, counts.numel())
         data, scale, gs, amax, vals = kernel("quantize_count_segments")(x, counts, rounding, seeds, rht,
                                                                      VALUES_DTYPE if values else None)
-        widths = (counts.to(device=x.device, dtype=torch.int32) + 15) // 16 * 16
-        return NVFP4Segments(data, scale, gs, widths, vals, amax)
+        return NVFP4Segments(data, scale, gs, padded(counts.to(device=x.device, dtype=torch.int32)), vals, amax)
     c = np.asarray(counts.tolist() if torch.is_tensor(counts) else counts, dtype=np.int64).reshape(-1)
-    return quantize_column_segments(x, (c + 15) // 16 * 16, rounding=rounding, seeds=seeds, rht=rht, values=values,
+    return quantize_column_segments(x, padded(c), rounding=rounding, seeds=seeds, rht=rht, values=values,
                                     check_finite=check_finite, backend=backend, counts=c)
 
 
@@ -382,10 +396,8 @@ def segmented_gemm(a: NVFP4Segments, b: NVFP4Segments, *, out_dtype: torch.dtype
     elif a.widths != b.widths:
         raise ValueError(f"segmented_gemm: segment widths differ ({a.widths} vs {b.widths})")
     ra, rb = a.data.shape[0], b.data.shape[0]
-    if accumulate is not None and (accumulate.dtype != torch.float32 or not accumulate.is_contiguous()
-                                   or tuple(accumulate.shape) != (len(a.widths), ra, rb)):
-        raise ValueError(f"segmented_gemm: accumulate must be a contiguous fp32 [{len(a.widths)}, {ra}, {rb}] tensor, "
-                         f"got {accumulate.dtype} {tuple(accumulate.shape)}")
+    if accumulate is not None:
+        check_accumulate(accumulate, (len(a.widths), ra, rb), a.data.device, "segmented_gemm")
     if resolve(backend, a.data, op="gemm")[0] == "triton":
         return kernel("segmented_gemm")(a, b, out_dtype, accumulate=accumulate)
     out = torch.zeros(len(a.widths), ra, rb, dtype=torch.float32 if accumulate is not None else out_dtype,

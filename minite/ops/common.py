@@ -151,12 +151,6 @@ def quantize_scoped(x: torch.Tensor, op: OperandRecipe, *, seed: Optional[int], 
 
 
 
-def padded(rows):
-    """rows rounded up to a multiple of 16 (wgrad quantises along the tokens in 16-blocks); an int, or elementwise
-    for an integer numpy array."""
-    return rows + (-rows) % 16
-
-
 def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     """t [R, C] with zero rows appended up to `rows` >= R (the dense wgrad's tokens to a multiple of 16): one
     constant pad, no host tables (t itself when R == rows). The MoE wgrad pads each expert inside the quantiser

@@ -169,13 +169,13 @@ class _NVFP4GroupedLinear(torch.autograd.Function):
         # autograd, e.g. a rollout's, has device counts the segment tables cannot read without a synchronisation).
         # Saved through save_for_backward (the codes, scales and scales' amaxes, and device widths; host widths on
         # ctx), so that saved-tensor hooks see them as they see every other saved activation.
-        ctx.x_widths = None
-        if wgrad_follows and x.shape[0] and _segmentable(recipe):
+        ctx.x_segmented = bool(wgrad_follows and x.shape[0] and _segmentable(recipe))
+        if ctx.x_segmented:
             xs = _wgrad_segments(x, counts, recipe, "wgrad_input", _wgrad_seeds(seed, len(counts)), backend,
                                  values=False)
-            on_device = torch.is_tensor(xs.widths)
-            ctx.x_widths = "saved" if on_device else xs.widths
-            ctx.save_for_backward(xs.data, xs.scale, xs.global_scale, xs.amax, *((xs.widths,) if on_device else ()))
+            widths = [xs.widths] if torch.is_tensor(xs.widths) else []
+            ctx.x_widths = None if widths else xs.widths
+            ctx.save_for_backward(xs.data, xs.scale, xs.global_scale, xs.amax, *widths)
         else:
             ctx.save_for_backward(x if wgrad_follows else None)
         ctx.w_q, ctx.counts, ctx.recipe, ctx.seed, ctx.backend = w_q, counts, recipe, seed, backend
@@ -186,7 +186,7 @@ class _NVFP4GroupedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x = x_segments = None
-        if ctx.x_widths is None:
+        if not ctx.x_segmented:
             (x,) = ctx.saved_tensors
         else:
             data, scale, global_scale, amax, *widths = ctx.saved_tensors

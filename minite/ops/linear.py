@@ -27,8 +27,9 @@ from typing import Optional
 import torch
 
 from minite.nvfp4 import NVFP4Recipe, NVFP4Tensor, gemm
+from minite.nvfp4.grouped import padded
 
-from .common import ROLES, derive_seed, group_size, pad_rows, padded, quantize_scoped
+from .common import ROLES, derive_seed, group_size, pad_rows, quantize_scoped
 
 def quantize_weight(weight: torch.Tensor, recipe: NVFP4Recipe, *, backend: str = "auto",
                     amax_group=None, values: bool = True) -> NVFP4Tensor:
