@@ -37,7 +37,7 @@ import time
 import torch
 
 from memory_peak import print_memory_top  # tools/bench/, beside this script
-from profiling import print_py_top, print_sync_sites, print_top
+from profiling import print_op_sites, print_py_top, print_sync_sites, print_top
 from provenance import stamp
 from shapes import FULL, TINY
 
@@ -51,10 +51,11 @@ def model_flops_per_token(m: dict, layers: int, seq: int) -> float:
     return 3 * (2 * dense + attention)
 
 
-def _profile_step(learner, tokens, top: int, micro: int = 1, memory_top: int = 0, sync_top: int = 0) -> None:
+def _profile_step(learner, tokens, top: int, micro: int = 1, memory_top: int = 0, sync_top: int = 0,
+                  op_sites: str = "") -> None:
     """More steps of `micro` micro-batches: under torch.profiler and cProfile (tools/bench/profiling.py) if `top`, with
     the allocator's history (tools/bench/memory_peak.py: what is alive at the step's peak) if `memory_top`, with the
-    host synchronisations counted by call site if `sync_top`."""
+    host synchronisations counted by call site if `sync_top`, with the ops named in `op_sites` counted by call site."""
     step = lambda: learner.train_step(tokens, lambda lp: (-lp.mean() / micro, {}), micro_batches=micro)  # noqa: E731
     if top:
         print_top(step, top, "one train step", show=RANK0)
@@ -63,6 +64,8 @@ def _profile_step(learner, tokens, top: int, micro: int = 1, memory_top: int = 0
         print_memory_top(step, memory_top, f"one train step of {micro} micro-batches", show=RANK0)
     if sync_top:
         print_sync_sites(step, sync_top, f"in one train step of {micro} micro-batches", show=RANK0)
+    if op_sites:
+        print_op_sites(step, op_sites.split(","), top or 25, f"in one train step of {micro} micro-batches", show=RANK0)
 
 
 RANK0 = int(os.environ.get("RANK", "0")) == 0
@@ -150,7 +153,7 @@ def world_size() -> int:
 
 def run(precision: str, shape: dict, layers: int, seq: int, steps: int, warmup: int, micro_batches=(1,),
         profile_top: int = 0, ep: int = 1, profile_micro: int = 1, memory_top: int = 0,
-        sync_top: int = 0) -> list[dict]:
+        sync_top: int = 0, op_sites: str = "") -> list[dict]:
     """One learner, one row per micro-batch count: a step of `micro` x `seq` tokens and one optimizer step."""
     from minite.config import load_config
     from minite.learner.learner import Learner
@@ -190,9 +193,10 @@ def run(precision: str, shape: dict, layers: int, seq: int, steps: int, warmup: 
                      "mem_start_gib": mem_start, "expert_rows_max_over_mean": balance})
         if RANK0:
             print(json.dumps(rows[-1]), flush=True)
-    if profile_top or memory_top or sync_top:
+    if profile_top or memory_top or sync_top or op_sites:
         try:  # a failing profile must not lose the rows timed above
-            _profile_step(learner, tokens[:world * profile_micro], profile_top, profile_micro, memory_top, sync_top)
+            _profile_step(learner, tokens[:world * profile_micro], profile_top, profile_micro, memory_top, sync_top,
+                          op_sites)
         except Exception as e:
             print(f"profile failed: {type(e).__name__}: {e}", flush=True)
     learner.close()  # without it Megatron's DDP hooks keep the model, gradients and masters alive (Learner.close)
@@ -223,6 +227,9 @@ def main() -> None:
     p.add_argument("--sync-sites", type=int, default=0, metavar="N",
                    help="after timing, run one more step (--profile-micro-batches micro-batches) in torch's CUDA sync "
                    "debug mode and print the N call sites with the most host synchronisations")
+    p.add_argument("--op-sites", default="", metavar="OPS",
+                   help="after timing, profile one more step (--profile-micro-batches) with Python stacks and print "
+                   "where the comma-listed ops (e.g. aten::copy_,aten::_to_copy) were called from, with their time")
     a = p.parse_args()
     shape = TINY if a.tiny else FULL
     micro = tuple(int(m) for m in a.micro_batches.split(","))
@@ -230,7 +237,7 @@ def main() -> None:
     for prec in a.precisions.split(","):
         try:
             rows += run(prec, shape, a.layers, a.seq, a.steps, a.warmup, micro, a.profile, a.ep,
-                        a.profile_micro_batches, a.memory_top, a.sync_sites)
+                        a.profile_micro_batches, a.memory_top, a.sync_sites, a.op_sites)
         except Exception as e:  # report and go on: one precision failing must not hide the other's number
             rows.append({"precision": prec, "error": f"{type(e).__name__}: {e}"})
             print(json.dumps(rows[-1]), flush=True)

@@ -90,3 +90,61 @@ def print_sync_sites(fn, top: int, label: str = "", show: bool = True, root: str
         for where, n in sites.most_common(top):
             print(f"{n:6d}  {where}", flush=True)
     return total
+
+
+def print_op_sites(fn, ops: list[str], top: int, label: str = "", show: bool = True,
+                   root: str | None = None) -> dict:
+    """One call of fn under torch.profiler with Python stacks: each op named in `ops` (e.g. aten::copy_) counted by
+    the function nearest to it in this repository or Megatron-Core (named by file and first line: torch's Python
+    events carry no current line), tagged with the built-in autograd node that ran it if any, with its device time
+    (kernels launched under it; host time off CUDA). Answers "whose copies are these" where the op table only says
+    how many. Returns {site: (calls, time_us)}."""
+    import collections
+    import os
+
+    from torch.profiler import ProfilerActivity, profile
+
+    root = root or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cuda = torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts, with_stack=True) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    sites: dict = collections.defaultdict(lambda: [0, 0.0])
+    packages = tuple(f"{d}/" for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))) + ("megatron/",)
+    wanted = set(ops)
+    for evt in prof.events():
+        if evt.name not in wanted or evt.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        if any(p.name in wanted for p in _parents(evt)):  # a copy_ inside a counted _to_copy: counted once
+            continue
+        chain = (evt.stack or []) + [q.name for q in _parents(evt)]  # stacks: older torch; parent events: newer
+        frames = [f for f in chain if _ours(f, root, packages)]
+        node = next((f.split(": ", 1)[1] for f in chain if f.startswith("autograd::engine::evaluate_function: ")), "")
+        where = (frames[0].replace(root + "/", "") if frames else "(no Python frame of ours)") + \
+            (f" [autograd {node}]" if node else "")
+        s = sites[f"{evt.name} {where}"]
+        s[0] += 1
+        s[1] += evt.device_time_total if cuda else evt.cpu_time_total
+    if show:
+        unit = "device" if cuda else "host"
+        total = sum(t for _, t in sites.values())
+        print(f"== op sites {label}: {', '.join(ops)}; {total / 1e3:.1f} ms {unit} time in all, by call site", flush=True)
+        for where, (n, t) in sorted(sites.items(), key=lambda kv: -kv[1][1])[:top]:
+            print(f"{t / 1e3:9.2f} ms {n:6d}  {where}", flush=True)
+    return {k: tuple(v) for k, v in sites.items()}
+
+
+def _parents(evt):
+    p = evt.cpu_parent
+    while p is not None:
+        yield p
+        p = p.cpu_parent
+
+
+def _ours(frame: str, root: str, packages: tuple) -> bool:
+    """A Python frame event ("path(line): name", the path relative to sys.path where it can be) of this repository's
+    code or Megatron-Core's, the benchmarks' own frames excepted."""
+    path = frame.split("(", 1)[0]
+    return path.endswith(".py") and "tools/bench/" not in path and (path.startswith(root) or path.startswith(packages))
