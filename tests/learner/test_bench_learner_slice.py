@@ -80,7 +80,7 @@ def test_memory_peak_replay_finds_the_blocks_alive_at_the_peak():
 
 def test_op_sites_name_the_repository_line_that_copied():
     """tools/bench/profiling.print_op_sites: each copy counted once (a _to_copy's inner copy_ is not counted again) at
-    the nearest function of the repository's code, and a copy run by a built-in autograd node names that node."""
+    the nearest line of the repository's code, and a copy run by a built-in autograd node names that node."""
     sys.path.insert(0, str(ROOT / "tools" / "bench"))
     import torch
     from profiling import print_op_sites
@@ -90,13 +90,13 @@ def test_op_sites_name_the_repository_line_that_copied():
 
     def step():
         quantize(x.detach().to(torch.bfloat16))  # one cast here, the quantiser's own inside minite/nvfp4/
-        x.to(torch.bfloat16).float().sum().backward()  # two casts here, two by ToCopyBackward0
+        x.to(torch.bfloat16).float().sum().backward()  # two casts here, two by ToCopyBackward0 (to bf16, to fp32)
 
     sites = print_op_sites(step, ["aten::copy_", "aten::_to_copy"], 10, show=False)
     ours = [k for k in sites if "minite/" in k]
     assert ours and all(k.split(" ", 1)[1].startswith("minite/") for k in ours), sites
     backward = [v for k, v in sites.items() if "[autograd ToCopyBackward0]" in k]
-    assert sum(n for n, _ in backward) == 2, sites
-    here = [n for k, (n, _) in sites.items() if k.startswith("aten::_to_copy") and "[autograd" not in k and
+    assert sum(n for n, _, _ in backward) == 2 and sum(b for _, b, _ in backward) == 3 * 32 * (2 + 4), sites
+    here = [n for k, (n, _, _) in sites.items() if k.startswith("aten::_to_copy") and "[autograd" not in k and
             "minite/" not in k]
     assert sum(here) == 3, sites  # the three casts of step() itself, at this test's frame

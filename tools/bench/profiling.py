@@ -2,6 +2,8 @@
 where a benchmark's time goes (`--profile TOP` of bench_learner_slice.py, bench_weight_sync.py, bench_rollout.py)."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 
@@ -94,57 +96,77 @@ def print_sync_sites(fn, top: int, label: str = "", show: bool = True, root: str
 
 def print_op_sites(fn, ops: list[str], top: int, label: str = "", show: bool = True,
                    root: str | None = None) -> dict:
-    """One call of fn under torch.profiler with Python stacks: each op named in `ops` (e.g. aten::copy_) counted by
-    the function nearest to it in this repository or Megatron-Core (named by file and first line: torch's Python
-    events carry no current line), tagged with the built-in autograd node that ran it if any, with its device time
-    (kernels launched under it; host time off CUDA). Answers "whose copies are these" where the op table only says
-    how many. Returns {site: (calls, time_us)}."""
+    """One call of fn under a TorchDispatchMode: each aten op named in `ops` (e.g. aten::copy_) counted by the line
+    of this repository or Megatron-Core nearest to it on the Python stack (its thread's: on CUDA a built-in autograd
+    node's op in the backward has none) and the autograd node that ran it in the backward, with the bytes it wrote and its time (CUDA
+    events around it; host time off CUDA). Answers "whose copies are these" where the op table only says how many.
+    The mode sees every op after autograd, on the engine's threads too, whatever torch's profiler records.
+    Returns {site: (calls, bytes, time_us)}."""
     import collections
     import os
+    import time
+    import traceback
 
-    from torch.profiler import ProfilerActivity, profile
+    from torch.utils._python_dispatch import TorchDispatchMode
 
     root = root or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cuda = torch.cuda.is_available()
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=acts, with_stack=True) as prof:
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-    sites: dict = collections.defaultdict(lambda: [0, 0.0])
-    packages = tuple(f"{d}/" for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))) + ("megatron/",)
     wanted = set(ops)
-    for evt in prof.events():
-        if evt.name not in wanted or evt.device_type != torch.autograd.DeviceType.CPU:
-            continue
-        if any(p.name in wanted for p in _parents(evt)):  # a copy_ inside a counted _to_copy: counted once
-            continue
-        chain = (evt.stack or []) + [q.name for q in _parents(evt)]  # stacks: older torch; parent events: newer
-        frames = [f for f in chain if _ours(f, root, packages)]
-        node = next((f.split(": ", 1)[1] for f in chain if f.startswith("autograd::engine::evaluate_function: ")), "")
-        where = (frames[0].replace(root + "/", "") if frames else "(no Python frame of ours)") + \
-            (f" [autograd {node}]" if node else "")
-        s = sites[f"{evt.name} {where}"]
+    calls: list = []  # (site, bytes, start event or seconds, end event or seconds)
+
+    def site() -> str:
+        frames = [f for f in traceback.extract_stack()[:-3] if _ours(f.filename, root)]
+        node = torch._C._current_autograd_node()
+        where = f"{_short(frames[-1].filename, root)}:{frames[-1].lineno} {frames[-1].name}" if frames else \
+            "(no Python frame of ours)"
+        return where + (f" [autograd {node.name()}]" if node is not None else "")
+
+    class Sites(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._schema.name not in wanted:
+                return func(*args, **(kwargs or {}))
+            if cuda:
+                t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t0.record()
+            else:
+                t0 = time.perf_counter()
+            out = func(*args, **(kwargs or {}))
+            if cuda:
+                t1.record()
+            else:
+                t1 = time.perf_counter()
+            nbytes = out.numel() * out.element_size() if isinstance(out, torch.Tensor) else 0
+            calls.append((f"{func._schema.name} {site()}", nbytes, t0, t1))
+            return out
+
+    if cuda:
+        torch.cuda.synchronize()
+    with Sites():
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    sites: dict = collections.defaultdict(lambda: [0, 0, 0.0])
+    for where, nbytes, t0, t1 in calls:
+        s = sites[where]
         s[0] += 1
-        s[1] += evt.device_time_total if cuda else evt.cpu_time_total
+        s[1] += nbytes
+        s[2] += t0.elapsed_time(t1) * 1e3 if cuda else (t1 - t0) * 1e6
     if show:
         unit = "device" if cuda else "host"
-        total = sum(t for _, t in sites.values())
-        print(f"== op sites {label}: {', '.join(ops)}; {total / 1e3:.1f} ms {unit} time in all, by call site", flush=True)
-        for where, (n, t) in sorted(sites.items(), key=lambda kv: -kv[1][1])[:top]:
-            print(f"{t / 1e3:9.2f} ms {n:6d}  {where}", flush=True)
+        total = sum(t for _, _, t in sites.values())
+        print(f"== op sites {label}: {', '.join(ops)}; {len(calls)} calls, {total / 1e3:.1f} ms {unit} time in all "
+              f"(each op between two events), by call site", flush=True)
+        for where, (n, b, t) in sorted(sites.items(), key=lambda kv: -kv[1][2])[:top]:
+            print(f"{t / 1e3:9.2f} ms {n:6d} calls {b / 2**20:10.1f} MiB  {where}", flush=True)
     return {k: tuple(v) for k, v in sites.items()}
 
 
-def _parents(evt):
-    p = evt.cpu_parent
-    while p is not None:
-        yield p
-        p = p.cpu_parent
+def _ours(path: str, root: str) -> bool:
+    """A file of this repository (the benchmarks' own excepted) or of Megatron-Core."""
+    if "/site-packages/" in path or "/dist-packages/" in path:  # a venv inside the tree is not ours
+        return "/megatron/core/" in path
+    return path.startswith(root) and "/tools/bench/" not in path
 
 
-def _ours(frame: str, root: str, packages: tuple) -> bool:
-    """A Python frame event ("path(line): name", the path relative to sys.path where it can be) of this repository's
-    code or Megatron-Core's, the benchmarks' own frames excepted."""
-    path = frame.split("(", 1)[0]
-    return path.endswith(".py") and "tools/bench/" not in path and (path.startswith(root) or path.startswith(packages))
+def _short(path: str, root: str) -> str:
+    return os.path.relpath(path, root) if path.startswith(root) else path[path.index("megatron/core/"):]
