@@ -100,3 +100,33 @@ def test_op_sites_name_the_repository_line_that_copied():
     here = [n for k, (n, _, _) in sites.items() if k.startswith("aten::_to_copy") and "[autograd" not in k and
             "minite/" not in k]
     assert sum(here) == 3, sites  # the three casts of step() itself, at this test's frame
+
+
+def test_phases_time_each_wrapped_call_in_order_and_put_the_originals_back():
+    """tools/bench/profiling.print_phases: one span per call of a wrapped attribute (a nested one inside its caller's),
+    in call order, and the attributes as they were afterwards (also when the call fails)."""
+    import time
+    import types
+    sys.path.insert(0, str(ROOT / "tools" / "bench"))
+    from profiling import print_phases
+
+    mod = types.SimpleNamespace(inner=lambda: time.sleep(0.002))
+    obj = types.SimpleNamespace(outer=lambda: (time.sleep(0.001), mod.inner()), other=lambda: None)
+    originals = (mod.inner, obj.outer, obj.other)
+
+    def step():
+        obj.outer()
+        time.sleep(0.003)  # "between"
+        obj.other()
+
+    spans = print_phases(step, [(obj, "outer", "outer"), (mod, "inner", "inner"), (obj, "other", "other")], show=False)
+    assert [p for p, _, _ in sorted(spans, key=lambda s: s[1])] == ["outer", "inner", "other"]
+    (o, os_, oe), (i, is_, ie), (x, xs, _) = sorted(spans, key=lambda s: s[1])
+    assert os_ <= is_ < ie <= oe and ie - is_ >= 0.002 and xs - oe >= 0.003
+    assert (mod.inner, obj.outer, obj.other) == originals
+    obj.other = failing = lambda: 1 / 0
+    try:
+        print_phases(step, [(obj, "other", "other")], show=False)
+    except ZeroDivisionError:
+        pass
+    assert obj.other is failing

@@ -37,7 +37,7 @@ import time
 import torch
 
 from memory_peak import print_memory_top  # tools/bench/, beside this script
-from profiling import print_op_sites, print_py_top, print_sync_sites, print_top
+from profiling import print_op_sites, print_phases, print_py_top, print_sync_sites, print_top
 from provenance import stamp
 from shapes import FULL, TINY
 
@@ -52,10 +52,11 @@ def model_flops_per_token(m: dict, layers: int, seq: int) -> float:
 
 
 def _profile_step(learner, tokens, top: int, micro: int = 1, memory_top: int = 0, sync_top: int = 0,
-                  op_sites: str = "") -> None:
+                  op_sites: str = "", phases: bool = False) -> None:
     """More steps of `micro` micro-batches: under torch.profiler and cProfile (tools/bench/profiling.py) if `top`, with
     the allocator's history (tools/bench/memory_peak.py: what is alive at the step's peak) if `memory_top`, with the
-    host synchronisations counted by call site if `sync_top`, with the ops named in `op_sites` counted by call site."""
+    host synchronisations counted by call site if `sync_top`, with the ops named in `op_sites` counted by call site,
+    timed by phase (`phase_targets`) if `phases`."""
     step = lambda: learner.train_step(tokens, lambda lp: (-lp.mean() / micro, {}), micro_batches=micro)  # noqa: E731
     if top:
         print_top(step, top, "one train step", show=RANK0)
@@ -66,6 +67,24 @@ def _profile_step(learner, tokens, top: int, micro: int = 1, memory_top: int = 0
         print_sync_sites(step, sync_top, f"in one train step of {micro} micro-batches", show=RANK0)
     if op_sites:
         print_op_sites(step, op_sites.split(","), top or 25, f"in one train step of {micro} micro-batches", show=RANK0)
+    if phases:
+        print_phases(step, phase_targets(learner), f"of one train step of {micro} micro-batches", show=RANK0)
+
+
+def phase_targets(learner) -> list:
+    """The train step's phases (Learner.train_step): each micro-batch's forward (the backward is the time after it),
+    the NVFP4 weights' quantisation, release and restore, Megatron's gradient finalisation and the optimizer."""
+    import megatron.core.distributed as mcd
+
+    import minite.learner.learner as L
+    import minite.megatron_patches.nvfp4_layers as NL
+    return [(learner, "_batch_logprobs", "forward (log-probs)"), (learner.ddp, "zero_grad_buffer", "zero_grad_buffer"),
+            (L, "release_quantised_weights", "release_quantised_weights"),
+            (NL, "quantize_weights_now", "  quantize_weights_now (inside the release)"),
+            (L, "release_weight_caches", "release_weight_caches"),
+            (L, "restore_quantised_weights", "restore_quantised_weights"),
+            (L, "detach_dispatcher_graphs", "detach_dispatcher_graphs"),
+            (mcd, "finalize_model_grads", "finalize_model_grads"), (learner.optimizer, "step", "optimizer.step")]
 
 
 RANK0 = int(os.environ.get("RANK", "0")) == 0
@@ -153,7 +172,7 @@ def world_size() -> int:
 
 def run(precision: str, shape: dict, layers: int, seq: int, steps: int, warmup: int, micro_batches=(1,),
         profile_top: int = 0, ep: int = 1, profile_micro: int = 1, memory_top: int = 0,
-        sync_top: int = 0, op_sites: str = "") -> list[dict]:
+        sync_top: int = 0, op_sites: str = "", phases: bool = False) -> list[dict]:
     """One learner, one row per micro-batch count: a step of `micro` x `seq` tokens and one optimizer step."""
     from minite.config import load_config
     from minite.learner.learner import Learner
@@ -193,10 +212,10 @@ def run(precision: str, shape: dict, layers: int, seq: int, steps: int, warmup: 
                      "mem_start_gib": mem_start, "expert_rows_max_over_mean": balance})
         if RANK0:
             print(json.dumps(rows[-1]), flush=True)
-    if profile_top or memory_top or sync_top or op_sites:
+    if profile_top or memory_top or sync_top or op_sites or phases:
         try:  # a failing profile must not lose the rows timed above
             _profile_step(learner, tokens[:world * profile_micro], profile_top, profile_micro, memory_top, sync_top,
-                          op_sites)
+                          op_sites, phases)
         except Exception as e:
             print(f"profile failed: {type(e).__name__}: {e}", flush=True)
     learner.close()  # without it Megatron's DDP hooks keep the model, gradients and masters alive (Learner.close)
@@ -230,6 +249,9 @@ def main() -> None:
     p.add_argument("--op-sites", default="", metavar="OPS",
                    help="after timing, profile one more step (--profile-micro-batches) with Python stacks and print "
                    "where the comma-listed ops (e.g. aten::copy_,aten::_to_copy) were called from, with their time")
+    p.add_argument("--phases", action="store_true",
+                   help="after timing, one more step (--profile-micro-batches) timed by phase: each micro-batch's "
+                   "forward and backward, the NVFP4 weights' quantisation, gradient finalisation, the optimizer")
     a = p.parse_args()
     shape = TINY if a.tiny else FULL
     micro = tuple(int(m) for m in a.micro_batches.split(","))
@@ -237,7 +259,7 @@ def main() -> None:
     for prec in a.precisions.split(","):
         try:
             rows += run(prec, shape, a.layers, a.seq, a.steps, a.warmup, micro, a.profile, a.ep,
-                        a.profile_micro_batches, a.memory_top, a.sync_sites, a.op_sites)
+                        a.profile_micro_batches, a.memory_top, a.sync_sites, a.op_sites, a.phases)
         except Exception as e:  # report and go on: one precision failing must not hide the other's number
             rows.append({"precision": prec, "error": f"{type(e).__name__}: {e}"})
             print(json.dumps(rows[-1]), flush=True)

@@ -170,3 +170,49 @@ def _ours(path: str, root: str) -> bool:
 
 def _short(path: str, root: str) -> str:
     return os.path.relpath(path, root) if path.startswith(root) else path[path.index("megatron/core/"):]
+
+
+def print_phases(fn, targets: list, label: str = "", show: bool = True) -> list:
+    """One call of fn with each (object, attribute name, phase label) of `targets` wrapped in a device-synchronised
+    timer: the call's timeline of phases in order, and the time between them (e.g. a micro-batch's backward between
+    its forward and the next one), printed as ms. A phase that calls another is timed whole, its inner phases too.
+    Returns [(label, start s, end s)] relative to the call's start."""
+    import time
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    spans: list = []
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in targets]
+
+    def timed(inner, phase):
+        def wrapper(*a, **k):
+            sync()
+            t = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                sync()
+                spans.append((phase, t - t0, time.perf_counter() - t0))
+        return wrapper
+
+    for (obj, name, phase), (_, _, inner) in zip(targets, saved):
+        setattr(obj, name, timed(inner, phase))
+    sync()
+    t0 = time.perf_counter()
+    try:
+        fn()
+        sync()
+    finally:
+        total = time.perf_counter() - t0
+        for obj, name, inner in reversed(saved):
+            setattr(obj, name, inner)
+    if show:
+        print(f"== phases {label}: {total * 1e3:.1f} ms in all (device-synchronised at each phase)", flush=True)
+        end = 0.0
+        for phase, s, e in sorted(spans, key=lambda x: x[1]):
+            if s - end > 5e-4:
+                print(f"{(s - end) * 1e3:9.2f} ms  (between)", flush=True)
+            print(f"{(e - s) * 1e3:9.2f} ms  {phase}", flush=True)
+            end = max(end, e)
+        if total - end > 5e-4:
+            print(f"{(total - end) * 1e3:9.2f} ms  (between)", flush=True)
+    return spans
