@@ -247,8 +247,8 @@ def main() -> None:
                    help="after timing, run one more step (--profile-micro-batches micro-batches) in torch's CUDA sync "
                    "debug mode and print the N call sites with the most host synchronisations")
     p.add_argument("--op-sites", default="", metavar="OPS",
-                   help="after timing, profile one more step (--profile-micro-batches) with Python stacks and print "
-                   "where the comma-listed ops (e.g. aten::copy_,aten::_to_copy) were called from, with their time")
+                   help="after timing, run one more step (--profile-micro-batches) under a dispatch mode and print "
+                   "where the comma-listed ops (e.g. aten::copy_,aten::_to_copy) were called from, bytes and time")
     p.add_argument("--phases", action="store_true",
                    help="after timing, one more step (--profile-micro-batches) timed by phase: each micro-batch's "
                    "forward and backward, the NVFP4 weights' quantisation, gradient finalisation, the optimizer")

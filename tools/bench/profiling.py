@@ -6,6 +6,8 @@ import os
 
 import torch
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+
 
 def print_top(fn, top: int, label: str = "", show: bool = True) -> None:
     """`show` False: run and profile (every rank must, under collectives) but print nothing."""
@@ -55,13 +57,12 @@ def print_sync_sites(fn, top: int, label: str = "", show: bool = True, root: str
     (0 off CUDA, where nothing synchronises). Other warnings are shown as usual and not counted; a synchronisation in
     a C++ autograd node is reported when the engine hands its warnings back, at the `.backward()` call."""
     import collections
-    import os
     import traceback
     import warnings
 
     if not torch.cuda.is_available():
         return 0
-    root = root or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = root or ROOT
     sites: collections.Counter = collections.Counter()
 
     def record(message, category, filename, lineno, file=None, line=None):
@@ -98,18 +99,17 @@ def print_op_sites(fn, ops: list[str], top: int, label: str = "", show: bool = T
                    root: str | None = None) -> dict:
     """One call of fn under a TorchDispatchMode: each aten op named in `ops` (e.g. aten::copy_) counted by the line
     of this repository or Megatron-Core nearest to it on the Python stack (its thread's: on CUDA a built-in autograd
-    node's op in the backward has none) and the autograd node that ran it in the backward, with the bytes it wrote and its time (CUDA
-    events around it; host time off CUDA). Answers "whose copies are these" where the op table only says how many.
-    The mode sees every op after autograd, on the engine's threads too, whatever torch's profiler records.
-    Returns {site: (calls, bytes, time_us)}."""
+    node's op in the backward has none) and the autograd node that ran it in the backward, with the bytes it wrote
+    and its time (CUDA events around it; host time off CUDA). Answers "whose copies are these" where the op table
+    only says how many. The mode sees every op after autograd, on the engine's threads too, whatever torch's
+    profiler records. Returns {site: (calls, bytes, time_us)}."""
     import collections
-    import os
     import time
     import traceback
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    root = root or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = root or ROOT
     cuda = torch.cuda.is_available()
     wanted = set(ops)
     calls: list = []  # (site, bytes, start event or seconds, end event or seconds)
