@@ -25,7 +25,7 @@ import sys
 import traceback
 
 from minite import __version__
-from minite.console import configure, one_line
+from minite.console import catch_interrupts, configure, one_line, raise_if_interrupted
 
 log = logging.getLogger(__name__)
 
@@ -122,9 +122,12 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USER
     debug = args.debug or os.environ.get("MINITE_DEBUG") == "1"
     prog = f"minite {args.command}"
+    catch_interrupts()
     try:
         _configure_environment(args.verbose)
-        return int(mod.run(args) or 0)
+        status = int(mod.run(args) or 0)
+        raise_if_interrupted()  # a Ctrl-C that a library swallowed (minite.console) still ends as one
+        return status
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - the one place a failure becomes an exit status
         return report_failure(prog, e, debug)
 

@@ -9,12 +9,19 @@ every record on the terminal too.
 
 Terminal records are written through tqdm.write, so a log line never glues itself to a progress bar that is being
 drawn on the same stream.
+
+Ctrl-C is never lost (`catch_interrupts`, `raise_if_interrupted`): Python raises its KeyboardInterrupt wherever the
+main thread happens to be, and there it can vanish: inside a bare `except:` (Megatron-Core guards optional imports
+so) or a destructor (Python prints "Exception ignored" and goes on). The run then went on to its end (`minite train`
+exited 0 after a SIGINT once, on a loaded machine); now it stops at its next step.
 """
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from tqdm import tqdm
@@ -97,3 +104,26 @@ def attach_log_file(path: str | Path) -> Path:
 def one_line(text: str) -> str:
     """A message folded onto one line (an error message may carry newlines from upstream)."""
     return " ".join(str(text).split())
+
+
+_interrupted = False
+
+
+def _on_sigint(signum, frame) -> None:
+    global _interrupted
+    _interrupted = True
+    raise KeyboardInterrupt
+
+
+def catch_interrupts() -> None:
+    """Remember every Ctrl-C (SIGINT) of this process as well as raise KeyboardInterrupt for it as Python does, so
+    that one swallowed by a library's bare `except:` still stops the run at its next `raise_if_interrupted`. Only
+    from the main thread (where Python runs signal handlers); elsewhere a no-op."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _on_sigint)
+
+
+def raise_if_interrupted() -> None:
+    """KeyboardInterrupt if a Ctrl-C arrived since `catch_interrupts` (a long job calls this between its steps)."""
+    if _interrupted:
+        raise KeyboardInterrupt

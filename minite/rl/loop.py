@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from minite.alignment.monitor import check_gap
+from minite.console import raise_if_interrupted
 from minite.alignment.routing_replay import engine_recording, learner_replay
 from minite.learner.learner import Learner, ReferencePolicy, reference_policy
 from minite.rl import checkpoint as ckpt
@@ -81,6 +82,7 @@ def train(cfg) -> list[dict]:
                     "over with --fresh or another checkpoint.dir)", run.step, cfg.rl.steps)
     try:
         while run.step < cfg.rl.steps:
+            raise_if_interrupted()  # a Ctrl-C swallowed during start-up (minite.console) stops the run here
             rl_step(run)
     finally:
         if run.logger is not None:
@@ -401,6 +403,7 @@ def warmup(run: Run) -> None:
     stream = PromptStream(run.task, batch_size=cfg.rl.prompts_per_step * cfg.rollout.group_size,
                           seed=cfg.rl.seed + WARMUP_SEED_OFFSET)
     for i in range(cfg.rl.warmup_steps):
+        raise_if_interrupted()
         problems = stream.next_batch()
         rows = [RolloutResult(prompt_index=k, prompt=p.prompt, tokens=p.target, logprobs=[0.0] * len(p.target))
                 for k, p in enumerate(problems)]
