@@ -52,7 +52,7 @@ from minite.nvfp4 import NVFP4Recipe, NVFP4Stack, NVFP4Tensor
 from minite.ops import (FiniteFlag, derive_seed, group_size, grouped_linear_bf16, nvfp4_grouped_linear, nvfp4_linear,
                         quantiser_checks_finite, quantize_expert_weights, quantize_weight, refill_in_place,
                         swiglu_experts)
-from minite.ops.experts import grouped_mm_applies
+from minite.ops.experts import grouped_mm_applies, strict_grouped_applies
 from minite.ops.grouped import backward_needs_host_counts
 
 
@@ -286,7 +286,8 @@ class GroupedExperts(MegatronModule):
         # the embedded engine's and the Learner's at EP = 1) leaves them on the device, so a decode step needs no host
         # synchronisation; so does the NVFP4 train step on the kernels (its wgrad's segments are found from device
         # counts), while a wgrad off them (the reference, a per-expert loop) reads them on the host once, below.
-        # (BF16 on the per-expert loops, CPU or strict, reads them on the host: once here, not once per GEMM.)
+        # (BF16 on the per-expert loops, CPU or the strict learner, reads them on the host: once here, not once per
+        # GEMM; strict BF16 without autograd on a GPU reads them on the device: `strict_grouped_applies`.)
         if permuted_hidden.shape[0] == 0:  # this rank's experts got no token (EP): no GEMM runs (torch._grouped_mm's
             out = permuted_hidden * 0        # backward rejects 0 rows on CUDA); zero gradients for the weights, and
             if torch.is_grad_enabled():      # the probs stay in the graph (their dispatch's backward is a collective)
@@ -297,8 +298,11 @@ class GroupedExperts(MegatronModule):
         counts = tokens_per_expert
         host_wgrad = self.nvfp4 is not None and backward_needs_host_counts(permuted_hidden, self.fc1_weight,
                                                                            self.nvfp4.recipe, self.nvfp4.backend)
-        if not torch.is_tensor(counts) or host_wgrad or (self.nvfp4 is None and (self.strict or not grouped_mm_applies(
-                permuted_hidden, self.fc1_weight))):
+        if self.nvfp4 is None and self.strict:  # strict BF16: one launch on device counts where it applies
+            on_host = not strict_grouped_applies(permuted_hidden, self.fc1_weight)
+        else:
+            on_host = host_wgrad or (self.nvfp4 is None and not grouped_mm_applies(permuted_hidden, self.fc1_weight))
+        if not torch.is_tensor(counts) or on_host:
             counts = [int(c) for c in (counts.tolist() if torch.is_tensor(counts) else counts)]
         weights = (self.fc1_weight, self.fc2_weight)
         out = swiglu_experts(permuted_hidden, permuted_probs, lambda a, i: self._linear(a, weights[i], counts, i + 1),

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from minite.nvfp4.device_copy import int32_to
-from minite.strict import ops as S
+from minite.strict import ops as S, triton_gemm
 
 GroupedLinear = Callable[[torch.Tensor, int], torch.Tensor]
 """fc(a, which): the grouped GEMM of fc1 (which=0) or fc2 (which=1) over rows grouped by expert."""
@@ -49,7 +49,8 @@ def grouped_mm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def grouped_linear_bf16(x: torch.Tensor, weight: torch.Tensor, counts, *, strict: bool) -> torch.Tensor:
     """Per-expert x_e @ W_e^T for weight [E, N, K] in the input dtype, experts in order.
 
-    strict: `minite.strict.ops.linear` per expert (fixed-order sums, batch invariant). Otherwise, on a GPU with bf16
+    strict: `minite.strict.ops.linear` per expert (fixed-order sums, batch invariant); on a GPU without autograd all
+    experts in one launch with the same bits (`strict_grouped_applies`). Otherwise, on a GPU with bf16
     operands (`grouped_mm_applies`), one torch._grouped_mm (forward and both backward GEMMs grouped; a per-expert
     Python loop's weight-gradient selects would zero-fill and add a full [E, N, K] buffer per expert); elsewhere a
     loop of matmuls (fp32 accumulation inside matmul).
@@ -61,11 +62,22 @@ def grouped_linear_bf16(x: torch.Tensor, weight: torch.Tensor, counts, *, strict
         else:
             offs = int32_to(torch.as_tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32), x.device)
         return torch._grouped_mm(x, weight.transpose(1, 2), offs=offs)
+    if strict and strict_grouped_applies(x, weight, counts):
+        return triton_gemm.grouped_matmul_fixed_k(x, weight, counts).to(x.dtype)
     if torch.is_tensor(counts):
         counts = counts.tolist()
     if strict:
         return _per_expert(x, weight, counts, lambda a, w: S.linear(a, w, out_dtype=a.dtype))
     return _per_expert(x, weight, counts, lambda a, w: a @ w.t())
+
+
+def strict_grouped_applies(x: torch.Tensor, weight: torch.Tensor, counts=None) -> bool:
+    """Whether strict `grouped_linear_bf16` takes all experts in one launch (`triton_gemm.grouped_matmul_fixed_k`, the
+    per-expert loop's bits, with the counts read on the device): CUDA bf16/fp16 operands and no gradient to record
+    (the loop's `strict_ops.linear` has the backward); counts: a tensor on x's device (None: not asked)."""
+    return (triton_gemm.available(x, weight[0]) and weight.dim() == 3
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            and (counts is None or triton_gemm.grouped_available(x, weight, counts)))
 
 
 def _per_expert(x: torch.Tensor, weight: torch.Tensor, counts: list[int], mm) -> torch.Tensor:

@@ -13,10 +13,18 @@ about what a GEMM costs. The guarantee differs in kind: strict_ops is batch inva
 kernel by a fixed instruction sequence (deterministic hardware), verified bitwise on the device.
 Inputs must be bf16 or fp16 (fp32 operands would go through TF32 or a slow IEEE path; strict mode keeps fp32
 GEMMs, e.g. the router's, on strict_ops).
+
+`grouped_matmul_fixed_k`: the MoE experts' GEMMs (rows grouped by expert, one weight per expert) in one launch, each
+tile holding rows of one expert only and computing them with the same configuration and K order, so every row is
+bitwise what `matmul_fixed_k` gives on that expert's rows alone. The counts stay on the device (every program finds
+its expert from them, no host synchronisation): a strict BF16 decode step can be captured in a CUDA graph, which the
+per-expert loop, reading the counts on the host, could not.
 """
 from __future__ import annotations
 
 import torch
+
+from minite.kernels._interpreter import interpreting
 
 try:
     import triton
@@ -46,6 +54,40 @@ if triton is not None:
         tl.store(y_ptr + rm[:, None] * sym + rn[None, :] * syn, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
+    @triton.jit
+    def _grouped_fixed_k_matmul(x_ptr, w_ptr, y_ptr, count_ptr, E, N, K, sxm, sxk, swe, swn, swk, sym, syn,
+                                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr):
+        """Tile t of the experts' tiles in order (each expert's rows in BM-row tiles, its last one masked), columns
+        pid_n: `_fixed_k_matmul`'s body on expert e's rows and weight. Programs past the last tile return."""
+        t = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        ei = tl.arange(0, BLOCK_E)
+        cnt = tl.load(count_ptr + ei, mask=ei < E, other=0).to(tl.int32)
+        tiles = (cnt + BM - 1) // BM
+        tile_end = tl.cumsum(tiles, 0)
+        e = tl.sum((tile_end <= t).to(tl.int32), 0)  # experts whose tiles all come before tile t
+        if e >= E:
+            return
+        sel = ei == e
+        local = t - tl.sum(tl.where(sel, tile_end - tiles, 0), 0)
+        end = tl.sum(tl.where(sel, tl.cumsum(cnt, 0), 0), 0)
+        start = end - tl.sum(tl.where(sel, cnt, 0), 0)
+        rm = start + local * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        wp = w_ptr + e.to(tl.int64) * swe
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + rk
+            a = tl.load(x_ptr + rm[:, None].to(tl.int64) * sxm + kk[None, :] * sxk,
+                        mask=(rm[:, None] < end) & (kk[None, :] < K), other=0.0)
+            b = tl.load(wp + rn[None, :] * swn + kk[:, None] * swk,
+                        mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+            acc = tl.dot(a, b, acc)
+        tl.store(y_ptr + rm[:, None].to(tl.int64) * sym + rn[None, :] * syn, acc,
+                 mask=(rm[:, None] < end) & (rn[None, :] < N))
+
+
 def available(x: torch.Tensor, w: torch.Tensor) -> bool:
     """True when the fixed-K Triton GEMM applies: CUDA tensors, bf16/fp16 operands of one dtype, 2-D."""
     return (triton is not None and x.is_cuda and w.is_cuda and x.dtype == w.dtype
@@ -56,6 +98,11 @@ def matmul_fixed_k(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """[M, K] @ [N, K]^T -> fp32 [M, N] with the fixed configuration above (see the module docstring)."""
     if not available(x, w):
         raise ValueError("matmul_fixed_k needs 2-D CUDA bf16/fp16 operands of one dtype")
+    return _fixed_k(x, w)
+
+
+def _fixed_k(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The launch of `matmul_fixed_k` (also under the interpreter: the CPU tests' reference for the grouped one)."""
     m, k = x.shape
     n = w.shape[0]
     y = torch.empty(m, n, dtype=torch.float32, device=x.device)
@@ -65,3 +112,30 @@ def matmul_fixed_k(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     _fixed_k_matmul[grid](x, w, y, m, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
                           y.stride(0), y.stride(1), BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=NUM_WARPS)
     return y
+
+
+def grouped_available(x: torch.Tensor, w: torch.Tensor, counts) -> bool:
+    """True when `grouped_matmul_fixed_k` applies: `available` for x and one expert's weight of w [E, N, K], and the
+    counts a tensor on x's device."""
+    return (w.dim() == 3 and available(x, w[0]) and torch.is_tensor(counts) and counts.device == x.device
+            and counts.dim() == 1 and counts.numel() == w.shape[0])
+
+
+def grouped_matmul_fixed_k(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Rows x [R, K] grouped by expert (counts [E] on the device, trusted to sum to R: checking them would read them
+    back) times each expert's w [E, N, K]^T -> fp32 [R, N]; row for row `matmul_fixed_k(x_e, w[e])` (module
+    docstring). Under Triton's interpreter (TRITON_INTERPRET=1) CPU tensors run too: the CPU tests' comparison."""
+    if not (grouped_available(x, w, counts) or (interpreting() and w.dim() == 3 and x.dim() == 2)):
+        raise ValueError("grouped_matmul_fixed_k needs 2-D CUDA bf16/fp16 rows, [E, N, K] weights of the same dtype "
+                         "and E counts on the rows' device")
+    (r, k), (experts, n, _) = x.shape, w.shape
+    y = torch.empty(r, n, dtype=torch.float32, device=x.device)
+    if r == 0 or n == 0:
+        return y
+    cnt = counts if counts.dtype == torch.int32 else counts.to(torch.int32)
+    grid = (triton.cdiv(r, BLOCK_M) + experts, triton.cdiv(n, BLOCK_N))  # each expert adds at most one partial tile
+    _grouped_fixed_k_matmul[grid](x, w, y, cnt, experts, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+                                  w.stride(2), y.stride(0), y.stride(1), BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
+                                  BLOCK_E=max(16, triton.next_power_of_2(experts)), num_warps=NUM_WARPS)
+    return y
+

@@ -1,0 +1,63 @@
+"""minite.strict.triton_gemm.grouped_matmul_fixed_k: the strict BF16 experts in one launch on device counts, row for
+row the per-expert fixed-K GEMM (the interpreter on the CPU; on the GPU the same test runs compiled, and
+tests/alignment/test_strict_alignment_gpu.py proves the strict decode step captured in CUDA graphs)."""
+import pytest
+import torch
+
+from minite.ops.experts import grouped_linear_bf16, strict_grouped_applies
+from minite.strict import triton_gemm as TG
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _per_expert(x, w, counts):
+    outs, start = [], 0
+    for e, c in enumerate(counts):
+        outs.append(TG._fixed_k(x[start:start + c], w[e]))
+        start += c
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("counts", [[0, 70, 3, 0, 10], [1, 1, 1, 1, 1], [0, 0, 129, 0, 0], [0, 0, 0, 0, 0]])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_grouped_fixed_k_is_the_per_expert_gemm_row_for_row(counts, dtype):
+    g = torch.Generator().manual_seed(sum(counts))
+    k, n = 96, 72  # a partial K block and a partial column tile
+    x = torch.randn(sum(counts), k, generator=g).to(dtype).to(DEVICE)
+    w = torch.randn(len(counts), n, k, generator=g).to(dtype).to(DEVICE)
+    x[0:1] = 0 if sum(counts) else x[0:1]  # a zero row
+    got = TG.grouped_matmul_fixed_k(x, w, torch.tensor(counts, device=DEVICE))
+    assert got.dtype == torch.float32 and got.shape == (sum(counts), n)
+    want = _per_expert(x, w, counts) if sum(counts) else got
+    assert torch.equal(got, want)
+
+
+def test_the_grouped_kernel_is_taken_only_without_autograd_on_cuda():
+    w = torch.zeros(2, 16, 16, dtype=torch.bfloat16, device=DEVICE)
+    x = torch.zeros(3, 16, dtype=torch.bfloat16, device=DEVICE)
+    counts = torch.tensor([1, 2], device=DEVICE)
+    with torch.no_grad():
+        assert strict_grouped_applies(x, w, counts) == (DEVICE == "cuda")
+        assert not strict_grouped_applies(x, w, [1, 2])  # host counts: the loop
+    assert not strict_grouped_applies(x, w.requires_grad_(), counts)  # the learner's strict forward: the loop
+    with pytest.raises(ValueError, match="grouped_matmul_fixed_k needs"):
+        TG.grouped_matmul_fixed_k(x, w.detach()[0], counts)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_strict_grouped_linear_is_the_loop_bitwise_on_cuda():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    counts = torch.randint(0, 9, (128,), device="cuda", generator=g)
+    counts[::7] = 0
+    x = torch.randn(int(counts.sum()), 2048, device="cuda", generator=g).bfloat16()
+    w = torch.randn(128, 1536, 2048, device="cuda", generator=g).bfloat16()
+    with torch.no_grad():
+        got = grouped_linear_bf16(x, w, counts, strict=True)  # one launch on the device counts
+        want = grouped_linear_bf16(x, w, counts.tolist(), strict=True)  # the per-expert loop
+    assert torch.equal(got, want)
+    graph = torch.cuda.CUDAGraph()  # capturable: no host read of the counts
+    with torch.no_grad(), torch.cuda.graph(graph):
+        captured = grouped_linear_bf16(x, w, counts, strict=True)
+    graph.replay()
+    assert torch.equal(captured, want)
