@@ -15,8 +15,8 @@ and the engine's prefill + KV-cache decode then give the same log-probs, bit for
 | RoPE                                     | strict_ops.sincos, then the same elementwise rotation                 |
 | core attention (DotProductAttention)     | strict_ops.attention (causal by absolute position, tree over keys)    |
 | router: logits, softmax, top-k           | strict linear in fp32, strict softmax, stable top-k (low index wins)  |
-| BF16 experts, SwiGLU                     | strict linear per expert (on a GPU without autograd all experts in   |
-|                                          | one launch, the same bits); silu = x / (1 + strict exp(-x))          |
+| BF16 experts, SwiGLU                     | strict linear per expert (on a GPU without autograd all experts in    |
+|                                          | one launch, the same bits); silu = x / (1 + strict exp(-x))           |
 | MoE combine                              | a token's k expert outputs summed in ascending expert order, fp32     |
 |                                          | (Megatron's alltoall dispatcher, or moe_dispatch.LocalTokenDispatcher)|
 | log-softmax over the vocabulary          | strict_ops.log_softmax: learner (token_logprobs) and the rollout      |
