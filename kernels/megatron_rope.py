@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+from ._launch import next_power_of_2
 
 
 @triton.jit
@@ -58,5 +59,5 @@ def rope(t: torch.Tensor, freqs: torch.Tensor, mscale: float = 1.0) -> torch.Ten
     if y.numel():
         _rope_kernel[(s * b,)](t, freqs, y, b, h, t.stride(0), t.stride(1), t.stride(2), freqs.stride(0),
                                y.stride(0), y.stride(1), y.stride(2), float(mscale), D=d, HALF=d // 2,
-                               BLOCK_H=triton.next_power_of_2(h), num_warps=4, enable_fp_fusion=False)
+                               BLOCK_H=next_power_of_2(h), num_warps=4, enable_fp_fusion=False)
     return y

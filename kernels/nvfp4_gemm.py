@@ -42,6 +42,7 @@ from minite.nvfp4.grouped import NVFP4Segments, NVFP4Stack, check_accumulate, de
 from minite.nvfp4.tensor import FACTOR_INV, NVFP4Tensor
 
 from ._interpreter import ensure_interpreter_compat, interpreting
+from ._launch import cdiv, device_constant, next_power_of_2
 
 VALUES_DTYPE = torch.float16
 PTX_DECODE = True
@@ -302,10 +303,13 @@ def _kgrouped_gemm_kernel(a_data, a_scale, a_vals, a_amax, a_amax_stride, a_amax
                           c_ptr, k_start_ptr, k_count_ptr, M, N, KT, factor_inv,
                           A_PACKED: tl.constexpr, B_PACKED: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          PTX: tl.constexpr = False, ACCUMULATE: tl.constexpr = False):
+                          PTX: tl.constexpr = False, ACCUMULATE: tl.constexpr = False,
+                          STARTS_FROM_COUNTS: tl.constexpr = False, BLOCK_E: tl.constexpr = 16):
     """c[e] = a[:, K range of e] @ b[:, K range of e]^T (the MoE wgrad: K = tokens, grouped by expert).
     ACCUMULATE: c[e] += that instead (c fp32: a gradient accumulated in place, as Megatron's main_grad), with the
-    product rounded to fp32 before the add, as when it is added afterwards (`_add_rn`)."""
+    product rounded to fp32 before the add, as when it is added afterwards (`_add_rn`).
+    STARTS_FROM_COUNTS: expert e's first token is the sum of the counts before it, summed here from the BLOCK_E >= E
+    counts (k_start_ptr unused), instead of read from a table of starts: no prefix-sum launch for device counts."""
     e = tl.program_id(1)
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -315,7 +319,12 @@ def _kgrouped_gemm_kernel(a_data, a_scale, a_vals, a_amax, a_amax_stride, a_amax
     cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < M
     cmask = cols < N
-    ks = tl.multiple_of(tl.load(k_start_ptr + e), 16)  # token counts are multiples of 16 (checked by the launcher)
+    if STARTS_FROM_COUNTS:
+        offs_e = tl.arange(0, BLOCK_E)
+        ks = tl.sum(tl.load(k_count_ptr + offs_e, mask=offs_e < e, other=0), axis=0)
+    else:
+        ks = tl.load(k_start_ptr + e)
+    ks = tl.multiple_of(ks, 16)  # token counts are multiples of 16 (checked by the launcher for host counts)
     ke = tl.multiple_of(ks + tl.load(k_count_ptr + e), 16)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(ks, ke, BLOCK_K):  # fixed, sequential K order
@@ -469,8 +478,8 @@ def grouped_gemm_triton(a: NVFP4Tensor, weights, tokens_per_expert, out_dtype=to
     counts = _as_group_tensors(tokens_per_expert, experts, dev)
     cfg = config or default_config(rows_hint or max(1, t_rows // experts), interpreting(), w.values is None)
     out = torch.empty(t_rows, n, dtype=out_dtype, device=dev)
-    max_tiles = triton.cdiv(t_rows, cfg.block_m) + experts
-    grid = (max_tiles * triton.cdiv(n, cfg.block_n),)
+    max_tiles = cdiv(t_rows, cfg.block_m) + experts
+    grid = (max_tiles * cdiv(n, cfg.block_n),)
     a_packed = a_values is None
     b_packed = w.values is None
     in_order = b_packed and w.decode_data is not None and cfg.block_k % 128 == 0 and not b_trans
@@ -484,7 +493,7 @@ def grouped_gemm_triton(a: NVFP4Tensor, weights, tokens_per_expert, out_dtype=to
         1 if w.amax.shape[1] > 1 else 0,
         out, counts, experts, n, k, FACTOR_INV,
         A_SBR=a.block[0], B_SBR=w.block_rows, A_PACKED=a_packed, B_PACKED=b_packed,
-        BLOCK_E=max(16, triton.next_power_of_2(experts)),
+        BLOCK_E=max(16, next_power_of_2(experts)),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SWAP_AB=cfg.swap_ab, B_TRANS=b_trans,
         PTX=PTX_DECODE and not interpreting(), EVEN_K=k % cfg.block_k == 0, DECODE_ORDER=in_order,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -537,9 +546,9 @@ def kgrouped_gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, tokens_per_expert, out_
             raise ValueError(f"wgrad token counts must be multiples of 16 (pad per expert), got {host.tolist()}")
         both = int32_to(np.stack([host, np.cumsum(host) - host]), dev)  # counts and starts: one copy, no launch
         counts, starts = both[0], both[1]
-    else:
-        counts = tokens_per_expert.to(torch.int32)
-        starts = (torch.cumsum(counts, 0, dtype=torch.int32) - counts).to(torch.int32)
+    else:  # the kernel sums each expert's start from the counts (STARTS_FROM_COUNTS)
+        counts = tokens_per_expert.to(torch.int32).contiguous()
+        starts = None
     experts = counts.numel()
     # 128x256x64, 3 stages: the expert block's FC2 wgrad on the H200 in 859 us (2026-12-01, f42a446) and 845 us
     # (4e12937) against 1002 and 1010 us for 128x128x64 (bench_nvfp4.py --sections block, wgrad_fc2*); the tile does
@@ -548,7 +557,7 @@ def kgrouped_gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, tokens_per_expert, out_
     if accumulate is not None:
         check_accumulate(accumulate, (experts, m, n), dev, "kgrouped_gemm")
     out = torch.empty(experts, m, n, dtype=out_dtype, device=dev) if accumulate is None else accumulate
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), experts)
+    grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n), experts)
     a_am, a_rs, a_es = ((a.decode_amax(), 1 if a.per_row else 0, 0) if a_expert_amax is None
                         else (a_expert_amax, 0, 1))
     b_am, b_rs, b_es = ((b.decode_amax(), 1 if b.per_row else 0, 0) if b_expert_amax is None
@@ -556,10 +565,12 @@ def kgrouped_gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, tokens_per_expert, out_
     _kgrouped_gemm_kernel[grid](
         a.data, a.scale.view(torch.uint8), a.data if a_values is None else a_values, a_am, a_rs, a_es,
         b.data, b.scale.view(torch.uint8), b.data if b_values is None else b_values, b_am, b_rs, b_es,
-        out, starts, counts, m, n, kt, FACTOR_INV,
+        out, counts if starts is None else starts, counts, m, n, kt, FACTOR_INV,
         A_PACKED=a_values is None, B_PACKED=b_values is None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PTX=PTX_DECODE and not interpreting(),
-        ACCUMULATE=accumulate is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        ACCUMULATE=accumulate is not None, STARTS_FROM_COUNTS=starts is None,
+        BLOCK_E=max(16, next_power_of_2(experts)) if starts is None else 16, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return out
 
 
@@ -568,7 +579,7 @@ def segmented_gemm_triton(a: NVFP4Segments, b: NVFP4Segments, out_dtype=torch.fl
     """out[e] = a_e @ b_e^T over matching column segments (minite.nvfp4.segmented_gemm): the K-grouped kernel with
     one decode amax per segment; reads the fp16 block values when both operands carry them."""
     ra, rb, total = a.data.shape[0], b.data.shape[0], 2 * a.data.shape[1]  # device widths: an upper bound
-    one = torch.ones((), dtype=torch.float32, device=a.data.device)
+    one = device_constant(1.0, torch.float32, a.data.device)  # read only: the segments carry their own amaxes
     if a.amax is None or b.amax is None:
         raise ValueError("segmented_gemm: NVFP4Segments without amax; build them with quantize_column_segments")
     qa = NVFP4Tensor(a.data, a.scale, one, (ra, total), (1, 16), amax=one)

@@ -50,6 +50,7 @@ from minite.nvfp4.quantize import SATURATED_AMAX
 from minite.nvfp4.tensor import NVFP4Tensor
 
 from ._interpreter import ensure_interpreter_compat
+from ._launch import cdiv, next_power_of_2, sm_count
 from .nvfp4_seeds import _as_int32_bits, seed_mix  # noqa: F401 (seed_mix: part of this module's API)
 
 FP32_MAX = float(np.finfo(np.float32).max)
@@ -405,7 +406,7 @@ TUNING = {
 
 def _amax_programs(dev: torch.device, tiles: int, segments: int = 1) -> int:
     """Programs of an amax pass over `tiles` tiles per segment: loads in flight, few atomics per address."""
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+    sms = sm_count(dev)
     per_sm = TUNING["amax"]["segment_programs_per_sm" if segments > 1 else "programs_per_sm"]
     return max(1, min(tiles, sms * per_sm // segments))
 
@@ -435,9 +436,9 @@ def _tile_shape(rows: int, cols: int, br: int, row_scope: bool, budget: int,
     """(BLOCK_R, BLOCK_C, single pass) for one program holding about `budget` elements. col_major: x's rows are
     the contiguous direction (a transposed view, e.g. the wgrad operands x^T): tiles of up to `tall` rows, so that
     each column's read is one contiguous run of rows."""
-    full = triton.next_power_of_2(cols)
+    full = next_power_of_2(cols)
     if col_major and br == 1 and not row_scope:
-        block_r = min(triton.next_power_of_2(rows), tall)
+        block_r = min(next_power_of_2(rows), tall)
         return block_r, max(16, min(full, budget // block_r)), False
     if row_scope:
         single = full <= MAX_SINGLE_PASS_COLS
@@ -462,8 +463,8 @@ def _tensor_amax(x: torch.Tensor, rht: bool, block_r: int, block_c: int, vec2d: 
             x, vec2d, warps = storage, True, tune["warps"]
             block_r, block_c, _ = _tile_shape(x.shape[0], x.shape[1], 1, False, tune["elems"])
     rows, cols = x.shape
-    tiles_c = triton.cdiv(cols, block_c)
-    tiles = triton.cdiv(rows, block_r) * tiles_c
+    tiles_c = cdiv(cols, block_c)
+    tiles = cdiv(rows, block_r) * tiles_c
     _amax_kernel[(_amax_programs(x.device, tiles),)](
         x, x.stride(0), x.stride(1), rows, cols, bits, tiles_c, tiles, BLOCK_R=block_r, BLOCK_C=block_c, RHT=rht,
         SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d, num_warps=warps)
@@ -507,13 +508,13 @@ def quantize_with_values_triton(x: torch.Tensor, block=(1, 16), scale_scope: str
     if row_scope:
         gs = torch.empty(rows, dtype=torch.float32, device=dev)
         amax_out = torch.empty(rows, dtype=torch.float32, device=dev)
-        grid = (triton.cdiv(rows, block_r), 1)
+        grid = (cdiv(rows, block_r), 1)
         amax_in = given if given is not None else gs  # read only with GIVEN_AMAX
     else:
         gs = torch.empty((), dtype=torch.float32, device=dev)
         amax_out = torch.empty((), dtype=torch.float32, device=dev)
         # at least one program: it writes the scales, also of an empty tensor (all its loads and stores masked)
-        grid = (max(1, triton.cdiv(rows, block_r)), max(1, triton.cdiv(cols, block_c)))
+        grid = (max(1, cdiv(rows, block_r)), max(1, cdiv(cols, block_c)))
         if given is None:  # the amax pass: an atomic max of the fp32 bits; the kernel below derives the scales
             bits = torch.zeros((), dtype=torch.int32, device=dev)
             if x.numel():

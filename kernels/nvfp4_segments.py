@@ -13,9 +13,10 @@ import triton.language as tl
 
 from . import nvfp4_quant as nq
 from ._interpreter import ensure_interpreter_compat
+from ._launch import cdiv, next_power_of_2
 from .nvfp4_quant import (RHT_SIGN_MASK, SIXTH, _block_amax, _decode_amax, _global_scales, _load_tile,
                           _quantize_tile, _tiles_amax)
-from .nvfp4_seeds import seed_mixes
+from .nvfp4_seeds import device_seed_mixes, seed_mixes
 from minite.nvfp4.device_copy import host_to
 
 
@@ -239,7 +240,7 @@ def quantize_segments_triton(x: torch.Tensor, segments, out_shape: tuple[int, in
                                       tune.get("rows", 128))
     warps = nq._warps(tune, block_r, block_c)
     vec2d = tune["vec2d"]
-    grid = (triton.cdiv(max(max_r, 1), block_r), triton.cdiv(max(max_c, 16), block_c), nseg)
+    grid = (cdiv(max(max_r, 1), block_r), cdiv(max(max_c, 16), block_c), nseg)
     rows16 = not (tab[:, [0, 2, 4]] % 16).any()  # a compile-time hint (_segment)
     if amax is None:  # an atomic max per segment of the fp32 bits; the quantisation kernel derives the scales
         bits = zero_bits
@@ -263,7 +264,7 @@ def quantize_segments_triton(x: torch.Tensor, segments, out_shape: tuple[int, in
 def count_segments_columns(total: int, experts: int) -> int:
     """Output columns of `quantize_count_segments_triton` for `total` columns of x in `experts` segments: the most
     that the padded counts can sum to (each count padded by at most 15), so that the counts never leave the device."""
-    return triton.cdiv(total + 15 * experts, 16) * 16
+    return cdiv(total + 15 * experts, 16) * 16
 
 
 def quantize_count_segments_triton(x: torch.Tensor, counts: torch.Tensor, rounding: str = "nearest", seeds=None,
@@ -294,8 +295,8 @@ def quantize_count_segments_triton(x: torch.Tensor, counts: torch.Tensor, roundi
         empty = torch.empty(0, device=dev)
         return _result(data, scale, empty, empty, vals, values_dtype)
     cnt = counts.to(device=dev, dtype=torch.int32).contiguous()
-    tail_d = host_to(torch.from_numpy(_seed_tail(seeds, nseg, stochastic)), dev)  # one copy, no sync
-    mixes, bits = tail_d[:nseg], tail_d[nseg:]
+    bits = torch.zeros(nseg, dtype=torch.int32, device=dev)  # the segments' amaxes, as atomic maxima of fp32 bits
+    mixes = device_seed_mixes(seeds, dev) if stochastic else bits  # read only with STOCHASTIC; no host copy when kept
     col_major = nq._col_major(x)
     tune = tuning or nq.TUNING["colmajor_segments" if col_major else "values"]
     # the tile for the widest segment the counts allow (at least 64 columns: the tiles of a table launch whose widest
@@ -304,13 +305,13 @@ def quantize_count_segments_triton(x: torch.Tensor, counts: torch.Tensor, roundi
                                       tune.get("rows", 128))
     warps = nq._warps(tune, block_r, block_c)
     vec2d = tune["vec2d"]
-    tiles_r = triton.cdiv(max(rows, 1), block_r)
-    tiles_c = triton.cdiv(out_c, block_c) + nseg  # each segment's tiles: its padded width / BLOCK_C, plus one at most
-    block_e = max(16, triton.next_power_of_2(nseg))
+    tiles_r = cdiv(max(rows, 1), block_r)
+    tiles_c = cdiv(out_c, block_c) + nseg  # each segment's tiles: its padded width / BLOCK_C, plus one at most
+    block_e = max(16, next_power_of_2(nseg))
     rows16 = rows % 16 == 0
     common = dict(COUNTS=True, R_ALL=rows, E=nseg, BLOCK_E=block_e, BLOCK_R=block_r, BLOCK_C=block_c, RHT=rht,
                   SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d, ROWS16=rows16, XC16=False, num_warps=warps)
-    amax_grid = (nq._amax_programs(dev, tiles_r * triton.cdiv(max(total, 1), block_c * nseg), nseg), 1, nseg)
+    amax_grid = (nq._amax_programs(dev, tiles_r * cdiv(max(total, 1), block_c * nseg), nseg), 1, nseg)
     _segments_amax_kernel[amax_grid](x, x.stride(0), x.stride(1), cnt, bits, **common)
     amax = bits.view(torch.float32)
     gs = torch.empty(nseg, dtype=torch.float32, device=dev)

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ._interpreter import ensure_interpreter_compat
+from ._launch import cdiv
 
 BLOCK_R = 16
 BLOCK_B = 256  # code bytes (512 elements) per program row
@@ -59,7 +60,7 @@ def block_values_triton(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
     rows, nb = data.shape
     vals = torch.empty(rows, 2 * nb, dtype=torch.float16, device=data.device)
     if vals.numel():
-        grid = (triton.cdiv(rows, BLOCK_R), triton.cdiv(nb, BLOCK_B))
+        grid = (cdiv(rows, BLOCK_R), cdiv(nb, BLOCK_B))
         _block_values_kernel[grid](data.contiguous(), scale.contiguous().view(torch.uint8), vals, rows, nb,
                                    BLOCK_R=BLOCK_R, BLOCK_B=BLOCK_B, num_warps=4)
     return vals

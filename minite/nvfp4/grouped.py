@@ -227,7 +227,7 @@ class NVFP4Segments:
 def padded(rows):
     """rows rounded up to a multiple of 16 (the wgrad quantises along the tokens in 16-blocks, one expert's tokens
     zero-padded to whole blocks); an int, or elementwise for an integer numpy array or torch tensor."""
-    return rows + (-rows) % 16
+    return (rows + 15) & -16  # two ops on a tensor (add, and), the same integers as rows + (-rows) % 16
 
 
 def check_accumulate(buf: torch.Tensor, shape: tuple, device, what: str) -> None:

@@ -14,6 +14,7 @@ weights need no gradient: dgrad reads dy and the weights only.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import numpy as np
@@ -106,14 +107,25 @@ def _wgrad_seeds(seed: int, experts: int) -> np.ndarray:
     return derive_seeds(seed, 1000 + np.arange(experts))  # derive_seed(seed, 1000 + e) for each expert e
 
 
-def _wgrad_segments(t: torch.Tensor, counts, recipe: NVFP4Recipe, role: str, seeds: np.ndarray, backend: str,
+@functools.lru_cache(maxsize=4096)
+def _role_seeds(seed: int, experts: int, role: str) -> np.ndarray:
+    """The seeds of one wgrad operand, per expert derive_seed(derive_seed(seed, 1000 + e), ROLES[role]), read-only.
+    Kept: a layer's forward (x^T) and backward (dy^T) and every micro-batch of a step derive the same ones from the
+    same seed, ~50 us of host time each on the H200 (two numpy passes over the experts)."""
+    seeds = derive_seeds(_wgrad_seeds(seed, experts), ROLES[role])
+    seeds.flags.writeable = False
+    return seeds
+
+
+def _wgrad_segments(t: torch.Tensor, counts, recipe: NVFP4Recipe, role: str, seed: int, backend: str,
                     values: bool):
     """The wgrad operand t^T of rows t [T, C] grouped by expert: one column segment per expert, its tokens
-    zero-padded to a multiple of 16 by the quantiser (no padded copy), seeds derived per expert and role. counts:
-    host integers, or a device tensor that the kernels read where it is (no host synchronisation)."""
+    zero-padded to a multiple of 16 by the quantiser (no padded copy), seeds derived per expert and role from the
+    call's seed (`_role_seeds`). counts: host integers, or a device tensor that the kernels read where it is (no
+    host synchronisation)."""
     op = getattr(recipe, role)
     return quantize_count_segments(t.t(), counts, rounding=op.rounding, rht=op.rht,
-                                   seeds=derive_seeds(seeds, ROLES[role]), backend=backend,
+                                   seeds=_role_seeds(seed, len(counts), role), backend=backend,
                                    **quant_flags(backend, t, values))
 
 
@@ -126,8 +138,8 @@ def _grouped_wgrad(dy: torch.Tensor, x: Optional[torch.Tensor], counts, recipe: 
     packed since the forward), in place of x. accumulate (segment path only): an fp32 [E, N, K] gradient that
     the fp32 dW is added to in place by the GEMM (`segmented_gemm`), returned."""
     experts = len(counts)
-    seeds = _wgrad_seeds(seed, experts)
     if not _segmentable(recipe):
+        seeds = _wgrad_seeds(seed, experts)
         dw = torch.zeros(experts, dy.shape[1], x.shape[1], dtype=out_dtype, device=x.device)
         start = 0
         for e, c in enumerate(counts):
@@ -137,9 +149,9 @@ def _grouped_wgrad(dy: torch.Tensor, x: Optional[torch.Tensor], counts, recipe: 
             start += c
         return dw
     values = quant_flags(backend, dy)["values"]  # whether the kernels' GEMM reads block values
-    gs = _wgrad_segments(dy, counts, recipe, "wgrad_gradient", seeds, backend, values)
+    gs = _wgrad_segments(dy, counts, recipe, "wgrad_gradient", seed, backend, values)
     if x_segments is None:
-        xs = _wgrad_segments(x, counts, recipe, "wgrad_input", seeds, backend, values)
+        xs = _wgrad_segments(x, counts, recipe, "wgrad_input", seed, backend, values)
     else:
         xs = x_segments.with_values(backend) if values else x_segments
     return segmented_gemm(gs, xs, out_dtype=out_dtype, backend=backend, accumulate=accumulate)
@@ -171,8 +183,7 @@ class _NVFP4GroupedLinear(torch.autograd.Function):
         # ctx), so that saved-tensor hooks see them as they see every other saved activation.
         ctx.x_segmented = bool(wgrad_follows and x.shape[0] and _segmentable(recipe))
         if ctx.x_segmented:
-            xs = _wgrad_segments(x, counts, recipe, "wgrad_input", _wgrad_seeds(seed, len(counts)), backend,
-                                 values=False)
+            xs = _wgrad_segments(x, counts, recipe, "wgrad_input", seed, backend, values=False)
             widths = [xs.widths] if torch.is_tensor(xs.widths) else []
             ctx.x_widths = None if widths else xs.widths
             ctx.save_for_backward(xs.data, xs.scale, xs.global_scale, xs.amax, *widths)

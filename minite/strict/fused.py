@@ -29,6 +29,7 @@ import math
 import torch
 
 from minite.kernels._interpreter import ensure_interpreter_compat, interpreting
+from minite.kernels._launch import cdiv, next_power_of_2
 
 try:
     import triton
@@ -379,7 +380,7 @@ def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     block_r = max(1, min(64, 4096 // width))
     # SPLIT=True on the GPU too: for these [rows, width] blocks tl.split compiles shorter (`sass_census.py --strict`,
     # Triton 3.6: 504 against 1,000 instructions at width 128), the form that passed the H200 tests before 2765bc1
-    _tree_sum_kernel[(triton.cdiv(rows, block_r),)](xm.contiguous(), out, rows, n, BLOCK_R=block_r, WIDTH=width,
+    _tree_sum_kernel[(cdiv(rows, block_r),)](xm.contiguous(), out, rows, n, BLOCK_R=block_r, WIDTH=width,
                                                     LEVELS=width.bit_length() - 1, SPLIT=True, num_warps=4,
                                                     enable_fp_fusion=False)
     return out
@@ -415,7 +416,7 @@ def exp(x: torch.Tensor) -> torch.Tensor:
     n = xc.numel()
     if n == 0:
         return y
-    _exp_kernel[(triton.cdiv(n, BLOCK),)](xc, y, n, **EXP_ARGS, BLOCK_SIZE=BLOCK, enable_fp_fusion=False)
+    _exp_kernel[(cdiv(n, BLOCK),)](xc, y, n, **EXP_ARGS, BLOCK_SIZE=BLOCK, enable_fp_fusion=False)
     return y
 
 
@@ -431,7 +432,7 @@ def log(x: torch.Tensor) -> torch.Tensor:
     if n == 0:
         return y
     c = {f"A{i}": v for i, v in enumerate(_ATANH_COEFFS)}
-    _log_kernel[(triton.cdiv(n, BLOCK),)](xc, y, n, **c, SQRT2=_SQRT2, LN2_HI=_LN2_HI, LN2_LO=_LN2_LO,
+    _log_kernel[(cdiv(n, BLOCK),)](xc, y, n, **c, SQRT2=_SQRT2, LN2_HI=_LN2_HI, LN2_LO=_LN2_LO,
                                           MIN_NORMAL=_MIN_NORMAL64, BLOCK_SIZE=BLOCK, enable_fp_fusion=False)
     return y
 
@@ -448,7 +449,7 @@ def sincos(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if n == 0:
         return sin, cos
     c = {**{f"S{i}": v for i, v in enumerate(_SIN_COEFFS)}, **{f"C{i}": v for i, v in enumerate(_COS_COEFFS)}}
-    _sincos_kernel[(triton.cdiv(n, BLOCK),)](xc, sin, cos, n, **c, TWO_OVER_PI=_TWO_OVER_PI, P1=_PIO2_1, P2=_PIO2_2,
+    _sincos_kernel[(cdiv(n, BLOCK),)](xc, sin, cos, n, **c, TWO_OVER_PI=_TWO_OVER_PI, P1=_PIO2_1, P2=_PIO2_2,
                                              P3=_PIO2_3, RNE=_RNE, BLOCK_SIZE=BLOCK, enable_fp_fusion=False)
     return sin, cos
 
@@ -479,8 +480,8 @@ def rope(t: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor, mscale: float = 
     cc = cos.to(torch.float32).contiguous()
     sc = sin.to(torch.float32).contiguous()
     fs = rot if cos.shape[0] == S and S > 1 else 0  # one row of angles per position, or one for all
-    block_d = triton.next_power_of_2(d)
+    block_d = next_power_of_2(d)
     rows = max(1, min(64, 4096 // block_d))
-    _rope_kernel[(S, triton.cdiv(R, rows))](tc, cc, sc, y, R, d, rot, rot // 2, fs, float(mscale), ROWS=rows,
+    _rope_kernel[(S, cdiv(R, rows))](tc, cc, sc, y, R, d, rot, rot // 2, fs, float(mscale), ROWS=rows,
                                             BLOCK_D=block_d, num_warps=4, enable_fp_fusion=False)
     return y

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from minite.kernels._interpreter import ensure_interpreter_compat
+from minite.kernels._launch import cdiv, next_power_of_2
 
 from . import fused
 
@@ -33,14 +34,14 @@ MAX_COLUMN_BLOCKS = 65535
 
 
 def _block_n(n: int, width: int) -> int:
-    return max(1, min(triton.next_power_of_2(n), BLOCK_ELEMS // width))
+    return max(1, min(next_power_of_2(n), BLOCK_ELEMS // width))
 
 
 def applies(n: int, k: int) -> bool:
     """Whether `linear` takes an output of n columns over K = k (`ops._linear_fwd` routes only then)."""
     if triton is None or k > fused.MAX_WIDTH:
         return False
-    return k == 0 or triton.cdiv(n, _block_n(n, 1 << (k - 1).bit_length())) <= MAX_COLUMN_BLOCKS
+    return k == 0 or cdiv(n, _block_n(n, 1 << (k - 1).bit_length())) <= MAX_COLUMN_BLOCKS
 
 
 if triton is not None:
@@ -77,7 +78,7 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     xc, wc = x.contiguous(), w.contiguous()
     width = 1 << (k - 1).bit_length()  # k == 1: width 1, no addition (as ops.tree_sum)
     block_n = _block_n(n, width)
-    _linear_kernel[(m, triton.cdiv(n, block_n))](xc, wc, out, m, n, k, xc.stride(0), wc.stride(0), BLOCK_N=block_n,
+    _linear_kernel[(m, cdiv(n, block_n))](xc, wc, out, m, n, k, xc.stride(0), wc.stride(0), BLOCK_N=block_n,
                                                  WIDTH=width, LEVELS=width.bit_length() - 1, SPLIT=fused.pair_split(),
                                                  num_warps=LINEAR_WARPS, enable_fp_fusion=False)
     return out
