@@ -13,8 +13,14 @@ import os
 import numpy as np
 
 
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    """Whether the kernels run in Triton's interpreter: TRITON_INTERPRET=1 as it was when they were defined, which
+    is when triton.jit reads it (read once, at this module's import with the kernels'; the launchers ask on every
+    call, and an environment lookup costs ~2 us of host time)."""
+    return _INTERPRETING
 
 
 def ensure_interpreter_compat() -> None:

@@ -49,3 +49,70 @@ def device_constant(value, dtype: torch.dtype, device: torch.device, shape: tupl
         with torch.inference_mode(False):  # a normal tensor, also when first made inside a generate
             t = _CONSTANTS[key] = torch.full(shape, value, dtype=dtype, device=device)
     return t
+
+
+# ---- the launch itself ------------------------------------------------------------------------------------------
+# `kernel[grid](*args)` on a compiled Triton 3.6 kernel runs ~40 us of Python on the H200 machine's host before the
+# driver call (JITFunction.run: knob lookups, the current device and stream through Triton's driver object, the
+# argument binder, a cache key built with str() of the options, a check of the kernel's globals, the launch
+# metadata; measured by section, 2026-12-02, docs/benchmarks.md). `launcher(kernel)[grid](*args)` keeps the first
+# launch of every specialisation on that path and afterwards calls the compiled kernel's launcher directly, after
+# Triton's own binder: the specialisation (argument types, 16-byte alignments, integers equal to 1 or divisible by
+# 16, constexpr values) and the options come from the binder, so the compiled kernel is the one Triton would pick.
+# Only for Triton 3.6 (the version the kernels were measured and tested with on the H200: the binder, the device
+# caches and CompiledKernel.run are its internals); elsewhere, under the interpreter, with a launch hook installed
+# (a profiler's), or with MINITE_FAST_LAUNCH=0, it is `kernel[grid]` itself.
+
+def _fast_launch_supported() -> bool:
+    import os
+
+    import triton
+    return triton.__version__.split(".")[:2] == ["3", "6"] and os.environ.get("MINITE_FAST_LAUNCH", "1") != "0"
+
+
+class Launcher:
+    """`launcher(kernel)[grid](*args, **kwargs)`: the same launch as `kernel[grid](*args, **kwargs)`, with Triton's
+    per-launch Python skipped after a specialisation's first launch (see above)."""
+
+    def __init__(self, kernel):
+        from triton.runtime.jit import JITFunction
+        self.kernel = kernel
+        self.fast = isinstance(kernel, JITFunction) and _fast_launch_supported()
+        self.compiled: dict = {}
+
+    def __getitem__(self, grid):
+        if not self.fast:
+            return self.kernel[grid]
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def launch(self, grid, args, kwargs):
+        from triton import knobs
+        device = torch._C._cuda_getDevice()
+        caches = self.kernel.device_caches.get(device)
+        hooks = knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
+        if caches is None or hooks:  # the first launch on this device, or a profiler's launch hooks
+            return self.kernel[grid](*args, **kwargs)
+        params, specialization, options = caches[4](*args, **kwargs)  # Triton's binder
+        key = (tuple(specialization), tuple(options.items()))
+        try:
+            compiled = self.compiled.get(key)
+        except TypeError:  # an unhashable constexpr value: Triton's own path
+            return self.kernel[grid](*args, **kwargs)
+        if compiled is None:
+            compiled = self.compiled[key] = self.kernel[grid](*args, **kwargs)  # compiles if need be, and launches
+            return compiled
+        g = tuple(grid(params) if callable(grid) else grid) + (1, 1)
+        compiled.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(device), compiled.function,
+                     compiled.packed_metadata, None, None, None, *params.values())
+        return compiled
+
+
+_LAUNCHERS: dict = {}
+
+
+def launcher(kernel) -> Launcher:
+    """The `Launcher` of a @triton.jit kernel (one per kernel)."""
+    found = _LAUNCHERS.get(id(kernel))
+    if found is None or found.kernel is not kernel:
+        found = _LAUNCHERS[id(kernel)] = Launcher(kernel)
+    return found

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ._interpreter import ensure_interpreter_compat
-from ._launch import cdiv
+from ._launch import cdiv, launcher
 
 BLOCK = 4096
 
@@ -36,4 +36,4 @@ def finite_max_into(t: torch.Tensor, flag: torch.Tensor) -> None:
     ensure_interpreter_compat()
     x = t.detach().reshape(-1)
     if x.numel():
-        _finite_max_kernel[(cdiv(x.numel(), BLOCK),)](x, x.numel(), flag, BLOCK=BLOCK, num_warps=4)
+        launcher(_finite_max_kernel)[(cdiv(x.numel(), BLOCK),)](x, x.numel(), flag, BLOCK=BLOCK, num_warps=4)

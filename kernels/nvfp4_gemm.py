@@ -42,7 +42,7 @@ from minite.nvfp4.grouped import NVFP4Segments, NVFP4Stack, check_accumulate, de
 from minite.nvfp4.tensor import FACTOR_INV, NVFP4Tensor
 
 from ._interpreter import ensure_interpreter_compat, interpreting
-from ._launch import cdiv, device_constant, next_power_of_2
+from ._launch import cdiv, device_constant, launcher, next_power_of_2
 
 VALUES_DTYPE = torch.float16
 PTX_DECODE = True
@@ -486,7 +486,7 @@ def grouped_gemm_triton(a: NVFP4Tensor, weights, tokens_per_expert, out_dtype=to
     # a values-only stack (NVFP4Stack.drop_codes) has no codes: its values stand in for the pointer, never read
     # without B_PACKED (another dtype there: one more Triton specialisation, same bits)
     b_data = w.decode_data if in_order else w.values if w.data is None else w.data
-    _grouped_gemm_kernel[grid](
+    launcher(_grouped_gemm_kernel)[grid](
         a.data, a.scale.view(torch.uint8), a.data if a_packed else a_values, a.decode_amax(),
         1 if a.per_row else 0,
         b_data, w.scale, b_data if b_packed else w.values, w.amax, w.amax.stride(0),
@@ -539,16 +539,17 @@ def kgrouped_gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, tokens_per_expert, out_
     if a.block[0] != 1 or b.block[0] != 1:
         raise ValueError("wgrad operands use (1, 16) blocks along the token dim")
     dev = a.data.device
-    if not torch.is_tensor(tokens_per_expert) or not tokens_per_expert.is_cuda:  # checkable without a sync
+    on_device = torch.is_tensor(tokens_per_expert) and tokens_per_expert.device == dev
+    if not on_device or not tokens_per_expert.is_cuda:  # checkable without a synchronisation
         host = np.asarray(tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else tokens_per_expert,
                           dtype=np.int64).reshape(-1)
         if (host % 16).any():
             raise ValueError(f"wgrad token counts must be multiples of 16 (pad per expert), got {host.tolist()}")
+    if on_device:  # the kernel sums each expert's start from the counts (STARTS_FROM_COUNTS): no prefix-sum launch
+        counts, starts = tokens_per_expert.to(torch.int32).contiguous(), None
+    else:
         both = int32_to(np.stack([host, np.cumsum(host) - host]), dev)  # counts and starts: one copy, no launch
         counts, starts = both[0], both[1]
-    else:  # the kernel sums each expert's start from the counts (STARTS_FROM_COUNTS)
-        counts = tokens_per_expert.to(torch.int32).contiguous()
-        starts = None
     experts = counts.numel()
     # 128x256x64, 3 stages: the expert block's FC2 wgrad on the H200 in 859 us (2026-12-01, f42a446) and 845 us
     # (4e12937) against 1002 and 1010 us for 128x128x64 (bench_nvfp4.py --sections block, wgrad_fc2*); the tile does
@@ -562,7 +563,7 @@ def kgrouped_gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, tokens_per_expert, out_
                         else (a_expert_amax, 0, 1))
     b_am, b_rs, b_es = ((b.decode_amax(), 1 if b.per_row else 0, 0) if b_expert_amax is None
                         else (b_expert_amax, 0, 1))
-    _kgrouped_gemm_kernel[grid](
+    launcher(_kgrouped_gemm_kernel)[grid](
         a.data, a.scale.view(torch.uint8), a.data if a_values is None else a_values, a_am, a_rs, a_es,
         b.data, b.scale.view(torch.uint8), b.data if b_values is None else b_values, b_am, b_rs, b_es,
         out, counts if starts is None else starts, counts, m, n, kt, FACTOR_INV,

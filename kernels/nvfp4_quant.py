@@ -50,7 +50,7 @@ from minite.nvfp4.quantize import SATURATED_AMAX
 from minite.nvfp4.tensor import NVFP4Tensor
 
 from ._interpreter import ensure_interpreter_compat
-from ._launch import cdiv, next_power_of_2, sm_count
+from ._launch import cdiv, launcher, next_power_of_2, sm_count
 from .nvfp4_seeds import _as_int32_bits, seed_mix  # noqa: F401 (seed_mix: part of this module's API)
 
 FP32_MAX = float(np.finfo(np.float32).max)
@@ -465,7 +465,7 @@ def _tensor_amax(x: torch.Tensor, rht: bool, block_r: int, block_c: int, vec2d: 
     rows, cols = x.shape
     tiles_c = cdiv(cols, block_c)
     tiles = cdiv(rows, block_r) * tiles_c
-    _amax_kernel[(_amax_programs(x.device, tiles),)](
+    launcher(_amax_kernel)[(_amax_programs(x.device, tiles),)](
         x, x.stride(0), x.stride(1), rows, cols, bits, tiles_c, tiles, BLOCK_R=block_r, BLOCK_C=block_c, RHT=rht,
         SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d, num_warps=warps)
 
@@ -523,7 +523,7 @@ def quantize_with_values_triton(x: torch.Tensor, block=(1, 16), scale_scope: str
         else:
             amax_in = given.reshape(())
     row_given = row_scope and given is not None
-    _quant_kernel[grid](x, x.stride(0), x.stride(1), rows, cols, data, scale, gs, vals,
+    launcher(_quant_kernel)[grid](x, x.stride(0), x.stride(1), rows, cols, data, scale, gs, vals,
                         _as_int32_bits(seed_mix(seed)) if stochastic else 0, SIXTH, amax_in, amax_out,
                         BLOCK_R=block_r, BLOCK_C=block_c, BR=br, ROW_SCOPE=row_scope, SINGLE=single,
                         STOCHASTIC=stochastic, RHT=rht, WRITE_VALS=values_dtype is not None,

@@ -13,10 +13,10 @@ import triton.language as tl
 
 from . import nvfp4_quant as nq
 from ._interpreter import ensure_interpreter_compat
-from ._launch import cdiv, next_power_of_2
+from ._launch import cdiv, launcher, next_power_of_2
 from .nvfp4_quant import (RHT_SIGN_MASK, SIXTH, _block_amax, _decode_amax, _global_scales, _load_tile,
                           _quantize_tile, _tiles_amax)
-from .nvfp4_seeds import device_seed_mixes, seed_mixes
+from .nvfp4_seeds import seed_mixes
 from minite.nvfp4.device_copy import host_to
 
 
@@ -244,7 +244,7 @@ def quantize_segments_triton(x: torch.Tensor, segments, out_shape: tuple[int, in
     rows16 = not (tab[:, [0, 2, 4]] % 16).any()  # a compile-time hint (_segment)
     if amax is None:  # an atomic max per segment of the fp32 bits; the quantisation kernel derives the scales
         bits = zero_bits
-        _segments_amax_kernel[(nq._amax_programs(dev, grid[0] * grid[1], nseg), 1, nseg)](
+        launcher(_segments_amax_kernel)[(nq._amax_programs(dev, grid[0] * grid[1], nseg), 1, nseg)](
                                     x, x.stride(0), x.stride(1), table, bits, BLOCK_R=block_r, BLOCK_C=block_c,
                                     RHT=rht, SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d, ROWS16=rows16,
                                     XC16=xc16, num_warps=warps)
@@ -253,7 +253,7 @@ def quantize_segments_triton(x: torch.Tensor, segments, out_shape: tuple[int, in
         amax = amax.to(device=dev, dtype=torch.float32).contiguous()
     gs = torch.empty(nseg, dtype=torch.float32, device=dev)
     amax_out = torch.empty(nseg, dtype=torch.float32, device=dev)
-    _segments_quant_kernel[grid](x, x.stride(0), x.stride(1), table, out_c, data, scale, amax, gs, amax_out, mixes,
+    launcher(_segments_quant_kernel)[grid](x, x.stride(0), x.stride(1), table, out_c, data, scale, amax, gs, amax_out, mixes,
                                  vals, SIXTH,
                                  BLOCK_R=block_r, BLOCK_C=block_c, BR=br, STOCHASTIC=stochastic, RHT=rht,
                                  WRITE_VALS=values_dtype is not None, SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d,
@@ -295,8 +295,11 @@ def quantize_count_segments_triton(x: torch.Tensor, counts: torch.Tensor, roundi
         empty = torch.empty(0, device=dev)
         return _result(data, scale, empty, empty, vals, values_dtype)
     cnt = counts.to(device=dev, dtype=torch.int32).contiguous()
-    bits = torch.zeros(nseg, dtype=torch.int32, device=dev)  # the segments' amaxes, as atomic maxima of fp32 bits
-    mixes = device_seed_mixes(seeds, dev) if stochastic else bits  # read only with STOCHASTIC; no host copy when kept
+    if stochastic:  # one host-to-device copy: the seed mixes, then the zeroed amax bits
+        tail_d = host_to(torch.from_numpy(_seed_tail(seeds, nseg, True)), dev)
+        mixes, bits = tail_d[:nseg], tail_d[nseg:]
+    else:  # no seeds to copy: the zeroed amax bits alone (a fill, cheaper on the host than a pinned copy)
+        mixes = bits = torch.zeros(nseg, dtype=torch.int32, device=dev)  # mixes: never read without STOCHASTIC
     col_major = nq._col_major(x)
     tune = tuning or nq.TUNING["colmajor_segments" if col_major else "values"]
     # the tile for the widest segment the counts allow (at least 64 columns: the tiles of a table launch whose widest
@@ -312,11 +315,11 @@ def quantize_count_segments_triton(x: torch.Tensor, counts: torch.Tensor, roundi
     common = dict(COUNTS=True, R_ALL=rows, E=nseg, BLOCK_E=block_e, BLOCK_R=block_r, BLOCK_C=block_c, RHT=rht,
                   SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d, ROWS16=rows16, XC16=False, num_warps=warps)
     amax_grid = (nq._amax_programs(dev, tiles_r * cdiv(max(total, 1), block_c * nseg), nseg), 1, nseg)
-    _segments_amax_kernel[amax_grid](x, x.stride(0), x.stride(1), cnt, bits, **common)
+    launcher(_segments_amax_kernel)[amax_grid](x, x.stride(0), x.stride(1), cnt, bits, **common)
     amax = bits.view(torch.float32)
     gs = torch.empty(nseg, dtype=torch.float32, device=dev)
     amax_out = torch.empty(nseg, dtype=torch.float32, device=dev)
-    _segments_quant_kernel[(tiles_r, tiles_c, 1)](x, x.stride(0), x.stride(1), cnt, out_c, data, scale, amax, gs,
+    launcher(_segments_quant_kernel)[(tiles_r, tiles_c, 1)](x, x.stride(0), x.stride(1), cnt, out_c, data, scale, amax, gs,
                                                   amax_out, mixes, vals, SIXTH, BR=1, STOCHASTIC=stochastic,
                                                   WRITE_VALS=values_dtype is not None, **common)
     return _result(data, scale, gs, amax_out, vals, values_dtype)

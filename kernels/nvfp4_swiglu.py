@@ -19,7 +19,7 @@ import triton.language as tl
 from minite.nvfp4.tensor import NVFP4Tensor
 
 from ._interpreter import ensure_interpreter_compat
-from ._launch import cdiv, next_power_of_2
+from ._launch import cdiv, launcher, next_power_of_2
 from .nvfp4_quant import SIXTH, _block_amax, _decode_amax, _global_scales, _quantize_tile
 
 
@@ -103,7 +103,7 @@ def swiglu_quant_triton(h: torch.Tensor, quantize: bool = True, values_dtype: to
     amax = torch.empty(rows, dtype=torch.float32, device=dev)
     vals = torch.empty(rows, f, dtype=values_dtype, device=dev) if (quantize and values_dtype) else data
     block_r, block_c = _tile(f)
-    _swiglu_quant_kernel[(cdiv(rows, block_r),)](
+    launcher(_swiglu_quant_kernel)[(cdiv(rows, block_r),)](
         h, a, data, scale, gs, amax, vals, rows, f, SIXTH, BLOCK_R=block_r, BLOCK_C=block_c, QUANT=quantize,
         WRITE_VALS=bool(quantize and values_dtype), num_warps=2)
     if not quantize:
@@ -120,7 +120,7 @@ def swiglu_bwd_triton(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
     f = two_f // 2
     dh = torch.empty_like(h)
     block_r, block_c = 4, min(1024, next_power_of_2(f))
-    _swiglu_bwd_kernel[(cdiv(rows, block_r), cdiv(f, block_c))](
+    launcher(_swiglu_bwd_kernel)[(cdiv(rows, block_r), cdiv(f, block_c))](
         h, da.contiguous(), dh, rows, f, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
     return dh
 

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ._interpreter import ensure_interpreter_compat
-from ._launch import cdiv
+from ._launch import cdiv, launcher
 
 BLOCK_R = 16
 BLOCK_B = 256  # code bytes (512 elements) per program row
@@ -61,6 +61,6 @@ def block_values_triton(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
     vals = torch.empty(rows, 2 * nb, dtype=torch.float16, device=data.device)
     if vals.numel():
         grid = (cdiv(rows, BLOCK_R), cdiv(nb, BLOCK_B))
-        _block_values_kernel[grid](data.contiguous(), scale.contiguous().view(torch.uint8), vals, rows, nb,
+        launcher(_block_values_kernel)[grid](data.contiguous(), scale.contiguous().view(torch.uint8), vals, rows, nb,
                                    BLOCK_R=BLOCK_R, BLOCK_B=BLOCK_B, num_warps=4)
     return vals

@@ -14,7 +14,6 @@ weights need no gradient: dgrad reads dy and the weights only.
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import numpy as np
@@ -107,14 +106,12 @@ def _wgrad_seeds(seed: int, experts: int) -> np.ndarray:
     return derive_seeds(seed, 1000 + np.arange(experts))  # derive_seed(seed, 1000 + e) for each expert e
 
 
-@functools.lru_cache(maxsize=4096)
-def _role_seeds(seed: int, experts: int, role: str) -> np.ndarray:
-    """The seeds of one wgrad operand, per expert derive_seed(derive_seed(seed, 1000 + e), ROLES[role]), read-only.
-    Kept: a layer's forward (x^T) and backward (dy^T) and every micro-batch of a step derive the same ones from the
-    same seed, ~50 us of host time each on the H200 (two numpy passes over the experts)."""
-    seeds = derive_seeds(_wgrad_seeds(seed, experts), ROLES[role])
-    seeds.flags.writeable = False
-    return seeds
+def _role_seeds(seed: int, experts: int, role: str, recipe: NVFP4Recipe) -> Optional[np.ndarray]:
+    """The seeds of one wgrad operand, per expert derive_seed(derive_seed(seed, 1000 + e), ROLES[role]); None when
+    the role rounds to nearest (x^T by default: nothing to draw, and two numpy passes over the experts saved)."""
+    if getattr(recipe, role).rounding != "stochastic":
+        return None
+    return derive_seeds(_wgrad_seeds(seed, experts), ROLES[role])
 
 
 def _wgrad_segments(t: torch.Tensor, counts, recipe: NVFP4Recipe, role: str, seed: int, backend: str,
@@ -125,7 +122,7 @@ def _wgrad_segments(t: torch.Tensor, counts, recipe: NVFP4Recipe, role: str, see
     host synchronisation)."""
     op = getattr(recipe, role)
     return quantize_count_segments(t.t(), counts, rounding=op.rounding, rht=op.rht,
-                                   seeds=_role_seeds(seed, len(counts), role), backend=backend,
+                                   seeds=_role_seeds(seed, len(counts), role, recipe), backend=backend,
                                    **quant_flags(backend, t, values))
 
 

@@ -29,7 +29,7 @@ import math
 import torch
 
 from minite.kernels._interpreter import ensure_interpreter_compat, interpreting
-from minite.kernels._launch import cdiv, next_power_of_2
+from minite.kernels._launch import cdiv, launcher, next_power_of_2
 
 try:
     import triton
@@ -380,7 +380,7 @@ def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     block_r = max(1, min(64, 4096 // width))
     # SPLIT=True on the GPU too: for these [rows, width] blocks tl.split compiles shorter (`sass_census.py --strict`,
     # Triton 3.6: 504 against 1,000 instructions at width 128), the form that passed the H200 tests before 2765bc1
-    _tree_sum_kernel[(cdiv(rows, block_r),)](xm.contiguous(), out, rows, n, BLOCK_R=block_r, WIDTH=width,
+    launcher(_tree_sum_kernel)[(cdiv(rows, block_r),)](xm.contiguous(), out, rows, n, BLOCK_R=block_r, WIDTH=width,
                                                     LEVELS=width.bit_length() - 1, SPLIT=True, num_warps=4,
                                                     enable_fp_fusion=False)
     return out
@@ -400,7 +400,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if rows == 0 or n == 0:
         return y
     width = 1 << (n - 1).bit_length()
-    _rms_norm_kernel[(rows,)](xc, wc, y, n, float(eps), WIDTH=max(width, 2), LEVELS=max(width, 2).bit_length() - 1,
+    launcher(_rms_norm_kernel)[(rows,)](xc, wc, y, n, float(eps), WIDTH=max(width, 2), LEVELS=max(width, 2).bit_length() - 1,
                               SPLIT=pair_split(),
                               num_warps=4 if width <= 4096 else 8, enable_fp_fusion=False)
     return y
@@ -416,7 +416,7 @@ def exp(x: torch.Tensor) -> torch.Tensor:
     n = xc.numel()
     if n == 0:
         return y
-    _exp_kernel[(cdiv(n, BLOCK),)](xc, y, n, **EXP_ARGS, BLOCK_SIZE=BLOCK, enable_fp_fusion=False)
+    launcher(_exp_kernel)[(cdiv(n, BLOCK),)](xc, y, n, **EXP_ARGS, BLOCK_SIZE=BLOCK, enable_fp_fusion=False)
     return y
 
 
@@ -432,7 +432,7 @@ def log(x: torch.Tensor) -> torch.Tensor:
     if n == 0:
         return y
     c = {f"A{i}": v for i, v in enumerate(_ATANH_COEFFS)}
-    _log_kernel[(cdiv(n, BLOCK),)](xc, y, n, **c, SQRT2=_SQRT2, LN2_HI=_LN2_HI, LN2_LO=_LN2_LO,
+    launcher(_log_kernel)[(cdiv(n, BLOCK),)](xc, y, n, **c, SQRT2=_SQRT2, LN2_HI=_LN2_HI, LN2_LO=_LN2_LO,
                                           MIN_NORMAL=_MIN_NORMAL64, BLOCK_SIZE=BLOCK, enable_fp_fusion=False)
     return y
 
@@ -449,7 +449,7 @@ def sincos(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if n == 0:
         return sin, cos
     c = {**{f"S{i}": v for i, v in enumerate(_SIN_COEFFS)}, **{f"C{i}": v for i, v in enumerate(_COS_COEFFS)}}
-    _sincos_kernel[(cdiv(n, BLOCK),)](xc, sin, cos, n, **c, TWO_OVER_PI=_TWO_OVER_PI, P1=_PIO2_1, P2=_PIO2_2,
+    launcher(_sincos_kernel)[(cdiv(n, BLOCK),)](xc, sin, cos, n, **c, TWO_OVER_PI=_TWO_OVER_PI, P1=_PIO2_1, P2=_PIO2_2,
                                              P3=_PIO2_3, RNE=_RNE, BLOCK_SIZE=BLOCK, enable_fp_fusion=False)
     return sin, cos
 
@@ -482,6 +482,6 @@ def rope(t: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor, mscale: float = 
     fs = rot if cos.shape[0] == S and S > 1 else 0  # one row of angles per position, or one for all
     block_d = next_power_of_2(d)
     rows = max(1, min(64, 4096 // block_d))
-    _rope_kernel[(S, cdiv(R, rows))](tc, cc, sc, y, R, d, rot, rot // 2, fs, float(mscale), ROWS=rows,
+    launcher(_rope_kernel)[(S, cdiv(R, rows))](tc, cc, sc, y, R, d, rot, rot // 2, fs, float(mscale), ROWS=rows,
                                             BLOCK_D=block_d, num_warps=4, enable_fp_fusion=False)
     return y

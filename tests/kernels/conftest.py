@@ -11,11 +11,11 @@ import sys
 
 import torch
 
-KERNEL_MODULES = ("minite.kernels.nvfp4_quant", "minite.kernels.nvfp4_segments", "minite.kernels.nvfp4_gemm",
-                  "minite.kernels.nvfp4_swiglu", "minite.kernels.nvfp4_values")
+KERNEL_MODULES = ("minite.kernels._interpreter", "minite.kernels.nvfp4_quant", "minite.kernels.nvfp4_segments",
+                  "minite.kernels.nvfp4_gemm", "minite.kernels.nvfp4_swiglu", "minite.kernels.nvfp4_values")
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     os.environ["TRITON_INTERPRET"] = "1"
-    for name in KERNEL_MODULES:  # in dependency order: swiglu imports from quant
+    for name in KERNEL_MODULES:  # in dependency order: swiglu imports from quant; _interpreter reads the variable
         if name in sys.modules:
             importlib.reload(sys.modules[name])
