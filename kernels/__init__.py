@@ -9,6 +9,7 @@ nvfp4_swiglu.py  SwiGLU with its NVFP4 output quantisation fused in, and its bac
 finite_max.py    the NaN/Inf flag of the NVFP4 layers (minite.ops.FiniteFlag) in one launch
 megatron_rope.py Megatron-Core's unfused RoPE in one launch, for CUDA inference (megatron_patches.rope)
 _interpreter.py  a fix that lets triton 3.6's CPU interpreter run kernels with runtime loop bounds under numpy >= 2.4
+_launch.py       the launchers' host side: compiled kernels launched without Triton's per-launch Python, grid integers
 
 The folder is the top-level kernels/ of the repository, installed under the minite namespace (setup.py's
 package_dir): a global module named `kernels` would collide with Hugging Face's `kernels` package.
