@@ -89,8 +89,8 @@ class Launcher:
         from triton import knobs
         device = torch._C._cuda_getDevice()
         caches = self.kernel.device_caches.get(device)
-        hooks = knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
-        if caches is None or hooks:  # the first launch on this device, or a profiler's launch hooks
+        if caches is None or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+            # the first launch on this device, or a profiler's launch hooks
             return self.kernel[grid](*args, **kwargs)
         params, specialization, options = caches[4](*args, **kwargs)  # Triton's binder
         key = (tuple(specialization), tuple(options.items()))
@@ -105,6 +105,12 @@ class Launcher:
         compiled.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(device), compiled.function,
                      compiled.packed_metadata, None, None, None, *params.values())
         return compiled
+
+
+def _hooked(hook) -> bool:
+    """Whether a Triton launch hook would do anything: Triton 3.6 keeps an (empty) HookChain there by default, which
+    its own launch calls twice per launch, with launch metadata built for it."""
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 _LAUNCHERS: dict = {}
