@@ -303,13 +303,10 @@ def _kgrouped_gemm_kernel(a_data, a_scale, a_vals, a_amax, a_amax_stride, a_amax
                           c_ptr, k_start_ptr, k_count_ptr, M, N, KT, factor_inv,
                           A_PACKED: tl.constexpr, B_PACKED: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          PTX: tl.constexpr = False, ACCUMULATE: tl.constexpr = False,
-                          STARTS_FROM_COUNTS: tl.constexpr = False, BLOCK_E: tl.constexpr = 16):
+                          PTX: tl.constexpr = False, ACCUMULATE: tl.constexpr = False):
     """c[e] = a[:, K range of e] @ b[:, K range of e]^T (the MoE wgrad: K = tokens, grouped by expert).
     ACCUMULATE: c[e] += that instead (c fp32: a gradient accumulated in place, as Megatron's main_grad), with the
-    product rounded to fp32 before the add, as when it is added afterwards (`_add_rn`).
-    STARTS_FROM_COUNTS: expert e's first token is the sum of the counts before it, summed here from the BLOCK_E >= E
-    counts (k_start_ptr unused), instead of read from a table of starts: no prefix-sum launch for device counts."""
+    product rounded to fp32 before the add, as when it is added afterwards (`_add_rn`)."""
     e = tl.program_id(1)
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -319,12 +316,7 @@ def _kgrouped_gemm_kernel(a_data, a_scale, a_vals, a_amax, a_amax_stride, a_amax
     cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < M
     cmask = cols < N
-    if STARTS_FROM_COUNTS:
-        offs_e = tl.arange(0, BLOCK_E)
-        ks = tl.sum(tl.load(k_count_ptr + offs_e, mask=offs_e < e, other=0), axis=0)
-    else:
-        ks = tl.load(k_start_ptr + e)
-    ks = tl.multiple_of(ks, 16)  # token counts are multiples of 16 (checked by the launcher for host counts)
+    ks = tl.multiple_of(tl.load(k_start_ptr + e), 16)  # token counts are multiples of 16 (checked by the launcher)
     ke = tl.multiple_of(ks + tl.load(k_count_ptr + e), 16)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(ks, ke, BLOCK_K):  # fixed, sequential K order
@@ -539,17 +531,16 @@ def kgrouped_gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, tokens_per_expert, out_
     if a.block[0] != 1 or b.block[0] != 1:
         raise ValueError("wgrad operands use (1, 16) blocks along the token dim")
     dev = a.data.device
-    on_device = torch.is_tensor(tokens_per_expert) and tokens_per_expert.device == dev
-    if not on_device or not tokens_per_expert.is_cuda:  # checkable without a synchronisation
+    if not torch.is_tensor(tokens_per_expert) or not tokens_per_expert.is_cuda:  # checkable without a sync
         host = np.asarray(tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else tokens_per_expert,
                           dtype=np.int64).reshape(-1)
         if (host % 16).any():
             raise ValueError(f"wgrad token counts must be multiples of 16 (pad per expert), got {host.tolist()}")
-    if on_device:  # the kernel sums each expert's start from the counts (STARTS_FROM_COUNTS): no prefix-sum launch
-        counts, starts = tokens_per_expert.to(torch.int32).contiguous(), None
-    else:
         both = int32_to(np.stack([host, np.cumsum(host) - host]), dev)  # counts and starts: one copy, no launch
         counts, starts = both[0], both[1]
+    else:
+        counts = tokens_per_expert.to(torch.int32)
+        starts = (torch.cumsum(counts, 0, dtype=torch.int32) - counts).to(torch.int32)
     experts = counts.numel()
     # 128x256x64, 3 stages: the expert block's FC2 wgrad on the H200 in 859 us (2026-12-01, f42a446) and 845 us
     # (4e12937) against 1002 and 1010 us for 128x128x64 (bench_nvfp4.py --sections block, wgrad_fc2*); the tile does
@@ -566,12 +557,10 @@ def kgrouped_gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, tokens_per_expert, out_
     launcher(_kgrouped_gemm_kernel)[grid](
         a.data, a.scale.view(torch.uint8), a.data if a_values is None else a_values, a_am, a_rs, a_es,
         b.data, b.scale.view(torch.uint8), b.data if b_values is None else b_values, b_am, b_rs, b_es,
-        out, counts if starts is None else starts, counts, m, n, kt, FACTOR_INV,
+        out, starts, counts, m, n, kt, FACTOR_INV,
         A_PACKED=a_values is None, B_PACKED=b_values is None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PTX=PTX_DECODE and not interpreting(),
-        ACCUMULATE=accumulate is not None, STARTS_FROM_COUNTS=starts is None,
-        BLOCK_E=max(16, next_power_of_2(experts)) if starts is None else 16, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        ACCUMULATE=accumulate is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
