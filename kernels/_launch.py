@@ -52,10 +52,12 @@ def device_constant(value, dtype: torch.dtype, device: torch.device, shape: tupl
 
 
 # ---- the launch itself ------------------------------------------------------------------------------------------
-# `kernel[grid](*args)` on a compiled Triton 3.6 kernel runs ~40 us of Python on the H200 machine's host before the
-# driver call (JITFunction.run: knob lookups, the current device and stream through Triton's driver object, the
-# argument binder, a cache key built with str() of the options, a check of the kernel's globals, the launch
-# metadata; measured by section, 2026-12-02, docs/benchmarks.md). `launcher(kernel)[grid](*args)` keeps the first
+# `kernel[grid](*args)` on a compiled Triton 3.6 kernel runs Python that does not depend on the call before the
+# driver call: knob lookups, the current device and stream through Triton's driver object, the argument binder, a
+# cache key built with str() of the options, a check of the kernel's globals, launch metadata and two calls of the
+# (empty) launch-hook chains. Under cProfile on the H200 machine's host (2026-12-02, docs/benchmarks.md, issue 17
+# in the fifteenth session) a launch of the grouped linear's kernels took 101 us, of which the compiled kernel's own
+# launcher 24 us. `launcher(kernel)[grid](*args)` keeps the first
 # launch of every specialisation on that path and afterwards calls the compiled kernel's launcher directly, after
 # Triton's own binder: the specialisation (argument types, 16-byte alignments, integers equal to 1 or divisible by
 # 16, constexpr values) and the options come from the binder, so the compiled kernel is the one Triton would pick.
