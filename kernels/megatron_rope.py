@@ -57,7 +57,8 @@ def rope(t: torch.Tensor, freqs: torch.Tensor, mscale: float = 1.0) -> torch.Ten
     s, b, h, d = t.shape
     y = torch.empty(s, b, h, d, dtype=t.dtype, device=t.device)
     if y.numel():
-        launcher(_rope_kernel)[(s * b,)](t, freqs, y, b, h, t.stride(0), t.stride(1), t.stride(2), freqs.stride(0),
-                               y.stride(0), y.stride(1), y.stride(2), float(mscale), D=d, HALF=d // 2,
-                               BLOCK_H=next_power_of_2(h), num_warps=4, enable_fp_fusion=False)
+        launcher(_rope_kernel)[(s * b,)](
+            t, freqs, y, b, h, t.stride(0), t.stride(1), t.stride(2), freqs.stride(0), y.stride(0), y.stride(1),
+            y.stride(2), float(mscale), D=d, HALF=d // 2, BLOCK_H=next_power_of_2(h), num_warps=4,
+            enable_fp_fusion=False)
     return y

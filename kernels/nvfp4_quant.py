@@ -523,11 +523,11 @@ def quantize_with_values_triton(x: torch.Tensor, block=(1, 16), scale_scope: str
         else:
             amax_in = given.reshape(())
     row_given = row_scope and given is not None
-    launcher(_quant_kernel)[grid](x, x.stride(0), x.stride(1), rows, cols, data, scale, gs, vals,
-                        _as_int32_bits(seed_mix(seed)) if stochastic else 0, SIXTH, amax_in, amax_out,
-                        BLOCK_R=block_r, BLOCK_C=block_c, BR=br, ROW_SCOPE=row_scope, SINGLE=single,
-                        STOCHASTIC=stochastic, RHT=rht, WRITE_VALS=values_dtype is not None,
-                        SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d, GIVEN_AMAX=row_given, num_warps=warps)
+    launcher(_quant_kernel)[grid](
+        x, x.stride(0), x.stride(1), rows, cols, data, scale, gs, vals,
+        _as_int32_bits(seed_mix(seed)) if stochastic else 0, SIXTH, amax_in, amax_out, BLOCK_R=block_r, BLOCK_C=block_c,
+        BR=br, ROW_SCOPE=row_scope, SINGLE=single, STOCHASTIC=stochastic, RHT=rht, WRITE_VALS=values_dtype is not None,
+        SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d, GIVEN_AMAX=row_given, num_warps=warps)
     q = NVFP4Tensor(data=data, scale=scale.view(torch.float8_e4m3fn), global_scale=gs, shape=(rows, cols),
                     block=block, amax=amax_out)
     return q, (vals if values_dtype is not None else None)

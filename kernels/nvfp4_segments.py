@@ -253,11 +253,10 @@ def quantize_segments_triton(x: torch.Tensor, segments, out_shape: tuple[int, in
         amax = amax.to(device=dev, dtype=torch.float32).contiguous()
     gs = torch.empty(nseg, dtype=torch.float32, device=dev)
     amax_out = torch.empty(nseg, dtype=torch.float32, device=dev)
-    launcher(_segments_quant_kernel)[grid](x, x.stride(0), x.stride(1), table, out_c, data, scale, amax, gs, amax_out, mixes,
-                                 vals, SIXTH,
-                                 BLOCK_R=block_r, BLOCK_C=block_c, BR=br, STOCHASTIC=stochastic, RHT=rht,
-                                 WRITE_VALS=values_dtype is not None, SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d,
-                                 ROWS16=rows16, XC16=xc16, num_warps=warps)
+    launcher(_segments_quant_kernel)[grid](
+        x, x.stride(0), x.stride(1), table, out_c, data, scale, amax, gs, amax_out, mixes, vals, SIXTH, BLOCK_R=block_r,
+        BLOCK_C=block_c, BR=br, STOCHASTIC=stochastic, RHT=rht, WRITE_VALS=values_dtype is not None,
+        SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d, ROWS16=rows16, XC16=xc16, num_warps=warps)
     return _result(data, scale, gs, amax_out, vals, values_dtype)
 
 
@@ -319,7 +318,7 @@ def quantize_count_segments_triton(x: torch.Tensor, counts: torch.Tensor, roundi
     amax = bits.view(torch.float32)
     gs = torch.empty(nseg, dtype=torch.float32, device=dev)
     amax_out = torch.empty(nseg, dtype=torch.float32, device=dev)
-    launcher(_segments_quant_kernel)[(tiles_r, tiles_c, 1)](x, x.stride(0), x.stride(1), cnt, out_c, data, scale, amax, gs,
-                                                  amax_out, mixes, vals, SIXTH, BR=1, STOCHASTIC=stochastic,
-                                                  WRITE_VALS=values_dtype is not None, **common)
+    launcher(_segments_quant_kernel)[(tiles_r, tiles_c, 1)](
+        x, x.stride(0), x.stride(1), cnt, out_c, data, scale, amax, gs, amax_out, mixes, vals, SIXTH, BR=1,
+        STOCHASTIC=stochastic, WRITE_VALS=values_dtype is not None, **common)
     return _result(data, scale, gs, amax_out, vals, values_dtype)

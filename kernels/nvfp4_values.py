@@ -61,6 +61,7 @@ def block_values_triton(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
     vals = torch.empty(rows, 2 * nb, dtype=torch.float16, device=data.device)
     if vals.numel():
         grid = (cdiv(rows, BLOCK_R), cdiv(nb, BLOCK_B))
-        launcher(_block_values_kernel)[grid](data.contiguous(), scale.contiguous().view(torch.uint8), vals, rows, nb,
-                                   BLOCK_R=BLOCK_R, BLOCK_B=BLOCK_B, num_warps=4)
+        launcher(_block_values_kernel)[grid](
+            data.contiguous(), scale.contiguous().view(torch.uint8), vals, rows, nb, BLOCK_R=BLOCK_R, BLOCK_B=BLOCK_B,
+            num_warps=4)
     return vals

@@ -380,9 +380,9 @@ def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     block_r = max(1, min(64, 4096 // width))
     # SPLIT=True on the GPU too: for these [rows, width] blocks tl.split compiles shorter (`sass_census.py --strict`,
     # Triton 3.6: 504 against 1,000 instructions at width 128), the form that passed the H200 tests before 2765bc1
-    launcher(_tree_sum_kernel)[(cdiv(rows, block_r),)](xm.contiguous(), out, rows, n, BLOCK_R=block_r, WIDTH=width,
-                                                    LEVELS=width.bit_length() - 1, SPLIT=True, num_warps=4,
-                                                    enable_fp_fusion=False)
+    launcher(_tree_sum_kernel)[(cdiv(rows, block_r),)](
+        xm.contiguous(), out, rows, n, BLOCK_R=block_r, WIDTH=width, LEVELS=width.bit_length() - 1, SPLIT=True,
+        num_warps=4, enable_fp_fusion=False)
     return out
 
 
@@ -400,9 +400,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if rows == 0 or n == 0:
         return y
     width = 1 << (n - 1).bit_length()
-    launcher(_rms_norm_kernel)[(rows,)](xc, wc, y, n, float(eps), WIDTH=max(width, 2), LEVELS=max(width, 2).bit_length() - 1,
-                              SPLIT=pair_split(),
-                              num_warps=4 if width <= 4096 else 8, enable_fp_fusion=False)
+    launcher(_rms_norm_kernel)[(rows,)](
+        xc, wc, y, n, float(eps), WIDTH=max(width, 2), LEVELS=max(width, 2).bit_length() - 1, SPLIT=pair_split(),
+        num_warps=4 if width <= 4096 else 8, enable_fp_fusion=False)
     return y
 
 
@@ -432,8 +432,9 @@ def log(x: torch.Tensor) -> torch.Tensor:
     if n == 0:
         return y
     c = {f"A{i}": v for i, v in enumerate(_ATANH_COEFFS)}
-    launcher(_log_kernel)[(cdiv(n, BLOCK),)](xc, y, n, **c, SQRT2=_SQRT2, LN2_HI=_LN2_HI, LN2_LO=_LN2_LO,
-                                          MIN_NORMAL=_MIN_NORMAL64, BLOCK_SIZE=BLOCK, enable_fp_fusion=False)
+    launcher(_log_kernel)[(cdiv(n, BLOCK),)](
+        xc, y, n, **c, SQRT2=_SQRT2, LN2_HI=_LN2_HI, LN2_LO=_LN2_LO, MIN_NORMAL=_MIN_NORMAL64, BLOCK_SIZE=BLOCK,
+        enable_fp_fusion=False)
     return y
 
 
@@ -449,8 +450,9 @@ def sincos(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if n == 0:
         return sin, cos
     c = {**{f"S{i}": v for i, v in enumerate(_SIN_COEFFS)}, **{f"C{i}": v for i, v in enumerate(_COS_COEFFS)}}
-    launcher(_sincos_kernel)[(cdiv(n, BLOCK),)](xc, sin, cos, n, **c, TWO_OVER_PI=_TWO_OVER_PI, P1=_PIO2_1, P2=_PIO2_2,
-                                             P3=_PIO2_3, RNE=_RNE, BLOCK_SIZE=BLOCK, enable_fp_fusion=False)
+    launcher(_sincos_kernel)[(cdiv(n, BLOCK),)](
+        xc, sin, cos, n, **c, TWO_OVER_PI=_TWO_OVER_PI, P1=_PIO2_1, P2=_PIO2_2, P3=_PIO2_3, RNE=_RNE, BLOCK_SIZE=BLOCK,
+        enable_fp_fusion=False)
     return sin, cos
 
 
@@ -482,6 +484,7 @@ def rope(t: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor, mscale: float = 
     fs = rot if cos.shape[0] == S and S > 1 else 0  # one row of angles per position, or one for all
     block_d = next_power_of_2(d)
     rows = max(1, min(64, 4096 // block_d))
-    launcher(_rope_kernel)[(S, cdiv(R, rows))](tc, cc, sc, y, R, d, rot, rot // 2, fs, float(mscale), ROWS=rows,
-                                            BLOCK_D=block_d, num_warps=4, enable_fp_fusion=False)
+    launcher(_rope_kernel)[(S, cdiv(R, rows))](
+        tc, cc, sc, y, R, d, rot, rot // 2, fs, float(mscale), ROWS=rows, BLOCK_D=block_d, num_warps=4,
+        enable_fp_fusion=False)
     return y

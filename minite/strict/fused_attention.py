@@ -129,10 +129,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     cs = torch.empty(step * b * h, dp, nb, dtype=torch.float32, device=q.device)
     for i0 in range(0, sq, step):
         n = min(step, sq - i0)
-        launcher(_attention_kernel)[(n * b * h,)](qc, kc, vc, o, scratch, e, bs, cs, sq, sk, d, b * h, i0, h, h // hkv,
-                                        float(scale), *strides, **EXP_ARGS, DP=dp, DL=dp.bit_length() - 1, KB=kb,
-                                        KL=kb.bit_length() - 1, NB=nb, NL=nb.bit_length() - 1,
-                                        SPLIT=fused.pair_split(),
-                                        num_warps=ATTENTION_WARPS if skp <= ATTENTION_ONE_WARP_KEYS else 4,
-                                        enable_fp_fusion=False)
+        launcher(_attention_kernel)[(n * b * h,)](
+            qc, kc, vc, o, scratch, e, bs, cs, sq, sk, d, b * h, i0, h, h // hkv, float(scale), *strides, **EXP_ARGS,
+            DP=dp, DL=dp.bit_length() - 1, KB=kb, KL=kb.bit_length() - 1, NB=nb, NL=nb.bit_length() - 1,
+            SPLIT=fused.pair_split(), num_warps=ATTENTION_WARPS if skp <= ATTENTION_ONE_WARP_KEYS else 4,
+            enable_fp_fusion=False)
     return out

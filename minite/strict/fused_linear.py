@@ -78,7 +78,7 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     xc, wc = x.contiguous(), w.contiguous()
     width = 1 << (k - 1).bit_length()  # k == 1: width 1, no addition (as ops.tree_sum)
     block_n = _block_n(n, width)
-    launcher(_linear_kernel)[(m, cdiv(n, block_n))](xc, wc, out, m, n, k, xc.stride(0), wc.stride(0), BLOCK_N=block_n,
-                                                 WIDTH=width, LEVELS=width.bit_length() - 1, SPLIT=fused.pair_split(),
-                                                 num_warps=LINEAR_WARPS, enable_fp_fusion=False)
+    launcher(_linear_kernel)[(m, cdiv(n, block_n))](
+        xc, wc, out, m, n, k, xc.stride(0), wc.stride(0), BLOCK_N=block_n, WIDTH=width, LEVELS=width.bit_length() - 1,
+        SPLIT=fused.pair_split(), num_warps=LINEAR_WARPS, enable_fp_fusion=False)
     return out

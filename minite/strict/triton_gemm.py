@@ -110,8 +110,9 @@ def _fixed_k(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if m == 0 or n == 0:
         return y
     grid = (cdiv(m, BLOCK_M), cdiv(n, BLOCK_N))
-    launcher(_fixed_k_matmul)[grid](x, w, y, m, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
-                          y.stride(0), y.stride(1), BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=NUM_WARPS)
+    launcher(_fixed_k_matmul)[grid](
+        x, w, y, m, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1), BM=BLOCK_M,
+        BN=BLOCK_N, BK=BLOCK_K, num_warps=NUM_WARPS)
     return y
 
 
@@ -135,8 +136,8 @@ def grouped_matmul_fixed_k(x: torch.Tensor, w: torch.Tensor, counts: torch.Tenso
         return y
     cnt = counts if counts.dtype == torch.int32 else counts.to(torch.int32)
     grid = (cdiv(r, BLOCK_M) + experts, cdiv(n, BLOCK_N))  # each expert adds at most one partial tile
-    launcher(_grouped_fixed_k_matmul)[grid](x, w, y, cnt, experts, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
-                                  w.stride(2), y.stride(0), y.stride(1), BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
-                                  BLOCK_E=max(16, next_power_of_2(experts)), num_warps=NUM_WARPS)
+    launcher(_grouped_fixed_k_matmul)[grid](
+        x, w, y, cnt, experts, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), y.stride(0),
+        y.stride(1), BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, BLOCK_E=max(16, next_power_of_2(experts)), num_warps=NUM_WARPS)
     return y
 
