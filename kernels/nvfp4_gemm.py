@@ -316,7 +316,9 @@ def _kgrouped_gemm_kernel(a_data, a_scale, a_vals, a_amax, a_amax_stride, a_amax
     cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < M
     cmask = cols < N
-    ks = tl.multiple_of(tl.load(k_start_ptr + e), 16)  # token counts are multiples of 16 (checked by the launcher)
+    # token counts are multiples of 16 (checked by the launcher); a start summed here from the counts (tl.sum) loses
+    # the hint and the operand loads turn into 2-byte loads (sass_census.py --wgrad; 2199bda, reverted)
+    ks = tl.multiple_of(tl.load(k_start_ptr + e), 16)
     ke = tl.multiple_of(ks + tl.load(k_count_ptr + e), 16)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(ks, ke, BLOCK_K):  # fixed, sequential K order

@@ -27,6 +27,15 @@ scope nearest and stochastic, a transposed view with RHT + stochastic rounding (
 and the wgrad column segments (x^T with RHT, dy^T with RHT + stochastic); whole-kernel instructions per element and
 per thread, and the stores by width. The quantisers are bound by instruction issue on the H200 (docs/benchmarks.md,
 "quantisation"), so the count per element predicts their time.
+
+    python tools/bench/sass_census.py --wgrad
+
+compiles the MoE wgrad's K-grouped GEMM (`_kgrouped_gemm_kernel`) at the learner's tile (128 x 256 x 64, 8 warps, 3
+stages; fp16 block values), with and without the fp32 accumulate into main_grad, and counts its K loop: the operand
+loads by width and the local-memory traffic. Its loads are 16-byte asynchronous copies (LDGSTS) only while the
+compiler knows each expert's first token is a multiple of 16: a start summed in the kernel from the counts lost that
+(2199bda; 96 two-byte loads and 100 local loads per iteration instead of 12 copies), and the learner step took 0.83
+against 0.60 s on the H200 (docs/benchmarks.md, issue 17 in the fifteenth session).
 """
 from __future__ import annotations
 
@@ -203,6 +212,28 @@ def quant_rows(rows: int = 131072, cols: int = 2048) -> list:
     return out
 
 
+WGRAD_SIGNATURE = {"a_data": "*u8", "a_scale": "*u8", "a_vals": "*fp16", "a_amax": "*fp32", "a_amax_stride": "i32",
+                   "a_amax_stride_e": "i32", "b_data": "*u8", "b_scale": "*u8", "b_vals": "*fp16", "b_amax": "*fp32",
+                   "b_amax_stride": "i32", "b_amax_stride_e": "i32", "c_ptr": "*fp32", "k_start_ptr": "*i32",
+                   "k_count_ptr": "*i32", "M": "i32", "N": "i32", "KT": "i32", "factor_inv": "fp32"}
+
+
+def wgrad_rows() -> list:
+    """The K-grouped wgrad GEMM's K loop at the learner's tile, with and without the fp32 accumulate."""
+    div = [k for k, v in WGRAD_SIGNATURE.items() if v.startswith("*")] + ["M", "N", "KT"]
+    rows = []
+    for accumulate in (False, True):
+        constexprs = dict(A_PACKED=False, B_PACKED=False, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, PTX=True,
+                          ACCUMULATE=accumulate)
+        sass = kernel_sass(ng._kgrouped_gemm_kernel, WGRAD_SIGNATURE, constexprs, div, dict(num_warps=8, num_stages=3))
+        loop = loop_census(sass)
+        rows.append({"kernel": "kgrouped wgrad 128x256x64" + (", accumulate" if accumulate else ""),
+                     "loop_instructions": sum(loop.values()),
+                     "loop_loads": {k: v for k, v in loop.items() if k.startswith(("LDG", "LDS", "LDL"))},
+                     "loop_local": sum(v for k, v in loop.items() if k.startswith(("LDL", "STL")))})
+    return rows
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="16,64,128,4,4,swap", help="BLOCK_M,BLOCK_N,BLOCK_K,warps,stages[,swap]")
@@ -210,10 +241,17 @@ def main(argv=None) -> None:
     p.add_argument("--json", default="", help="also write the rows here")
     p.add_argument("--strict", action="store_true", help="the strict kernels instead (module docstring)")
     p.add_argument("--quant", action="store_true", help="the quantisation kernels instead (module docstring)")
+    p.add_argument("--wgrad", action="store_true", help="the MoE wgrad's K-grouped GEMM instead (module docstring)")
     a = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("sass_census: TRITON_INTERPRET=1 makes Triton interpret, not compile; unset it")
-    if a.quant:
+    if a.wgrad:
+        rows = wgrad_rows()
+        print(f"triton {triton.__version__}, sm_90, the K loop's body, one iteration per thread")
+        for r in rows:
+            print(f"{r['kernel']:>36}: {r['loop_instructions']:4d} instructions | loads {r['loop_loads']} | local "
+                  f"memory {r['loop_local']}")
+    elif a.quant:
         rows = quant_rows()
         print(f"triton {triton.__version__}, sm_90, the learner's quantisation calls at 131072 x 2048: whole kernel")
         for r in rows:
