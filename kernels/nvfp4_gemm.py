@@ -42,7 +42,7 @@ from minite.nvfp4.grouped import NVFP4Segments, NVFP4Stack, check_accumulate, de
 from minite.nvfp4.tensor import FACTOR_INV, NVFP4Tensor
 
 from ._interpreter import ensure_interpreter_compat, interpreting
-from ._launch import cdiv, device_constant, launcher, next_power_of_2
+from ._launch import cdiv, launcher, next_power_of_2
 
 VALUES_DTYPE = torch.float16
 PTX_DECODE = True
@@ -571,7 +571,7 @@ def segmented_gemm_triton(a: NVFP4Segments, b: NVFP4Segments, out_dtype=torch.fl
     """out[e] = a_e @ b_e^T over matching column segments (minite.nvfp4.segmented_gemm): the K-grouped kernel with
     one decode amax per segment; reads the fp16 block values when both operands carry them."""
     ra, rb, total = a.data.shape[0], b.data.shape[0], 2 * a.data.shape[1]  # device widths: an upper bound
-    one = device_constant(1.0, torch.float32, a.data.device)  # read only: the segments carry their own amaxes
+    one = torch.ones((), dtype=torch.float32, device=a.data.device)
     if a.amax is None or b.amax is None:
         raise ValueError("segmented_gemm: NVFP4Segments without amax; build them with quantize_column_segments")
     qa = NVFP4Tensor(a.data, a.scale, one, (ra, total), (1, 16), amax=one)

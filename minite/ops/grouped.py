@@ -106,23 +106,16 @@ def _wgrad_seeds(seed: int, experts: int) -> np.ndarray:
     return derive_seeds(seed, 1000 + np.arange(experts))  # derive_seed(seed, 1000 + e) for each expert e
 
 
-def _role_seeds(seed: int, experts: int, role: str, recipe: NVFP4Recipe) -> Optional[np.ndarray]:
-    """The seeds of one wgrad operand, per expert derive_seed(derive_seed(seed, 1000 + e), ROLES[role]); None when
-    the role rounds to nearest (x^T by default: nothing to draw, and two numpy passes over the experts saved)."""
-    if getattr(recipe, role).rounding != "stochastic":
-        return None
-    return derive_seeds(_wgrad_seeds(seed, experts), ROLES[role])
-
-
 def _wgrad_segments(t: torch.Tensor, counts, recipe: NVFP4Recipe, role: str, seed: int, backend: str,
                     values: bool):
     """The wgrad operand t^T of rows t [T, C] grouped by expert: one column segment per expert, its tokens
-    zero-padded to a multiple of 16 by the quantiser (no padded copy), seeds derived per expert and role from the
-    call's seed (`_role_seeds`). counts: host integers, or a device tensor that the kernels read where it is (no
-    host synchronisation)."""
+    zero-padded to a multiple of 16 by the quantiser (no padded copy); with stochastic rounding each expert's seed is
+    derive_seed(derive_seed(seed, 1000 + e), ROLES[role]) (none is derived for a role that rounds to nearest, x^T by
+    default). counts: host integers, or a device tensor that the kernels read where it is (no host
+    synchronisation)."""
     op = getattr(recipe, role)
-    return quantize_count_segments(t.t(), counts, rounding=op.rounding, rht=op.rht,
-                                   seeds=_role_seeds(seed, len(counts), role, recipe), backend=backend,
+    seeds = derive_seeds(_wgrad_seeds(seed, len(counts)), ROLES[role]) if op.rounding == "stochastic" else None
+    return quantize_count_segments(t.t(), counts, rounding=op.rounding, rht=op.rht, seeds=seeds, backend=backend,
                                    **quant_flags(backend, t, values))
 
 
