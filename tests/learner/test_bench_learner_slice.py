@@ -78,6 +78,17 @@ def test_memory_peak_replay_finds_the_blocks_alive_at_the_peak():
     assert alive_at_peak([], 5) == (5, {"before the call": 5})
 
 
+def test_busy_span_is_the_union_of_overlapping_kernels():
+    """tools/bench/profiling.busy_span: overlapping and touching intervals count once, gaps are idle, order does not
+    matter; no intervals is an empty span."""
+    sys.path.insert(0, str(ROOT / "tools" / "bench"))
+    from profiling import busy_span
+
+    assert busy_span([(10, 20), (0, 5), (15, 30), (30, 31), (40, 41)]) == (41, 5 + 21 + 1)
+    assert busy_span([(3, 4), (1, 9)]) == (8, 8)
+    assert busy_span([]) == (0.0, 0.0)
+
+
 def test_op_sites_name_the_repository_line_that_copied():
     """tools/bench/profiling.print_op_sites: each copy counted once (a _to_copy's inner copy_ is not counted again) at
     the nearest line of the repository's code, and a copy run by a built-in autograd node names that node."""

@@ -22,10 +22,34 @@ def print_top(fn, top: int, label: str = "", show: bool = True) -> None:
     if not show:
         return
     ka = prof.key_averages()
+    if cuda:
+        kernels = [(e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA]
+        span, busy = busy_span(kernels)
+        print(f"== profile {label}: {len(kernels)} device events, span {span / 1e3:.1f} ms, GPU busy {busy / 1e3:.1f} ms, "
+              f"idle {(span - busy) / 1e3:.1f} ms", flush=True)
     print(f"== profile {label}: top {top} ops by self device time, then by self host time", flush=True)
     print(ka.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=top,
                    max_name_column_width=60), flush=True)
     print(ka.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60), flush=True)
+
+
+def busy_span(intervals) -> tuple[float, float]:
+    """(first start to last end, length of the union) of [start, end) intervals: a profiled step's device span and
+    the time some kernel ran in it; span - busy is the time the GPU sat idle inside the step (waiting for the host)."""
+    span = busy = 0.0
+    cur_s = cur_e = None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        busy += cur_e - cur_s
+        span = max(e for _, e in intervals) - min(s for s, _ in intervals)
+    return span, busy
 
 
 def print_py_top(fn, top: int, label: str = "", show: bool = True) -> None:
