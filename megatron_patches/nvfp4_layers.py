@@ -53,7 +53,7 @@ from minite.ops import (FiniteFlag, derive_seed, group_size, grouped_linear_bf16
                         quantiser_checks_finite, quantize_expert_weights, quantize_weight, refill_in_place,
                         swiglu_experts)
 from minite.ops.experts import grouped_mm_applies, strict_grouped_applies
-from minite.ops.grouped import backward_needs_host_counts
+from minite.ops.grouped import DeferredWgrads, backward_needs_host_counts
 
 
 @dataclass
@@ -96,6 +96,14 @@ class NVFP4Context:
     """Index of the micro-batch inside a train step (gradient accumulation), set by the learner; part of the seeds
     from the second micro-batch on, so that the chunks of one step draw independent rounding (the first chunk's
     seeds are those of a step without accumulation)."""
+
+    defer_expert_wgrads: bool = True
+    """With several micro-batches per train step, the learner leaves the experts' wgrads into main_grad pending
+    until the last micro-batch (`wgrad_sink`): the same bits, main_grad read and written once per step instead of
+    once per micro-batch, for the pending micro-batches' packed wgrad operands in memory meanwhile."""
+    wgrad_sink: Optional[DeferredWgrads] = None
+    """Where the experts' wgrads wait during such a step (minite.ops.grouped.DeferredWgrads), set and flushed by the
+    learner; None: each backward adds its wgrad at once."""
 
     def layer_seed(self, layer_id: int) -> int:
         if self.micro_batch:
@@ -270,7 +278,7 @@ class GroupedExperts(MegatronModule):
         ctx.record_finite(x)
         seed = derive_seed(ctx.layer_seed(self.nvfp4_layer_id), salt)
         return nvfp4_grouped_linear(x, weight, counts, ctx.recipe, seed=seed, weight_q=self._weight_q(weight, salt),
-                                    backend=ctx.backend)
+                                    backend=ctx.backend, wgrad_sink=ctx.wgrad_sink)
 
     def _weight_q(self, weight: torch.Tensor, salt: int, record: bool = True):
         ctx = self.nvfp4

@@ -48,6 +48,7 @@ from minite.learner.model import build_model, compute_dtype, nvfp4_context
 from minite.learner.weights import checked_weight_copy
 from minite.megatron_patches.cpu import cuda_as_cpu
 from minite.megatron_patches.moe_dispatch import detach_dispatcher_graphs, use_local_dispatch
+from minite.ops.grouped import DeferredWgrads
 from minite.megatron_patches.nvfp4_layers import (release_quantised_weights, release_weight_caches,
                                                    restore_quantised_weights)
 from minite.strict import ops as strict_ops
@@ -247,6 +248,12 @@ class Learner:
         rows, total, sums = tokens.shape[0] // micro_batches, None, {}
         # NVFP4: the forward and backward read only the quantised weights; the bf16 ones are freed until the step
         released = release_quantised_weights(self.model) if self.nvfp4 is not None else []
+        # NVFP4 with accumulation: the experts' wgrads wait for the last micro-batch, then add into main_grad in one
+        # launch per weight (the same bits; minite.ops.grouped.DeferredWgrads)
+        defer = self.nvfp4 is not None and self.nvfp4.defer_expert_wgrads and micro_batches > 1
+        sink = DeferredWgrads(self.nvfp4.backend) if defer else None
+        if sink is not None:
+            self.nvfp4.wgrad_sink = sink
         try:
             for i in range(micro_batches):
                 if self.nvfp4 is not None:
@@ -259,6 +266,8 @@ class Learner:
                 for k, v in (metrics or {}).items():
                     sums[k] = sums.get(k, 0.0) + float(v)
                 del loss  # with the dispatchers' tensors, the last references to this chunk's graph (below)
+            if sink is not None:
+                sink.flush()
         except BaseException:  # the weights back from their masters
             restore_quantised_weights(self.model, released, values=True)
             raise
@@ -268,6 +277,9 @@ class Learner:
             detach_dispatcher_graphs(self.model)
             if self.nvfp4 is not None:
                 self.nvfp4.micro_batch = 0
+                self.nvfp4.wgrad_sink = None
+                if sink is not None:
+                    sink.clear()  # a failed step's pending operands
                 release_weight_caches(self.model)  # stale after the step: not held while the optimizer's memory peaks
         restore_quantised_weights(self.model, released, values=False)  # the step writes every one of them
         ok = False

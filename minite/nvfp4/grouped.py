@@ -230,6 +230,23 @@ def padded(rows):
     return (rows + 15) & -16  # two ops on a tensor (add, and), the same integers as rows + (-rows) % 16
 
 
+def segmented_gemm_passes(a: list, b: list, accumulate: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """accumulate[e] += a[p]_e @ b[p]_e^T for each pass p in order (the MoE wgrads of several micro-batches, each
+    pair of segment operands as `segmented_gemm` takes them): bitwise `segmented_gemm(a[p], b[p],
+    accumulate=accumulate)` for p = 0, 1, ... On the kernels one launch reads and writes accumulate once (the passes'
+    products are added in registers, in pass order); the reference runs the passes one by one."""
+    if not a or len(a) != len(b):
+        raise ValueError(f"segmented_gemm_passes: as many passes of a as of b, at least one ({len(a)} and {len(b)})")
+    if resolve(backend, a[0].data, op="gemm")[0] == "triton" and has_kernel("segmented_gemm_passes"):
+        for pa, pb in zip(a, b):  # the checks of segmented_gemm, pass by pass (no host synchronisation)
+            if torch.is_tensor(pa.widths) != torch.is_tensor(pb.widths) or pa.data.shape[1] != pb.data.shape[1]:
+                raise ValueError("segmented_gemm_passes: each pass needs both operands' segments of the same counts")
+        return kernel("segmented_gemm_passes")(a, b, accumulate)
+    for pa, pb in zip(a, b):
+        segmented_gemm(pa, pb, backend=backend, accumulate=accumulate)
+    return accumulate
+
+
 def check_accumulate(buf: torch.Tensor, shape: tuple, device, what: str) -> None:
     """The gradient buffer a wgrad adds into in place (`segmented_gemm(accumulate=)`): contiguous fp32 of `shape`
     on `device`, or a one-line error."""

@@ -7,6 +7,13 @@ multiple of 16 (the quantiser pads inside: no padded copy) and quantises dy^T an
 expert (`quantize_column_segments`: per expert its own global scale and seed, bitwise what E separate wgrads would
 draw), then one segmented GEMM computes all dW_e.
 
+Gradient accumulation (`DeferredWgrads`): with several micro-batches per step, a weight whose dW goes into Megatron's
+fp32 main_grad can leave its wgrad pending: the backward keeps dy^T's and x^T's segments packed, and after the last
+micro-batch one launch per weight adds every micro-batch's dW in order, bitwise the per-micro-batch additions, while
+reading and writing main_grad once instead of once per micro-batch (the fp32 read-modify-write of 128 experts'
+gradients is most of the per-micro-batch wgrad's time on the H200; docs/benchmarks.md, issue 17). The cost: the
+packed operands of the pending micro-batches stay alive until then (0.5625 B per element of dy^T and x^T).
+
 Saved for the backward: x^T's segments, quantised in the forward and kept packed (codes and scales, 0.5625 B per
 element; the kernels' block values are written from them just before the wgrad GEMM, `NVFP4Segments.with_values`),
 not x (2 B per element in bf16), as Transformer Engine keeps its column-wise quantised input. Nothing of x when the
@@ -20,7 +27,7 @@ import numpy as np
 import torch
 
 from minite.nvfp4 import (NVFP4Recipe, NVFP4Segments, NVFP4Stack, decode_order, grouped_gemm,
-                          quantize_count_segments, quantize_stack, segmented_gemm)
+                          quantize_count_segments, quantize_stack, segmented_gemm, segmented_gemm_passes)
 
 from minite.nvfp4.backend import resolve
 
@@ -159,9 +166,37 @@ def _main_grad(weight: torch.Tensor, recipe: NVFP4Recipe) -> Optional[torch.Tens
     return main
 
 
+class DeferredWgrads:
+    """Pending MoE wgrads of one train step (module docstring): `add` (from a grouped linear's backward) keeps a
+    micro-batch's packed dy^T and x^T segments for a weight's fp32 main_grad; `flush` adds them, weight by weight,
+    in the order they came (`segmented_gemm_passes`), and forgets them; `clear` forgets them unapplied (a failed
+    step). Until `flush`, main_grad lacks the pending micro-batches' dW."""
+
+    def __init__(self, backend: str = "auto"):
+        self.backend = backend
+        self._pending: dict[int, tuple[torch.Tensor, list, list]] = {}
+
+    def __len__(self) -> int:
+        """Pending micro-batch wgrads, over all weights."""
+        return sum(len(a) for _, a, _ in self._pending.values())
+
+    def add(self, main_grad: torch.Tensor, gs: NVFP4Segments, xs: NVFP4Segments) -> None:
+        entry = self._pending.setdefault(id(main_grad), (main_grad, [], []))
+        entry[1].append(gs)
+        entry[2].append(xs)
+
+    def flush(self) -> None:
+        pending, self._pending = self._pending, {}
+        for main, a, b in pending.values():
+            segmented_gemm_passes(a, b, main, backend=self.backend)
+
+    def clear(self) -> None:
+        self._pending = {}
+
+
 class _NVFP4GroupedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, counts, recipe, seed, w_q, backend, wgrad_follows):
+    def forward(ctx, x, weight, counts, recipe, seed, w_q, backend, wgrad_follows, wgrad_sink):
         w_q = quantize_expert_weights(weight, recipe, backend=backend) if w_q is None else _as_stack(w_q)
         y = nvfp4_grouped_linear_forward(x, w_q, counts, recipe, backend=backend)
         # Only the wgrad reads x. With the segment recipe it gets x^T quantised here and kept packed until the
@@ -181,6 +216,7 @@ class _NVFP4GroupedLinear(torch.autograd.Function):
             ctx.save_for_backward(x if wgrad_follows else None)
         ctx.w_q, ctx.counts, ctx.recipe, ctx.seed, ctx.backend = w_q, counts, recipe, seed, backend
         ctx.weight = weight  # the parameter: its main_grad, if Megatron's DDP gave it one (`_main_grad`)
+        ctx.wgrad_sink = wgrad_sink
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         return y
 
@@ -204,23 +240,31 @@ class _NVFP4GroupedLinear(torch.autograd.Function):
             del gq  # freed before the wgrad quantises dy^T (the backward's own peak)
         if ctx.needs_input_grad[1]:
             weight, main = ctx.weight, _main_grad(ctx.weight, recipe)
-            dw = _grouped_wgrad(dy, x, counts, recipe, seed, backend, ctx.w_dtype, x_segments=x_segments,
-                                accumulate=main)
+            if main is not None and ctx.wgrad_sink is not None:  # pending until the step's last micro-batch
+                xs = x_segments if x_segments is not None else _wgrad_segments(x, counts, recipe, "wgrad_input", seed,
+                                                                               backend, values=False)
+                ctx.wgrad_sink.add(main, _wgrad_segments(dy, counts, recipe, "wgrad_gradient", seed, backend,
+                                                         values=False), xs)
+            else:
+                dw = _grouped_wgrad(dy, x, counts, recipe, seed, backend, ctx.w_dtype, x_segments=x_segments,
+                                    accumulate=main)
             if main is not None:  # added to main_grad already: Megatron's convention, a placeholder its DDP hook skips
                 weight.grad_added_to_main_grad = True
                 make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
                 dw = make(weight.shape, dtype=ctx.w_dtype, device=dy.device)
-        return dx, dw, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None
 
 
 def nvfp4_grouped_linear(x: torch.Tensor, weight, tokens_per_expert, recipe: NVFP4Recipe, *, seed: int = 0,
-                         weight_q=None, backend: str = "auto") -> torch.Tensor:
+                         weight_q=None, backend: str = "auto",
+                         wgrad_sink: Optional[DeferredWgrads] = None) -> torch.Tensor:
     """Per-expert y_e = x_e @ W_e^T in NVFP4 W4A4 with autograd; rows of x [T, K] grouped by expert.
 
     weight: a stacked tensor [E, N, K] or a list of E tensors [N, K]. tokens_per_expert: E counts (Megatron's
     permuted layout). weight_q: a cached quantisation of `weight` (an NVFP4Stack from `quantize_expert_weights`, or
     a list of per-expert NVFP4Tensors). Activations keep per-row scales, so a token's fprop does not depend on its
-    expert group.
+    expert group. wgrad_sink: where a weight with Megatron's fp32 main_grad leaves its wgrad pending (module
+    docstring); the caller flushes it before reading main_grad.
     """
     if isinstance(weight, (list, tuple)):
         weight = torch.stack(list(weight))
@@ -231,5 +275,6 @@ def nvfp4_grouped_linear(x: torch.Tensor, weight, tokens_per_expert, recipe: NVF
                      keep_tensor=_kernels_read_counts(x, backend)
                      and not backward_needs_host_counts(x, weight, recipe, backend))
     wgrad_follows = torch.is_grad_enabled() and weight.requires_grad
-    return _NVFP4GroupedLinear.apply(x, weight, counts, recipe, int(seed), weight_q, backend, wgrad_follows)
+    return _NVFP4GroupedLinear.apply(x, weight, counts, recipe, int(seed), weight_q, backend, wgrad_follows,
+                                     wgrad_sink)
 

@@ -12,7 +12,8 @@ import sys
 import torch
 
 KERNEL_MODULES = ("minite.kernels._interpreter", "minite.kernels.nvfp4_quant", "minite.kernels.nvfp4_segments",
-                  "minite.kernels.nvfp4_gemm", "minite.kernels.nvfp4_swiglu", "minite.kernels.nvfp4_values")
+                  "minite.kernels.nvfp4_gemm", "minite.kernels.nvfp4_swiglu", "minite.kernels.nvfp4_values",
+                  "minite.kernels.nvfp4_wgrad")
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     os.environ["TRITON_INTERPRET"] = "1"

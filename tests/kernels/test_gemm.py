@@ -10,8 +10,9 @@ import torch
 
 from minite.nvfp4 import gemm, grouped_gemm_reference, gemm_reference, quantize_reference, row_slice
 from minite.nvfp4.tensor import unpack_codes
-from minite.kernels.nvfp4_gemm import (GemmConfig, gemm_triton, grouped_gemm_triton, kgrouped_gemm_triton,
+from minite.kernels.nvfp4_gemm import (GemmConfig, gemm_triton, grouped_gemm_triton,
                                        stack_expert_weights)
+from minite.kernels.nvfp4_wgrad import kgrouped_gemm_triton
 from minite.kernels.nvfp4_quant import quantize_with_values_triton
 from tests.tolerances import TOLERANCES
 

@@ -197,3 +197,43 @@ def test_grouped_wgrad_adds_into_megatron_main_grad(backend):
     nvfp4_grouped_linear(xs[0], plain, counts, NVFP4Recipe(), seed=20, backend=backend).backward(dys[0])
     assert torch.equal(plain.grad.view(torch.int16),
                        _grouped_wgrad(dys[0], xs[0], counts, NVFP4Recipe(), 20, backend, w.dtype).view(torch.int16))
+
+
+@pytest.mark.parametrize("backend,tensor_counts", [("reference", False), ("triton", False), ("triton", True)])
+def test_deferred_wgrads_add_the_micro_batches_bitwise(backend, tensor_counts):
+    """minite.ops.grouped.DeferredWgrads: three micro-batches' grouped-linear backwards with a wgrad sink leave
+    main_grad untouched until `flush`, which then gives main_grad bitwise as the per-micro-batch additions (the
+    kernels: one multi-pass launch over the three micro-batches' segments, host or device widths); `clear` drops
+    pending wgrads unapplied."""
+    from minite.ops.grouped import DeferredWgrads
+    torch.manual_seed(11)
+    counts = [[10, 0, 17, 21], [16, 5, 0, 27], [0, 0, 33, 15]]
+    w = (torch.randn(4, 48, 64, device=DEVICE) * 0.1).to(torch.bfloat16)
+    xs = [torch.randn(48, 64, device=DEVICE).to(torch.bfloat16) for _ in counts]
+    dys = [torch.randn(48, 48, device=DEVICE).to(torch.bfloat16) for _ in counts]
+    start = torch.randn(4, 48, 64, device=DEVICE) * 1e-2
+    mains = []
+    for sink in (None, DeferredWgrads(backend)):
+        param = torch.nn.Parameter(w.clone())
+        param.main_grad, param.grad_added_to_main_grad = start.clone(), False
+        for i, (x, dy, c) in enumerate(zip(xs, dys, counts)):
+            c = torch.tensor(c, device=DEVICE) if tensor_counts else c
+            nvfp4_grouped_linear(x, param, c, NVFP4Recipe(), seed=30 + i, backend=backend,
+                                 wgrad_sink=sink).backward(dy)
+            assert param.grad_added_to_main_grad and param.grad.shape == w.shape
+            param.grad = None
+        if sink is not None:
+            assert len(sink) == 3 and torch.equal(param.main_grad, start)
+            sink.flush()
+            assert len(sink) == 0
+        mains.append(param.main_grad)
+    assert not torch.equal(mains[0], start)
+    assert torch.equal(mains[0].view(torch.int32), mains[1].view(torch.int32))
+    sink = DeferredWgrads(backend)
+    param = torch.nn.Parameter(w.clone())
+    param.main_grad, param.grad_added_to_main_grad = start.clone(), False
+    y = nvfp4_grouped_linear(xs[0], param, counts[0], NVFP4Recipe(), seed=30, backend=backend, wgrad_sink=sink)
+    y.backward(dys[0])
+    sink.clear()
+    sink.flush()
+    assert torch.equal(param.main_grad, start)

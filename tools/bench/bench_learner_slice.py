@@ -172,7 +172,7 @@ def world_size() -> int:
 
 def run(precision: str, shape: dict, layers: int, seq: int, steps: int, warmup: int, micro_batches=(1,),
         profile_top: int = 0, ep: int = 1, profile_micro: int = 1, memory_top: int = 0,
-        sync_top: int = 0, op_sites: str = "", phases: bool = False) -> list[dict]:
+        sync_top: int = 0, op_sites: str = "", phases: bool = False, immediate_wgrads: bool = False) -> list[dict]:
     """One learner, one row per micro-batch count: a step of `micro` x `seq` tokens and one optimizer step."""
     from minite.config import load_config
     from minite.learner.learner import Learner
@@ -188,6 +188,8 @@ def run(precision: str, shape: dict, layers: int, seq: int, steps: int, warmup: 
         torch.cuda.empty_cache()
     mem_start = torch.cuda.memory_allocated() / 2**30 if dev == "cuda" else None
     learner = Learner(load_config(None, sets))
+    if learner.nvfp4 is not None and immediate_wgrads:  # each micro-batch's expert wgrad added at once (the A/B)
+        learner.nvfp4.defer_expert_wgrads = False
     world = world_size()  # every rank its own sequences: the world is the data-parallel size (TP = PP = 1 here)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(1, shape["vocab_size"], (world * max(micro_batches), seq + 1), generator=gen).to(dev)
@@ -209,7 +211,9 @@ def run(precision: str, shape: dict, layers: int, seq: int, steps: int, warmup: 
                      "peak_mem_gib": peak if dev == "cuda" else None,
                      "peak_fwd_bwd_gib": metrics["peak_fwd_bwd_gib"] if dev == "cuda" else None,
                      "peak_optimizer_gib": metrics["peak_optimizer_gib"] if dev == "cuda" else None,
-                     "mem_start_gib": mem_start, "expert_rows_max_over_mean": balance})
+                     "mem_start_gib": mem_start, "expert_rows_max_over_mean": balance,
+                     "deferred_expert_wgrads": bool(learner.nvfp4 is not None and learner.nvfp4.defer_expert_wgrads
+                                                    and micro > 1)})
         if RANK0:
             print(json.dumps(rows[-1]), flush=True)
     if profile_top or memory_top or sync_top or op_sites or phases:
@@ -252,6 +256,9 @@ def main() -> None:
     p.add_argument("--phases", action="store_true",
                    help="after timing, one more step (--profile-micro-batches) timed by phase: each micro-batch's "
                    "forward and backward, the NVFP4 weights' quantisation, gradient finalisation, the optimizer")
+    p.add_argument("--immediate-wgrads", action="store_true",
+                   help="NVFP4: add each micro-batch's expert wgrad into main_grad at once instead of once per step "
+                   "(NVFP4Context.defer_expert_wgrads off: the same bits; the A/B of the deferral)")
     a = p.parse_args()
     shape = TINY if a.tiny else FULL
     micro = tuple(int(m) for m in a.micro_batches.split(","))
@@ -259,7 +266,7 @@ def main() -> None:
     for prec in a.precisions.split(","):
         try:
             rows += run(prec, shape, a.layers, a.seq, a.steps, a.warmup, micro, a.profile, a.ep,
-                        a.profile_micro_batches, a.memory_top, a.sync_sites, a.op_sites, a.phases)
+                        a.profile_micro_batches, a.memory_top, a.sync_sites, a.op_sites, a.phases, a.immediate_wgrads)
         except Exception as e:  # report and go on: one precision failing must not hide the other's number
             rows.append({"precision": prec, "error": f"{type(e).__name__}: {e}"})
             print(json.dumps(rows[-1]), flush=True)

@@ -30,8 +30,8 @@ import triton
 from triton.testing import do_bench
 
 from minite.kernels.nvfp4_swiglu import SwiGLUFunction, swiglu_bwd_triton, swiglu_quant_triton
-from minite.kernels.nvfp4_gemm import ExpertWeights, GemmConfig, grouped_gemm_triton, kgrouped_gemm_triton, stack_expert_weights
-from minite.kernels import nvfp4_quant as nq, nvfp4_segments as ns
+from minite.kernels.nvfp4_gemm import ExpertWeights, GemmConfig, grouped_gemm_triton, stack_expert_weights
+from minite.kernels import nvfp4_quant as nq, nvfp4_segments as ns, nvfp4_wgrad as nw
 from minite.kernels.nvfp4_quant import quantize_triton, quantize_with_values_triton
 from provenance import stamp  # tools/bench/, beside this script
 
@@ -205,10 +205,10 @@ def section_block(res: dict, train_cfg: GemmConfig | None) -> None:
         # wgrad: operands along tokens, RHT (+ SR for gradients), grouped over K by expert
         qdyt, dytv = quantize_with_values_triton(dy.t(), (1, 16), "tensor", "stochastic", 3, True)
         qat, atv = quantize_with_values_triton(a.t(), (1, 16), "tensor", "nearest", None, True)
-        kgrouped_gemm_triton(qdyt, qat, counts, torch.bfloat16, a_values=dytv, b_values=atv)
+        nw.kgrouped_gemm_triton(qdyt, qat, counts, torch.bfloat16, a_values=dytv, b_values=atv)
         qdht, dhtv = quantize_with_values_triton(dh.t(), (1, 16), "tensor", "stochastic", 4, True)
         qxt, xtv = quantize_with_values_triton(x.t(), (1, 16), "tensor", "nearest", None, True)
-        kgrouped_gemm_triton(qdht, qxt, counts, torch.bfloat16, a_values=dhtv, b_values=xtv)
+        nw.kgrouped_gemm_triton(qdht, qxt, counts, torch.bfloat16, a_values=dhtv, b_values=xtv)
 
     t_w4_fwd = bench(w4_fwd)
     t_w4_fb = bench(w4_fwdbwd, rep=300)
@@ -255,16 +255,16 @@ def section_block(res: dict, train_cfg: GemmConfig | None) -> None:
         "quant_dyT_rht_sr": bench(lambda: quantize_with_values_triton(dy.t(), (1, 16), "tensor", "stochastic", 3,
                                                                       True)),
         "quant_aT_rht": bench(lambda: quantize_with_values_triton(a_.t(), (1, 16), "tensor", "nearest", None, True)),
-        "wgrad_fc2": bench(lambda: kgrouped_gemm_triton(qdyt, qat, counts, torch.bfloat16, a_values=dytv,
+        "wgrad_fc2": bench(lambda: nw.kgrouped_gemm_triton(qdyt, qat, counts, torch.bfloat16, a_values=dytv,
                                                         b_values=atv)),
-        "wgrad_fc2_128x128": bench(lambda: kgrouped_gemm_triton(qdyt, qat, counts, torch.bfloat16, a_values=dytv,
+        "wgrad_fc2_128x128": bench(lambda: nw.kgrouped_gemm_triton(qdyt, qat, counts, torch.bfloat16, a_values=dytv,
                                                                 b_values=atv, config=GemmConfig(128, 128, 64, 8, 4))),
         "bf16_fc2_wgrad_equiv_grouped_mm": bench(lambda: torch._grouped_mm(dy.t(), a_, offs=offs)),
         # the learner's wgrad adds into the fp32 main_grad (minite.ops.grouped._main_grad): the default 128 x 256 tile
         # (90 registers spilled in the sm_90 census) vs 128 x 128 (none); BF16's is its grouped_mm then add_
-        "wgrad_fc2_accumulate": bench(lambda: kgrouped_gemm_triton(qdyt, qat, counts, a_values=dytv, b_values=atv,
+        "wgrad_fc2_accumulate": bench(lambda: nw.kgrouped_gemm_triton(qdyt, qat, counts, a_values=dytv, b_values=atv,
                                                                    accumulate=main_grad)),
-        "wgrad_fc2_accumulate_128x128": bench(lambda: kgrouped_gemm_triton(
+        "wgrad_fc2_accumulate_128x128": bench(lambda: nw.kgrouped_gemm_triton(
             qdyt, qat, counts, a_values=dytv, b_values=atv, accumulate=main_grad,
             config=GemmConfig(128, 128, 64, 8, 3))),
         "bf16_fc2_wgrad_grouped_mm_then_add": bench(lambda: main_grad.add_(torch._grouped_mm(dy.t(), a_, offs=offs))),

@@ -54,7 +54,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from minite.kernels import nvfp4_gemm as ng  # noqa: E402
+from minite.kernels import nvfp4_gemm as ng, nvfp4_wgrad as nw  # noqa: E402
 
 SIGNATURE = {"a_data": "*u8", "a_scale": "*u8", "a_vals": "*fp16", "a_amax": "*fp32", "a_amax_stride": "i32",
              "b_data": "*u8", "b_scale": "*u8", "b_vals": "*u8", "b_amax": "*fp32", "b_amax_stride_e": "i32",
@@ -215,22 +215,27 @@ def quant_rows(rows: int = 131072, cols: int = 2048) -> list:
 WGRAD_SIGNATURE = {"a_data": "*u8", "a_scale": "*u8", "a_vals": "*fp16", "a_amax": "*fp32", "a_amax_stride": "i32",
                    "a_amax_stride_e": "i32", "b_data": "*u8", "b_scale": "*u8", "b_vals": "*fp16", "b_amax": "*fp32",
                    "b_amax_stride": "i32", "b_amax_stride_e": "i32", "c_ptr": "*fp32", "k_start_ptr": "*i32",
-                   "k_count_ptr": "*i32", "M": "i32", "N": "i32", "KT": "i32", "factor_inv": "fp32"}
+                   "k_count_ptr": "*i32", "M": "i32", "N": "i32", "KT": "i32", "factor_inv": "fp32",
+                   "a_amax_stride_s": "i32", "b_amax_stride_s": "i32"}
 
 
 def wgrad_rows() -> list:
     """The K-grouped wgrad GEMM's K loop at the learner's tile, with and without the fp32 accumulate."""
     div = [k for k, v in WGRAD_SIGNATURE.items() if v.startswith("*")] + ["M", "N", "KT"]
     rows = []
-    for accumulate in (False, True):
-        constexprs = dict(A_PACKED=False, B_PACKED=False, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, PTX=True,
-                          ACCUMULATE=accumulate)
-        sass = kernel_sass(ng._kgrouped_gemm_kernel, WGRAD_SIGNATURE, constexprs, div, dict(num_warps=8, num_stages=3))
+    for accumulate, passes, block_m, block_n in ((False, 1, 128, 256), (True, 1, 128, 256),
+                                                 (True, 8, nw.PASSES_TILE.block_m, nw.PASSES_TILE.block_n)):
+        constexprs = dict(A_PACKED=False, B_PACKED=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, PTX=True,
+                          ACCUMULATE=accumulate, PASSES=passes)
+        sass = kernel_sass(nw._kgrouped_gemm_kernel, WGRAD_SIGNATURE, constexprs, div, dict(num_warps=8, num_stages=3))
         loop = loop_census(sass)
-        rows.append({"kernel": "kgrouped wgrad 128x256x64" + (", accumulate" if accumulate else ""),
+        rows.append({"kernel": f"kgrouped wgrad {block_m}x{block_n}x64" + (", accumulate" if accumulate else "")
+                     + (f", {passes} passes" if passes > 1 else ""),
                      "loop_instructions": sum(loop.values()),
                      "loop_loads": {k: v for k, v in loop.items() if k.startswith(("LDG", "LDS", "LDL"))},
-                     "loop_local": sum(v for k, v in loop.items() if k.startswith(("LDL", "STL")))})
+                     "loop_local": sum(v for k, v in loop.items() if k.startswith(("LDL", "STL"))),
+                     "kernel_local": sum(1 for m in map(_INSTR.match, sass.splitlines())
+                                         if m and m.group(2).startswith(("LDL", "STL")))})
     return rows
 
 
@@ -250,7 +255,7 @@ def main(argv=None) -> None:
         print(f"triton {triton.__version__}, sm_90, the K loop's body, one iteration per thread")
         for r in rows:
             print(f"{r['kernel']:>36}: {r['loop_instructions']:4d} instructions | loads {r['loop_loads']} | local "
-                  f"memory {r['loop_local']}")
+                  f"memory {r['loop_local']} (whole kernel {r['kernel_local']})")
     elif a.quant:
         rows = quant_rows()
         print(f"triton {triton.__version__}, sm_90, the learner's quantisation calls at 131072 x 2048: whole kernel")
