@@ -97,10 +97,11 @@ class NVFP4Context:
     from the second micro-batch on, so that the chunks of one step draw independent rounding (the first chunk's
     seeds are those of a step without accumulation)."""
 
-    defer_expert_wgrads: bool = True
+    expert_wgrad_passes: int = 8
     """With several micro-batches per train step, the learner leaves the experts' wgrads into main_grad pending
-    until the last micro-batch (`wgrad_sink`): the same bits, main_grad read and written once per step instead of
-    once per micro-batch, for the pending micro-batches' packed wgrad operands in memory meanwhile."""
+    (`wgrad_sink`) and adds up to this many micro-batches' in one launch per weight: the same bits, main_grad read
+    and written once per that many micro-batches, for up to this many minus one micro-batches' packed wgrad operands
+    held meanwhile (docs/design.md has the memory). 1: each micro-batch's wgrad is added at once."""
     wgrad_sink: Optional[DeferredWgrads] = None
     """Where the experts' wgrads wait during such a step (minite.ops.grouped.DeferredWgrads), set and flushed by the
     learner; None: each backward adds its wgrad at once."""

@@ -250,8 +250,8 @@ class Learner:
         released = release_quantised_weights(self.model) if self.nvfp4 is not None else []
         # NVFP4 with accumulation: the experts' wgrads wait for the last micro-batch, then add into main_grad in one
         # launch per weight (the same bits; minite.ops.grouped.DeferredWgrads)
-        defer = self.nvfp4 is not None and self.nvfp4.defer_expert_wgrads and micro_batches > 1
-        sink = DeferredWgrads(self.nvfp4.backend) if defer else None
+        passes = min(micro_batches, self.nvfp4.expert_wgrad_passes) if self.nvfp4 is not None else 1
+        sink = DeferredWgrads(self.nvfp4.backend, passes) if passes > 1 else None
         if sink is not None:
             self.nvfp4.wgrad_sink = sink
         try:

@@ -168,12 +168,15 @@ def _main_grad(weight: torch.Tensor, recipe: NVFP4Recipe) -> Optional[torch.Tens
 
 class DeferredWgrads:
     """Pending MoE wgrads of one train step (module docstring): `add` (from a grouped linear's backward) keeps a
-    micro-batch's packed dy^T and x^T segments for a weight's fp32 main_grad; `flush` adds them, weight by weight,
-    in the order they came (`segmented_gemm_passes`), and forgets them; `clear` forgets them unapplied (a failed
-    step). Until `flush`, main_grad lacks the pending micro-batches' dW."""
+    micro-batch's packed dy^T and x^T segments for a weight's fp32 main_grad, and adds a weight's pending wgrads as
+    soon as it holds `max_passes` of them (which bounds the memory they hold); `flush` adds all that are left, weight
+    by weight, in the order they came (`segmented_gemm_passes`); `clear` forgets them unapplied (a failed step).
+    Until then, main_grad lacks the pending micro-batches' dW."""
 
-    def __init__(self, backend: str = "auto"):
-        self.backend = backend
+    def __init__(self, backend: str = "auto", max_passes: int = 8):
+        if max_passes < 1:
+            raise ValueError(f"max_passes must be >= 1, got {max_passes}")
+        self.backend, self.max_passes = backend, max_passes
         self._pending: dict[int, tuple[torch.Tensor, list, list]] = {}
 
     def __len__(self) -> int:
@@ -184,6 +187,9 @@ class DeferredWgrads:
         entry = self._pending.setdefault(id(main_grad), (main_grad, [], []))
         entry[1].append(gs)
         entry[2].append(xs)
+        if len(entry[1]) >= self.max_passes:
+            del self._pending[id(main_grad)]
+            segmented_gemm_passes(entry[1], entry[2], main_grad, backend=self.backend)
 
     def flush(self) -> None:
         pending, self._pending = self._pending, {}

@@ -198,26 +198,27 @@ def test_released_bf16_weights_change_no_bit(tokens, micro_batches, backend, mon
 @pytest.mark.parametrize("micro_batches,backend", [(2, "auto"), pytest.param(2, "triton", marks=pytest.mark.slow)])
 def test_deferred_expert_wgrads_change_no_bit(tokens, micro_batches, backend, monkeypatch):
     """With accumulation the NVFP4 learner leaves the experts' wgrads pending until the last micro-batch
-    (NVFP4Context.defer_expert_wgrads, minite.ops.grouped.DeferredWgrads): two steps give the same losses, gradient
-    norms and weights, bit for bit, as a learner that adds each micro-batch's wgrad at once; the sink held both
-    micro-batches of the 4 expert weights (2 layers x fc1, fc2) before its flush, and none is left after the step."""
+    (NVFP4Context.expert_wgrad_passes, minite.ops.grouped.DeferredWgrads): two steps give the same losses, gradient
+    norms and weights, bit for bit, as a learner that adds each micro-batch's wgrad at once; each step adds both
+    micro-batches of each of the 4 expert weights (2 layers x fc1, fc2) in one multi-pass launch, and no sink is
+    left after the step."""
     from minite.ops import grouped
     at_once = _learner("nvfp4")
     at_once.nvfp4.backend = backend
-    at_once.nvfp4.defer_expert_wgrads = False
+    at_once.nvfp4.expert_wgrad_passes = 1
     ref = [at_once.train_step(tokens, loss_fn, micro_batches=micro_batches) for _ in range(2)]
-    pending = []
-    flush = grouped.DeferredWgrads.flush
+    passes = []
+    launch = grouped.segmented_gemm_passes
 
-    def counted(sink):
-        pending.append(len(sink))
-        flush(sink)
+    def counted(a, b, main, **kw):
+        passes.append(len(a))
+        return launch(a, b, main, **kw)
 
-    monkeypatch.setattr(grouped.DeferredWgrads, "flush", counted)
+    monkeypatch.setattr(grouped, "segmented_gemm_passes", counted)
     deferred = _learner("nvfp4")
     deferred.nvfp4.backend = backend
     got = [deferred.train_step(tokens, loss_fn, micro_batches=micro_batches) for _ in range(2)]
-    assert got == ref and pending == [4 * micro_batches] * 2
+    assert got == ref and passes == [micro_batches] * 4 * 2
     assert deferred.nvfp4.wgrad_sink is None
     for name, w in _weights(at_once).items():
         assert torch.equal(w, _weights(deferred)[name]), name

@@ -203,7 +203,8 @@ def test_grouped_wgrad_adds_into_megatron_main_grad(backend):
 def test_deferred_wgrads_add_the_micro_batches_bitwise(backend, tensor_counts):
     """minite.ops.grouped.DeferredWgrads: three micro-batches' grouped-linear backwards with a wgrad sink leave
     main_grad untouched until `flush`, which then gives main_grad bitwise as the per-micro-batch additions (the
-    kernels: one multi-pass launch over the three micro-batches' segments, host or device widths); `clear` drops
+    kernels: one multi-pass launch over the three micro-batches' segments, host or device widths); with max_passes=2
+    the first two are added when the second arrives and the third at the flush, to the same bits; `clear` drops
     pending wgrads unapplied."""
     from minite.ops.grouped import DeferredWgrads
     torch.manual_seed(11)
@@ -213,22 +214,26 @@ def test_deferred_wgrads_add_the_micro_batches_bitwise(backend, tensor_counts):
     dys = [torch.randn(48, 48, device=DEVICE).to(torch.bfloat16) for _ in counts]
     start = torch.randn(4, 48, 64, device=DEVICE) * 1e-2
     mains = []
-    for sink in (None, DeferredWgrads(backend)):
+    for sink in (None, DeferredWgrads(backend), DeferredWgrads(backend, max_passes=2)):
         param = torch.nn.Parameter(w.clone())
         param.main_grad, param.grad_added_to_main_grad = start.clone(), False
+        held = []
         for i, (x, dy, c) in enumerate(zip(xs, dys, counts)):
             c = torch.tensor(c, device=DEVICE) if tensor_counts else c
             nvfp4_grouped_linear(x, param, c, NVFP4Recipe(), seed=30 + i, backend=backend,
                                  wgrad_sink=sink).backward(dy)
             assert param.grad_added_to_main_grad and param.grad.shape == w.shape
             param.grad = None
+            held.append(None if sink is None else (len(sink), torch.equal(param.main_grad, start)))
         if sink is not None:
-            assert len(sink) == 3 and torch.equal(param.main_grad, start)
+            assert held == ([(1, True), (2, True), (3, True)] if sink.max_passes == 8
+                            else [(1, True), (0, False), (1, False)])
             sink.flush()
             assert len(sink) == 0
         mains.append(param.main_grad)
     assert not torch.equal(mains[0], start)
     assert torch.equal(mains[0].view(torch.int32), mains[1].view(torch.int32))
+    assert torch.equal(mains[0].view(torch.int32), mains[2].view(torch.int32))
     sink = DeferredWgrads(backend)
     param = torch.nn.Parameter(w.clone())
     param.main_grad, param.grad_added_to_main_grad = start.clone(), False

@@ -172,7 +172,7 @@ def world_size() -> int:
 
 def run(precision: str, shape: dict, layers: int, seq: int, steps: int, warmup: int, micro_batches=(1,),
         profile_top: int = 0, ep: int = 1, profile_micro: int = 1, memory_top: int = 0,
-        sync_top: int = 0, op_sites: str = "", phases: bool = False, immediate_wgrads: bool = False) -> list[dict]:
+        sync_top: int = 0, op_sites: str = "", phases: bool = False, wgrad_passes=(None,)) -> list[dict]:
     """One learner, one row per micro-batch count: a step of `micro` x `seq` tokens and one optimizer step."""
     from minite.config import load_config
     from minite.learner.learner import Learner
@@ -188,13 +188,14 @@ def run(precision: str, shape: dict, layers: int, seq: int, steps: int, warmup: 
         torch.cuda.empty_cache()
     mem_start = torch.cuda.memory_allocated() / 2**30 if dev == "cuda" else None
     learner = Learner(load_config(None, sets))
-    if learner.nvfp4 is not None and immediate_wgrads:  # each micro-batch's expert wgrad added at once (the A/B)
-        learner.nvfp4.defer_expert_wgrads = False
     world = world_size()  # every rank its own sequences: the world is the data-parallel size (TP = PP = 1 here)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(1, shape["vocab_size"], (world * max(micro_batches), seq + 1), generator=gen).to(dev)
     rows = []
-    for micro in micro_batches:
+    nvfp4 = learner.nvfp4
+    for micro, passes in [(m, p) for m in micro_batches for p in (wgrad_passes if nvfp4 is not None else (None,))]:
+        if passes is not None:  # NVFP4Context.expert_wgrad_passes for this row (None: the default)
+            nvfp4.expert_wgrad_passes = passes
         if dev == "cuda":  # each row's own peak (the learner's state included)
             torch.cuda.reset_peak_memory_stats()
         counter = ExpertRows(learner.model)
@@ -212,8 +213,7 @@ def run(precision: str, shape: dict, layers: int, seq: int, steps: int, warmup: 
                      "peak_fwd_bwd_gib": metrics["peak_fwd_bwd_gib"] if dev == "cuda" else None,
                      "peak_optimizer_gib": metrics["peak_optimizer_gib"] if dev == "cuda" else None,
                      "mem_start_gib": mem_start, "expert_rows_max_over_mean": balance,
-                     "deferred_expert_wgrads": bool(learner.nvfp4 is not None and learner.nvfp4.defer_expert_wgrads
-                                                    and micro > 1)})
+                     "expert_wgrad_passes": min(micro, nvfp4.expert_wgrad_passes) if nvfp4 is not None else None})
         if RANK0:
             print(json.dumps(rows[-1]), flush=True)
     if profile_top or memory_top or sync_top or op_sites or phases:
@@ -256,9 +256,9 @@ def main() -> None:
     p.add_argument("--phases", action="store_true",
                    help="after timing, one more step (--profile-micro-batches) timed by phase: each micro-batch's "
                    "forward and backward, the NVFP4 weights' quantisation, gradient finalisation, the optimizer")
-    p.add_argument("--immediate-wgrads", action="store_true",
-                   help="NVFP4: add each micro-batch's expert wgrad into main_grad at once instead of once per step "
-                   "(NVFP4Context.defer_expert_wgrads off: the same bits; the A/B of the deferral)")
+    p.add_argument("--wgrad-passes", default="",
+                   help="NVFP4: comma list of NVFP4Context.expert_wgrad_passes, one row each per micro-batch count "
+                   "(1: each micro-batch's expert wgrad added into main_grad at once; the same bits either way)")
     a = p.parse_args()
     shape = TINY if a.tiny else FULL
     micro = tuple(int(m) for m in a.micro_batches.split(","))
@@ -266,7 +266,8 @@ def main() -> None:
     for prec in a.precisions.split(","):
         try:
             rows += run(prec, shape, a.layers, a.seq, a.steps, a.warmup, micro, a.profile, a.ep,
-                        a.profile_micro_batches, a.memory_top, a.sync_sites, a.op_sites, a.phases, a.immediate_wgrads)
+                        a.profile_micro_batches, a.memory_top, a.sync_sites, a.op_sites, a.phases,
+                        tuple(int(v) for v in a.wgrad_passes.split(",")) if a.wgrad_passes else (None,))
         except Exception as e:  # report and go on: one precision failing must not hide the other's number
             rows.append({"precision": prec, "error": f"{type(e).__name__}: {e}"})
             print(json.dumps(rows[-1]), flush=True)
