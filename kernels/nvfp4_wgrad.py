@@ -165,8 +165,9 @@ def kgrouped_gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, tokens_per_expert, out_
 # The multi-pass wgrad keeps the output tile in registers beside the accumulator: 64 x 256 on 8 warps holds both in
 # 128 fp32 registers per thread with no local memory (sm_90, Triton 3.6, sass_census.py --wgrad: 128 x 256 needs 256
 # and 128 x 128 on 8 warps spilled 66 loads and stores; the one-pass accumulate tile 128 x 256 spills 242 in its
-# epilogue)
-PASSES_TILE = GemmConfig(64, 256, 64, 8, 3)
+# epilogue). 4 stages: the slice's 8-micro-batch flush of FC1 / FC2 in 9.26 / 5.21 ms against 9.64 / 5.33 with 3,
+# 11.76 / 6.30 for BLOCK_K 128 (bench_wgrad.py, H200, 2026-12-04, 1a5e221; docs/benchmarks.md)
+PASSES_TILE = GemmConfig(64, 256, 64, 8, 4)
 
 
 def _segment_table(passes: list, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -97,11 +97,13 @@ class NVFP4Context:
     from the second micro-batch on, so that the chunks of one step draw independent rounding (the first chunk's
     seeds are those of a step without accumulation)."""
 
-    expert_wgrad_passes: int = 8
+    expert_wgrad_passes: int = 2
     """With several micro-batches per train step, the learner leaves the experts' wgrads into main_grad pending
     (`wgrad_sink`) and adds up to this many micro-batches' in one launch per weight: the same bits, main_grad read
     and written once per that many micro-batches, for up to this many minus one micro-batches' packed wgrad operands
-    held meanwhile (docs/design.md has the memory). 1: each micro-batch's wgrad is added at once."""
+    held meanwhile. 1: each micro-batch's wgrad is added at once. On the H200's 4-layer slice (8 x 4096 tokens) 1, 2,
+    4, 8 took 0.617, 0.595, 0.576, 0.566 s per step at a peak of 62.06, 62.52, 63.46, 65.33 GiB (BF16: 62.53): 2
+    keeps the NVFP4 learner within BF16's memory (docs/benchmarks.md, issue 17 in the sixteenth session)."""
     wgrad_sink: Optional[DeferredWgrads] = None
     """Where the experts' wgrads wait during such a step (minite.ops.grouped.DeferredWgrads), set and flushed by the
     learner; None: each backward adds its wgrad at once."""

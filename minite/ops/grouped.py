@@ -173,7 +173,7 @@ class DeferredWgrads:
     by weight, in the order they came (`segmented_gemm_passes`); `clear` forgets them unapplied (a failed step).
     Until then, main_grad lacks the pending micro-batches' dW."""
 
-    def __init__(self, backend: str = "auto", max_passes: int = 8):
+    def __init__(self, backend: str = "auto", max_passes: int = 2):
         if max_passes < 1:
             raise ValueError(f"max_passes must be >= 1, got {max_passes}")
         self.backend, self.max_passes = backend, max_passes

@@ -214,7 +214,7 @@ def test_deferred_wgrads_add_the_micro_batches_bitwise(backend, tensor_counts):
     dys = [torch.randn(48, 48, device=DEVICE).to(torch.bfloat16) for _ in counts]
     start = torch.randn(4, 48, 64, device=DEVICE) * 1e-2
     mains = []
-    for sink in (None, DeferredWgrads(backend), DeferredWgrads(backend, max_passes=2)):
+    for sink in (None, DeferredWgrads(backend, max_passes=8), DeferredWgrads(backend, max_passes=2)):
         param = torch.nn.Parameter(w.clone())
         param.main_grad, param.grad_added_to_main_grad = start.clone(), False
         held = []
@@ -234,7 +234,7 @@ def test_deferred_wgrads_add_the_micro_batches_bitwise(backend, tensor_counts):
     assert not torch.equal(mains[0], start)
     assert torch.equal(mains[0].view(torch.int32), mains[1].view(torch.int32))
     assert torch.equal(mains[0].view(torch.int32), mains[2].view(torch.int32))
-    sink = DeferredWgrads(backend)
+    sink = DeferredWgrads(backend, max_passes=8)
     param = torch.nn.Parameter(w.clone())
     param.main_grad, param.grad_added_to_main_grad = start.clone(), False
     y = nvfp4_grouped_linear(xs[0], param, counts[0], NVFP4Recipe(), seed=30, backend=backend, wgrad_sink=sink)

@@ -223,11 +223,13 @@ def wgrad_rows() -> list:
     """The K-grouped wgrad GEMM's K loop at the learner's tile, with and without the fp32 accumulate."""
     div = [k for k, v in WGRAD_SIGNATURE.items() if v.startswith("*")] + ["M", "N", "KT"]
     rows = []
-    for accumulate, passes, block_m, block_n in ((False, 1, 128, 256), (True, 1, 128, 256),
-                                                 (True, 8, nw.PASSES_TILE.block_m, nw.PASSES_TILE.block_n)):
+    tile = nw.PASSES_TILE
+    for accumulate, passes, block_m, block_n, stages in ((False, 1, 128, 256, 3), (True, 1, 128, 256, 3),
+                                                         (True, 8, tile.block_m, tile.block_n, tile.num_stages)):
         constexprs = dict(A_PACKED=False, B_PACKED=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, PTX=True,
                           ACCUMULATE=accumulate, PASSES=passes)
-        sass = kernel_sass(nw._kgrouped_gemm_kernel, WGRAD_SIGNATURE, constexprs, div, dict(num_warps=8, num_stages=3))
+        sass = kernel_sass(nw._kgrouped_gemm_kernel, WGRAD_SIGNATURE, constexprs, div,
+                           dict(num_warps=8, num_stages=stages))
         loop = loop_census(sass)
         rows.append({"kernel": f"kgrouped wgrad {block_m}x{block_n}x64" + (", accumulate" if accumulate else "")
                      + (f", {passes} passes" if passes > 1 else ""),
