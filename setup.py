@@ -36,7 +36,10 @@ setup(
         "megatron": ["megatron-core==0.16.1"],
         "triton": ["triton>=3.6"],
         "tensorboard": ["tensorboard"],
-        "transformers": ["transformers"],
+        # transformers 5.25 requires Hugging Face's `kernels` package and imports it by that top-level name, which
+        # this repository's kernels/ folder shadows wherever the checkout's root is on sys.path (`python3 -m pytest`
+        # from the root): its hub-kernels integration then fails to import (seen 2026-12-04 in a fresh setup).
+        "transformers": ["transformers<5.25"],
         # sglang==0.5.23 is installed with --no-deps (its CUDA-only pins); see README.
         "dev": ["pytest", "hypothesis", "import-linter==2.17"],
     },

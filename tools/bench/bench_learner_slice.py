@@ -193,8 +193,14 @@ def run(precision: str, shape: dict, layers: int, seq: int, steps: int, warmup: 
     tokens = torch.randint(1, shape["vocab_size"], (world * max(micro_batches), seq + 1), generator=gen).to(dev)
     rows = []
     nvfp4 = learner.nvfp4
-    for micro, passes in [(m, p) for m in micro_batches for p in (wgrad_passes if nvfp4 is not None else (None,))]:
-        if passes is not None:  # NVFP4Context.expert_wgrad_passes for this row (None: the default)
+    default = nvfp4.expert_wgrad_passes if nvfp4 is not None else None
+    combos = [(m, p) for m in micro_batches for p in (wgrad_passes if nvfp4 is not None else (None,))]
+    # one row per micro-batch count and effective passes (a single micro-batch defers nothing), the default last
+    # (the ratios below take each count's last NVFP4 row)
+    combos = sorted({(m, min(m, p or default) if nvfp4 is not None else None): None for m, p in combos},
+                    key=lambda c: (micro_batches.index(c[0]), c[1] == min(c[0], default or 1)))
+    for micro, passes in combos:
+        if passes is not None:  # NVFP4Context.expert_wgrad_passes for this row
             nvfp4.expert_wgrad_passes = passes
         if dev == "cuda":  # each row's own peak (the learner's state included)
             torch.cuda.reset_peak_memory_stats()
@@ -213,7 +219,7 @@ def run(precision: str, shape: dict, layers: int, seq: int, steps: int, warmup: 
                      "peak_fwd_bwd_gib": metrics["peak_fwd_bwd_gib"] if dev == "cuda" else None,
                      "peak_optimizer_gib": metrics["peak_optimizer_gib"] if dev == "cuda" else None,
                      "mem_start_gib": mem_start, "expert_rows_max_over_mean": balance,
-                     "expert_wgrad_passes": min(micro, nvfp4.expert_wgrad_passes) if nvfp4 is not None else None})
+                     "expert_wgrad_passes": passes})
         if RANK0:
             print(json.dumps(rows[-1]), flush=True)
     if profile_top or memory_top or sync_top or op_sites or phases:
@@ -222,6 +228,8 @@ def run(precision: str, shape: dict, layers: int, seq: int, steps: int, warmup: 
                           op_sites, phases)
         except Exception as e:
             print(f"profile failed: {type(e).__name__}: {e}", flush=True)
+    if nvfp4 is not None:
+        nvfp4.expert_wgrad_passes = default
     learner.close()  # without it Megatron's DDP hooks keep the model, gradients and masters alive (Learner.close)
     del learner
     gc.collect()
