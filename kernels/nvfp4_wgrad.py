@@ -63,16 +63,18 @@ def _kgrouped_gemm_kernel(a_data, a_scale, a_vals, a_amax, a_amax_stride, a_amax
     cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < M
     cmask = cols < N
-    c_ptrs = c_ptr + e.to(tl.int64) * M * N + rows[:, None].to(tl.int64) * N + cols[None, :]
     if PASSES == 1:
         out = _kgrouped_pass(a_data, a_scale, a_vals, a_amax, a_amax_stride, a_amax_stride_e,
                              b_data, b_scale, b_vals, b_amax, b_amax_stride, b_amax_stride_e,
                              k_start_ptr + e, k_count_ptr + e, e, rows, rmask, cols, cmask, KT, factor_inv,
                              A_PACKED, B_PACKED, BLOCK_M, BLOCK_N, BLOCK_K, PTX)
+        # the output's addresses formed after the K loop: held across it they cost registers (and spills)
+        c_ptrs = c_ptr + e.to(tl.int64) * M * N + rows[:, None].to(tl.int64) * N + cols[None, :]
         if ACCUMULATE:
             out = _add_rn(out, tl.load(c_ptrs, mask=rmask[:, None] & cmask[None, :], other=0.0), PTX)
     else:
         experts = tl.num_programs(1)
+        c_ptrs = c_ptr + e.to(tl.int64) * M * N + rows[:, None].to(tl.int64) * N + cols[None, :]
         out = tl.load(c_ptrs, mask=rmask[:, None] & cmask[None, :], other=0.0)
         for s in range(PASSES):
             part = _kgrouped_pass(a_data, a_scale, a_vals, a_amax + s * a_amax_stride_s, a_amax_stride,
