@@ -101,9 +101,9 @@ class NVFP4Context:
     """With several micro-batches per train step, the learner leaves the experts' wgrads into main_grad pending
     (`wgrad_sink`) and adds up to this many micro-batches' in one launch per weight: the same bits, main_grad read
     and written once per that many micro-batches, for up to this many minus one micro-batches' packed wgrad operands
-    held meanwhile. 1: each micro-batch's wgrad is added at once. On the H200's 4-layer slice (8 x 4096 tokens) 1, 2,
-    4, 8 took 0.617, 0.595, 0.576, 0.566 s per step at a peak of 62.06, 62.52, 63.46, 65.33 GiB (BF16: 62.53): 2
-    keeps the NVFP4 learner within BF16's memory (docs/benchmarks.md, issue 17 in the sixteenth session)."""
+    held meanwhile. 1: each micro-batch's wgrad is added at once. On the H200's 4-layer slice (8 x 4096 tokens) 1, 2
+    and 8 took 0.600, 0.591 and 0.554 s per step at a peak of 62.06, 62.52 and 65.33 GiB (BF16: 0.518 s, 62.53 GiB):
+    2 keeps the NVFP4 learner within BF16's memory (docs/benchmarks.md, issue 17 in the sixteenth session)."""
     wgrad_sink: Optional[DeferredWgrads] = None
     """Where the experts' wgrads wait during such a step (minite.ops.grouped.DeferredWgrads), set and flushed by the
     learner; None: each backward adds its wgrad at once."""

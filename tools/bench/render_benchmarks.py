@@ -40,8 +40,8 @@ def render(d: dict) -> str:
             out.append(f"| learner slice {row['precision']} | failed: {row['error']} | | |")
             continue
         name = f"learner slice {row['precision']}, {row.get('micro_batches', 1)} x {row.get('tokens', 0) // max(row.get('micro_batches', 1), 1)} tokens"
-        if (row.get("expert_wgrad_passes") or 1) > 1:
-            name += f", expert wgrads {row['expert_wgrad_passes']} micro-batches a launch"
+        if row.get("expert_wgrad_passes") and row.get("micro_batches", 1) > 1:
+            name += f", expert wgrads {row['expert_wgrad_passes']} micro-batch(es) a launch"
         out.append(f"| {name}: tokens/s (step s, peak GiB) | {row['tokens_per_s']:,.0f} "
                    f"({row['step_s']:.3f} s, {row['peak_mem_gib']:.1f} GiB) | | |")
         out.append(f"| {name}: model TFLOP/s | {row['model_tflops']:.1f} | >= 200 "
