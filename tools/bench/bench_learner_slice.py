@@ -38,7 +38,7 @@ import torch
 
 from memory_peak import print_memory_top  # tools/bench/, beside this script
 from profiling import print_op_sites, print_phases, print_py_top, print_sync_sites, print_top
-from provenance import stamp
+from provenance import emit, stamp
 from shapes import FULL, TINY
 
 
@@ -290,10 +290,7 @@ def main() -> None:
     result = {"layers": a.layers, "seq": a.seq, "ep": a.ep, "rows": rows, "nvfp4_over_bf16_tokens_per_s": ratio(micro[0]),
               "nvfp4_over_bf16_tokens_per_s_by_micro_batches": {str(m): ratio(m) for m in micro},
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", **stamp()}
-    print(json.dumps(result))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
+    emit(result, a.out)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 
@@ -30,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from minite.kernels import nvfp4_wgrad as nw  # noqa: E402
 from minite.kernels.nvfp4_gemm import GemmConfig  # noqa: E402
 from minite.nvfp4 import quantize_count_segments  # noqa: E402
-from provenance import stamp  # noqa: E402  (tools/bench/, beside this script)
+from provenance import emit, stamp  # noqa: E402  (tools/bench/, beside this script)
 
 EXPERTS, TOKENS, TOPK = 128, 4096, 8
 GEMMS = {"fc1": (1536, 2048), "fc2": (2048, 768)}  # rows of dy^T and of the input^T
@@ -100,10 +99,7 @@ def main() -> None:
                                      f"{t['bitwise_vs_immediate']}")
             print(f"  {r['gemm']} immediate {r['immediate_ms']:7.2f} | passes tile {t['tile']}: {got}")
     result = {"rows": rows, "device": torch.cuda.get_device_name(), **stamp()}
-    print(json.dumps(result))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
+    emit(result, a.out)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ measured at 7693d02 said f3e5b6f): the mark shows that instead of naming the wro
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import subprocess
 import sys
@@ -33,3 +34,11 @@ def stamp() -> dict:
     """{"date", "commit", "command"} of this run (UTC, the commit as `commit()`, the command line as run)."""
     return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit(),
             "command": "python3 " + " ".join(sys.argv)}
+
+
+def emit(result: dict, out: str | None) -> None:
+    """Print a benchmark's result as one JSON line, and write it (indented) to `out` when given."""
+    print(json.dumps(result))
+    if out:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
