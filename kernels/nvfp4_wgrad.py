@@ -192,16 +192,14 @@ def segmented_gemm_passes_triton(a: list, b: list, accumulate: torch.Tensor) -> 
     writes, minite.kernels.nvfp4_values); accumulate is read and written once."""
     ensure_interpreter_compat()
     dev = a[0].data.device
-    experts, ra, rb = accumulate.shape
+    experts, ra, rb = len(a[0].widths), a[0].data.shape[0], b[0].data.shape[0]
     check_accumulate(accumulate, (experts, ra, rb), dev, "segmented_gemm_passes")
+    starts, widths = _segment_table(a, dev)  # b's segments are those of the same counts (segmented_gemm_passes)
     operands = []
     for side in (a, b):
-        data = torch.cat([p.data for p in side], 1)
-        scale = torch.cat([p.scale for p in side], 1)
-        starts, widths = _segment_table(side, dev)
-        amax = torch.stack([p.amax.to(torch.float32) for p in side])
-        operands.append((data, scale, block_values_triton(data, scale), starts, widths, amax))
-    (ad, asc, av, starts, widths, aam), (bd, bsc, bv, _, _, bam) = operands
+        data, scale = torch.cat([p.data for p in side], 1), torch.cat([p.scale for p in side], 1)
+        operands.append((data, scale, block_values_triton(data, scale), torch.stack([p.amax.float() for p in side])))
+    (ad, asc, av, aam), (bd, bsc, bv, bam) = operands
     kt = 2 * ad.shape[1]
     cfg = GemmConfig(16, 32, 64, 4, 1) if interpreting() else PASSES_TILE
     grid = (cdiv(ra, cfg.block_m) * cdiv(rb, cfg.block_n), experts)

@@ -48,9 +48,9 @@ from minite.learner.model import build_model, compute_dtype, nvfp4_context
 from minite.learner.weights import checked_weight_copy
 from minite.megatron_patches.cpu import cuda_as_cpu
 from minite.megatron_patches.moe_dispatch import detach_dispatcher_graphs, use_local_dispatch
-from minite.ops.grouped import DeferredWgrads
 from minite.megatron_patches.nvfp4_layers import (release_quantised_weights, release_weight_caches,
                                                    restore_quantised_weights)
+from minite.ops.grouped import DeferredWgrads
 from minite.strict import ops as strict_ops
 
 logger = logging.getLogger(__name__)
@@ -248,11 +248,11 @@ class Learner:
         rows, total, sums = tokens.shape[0] // micro_batches, None, {}
         # NVFP4: the forward and backward read only the quantised weights; the bf16 ones are freed until the step
         released = release_quantised_weights(self.model) if self.nvfp4 is not None else []
-        # NVFP4 with accumulation: the experts' wgrads wait for the last micro-batch, then add into main_grad in one
-        # launch per weight (the same bits; minite.ops.grouped.DeferredWgrads)
+        # NVFP4 with accumulation: the experts' wgrads wait, up to expert_wgrad_passes micro-batches, and are added
+        # into main_grad in one launch per weight (the same bits; minite.ops.grouped.DeferredWgrads)
         passes = min(micro_batches, self.nvfp4.expert_wgrad_passes) if self.nvfp4 is not None else 1
         sink = DeferredWgrads(self.nvfp4.backend, passes) if passes > 1 else None
-        if sink is not None:
+        if self.nvfp4 is not None:
             self.nvfp4.wgrad_sink = sink
         try:
             for i in range(micro_batches):

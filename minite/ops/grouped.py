@@ -146,12 +146,18 @@ def _grouped_wgrad(dy: torch.Tensor, x: Optional[torch.Tensor], counts, recipe: 
             start += c
         return dw
     values = quant_flags(backend, dy)["values"]  # whether the kernels' GEMM reads block values
+    gs, xs = _wgrad_operands(dy, x, counts, recipe, seed, backend, x_segments, values)
+    return segmented_gemm(gs, xs, out_dtype=out_dtype, backend=backend, accumulate=accumulate)
+
+
+def _wgrad_operands(dy: torch.Tensor, x: Optional[torch.Tensor], counts, recipe: NVFP4Recipe, seed: int,
+                    backend: str, x_segments: Optional[NVFP4Segments], values: bool):
+    """The segment wgrad's operands (dy^T, x^T): x^T from x_segments when given (kept packed since the forward),
+    with fp16 block values when `values` (the GEMM reads them), packed only otherwise (a deferred wgrad)."""
     gs = _wgrad_segments(dy, counts, recipe, "wgrad_gradient", seed, backend, values)
     if x_segments is None:
-        xs = _wgrad_segments(x, counts, recipe, "wgrad_input", seed, backend, values)
-    else:
-        xs = x_segments.with_values(backend) if values else x_segments
-    return segmented_gemm(gs, xs, out_dtype=out_dtype, backend=backend, accumulate=accumulate)
+        return gs, _wgrad_segments(x, counts, recipe, "wgrad_input", seed, backend, values)
+    return gs, x_segments.with_values(backend) if values else x_segments
 
 
 def _main_grad(weight: torch.Tensor, recipe: NVFP4Recipe) -> Optional[torch.Tensor]:
@@ -188,13 +194,15 @@ class DeferredWgrads:
         entry[1].append(gs)
         entry[2].append(xs)
         if len(entry[1]) >= self.max_passes:
-            del self._pending[id(main_grad)]
-            segmented_gemm_passes(entry[1], entry[2], main_grad, backend=self.backend)
+            self._apply(id(main_grad))
 
     def flush(self) -> None:
-        pending, self._pending = self._pending, {}
-        for main, a, b in pending.values():
-            segmented_gemm_passes(a, b, main, backend=self.backend)
+        for key in list(self._pending):
+            self._apply(key)
+
+    def _apply(self, key: int) -> None:
+        main, a, b = self._pending.pop(key)
+        segmented_gemm_passes(a, b, main, backend=self.backend)
 
     def clear(self) -> None:
         self._pending = {}
@@ -246,11 +254,8 @@ class _NVFP4GroupedLinear(torch.autograd.Function):
             del gq  # freed before the wgrad quantises dy^T (the backward's own peak)
         if ctx.needs_input_grad[1]:
             weight, main = ctx.weight, _main_grad(ctx.weight, recipe)
-            if main is not None and ctx.wgrad_sink is not None:  # pending until the step's last micro-batch
-                xs = x_segments if x_segments is not None else _wgrad_segments(x, counts, recipe, "wgrad_input", seed,
-                                                                               backend, values=False)
-                ctx.wgrad_sink.add(main, _wgrad_segments(dy, counts, recipe, "wgrad_gradient", seed, backend,
-                                                         values=False), xs)
+            if main is not None and ctx.wgrad_sink is not None:  # pending: the sink adds it to main_grad later
+                ctx.wgrad_sink.add(main, *_wgrad_operands(dy, x, counts, recipe, seed, backend, x_segments, False))
             else:
                 dw = _grouped_wgrad(dy, x, counts, recipe, seed, backend, ctx.w_dtype, x_segments=x_segments,
                                     accumulate=main)

@@ -170,6 +170,16 @@ def world_size() -> int:
     return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
 
+def _row_passes(micro: int, wgrad_passes, default) -> list:
+    """The expert_wgrad_passes of the rows for `micro` micro-batches: each distinct effective value (a single
+    micro-batch defers nothing), the default last (main() takes each count's last NVFP4 row for its ratios); [None]
+    for BF16 (default None)."""
+    if default is None:
+        return [None]
+    last = min(micro, default)
+    return [p for p in dict.fromkeys(min(micro, p) for p in wgrad_passes if p is not None) if p != last] + [last]
+
+
 def run(precision: str, shape: dict, layers: int, seq: int, steps: int, warmup: int, micro_batches=(1,),
         profile_top: int = 0, ep: int = 1, profile_micro: int = 1, memory_top: int = 0,
         sync_top: int = 0, op_sites: str = "", phases: bool = False, wgrad_passes=(None,)) -> list[dict]:
@@ -194,11 +204,7 @@ def run(precision: str, shape: dict, layers: int, seq: int, steps: int, warmup: 
     rows = []
     nvfp4 = learner.nvfp4
     default = nvfp4.expert_wgrad_passes if nvfp4 is not None else None
-    combos = [(m, p) for m in micro_batches for p in (wgrad_passes if nvfp4 is not None else (None,))]
-    # one row per micro-batch count and effective passes (a single micro-batch defers nothing), the default last
-    # (the ratios below take each count's last NVFP4 row)
-    combos = sorted({(m, min(m, p or default) if nvfp4 is not None else None): None for m, p in combos},
-                    key=lambda c: (micro_batches.index(c[0]), c[1] == min(c[0], default or 1)))
+    combos = [(m, p) for m in micro_batches for p in _row_passes(m, wgrad_passes, default)]
     for micro, passes in combos:
         if passes is not None:  # NVFP4Context.expert_wgrad_passes for this row
             nvfp4.expert_wgrad_passes = passes

@@ -37,19 +37,15 @@ def print_top(fn, top: int, label: str = "", show: bool = True) -> None:
 def busy_span(intervals) -> tuple[float, float]:
     """(first start to last end, length of the union) of [start, end) intervals: a profiled step's device span and
     the time some kernel ran in it; span - busy is the time the GPU sat idle inside the step (waiting for the host)."""
-    span = busy = 0.0
-    cur_s = cur_e = None
-    for s, e in sorted(intervals):
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                busy += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        busy += cur_e - cur_s
-        span = max(e for _, e in intervals) - min(s for s, _ in intervals)
-    return span, busy
+    ordered = sorted(intervals)
+    if not ordered:
+        return 0.0, 0.0
+    busy, (cur_s, cur_e) = 0.0, ordered[0]
+    for s, e in ordered[1:]:
+        if s > cur_e:  # a gap: the merged interval before it is done
+            busy, cur_s = busy + cur_e - cur_s, s
+        cur_e = max(cur_e, e)
+    return cur_e - ordered[0][0], busy + cur_e - cur_s
 
 
 def print_py_top(fn, top: int, label: str = "", show: bool = True) -> None:

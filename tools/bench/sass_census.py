@@ -220,7 +220,8 @@ WGRAD_SIGNATURE = {"a_data": "*u8", "a_scale": "*u8", "a_vals": "*fp16", "a_amax
 
 
 def wgrad_rows() -> list:
-    """The K-grouped wgrad GEMM's K loop at the learner's tile, with and without the fp32 accumulate."""
+    """The K-grouped wgrad GEMM's K loop at the learner's tile, with and without the fp32 accumulate, and the
+    multi-pass form at its tile (its longest loop is the one over passes, the K loop inside)."""
     div = [k for k, v in WGRAD_SIGNATURE.items() if v.startswith("*")] + ["M", "N", "KT"]
     rows = []
     tile = nw.PASSES_TILE
