@@ -63,7 +63,13 @@ def sample(last_logits: torch.Tensor, temperature: float, top_p: float, generato
     top_k = 0 (the same ops in the same order on the same generator, so the same tokens): temperature, then nucleus
     filtering with its shifted mask (top_p < 1), softmax, one multinomial draw, clamped into the vocabulary.
     last_logits is left as it is (the caller's log-softmax reads it): copied only where an op below works in place
-    (a copy of [batch, vocab] fp32 costs ~20 us at batch 64 on the H200, every step)."""
+    (a copy of [batch, vocab] fp32 costs ~20 us at batch 64 on the H200, every step).
+
+    The draw is torch.multinomial's own one-sample path written out (ATen's `multinomial`: q ~ Exp(1) from the
+    generator, argmax(p / q) per row): the same ops on the same generator, so the same tokens and the same generator
+    state after (tests/rollout/test_decode.py; on the H200 too), without the validity checks multinomial runs
+    first (a min/max and a per-row sum over [batch, vocab] and device asserts: ~50 us per step at batch 64 on the
+    H200, and an assert ends the process). Non-finite logits are caught by the caller, from the log-probs."""
     logits = last_logits.clone() if temperature != 1.0 or 0.0 < top_p < 1.0 else last_logits
     if temperature != 1.0:
         logits.div_(temperature)
@@ -73,7 +79,9 @@ def sample(last_logits: torch.Tensor, temperature: float, top_p: float, generato
         drop[:, 1:] = drop[:, :-1].clone()
         drop[..., 0] = 0
         logits.masked_fill_(drop.scatter(1, sorted_idx, drop), float("-inf"))
-    tokens = torch.multinomial(logits.softmax(dim=-1), num_samples=1, generator=generator).view(-1)
+    probs = logits.softmax(dim=-1)
+    q = torch.empty_like(probs).exponential_(1, generator=generator)
+    tokens = torch.div(probs, q, out=q).argmax(dim=-1)
     return torch.clamp(tokens, min=0, max=vocab_size - 1)
 
 

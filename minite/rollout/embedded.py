@@ -29,7 +29,9 @@ NaN/Inf: on a GPU the NVFP4 quantiser does not check its input on the spot (a ho
 model's NVFP4 modules record into a device-side flag (`NVFP4Context.finite`), which generate reads once, after the
 last step, and raises a one-line ValueError if a weight or activation was not finite. That catches what
 quantisation would hide (an Inf saturates to a finite code, a NaN can round to code 0); a non-finite value that
-reaches the logits stops Megatron's sampler first (torch.multinomial's CUDA kernel asserts on NaN probabilities).
+reaches the logits (BF16 too) gives NaN log-probs, and generate raises a one-line ValueError for them after the
+read-back (agreed over the ranks like the flag; the loop's sampler runs no validity check of its own, decode.py).
+Megatron's controller (`loop="megatron"`) stops in torch.multinomial instead, whose CUDA kernel asserts on NaN.
 
 MoE dispatch: with one EP and one TP rank the engine's MoE layers use `megatron_patches.moe_dispatch`'s
 LocalTokenDispatcher instead of Megatron's alltoall dispatcher (three host synchronisations per layer and an E-way
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections import OrderedDict
 from typing import Iterable
 
@@ -136,6 +139,8 @@ class EmbeddedEngine(RolloutEngine):
             # the GPU's deferred NaN/Inf check: one host read per call, agreed over the ranks (under EP or TP a rank
             # that alone saw a NaN must not raise while the others wait in the next collective)
             self.nvfp4.finite.check("generate", group=_world_group())
+        if self.loop == "minite":  # after the flag's check, which names the cause more closely and resets the flag
+            _check_finite_logprobs(logprobs, group=_world_group())
         results = []
         for (i, prompt), gen, lp in zip(flat, tokens, logprobs):
             toks, lps, finished = truncate_at_stop(gen, lp, params.stop_token_id)
@@ -229,6 +234,23 @@ class EmbeddedEngine(RolloutEngine):
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         return list(self._params.items())
+
+
+def _check_finite_logprobs(logprobs: list[list[float]], group=None) -> None:
+    """One-line ValueError if a log-prob of the generate (host lists) is NaN or Inf, which finite logits never give
+    (log_softmax of finite values is finite): the model's logits were not finite. With `group`, raised on every rank
+    if on any (a collective each rank calls once per generate)."""
+    bad = any(not math.isfinite(x) for row in logprobs for x in row)
+    if group is not None:
+        import torch.distributed as dist
+        from minite.ops import collective_device
+
+        flag = torch.tensor([float(bad)], device=collective_device(group))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        bad = bool(flag.item())
+    if bad:
+        raise ValueError("NaN or Inf in the logits during generate (a weight or activation of the model is not "
+                         "finite)")
 
 
 def _world_group():

@@ -67,6 +67,61 @@ def test_stop_token_and_reproducibility():
     assert _run(engine, SamplingParams(max_new_tokens=6, n=2, seed=4)) != free
 
 
+def _sample_equals_multinomial(device):
+    from minite.rollout.decode import sample
+
+    logits = torch.randn(37, 1000, generator=torch.Generator().manual_seed(0)).to(device) * 4
+    logits[3, 100:] = -float("inf")  # a row with zero-probability entries
+    logits[5] = 0.0  # a uniform row
+    for seed in range(20):
+        for temperature, top_p in ((1.0, 1.0), (0.7, 1.0), (1.3, 0.9)):
+            ours_gen = torch.Generator(device=device).manual_seed(seed)
+            ours = sample(logits, temperature, top_p, ours_gen, 1000)
+            theirs_gen = torch.Generator(device=device).manual_seed(seed)
+            x = logits / temperature if temperature != 1.0 else logits.clone()
+            if top_p < 1.0:  # Megatron's nucleus mask, as sample() applies it
+                sorted_logits, sorted_idx = torch.sort(x, descending=True)
+                drop = sorted_logits.softmax(dim=-1).cumsum(dim=-1) > top_p
+                drop[:, 1:] = drop[:, :-1].clone()
+                drop[..., 0] = 0
+                x.masked_fill_(drop.scatter(1, sorted_idx, drop), float("-inf"))
+            theirs = torch.multinomial(x.softmax(dim=-1), num_samples=1, generator=theirs_gen).view(-1)
+            assert torch.equal(ours, theirs), (seed, temperature, top_p)
+            assert torch.equal(ours_gen.get_state(), theirs_gen.get_state())  # the same draws consumed
+
+
+def test_sample_draws_multinomials_tokens():
+    """sample() writes torch.multinomial's one-sample path out (without its validity checks): the same tokens and
+    the same generator state after, over seeds, temperatures, top-p, -inf entries and a uniform row."""
+    _sample_equals_multinomial("cpu")
+
+
+@pytest.mark.gpu
+def test_sample_draws_multinomials_tokens_on_the_gpu():
+    _sample_equals_multinomial("cuda")
+
+
+@pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
+def test_non_finite_logits_stop_generate_with_one_line(precision):
+    """A NaN that reaches the logits gives NaN log-probs; generate says so in one line (the sampler itself has no
+    check), and the engine generates as before once the weights are finite again."""
+    engine = _engine(precision, False)
+    first = _run(engine, PARAMS[0])
+    head = engine._params["output_layer.weight"]
+    saved = head.data.clone()
+    head.data[5, 3] = float("nan")
+    if engine.nvfp4 is not None:
+        engine.nvfp4.weights_updated()
+    try:
+        with pytest.raises(ValueError, match=r"^NaN or Inf in the logits during generate"):
+            _run(engine, PARAMS[0])
+    finally:
+        head.data.copy_(saved)
+        if engine.nvfp4 is not None:
+            engine.nvfp4.weights_updated()
+    assert _run(engine, PARAMS[0]) == first
+
+
 def test_loop_reads_nothing_back_until_the_end():
     """BF16 (the NVFP4 quantiser checks its input on the CPU, a read the GPU defers to the end of generate)."""
     engine = _engine("bf16", False)
