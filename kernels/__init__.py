@@ -6,7 +6,8 @@ nvfp4_segments.py  the same quantisation of many segments of one tensor in one l
 nvfp4_values.py  fp16 block values from packed 1x16-block codes (the MoE wgrad operand kept packed until its GEMM)
 nvfp4_gemm.py    W4A4 GEMMs: dense, MoE grouped over tokens (fprop, dgrad), small-M decode tiles; the operand decoding
 nvfp4_wgrad.py   the MoE wgrad: grouped over K (tokens), into main_grad, several micro-batches in one launch
-nvfp4_swiglu.py  SwiGLU with its NVFP4 output quantisation fused in, and its backward
+nvfp4_swiglu.py  SwiGLU with its NVFP4 output quantisation fused in, and its backward; the experts' SwiGLU (the
+                 model's arithmetic) fused with FC2's activation quantisation, forward only
 finite_max.py    the NaN/Inf flag of the NVFP4 layers (minite.ops.FiniteFlag) in one launch
 megatron_rope.py Megatron-Core's unfused RoPE in one launch, for CUDA inference (megatron_patches.rope)
 _interpreter.py  a fix that lets triton 3.6's CPU interpreter run kernels with runtime loop bounds under numpy >= 2.4
@@ -23,6 +24,7 @@ from .finite_max import finite_max_into
 from .nvfp4_gemm import gemm_triton, grouped_gemm_triton
 from .nvfp4_quant import quantize_with_values_triton
 from .nvfp4_segments import quantize_count_segments_triton, quantize_segments_triton
+from .nvfp4_swiglu import expert_swiglu_quantize_triton
 from .nvfp4_values import block_values_triton
 from .nvfp4_wgrad import segmented_gemm_passes_triton, segmented_gemm_triton
 
@@ -30,4 +32,5 @@ register_kernels(quantize_with_values=quantize_with_values_triton, quantize_segm
                  quantize_count_segments=quantize_count_segments_triton,
                  gemm=gemm_triton, grouped_gemm=grouped_gemm_triton, segmented_gemm=segmented_gemm_triton,
                  segmented_gemm_passes=segmented_gemm_passes_triton,
-                 finite_max=finite_max_into, block_values=block_values_triton)
+                 finite_max=finite_max_into, block_values=block_values_triton,
+                 expert_swiglu_quantize=expert_swiglu_quantize_triton)

@@ -9,16 +9,25 @@ to quantize_reference(a). One read of h replaces SwiGLU's read + write and the q
 
 Backward: dgate = da * up * s * (1 + g (1 - s)), dup = da * silu(g), s = sigmoid(g), fp32, one bf16 rounding each.
 All kernels are elementwise or per-row: batch invariant by construction.
+
+The experts' SwiGLU as the model computes it (`minite.ops.experts.swiglu`, default mode: fp32 silu(g) * u * prob,
+rounded once to bf16), quantised for FC2 in the same pass (`expert_swiglu_quantize_triton`, forward only: the
+rollout's decode step): torch's CUDA silu is x / (1 + expf(-x)) with IEEE division, here `div_rn` and libdevice's
+expf (the CUDA math library's expf, which nvcc compiles torch's kernel with), so `a` has torch's bits on the GPU
+(tests/kernels/test_swiglu.py, marker gpu); a is not stored (FC2's forward reads only its quantisation), and the
+NaN/Inf flag of the NVFP4 layers (`finite_max`) takes max |a| in the same pass. Six elementwise launches, the flag's
+and the quantiser's become one.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from minite.nvfp4.tensor import NVFP4Tensor
 
-from ._interpreter import ensure_interpreter_compat
+from ._interpreter import ensure_interpreter_compat, interpreting
 from ._launch import cdiv, launcher, next_power_of_2
 from .nvfp4_quant import SIXTH, _block_amax, _decode_amax, _global_scales, _quantize_tile
 
@@ -62,6 +71,41 @@ def _swiglu_quant_kernel(h_ptr, a_ptr, data_ptr, scale_ptr, gs_ptr, amax_ptr, va
         tl.store(amax_ptr + rows, _decode_amax(amax, s_enc), mask=rows < R)
         _quantize_tile(x, bamax, rows, 0, R, F, s_enc[:, None], s_dec[:, None], sixth, 0,
                        data_ptr, scale_ptr, vals_ptr, 0, 0, 0, F, BLOCK_R, G, 1, False, WRITE_VALS, False)
+
+
+@triton.jit
+def _expert_swiglu_quant_kernel(h_ptr, p_ptr, data_ptr, scale_ptr, gs_ptr, amax_ptr, vals_ptr, flag_ptr, R, F, sixth,
+                                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, WRITE_VALS: tl.constexpr,
+                                FLAG: tl.constexpr, LIBDEVICE: tl.constexpr):
+    G: tl.constexpr = BLOCK_C // 16
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    g = tl.arange(0, G)
+    jj = tl.arange(0, 8)
+    pp = tl.arange(0, 2)
+    col = g[None, :, None, None] * 16 + jj[None, None, :, None] * 2 + pp[None, None, None, :]
+    rmask = rows < R
+    mask = rmask[:, None, None, None] & (col < F)
+    base = rows[:, None, None, None].to(tl.int64) * (2 * F) + col
+    gate = tl.load(h_ptr + base, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(h_ptr + base + F, mask=mask, other=0.0).to(tl.float32)
+    prob = tl.load(p_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+    if LIBDEVICE:  # compiled: the CUDA math library's expf, as torch's kernel
+        e = libdevice.exp(-gate)
+    else:  # the interpreter has no libdevice; its tl.exp is numpy's (the CPU tests' reference uses the same)
+        e = tl.exp(-gate)
+    silu = tl.div_rn(gate, 1.0 + e)
+    x = _round_bf16(silu * up * prob[:, None, None, None])  # (silu * u) * p in fp32, one rounding, as torch
+    if FLAG:  # the NaN/Inf flag: max |a|, a NaN as +Inf (minite.kernels.finite_max)
+        m = tl.abs(x)
+        m = tl.where(m == m, m, float("inf"))
+        tl.atomic_max(flag_ptr, tl.max(tl.reshape(m, [BLOCK_R * BLOCK_C]), axis=0))
+    bamax = _block_amax(x)
+    amax = tl.max(bamax, axis=1)
+    s_enc, s_dec = _global_scales(amax)
+    tl.store(gs_ptr + rows, s_dec, mask=rmask)
+    tl.store(amax_ptr + rows, _decode_amax(amax, s_enc), mask=rmask)
+    _quantize_tile(x, bamax, rows, 0, R, F, s_enc[:, None], s_dec[:, None], sixth, 0,
+                   data_ptr, scale_ptr, vals_ptr, 0, 0, 0, F, BLOCK_R, G, 1, False, WRITE_VALS, False)
 
 
 @triton.jit
@@ -111,6 +155,40 @@ def swiglu_quant_triton(h: torch.Tensor, quantize: bool = True, values_dtype: to
     q = NVFP4Tensor(data=data, scale=scale.view(torch.float8_e4m3fn), global_scale=gs, shape=(rows, f),
                     block=(1, 16), amax=amax)
     return a, q, (vals if values_dtype else None)
+
+
+def expert_swiglu_quantize_triton(h: torch.Tensor, probs: torch.Tensor, flag: torch.Tensor | None = None,
+                                  values: bool = True) -> NVFP4Tensor:
+    """The FC2 operand of the experts: the activation recipe's quantisation (1x16 blocks, per-row global scales,
+    nearest-even) of a = swiglu(h, probs) as `minite.ops.experts.swiglu` computes it in default mode, for h =
+    [gate | up] bf16 [R, 2F] and probs [R]; with fp16 block values (`NVFP4Tensor.values`) when `values`. flag: the
+    NaN/Inf flag tensor (fp32, one element) that max |a| goes into (NaN as +Inf), or None. Forward only."""
+    ensure_interpreter_compat()
+    rows, two_f = h.shape
+    f = two_f // 2
+    if (h.dtype != torch.bfloat16 or f % 16 or two_f % 2 or not h.is_contiguous() or probs.shape != (rows,)
+            or probs.device != h.device):
+        raise ValueError(f"expert_swiglu_quantize needs a contiguous bf16 h [R, 2F] (F % 16 == 0) and probs [R] on "
+                         f"its device, got h {h.dtype} {tuple(h.shape)}, probs {tuple(probs.shape)}")
+    if flag is not None and (flag.dtype != torch.float32 or flag.numel() != 1 or flag.device != h.device):
+        raise ValueError("expert_swiglu_quantize: the flag must be one fp32 element on h's device")
+    dev = h.device
+    data = torch.empty(rows, f // 2, dtype=torch.uint8, device=dev)
+    scale = torch.empty(rows, f // 16, dtype=torch.uint8, device=dev)
+    gs = torch.empty(rows, dtype=torch.float32, device=dev)
+    amax = torch.empty(rows, dtype=torch.float32, device=dev)
+    vals = torch.empty(rows, f, dtype=torch.float16, device=dev) if values else data
+    block_r, block_c = _tile(f)
+    if rows:
+        launcher(_expert_swiglu_quant_kernel)[(cdiv(rows, block_r),)](
+            h, probs.contiguous(), data, scale, gs, amax, vals, flag if flag is not None else gs, rows, f, SIXTH,
+            BLOCK_R=block_r, BLOCK_C=block_c, WRITE_VALS=values, FLAG=flag is not None, LIBDEVICE=not interpreting(),
+            num_warps=2)
+    q = NVFP4Tensor(data=data, scale=scale.view(torch.float8_e4m3fn), global_scale=gs, shape=(rows, f),
+                    block=(1, 16), amax=amax)
+    if values:
+        q.values = vals
+    return q
 
 
 def swiglu_bwd_triton(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:

@@ -50,8 +50,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from minite.megatron_patches.cpu import gpu_present
 from minite.nvfp4 import NVFP4Recipe, NVFP4Stack, NVFP4Tensor
 from minite.ops import (FiniteFlag, derive_seed, group_size, grouped_linear_bf16, nvfp4_grouped_linear, nvfp4_linear,
-                        quantiser_checks_finite, quantize_expert_weights, quantize_weight, refill_in_place,
-                        swiglu_experts)
+                        nvfp4_swiglu_fc2_forward, quantiser_checks_finite, quantize_expert_weights, quantize_weight,
+                        refill_in_place, swiglu_experts)
 from minite.ops.experts import grouped_mm_applies, strict_grouped_applies
 from minite.ops.grouped import DeferredWgrads, backward_needs_host_counts
 
@@ -316,9 +316,21 @@ class GroupedExperts(MegatronModule):
         if not torch.is_tensor(counts) or on_host:
             counts = [int(c) for c in (counts.tolist() if torch.is_tensor(counts) else counts)]
         weights = (self.fc1_weight, self.fc2_weight)
+        if self.nvfp4 is not None and not self.strict and not _autograd_needed(permuted_hidden, permuted_probs,
+                                                                               *weights):
+            # forward only (a rollout): FC2's operand in one launch from FC1's output where the kernels apply
+            ctx = self.nvfp4
+            h = self._linear(permuted_hidden, self.fc1_weight, counts, 1)
+            out = nvfp4_swiglu_fc2_forward(h, permuted_probs, self._weight_q(self.fc2_weight, 2), counts, ctx.recipe,
+                                           backend=ctx.backend, finite=ctx.finite if ctx.track_finite else None)
+            return out, None
         out = swiglu_experts(permuted_hidden, permuted_probs, lambda a, i: self._linear(a, weights[i], counts, i + 1),
                              strict=self.strict)
         return out, None
+
+
+def _autograd_needed(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 class _KeepInGraph(torch.autograd.Function):

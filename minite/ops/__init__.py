@@ -1,7 +1,8 @@
 """NVFP4 op functions, used by every engine: the learner's Megatron layers, the SGLang plugin, the export.
 
     linear.py    nvfp4_linear (autograd: fprop, dgrad, wgrad), nvfp4_linear_forward, quantize_weight
-    grouped.py   nvfp4_grouped_linear (per-expert, autograd), its forward, quantize_expert_weights
+    grouped.py   nvfp4_grouped_linear (per-expert, autograd), its forward, quantize_expert_weights; the experts'
+                 FC2 on their SwiGLU, forward only (one fused launch before the GEMM on the kernels)
     experts.py   the MoE expert arithmetic written once: routing rows, SwiGLU experts, default/strict combine
     common.py    derived seeds, tensor-parallel amax groups, kernel-path flags, the device-side NaN/Inf flag,
                  16-row padding
@@ -17,11 +18,13 @@ except ImportError:
 from .common import FiniteFlag, collective_device, derive_seed, group_size, quantiser_checks_finite, refill_in_place
 from .experts import (combine_fixed_order, combine_scatter_add, grouped_linear_bf16, route, routed_experts, swiglu,
                       swiglu_experts)
-from .grouped import nvfp4_grouped_linear, nvfp4_grouped_linear_forward, quantize_expert_weights
+from .grouped import (nvfp4_grouped_linear, nvfp4_grouped_linear_forward, nvfp4_swiglu_fc2_forward,
+                      quantize_expert_weights)
 from .linear import nvfp4_linear, nvfp4_linear_forward, quantize_weight
 
 
 __all__ = ["FiniteFlag", "collective_device", "refill_in_place", "derive_seed", "group_size", "quantiser_checks_finite", "nvfp4_linear",
            "nvfp4_linear_forward", "quantize_weight", "nvfp4_grouped_linear", "nvfp4_grouped_linear_forward",
+           "nvfp4_swiglu_fc2_forward",
            "quantize_expert_weights", "swiglu", "swiglu_experts", "grouped_linear_bf16", "route", "routed_experts",
            "combine_scatter_add", "combine_fixed_order"]

@@ -101,6 +101,16 @@ class FiniteFlag:
     def record(self, t: torch.Tensor) -> None:
         if t.numel() == 0:
             return
+        self.tensor(t.device)  # made, or moved off the CPU, once (`tensor`)
+        if t.device == self._amax.device and t.is_cuda and has_kernel("finite_max"):
+            kernel("finite_max")(t, self._amax)  # one launch (minite.kernels.finite_max; NaN counts as +Inf)
+            return
+        amax = torch.linalg.vector_norm(t.detach(), ord=float("inf"), dtype=torch.float32)
+        torch.maximum(self._amax, amax.to(self._amax.device), out=self._amax)
+
+    def tensor(self, device: torch.device) -> torch.Tensor:
+        """The flag itself (fp32, one element; made on `device` if there is none yet), for a kernel that takes max |x|
+        into it as `record` does (NaN as +Inf: `minite.kernels.nvfp4_swiglu.expert_swiglu_quantize_triton`)."""
         # The flag is a normal tensor even when first made under torch.inference_mode (a generate): an inference
         # tensor could not be updated in place afterwards outside it (a weight update re-quantising, a train step).
         # A flag on a GPU is never replaced: CUDA graphs captured with records hold its address (replacing it
@@ -109,14 +119,10 @@ class FiniteFlag:
         # once (no graph holds it); a record from another device is folded into the flag where it lives.
         with torch.inference_mode(False):
             if self._amax is None:
-                self._amax = torch.zeros((), dtype=torch.float32, device=t.device)
-            elif self._amax.device != t.device and not self._amax.is_cuda:
-                self._amax = self._amax.to(t.device)
-        if t.device == self._amax.device and t.is_cuda and has_kernel("finite_max"):
-            kernel("finite_max")(t, self._amax)  # one launch (minite.kernels.finite_max; NaN counts as +Inf)
-            return
-        amax = torch.linalg.vector_norm(t.detach(), ord=float("inf"), dtype=torch.float32)
-        torch.maximum(self._amax, amax.to(self._amax.device), out=self._amax)
+                self._amax = torch.zeros((), dtype=torch.float32, device=device)
+            elif self._amax.device != device and not self._amax.is_cuda:
+                self._amax = self._amax.to(device)
+        return self._amax
 
     def check(self, where: str, group=None) -> None:
         """Raise if anything recorded was NaN or Inf; with `group` (a process group), if any rank's was: a collective

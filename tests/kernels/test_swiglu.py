@@ -1,4 +1,5 @@
 """SwiGLU + fused NVFP4 quantisation: the quantised output is bitwise quantize_reference(a); values match torch."""
+import pytest
 import torch
 
 from minite.nvfp4 import quantize_reference
@@ -29,3 +30,78 @@ def test_backward_matches_autograd():
     # fp32 math with the interpreter's / the GPU's exp: a few ulp of fp32
     atol, rtol = TOLERANCES["swiglu_bwd_kernel_vs_autograd_fp32"]
     torch.testing.assert_close(got, hr.grad, atol=atol, rtol=rtol)
+
+
+def _expert_inputs(rows, f, seed):
+    g = torch.Generator().manual_seed(seed)
+    h = (torch.randn(rows, 2 * f, generator=g) * 4).bfloat16()
+    h[0, :4] = torch.tensor([0.0, -0.0, 88.0, -100.0])  # zero, -0, exp overflow and underflow of -g
+    probs = torch.rand(rows, generator=g)
+    probs[min(1, rows - 1)] = 0.0
+    if rows > 3:
+        h[3] = 0.0  # an all-zero row: amax 0
+    return h, probs
+
+
+def _expert_reference(h, probs, exp):
+    """ops.experts.swiglu's arithmetic with `exp` for the exponential: fp32 g / (1 + exp(-g)) (IEEE division),
+    times up, times prob, one bf16 rounding; then the activation recipe's quantisation, with block values."""
+    f = h.shape[1] // 2
+    g, u = h[:, :f].float(), h[:, f:].float()
+    a = (g / (1.0 + exp(-g)) * u * probs.float()[:, None]).bfloat16()
+    return a, quantize_reference(a, block=(1, 16), scale_scope="row", rounding="nearest", seed=None, rht=False)
+
+
+def _numpy_exp(x):  # the interpreter's libdevice exp is numpy's, in fp32
+    import numpy as np
+    return torch.from_numpy(np.exp(x.cpu().numpy())).to(x.device)
+
+
+def test_expert_swiglu_quantisation_is_the_activation_recipes_of_the_models_swiglu():
+    """The fused FC2 operand: codes, scales, per-row amax and block values are bitwise the activation recipe's
+    quantisation of the model's SwiGLU (with the interpreter's exp on the CPU; with torch's own ops on the GPU,
+    below); the flag takes max |a|."""
+    from minite.kernels.nvfp4_swiglu import expert_swiglu_quantize_triton
+
+    for rows, f in ((7, 48), (33, 768), (1, 16)):
+        h, probs = _expert_inputs(rows, f, rows)
+        flag = torch.zeros((), dtype=torch.float32, device=DEVICE)
+        q = expert_swiglu_quantize_triton(h.to(DEVICE), probs.to(DEVICE), flag=flag)
+        a, ref = _expert_reference(h.to(DEVICE), probs.to(DEVICE), torch.exp if DEVICE == "cuda" else _numpy_exp)
+        assert q.equal(ref), (rows, f)
+        assert torch.equal(q.values, ref.block_values(torch.float16))
+        assert float(flag) == float(a.float().abs().max())
+    h, probs = _expert_inputs(5, 32, 0)
+    h[2, 40] = float("nan")  # an up value: a NaN in row 2
+    flag = torch.zeros((), dtype=torch.float32, device=DEVICE)
+    expert_swiglu_quantize_triton(h.to(DEVICE), probs.to(DEVICE), flag=flag)
+    assert float(flag) == float("inf")
+
+
+def test_expert_swiglu_refuses_bad_input():
+    import pytest
+
+    from minite.kernels.nvfp4_swiglu import expert_swiglu_quantize_triton
+
+    h, probs = _expert_inputs(4, 24, 0)  # F = 24: not a multiple of 16
+    with pytest.raises(ValueError, match="expert_swiglu_quantize needs"):
+        expert_swiglu_quantize_triton(h.to(DEVICE), probs.to(DEVICE))
+
+
+@pytest.mark.gpu
+def test_expert_swiglu_equals_torchs_ops_on_the_gpu():
+    """On the GPU the fused operand is bitwise the model's path: ops.experts.swiglu (torch's silu and products),
+    then the quantiser the NVFP4 grouped linear runs, at a decode step's size and at a prefill's."""
+    from minite.kernels.nvfp4_swiglu import expert_swiglu_quantize_triton
+    from minite.nvfp4 import NVFP4Recipe
+    from minite.ops import swiglu
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    recipe = NVFP4Recipe()
+    for rows in (512, 4096):
+        h, probs = _expert_inputs(rows, 768, rows)
+        h, probs = h.cuda(), probs.cuda()
+        q = expert_swiglu_quantize_triton(h, probs)
+        ref = recipe.activation.quantize(swiglu(h, probs, strict=False), values=True)
+        assert q.equal(ref) and torch.equal(q.values, ref.values)

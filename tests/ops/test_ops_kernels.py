@@ -242,3 +242,42 @@ def test_deferred_wgrads_add_the_micro_batches_bitwise(backend, tensor_counts):
     sink.clear()
     sink.flush()
     assert torch.equal(param.main_grad, start)
+
+
+@pytest.mark.parametrize("counts", [[5, 0, 11, 16], [1, 0, 0, 0]])
+def test_swiglu_fc2_in_one_launch_gives_the_three_steps_bits(counts, monkeypatch):
+    """`nvfp4_swiglu_fc2_forward` on the kernels (the SwiGLU, FC2's activation quantisation and the NaN/Inf record
+    in one launch) gives the bits of swiglu, then `nvfp4_grouped_linear_forward`, and records max |a| in the flag as
+    `FiniteFlag.record` would. The quantiser is told not to check on the spot, as on a GPU (the CPU quantiser checks
+    itself, and the fused path is taken only where it does not)."""
+    from minite.ops import FiniteFlag, nvfp4_grouped_linear_forward, nvfp4_swiglu_fc2_forward, swiglu
+    import minite.ops.grouped as grouped
+
+    from minite.nvfp4 import backend
+    monkeypatch.setattr(grouped, "quantiser_checks_finite", lambda t: False)
+    launches = []
+    fused_kernel = backend.kernel("expert_swiglu_quantize")
+    monkeypatch.setitem(backend._KERNELS, "expert_swiglu_quantize", lambda *a, **k: launches.append(1) or
+                        fused_kernel(*a, **k))
+    g = torch.Generator().manual_seed(sum(counts))
+    rows, f = sum(counts), 48
+    h = (torch.randn(rows, 2 * f, generator=g) * 3).bfloat16().to(DEVICE)
+    probs = torch.rand(rows, generator=g).to(DEVICE)
+    w_q = quantize_expert_weights(torch.randn(4, 32, f, generator=g).to(DEVICE), NVFP4Recipe(), backend="triton")
+    tpe = torch.tensor(counts, device=DEVICE)
+    fused_flag, plain_flag = FiniteFlag(), FiniteFlag()
+    got = nvfp4_swiglu_fc2_forward(h, probs, w_q, tpe, NVFP4Recipe(), backend="triton", finite=fused_flag)
+    if DEVICE == "cpu":  # the interpreter's exp is numpy's: the same arithmetic written with it (test_swiglu.py)
+        import numpy as np
+        gate, up = h[:, :f].float(), h[:, f:].float()
+        a = (gate / (1.0 + torch.from_numpy(np.exp((-gate).numpy()))) * up * probs[:, None]).bfloat16()
+    else:
+        a = swiglu(h, probs, strict=False)
+    plain_flag.record(a)
+    want = nvfp4_grouped_linear_forward(a, w_q, tpe, NVFP4Recipe(), backend="triton")
+    assert torch.equal(got, want) and launches == [1]
+    assert torch.equal(fused_flag.tensor(h.device), plain_flag.tensor(h.device))
+    h[0, f] = float("nan")  # an up value of row 0
+    nvfp4_swiglu_fc2_forward(h, probs, w_q, tpe, NVFP4Recipe(), backend="triton", finite=fused_flag)
+    with pytest.raises(ValueError, match="NaN or Inf reached an NVFP4 quantiser"):
+        fused_flag.check("the test")
