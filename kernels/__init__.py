@@ -9,6 +9,7 @@ nvfp4_wgrad.py   the MoE wgrad: grouped over K (tokens), into main_grad, several
 nvfp4_swiglu.py  SwiGLU with its NVFP4 output quantisation fused in, and its backward; the experts' SwiGLU (the
                  model's arithmetic) fused with FC2's activation quantisation, forward only
 finite_max.py    the NaN/Inf flag of the NVFP4 layers (minite.ops.FiniteFlag) in one launch
+moe_rows.py      the MoE dispatch's rows, probs and counts from a routing map in one launch (rollout forwards)
 megatron_rope.py Megatron-Core's unfused RoPE in one launch, for CUDA inference (megatron_patches.rope)
 _interpreter.py  a fix that lets triton 3.6's CPU interpreter run kernels with runtime loop bounds under numpy >= 2.4
 _launch.py       the launchers' host side: compiled kernels launched without Triton's per-launch Python, grid integers

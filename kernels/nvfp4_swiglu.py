@@ -94,7 +94,8 @@ def _expert_swiglu_quant_kernel(h_ptr, p_ptr, data_ptr, scale_ptr, gs_ptr, amax_
     else:  # the interpreter has no libdevice; its tl.exp is numpy's (the CPU tests' reference uses the same)
         e = tl.exp(-gate)
     silu = tl.div_rn(gate, 1.0 + e)
-    x = _round_bf16(silu * up * prob[:, None, None, None])  # (silu * u) * p in fp32, one rounding, as torch
+    r = silu * up * prob[:, None, None, None]  # (silu * u) * p in fp32, then one rounding to bf16, as torch
+    x = tl.where(r == r, _round_bf16(r), r)  # a NaN stays NaN (the rounding carry turns the GPU's 0x7FFFFFFF into -0)
     if FLAG:  # the NaN/Inf flag: max |a|, a NaN as +Inf (minite.kernels.finite_max)
         m = tl.abs(x)
         m = tl.where(m == m, m, float("inf"))

@@ -20,6 +20,9 @@ tokens_per_expert `.cpu()` and the same masked_selects).
              only where a GEMM loops over experts in Python (the CPU, strict BF16) or NVFP4's wgrad needs them (autograd)
     combine  Megatron's unpermute (scatter_add into zeros in the rows' dtype, index_add_ under deterministic
              algorithms); strict: `combine_fixed_order`, as megatron_patches.strict does for the upstream dispatcher
+On a GPU without autograd on the probs (a rollout) the rows, probs and counts come from one Triton launch
+(`minite.kernels.moe_rows`: the same integers and copied values as the torch ops, which take ~14 launches), then
+one index_select of the hidden states.
 Every tensor the experts and the combine see is the one Megatron's dispatcher gives them (same rows, same order, same
 dtypes), so outputs are bitwise those of the upstream path (tests/megatron_patches/test_moe_dispatch.py).
 
@@ -58,6 +61,10 @@ class LocalTokenDispatcher:
         hidden = hidden_states.view(-1, self.hidden_shape[-1])
         tokens, experts = routing_map.shape
         rows = tokens * self.config.moe_router_topk
+        if _rows_in_one_launch(routing_map, probs):
+            from minite.kernels.moe_rows import moe_rows
+            self.row_token, permuted_probs, self.tokens_per_expert = moe_rows(routing_map, probs, rows)
+            return hidden.index_select(0, self.row_token), permuted_probs
         flat = routing_map.T.reshape(-1)                                   # [E * T], expert-major
         dest = torch.where(flat, torch.cumsum(flat, 0) - 1, rows)          # slot of each True; the rest to a spare
         pos = torch.zeros(rows + 1, dtype=torch.long, device=flat.device)
@@ -94,6 +101,18 @@ class LocalTokenDispatcher:
 
     def set_shared_experts(self, shared_experts):
         raise ValueError("LocalTokenDispatcher does not overlap shared experts (moe_shared_expert_overlap)")
+
+
+def _rows_in_one_launch(routing_map: torch.Tensor, probs: torch.Tensor) -> bool:
+    """Whether the dispatch's rows come from `minite.kernels.moe_rows` (module docstring): CUDA tensors, no gradient
+    to record for the probs, Triton present, and a map the kernel takes."""
+    if not routing_map.is_cuda or (torch.is_grad_enabled() and probs.requires_grad):
+        return False
+    try:
+        from minite.kernels import moe_rows
+    except ImportError:  # no Triton: the torch ops
+        return False
+    return moe_rows.applies(routing_map, probs)
 
 
 def _eligible(layer) -> bool:

@@ -65,15 +65,20 @@ def test_local_dispatch_is_megatrons_bit_for_bit(precision, strict):
     assert precision == "nvfp4" or not syncs.ops
 
 
-def test_local_rows_match_megatrons_permutation():
-    """The rows (token per row, router prob per row, tokens per expert) are those of moe_utils.permute."""
+@pytest.mark.parametrize("one_launch", [False, True])
+def test_local_rows_match_megatrons_permutation(one_launch, monkeypatch):
+    """The rows (token per row, router prob per row, tokens per expert) are those of moe_utils.permute, from the
+    torch ops and from the one-launch kernel (minite.kernels.moe_rows; interpreted on the CPU)."""
     from megatron.core.transformer.moe.moe_utils import permute
 
+    import minite.megatron_patches.moe_dispatch as moe_dispatch
+    from minite.kernels import moe_rows
     from minite.megatron_patches.moe_dispatch import LocalTokenDispatcher
+    monkeypatch.setattr(moe_dispatch, "_rows_in_one_launch", lambda m, p: one_launch and moe_rows.applies(m, p))
     layer = _moe_layers(_model("bf16", False))[0]
     local = LocalTokenDispatcher(layer.token_dispatcher)
     g = torch.Generator().manual_seed(1)
-    for tokens in (1, 5, 33):
+    for tokens in (1, 5, 33, 70):
         logits = torch.randn(tokens, 8, generator=g)
         idx = logits.topk(2, dim=1).indices
         routing_map = torch.zeros(tokens, 8, dtype=torch.bool).scatter(1, idx, True)
@@ -87,6 +92,35 @@ def test_local_rows_match_megatrons_permutation():
                                                     num_out_tokens=tokens * 2)
         assert torch.equal(rows, want_rows) and torch.equal(row_probs, want_probs)
         assert torch.equal(local.row_token, want_index) and torch.equal(counts, routing_map.sum(0))
+
+
+@pytest.mark.parametrize("tokens,experts,topk", [(64, 128, 8), (300, 128, 8), (3, 60, 4), (1, 128, 8)])
+def test_one_launch_rows_equal_the_torch_ops(tokens, experts, topk):
+    """minite.kernels.moe_rows against the dispatcher's torch ops at decode and prefill sizes (a non-power-of-two
+    expert count, a single token): the same row tokens, probs and counts (interpreted on the CPU, compiled on a
+    GPU)."""
+    from minite.kernels.moe_rows import applies, moe_rows
+    from minite.megatron_patches.moe_dispatch import LocalTokenDispatcher
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(tokens)
+    idx = torch.rand(tokens, experts, generator=g).topk(topk, dim=1).indices
+    routing_map = torch.zeros(tokens, experts, dtype=torch.bool).scatter(1, idx, True).to(dev)
+    probs = torch.zeros(tokens, experts).scatter(1, idx, torch.rand(tokens, topk, generator=g)).to(dev)
+    assert applies(routing_map, probs)
+    row_token, row_probs, counts = moe_rows(routing_map, probs, tokens * topk)
+
+    class _Cfg:
+        moe_router_topk = topk
+
+    class _Upstream:  # the attributes LocalTokenDispatcher copies
+        config, num_local_experts, local_expert_indices = _Cfg(), experts, list(range(experts))
+
+    torch_ops = LocalTokenDispatcher(_Upstream())  # on CPU tensors: the torch ops (the kernel takes CUDA ones)
+    hidden = torch.randn(tokens, 1, 8, generator=g)
+    _, want_probs = torch_ops.dispatch_preprocess(hidden, routing_map.cpu(), probs.cpu())
+    assert torch.equal(row_token.cpu(), torch_ops.row_token) and torch.equal(row_probs.cpu(), want_probs)
+    assert torch.equal(counts.cpu(), torch_ops.tokens_per_expert)
 
 
 def test_engine_tokens_and_logprobs_do_not_change():
