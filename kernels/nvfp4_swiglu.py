@@ -179,12 +179,14 @@ def expert_swiglu_quantize_triton(h: torch.Tensor, probs: torch.Tensor, flag: to
     gs = torch.empty(rows, dtype=torch.float32, device=dev)
     amax = torch.empty(rows, dtype=torch.float32, device=dev)
     vals = torch.empty(rows, f, dtype=torch.float16, device=dev) if values else data
-    block_r, block_c = _tile(f)
+    # one row per program on 8 warps for a decode step's rows, two on 2 warps above (H200, F = 768: 5.1 against
+    # ~7.4 us at 512 rows, 10.7 against 13.8 us at 2048; every shape the same bits: rows are independent)
+    block_r, warps = (1, 8) if rows <= 1024 else (2, 2)
     if rows:
         launcher(_expert_swiglu_quant_kernel)[(cdiv(rows, block_r),)](
             h, probs.contiguous(), data, scale, gs, amax, vals, flag if flag is not None else gs, rows, f, SIXTH,
-            BLOCK_R=block_r, BLOCK_C=block_c, WRITE_VALS=values, FLAG=flag is not None, LIBDEVICE=not interpreting(),
-            num_warps=2)
+            BLOCK_R=block_r, BLOCK_C=next_power_of_2(f), WRITE_VALS=values, FLAG=flag is not None,
+            LIBDEVICE=not interpreting(), num_warps=warps)
     q = NVFP4Tensor(data=data, scale=scale.view(torch.float8_e4m3fn), global_scale=gs, shape=(rows, f),
                     block=(1, 16), amax=amax)
     if values:

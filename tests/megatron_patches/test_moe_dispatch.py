@@ -78,12 +78,13 @@ def test_local_rows_match_megatrons_permutation(one_launch, monkeypatch):
     layer = _moe_layers(_model("bf16", False))[0]
     local = LocalTokenDispatcher(layer.token_dispatcher)
     g = torch.Generator().manual_seed(1)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel compiled on a GPU, interpreted on the CPU
     for tokens in (1, 5, 33, 70):
         logits = torch.randn(tokens, 8, generator=g)
         idx = logits.topk(2, dim=1).indices
-        routing_map = torch.zeros(tokens, 8, dtype=torch.bool).scatter(1, idx, True)
-        probs = torch.zeros(tokens, 8).scatter(1, idx, torch.rand(tokens, 2, generator=g))
-        hidden = torch.randn(tokens, 1, 16, generator=g)
+        routing_map = torch.zeros(tokens, 8, dtype=torch.bool).scatter(1, idx, True).to(dev)
+        probs = torch.zeros(tokens, 8).scatter(1, idx, torch.rand(tokens, 2, generator=g)).to(dev)
+        hidden = torch.randn(tokens, 1, 16, generator=g).to(dev)
         with _Syncs() as syncs:
             rows, row_probs = local.dispatch_preprocess(hidden, routing_map, probs)
             _, counts, _ = local.dispatch_postprocess(rows, row_probs)
@@ -94,7 +95,7 @@ def test_local_rows_match_megatrons_permutation(one_launch, monkeypatch):
         assert torch.equal(local.row_token, want_index) and torch.equal(counts, routing_map.sum(0))
 
 
-@pytest.mark.parametrize("tokens,experts,topk", [(64, 128, 8), (300, 128, 8), (3, 60, 4), (1, 128, 8)])
+@pytest.mark.parametrize("tokens,experts,topk", [(64, 128, 8), (256, 128, 8), (37, 60, 4), (1, 128, 8)])
 def test_one_launch_rows_equal_the_torch_ops(tokens, experts, topk):
     """minite.kernels.moe_rows against the dispatcher's torch ops at decode and prefill sizes (a non-power-of-two
     expert count, a single token): the same row tokens, probs and counts (interpreted on the CPU, compiled on a
@@ -108,6 +109,8 @@ def test_one_launch_rows_equal_the_torch_ops(tokens, experts, topk):
     routing_map = torch.zeros(tokens, experts, dtype=torch.bool).scatter(1, idx, True).to(dev)
     probs = torch.zeros(tokens, experts).scatter(1, idx, torch.rand(tokens, topk, generator=g)).to(dev)
     assert applies(routing_map, probs)
+    from minite.kernels.moe_rows import MAX_TOKENS  # a prefill's map: the torch ops
+    assert not applies(torch.zeros(MAX_TOKENS + 1, 4, dtype=torch.bool), torch.zeros(MAX_TOKENS + 1, 4))
     row_token, row_probs, counts = moe_rows(routing_map, probs, tokens * topk)
 
     class _Cfg:
