@@ -74,9 +74,21 @@ def _swiglu_quant_kernel(h_ptr, a_ptr, data_ptr, scale_ptr, gs_ptr, amax_ptr, va
 
 
 @triton.jit
+def _silu_libdevice(g):
+    """torch's CUDA silu on fp32: g / (1 + expf(-g)), IEEE division, the CUDA math library's expf."""
+    return tl.div_rn(g, 1.0 + libdevice.exp(-g))
+
+
+@triton.jit
+def _silu_interpreted(g):
+    """The same under the interpreter, which has no libdevice: its tl.exp is numpy's (the CPU tests' reference)."""
+    return tl.div_rn(g, 1.0 + tl.exp(-g))
+
+
+@triton.jit
 def _expert_swiglu_quant_kernel(h_ptr, p_ptr, data_ptr, scale_ptr, gs_ptr, amax_ptr, vals_ptr, flag_ptr, R, F, sixth,
                                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, WRITE_VALS: tl.constexpr,
-                                FLAG: tl.constexpr, LIBDEVICE: tl.constexpr):
+                                FLAG: tl.constexpr, SILU: tl.constexpr):
     G: tl.constexpr = BLOCK_C // 16
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     g = tl.arange(0, G)
@@ -89,11 +101,7 @@ def _expert_swiglu_quant_kernel(h_ptr, p_ptr, data_ptr, scale_ptr, gs_ptr, amax_
     gate = tl.load(h_ptr + base, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(h_ptr + base + F, mask=mask, other=0.0).to(tl.float32)
     prob = tl.load(p_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
-    if LIBDEVICE:  # compiled: the CUDA math library's expf, as torch's kernel
-        e = libdevice.exp(-gate)
-    else:  # the interpreter has no libdevice; its tl.exp is numpy's (the CPU tests' reference uses the same)
-        e = tl.exp(-gate)
-    silu = tl.div_rn(gate, 1.0 + e)
+    silu = SILU(gate)
     r = silu * up * prob[:, None, None, None]  # (silu * u) * p in fp32, then one rounding to bf16, as torch
     x = tl.where(r == r, _round_bf16(r), r)  # a NaN stays NaN (the rounding carry turns the GPU's 0x7FFFFFFF into -0)
     if FLAG:  # the NaN/Inf flag: max |a|, a NaN as +Inf (minite.kernels.finite_max)
@@ -159,11 +167,15 @@ def swiglu_quant_triton(h: torch.Tensor, quantize: bool = True, values_dtype: to
 
 
 def expert_swiglu_quantize_triton(h: torch.Tensor, probs: torch.Tensor, flag: torch.Tensor | None = None,
-                                  values: bool = True) -> NVFP4Tensor:
+                                  values: bool = True, silu=None, fp_fusion: bool = True) -> NVFP4Tensor:
     """The FC2 operand of the experts: the activation recipe's quantisation (1x16 blocks, per-row global scales,
     nearest-even) of a = swiglu(h, probs) as `minite.ops.experts.swiglu` computes it in default mode, for h =
     [gate | up] bf16 [R, 2F] and probs [R]; with fp16 block values (`NVFP4Tensor.values`) when `values`. flag: the
-    NaN/Inf flag tensor (fp32, one element) that max |a| goes into (NaN as +Inf), or None. Forward only."""
+    NaN/Inf flag tensor (fp32, one element) that max |a| goes into (NaN as +Inf), or None. silu: a @triton.jit
+    function of the fp32 gate in place of torch's silu (strict mode's: `minite.strict.fused_swiglu`), compiled with
+    FMA contraction as Triton does by default (torch's silu: the math library's expf as nvcc builds it, which the
+    GPU test matched) or without it (fp_fusion=False: strict mode's polynomials, separate multiplies and adds; the
+    quantisation's multiply-adds have exact products, so contraction changes none of its bits). Forward only."""
     ensure_interpreter_compat()
     rows, two_f = h.shape
     f = two_f // 2
@@ -186,7 +198,8 @@ def expert_swiglu_quantize_triton(h: torch.Tensor, probs: torch.Tensor, flag: to
         launcher(_expert_swiglu_quant_kernel)[(cdiv(rows, block_r),)](
             h, probs.contiguous(), data, scale, gs, amax, vals, flag if flag is not None else gs, rows, f, SIXTH,
             BLOCK_R=block_r, BLOCK_C=next_power_of_2(f), WRITE_VALS=values, FLAG=flag is not None,
-            LIBDEVICE=not interpreting(), num_warps=warps)
+            SILU=silu or (_silu_interpreted if interpreting() else _silu_libdevice), num_warps=warps,
+            enable_fp_fusion=fp_fusion)
     q = NVFP4Tensor(data=data, scale=scale.view(torch.float8_e4m3fn), global_scale=gs, shape=(rows, f),
                     block=(1, 16), amax=amax)
     if values:

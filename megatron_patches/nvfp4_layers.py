@@ -316,13 +316,13 @@ class GroupedExperts(MegatronModule):
         if not torch.is_tensor(counts) or on_host:
             counts = [int(c) for c in (counts.tolist() if torch.is_tensor(counts) else counts)]
         weights = (self.fc1_weight, self.fc2_weight)
-        if self.nvfp4 is not None and not self.strict and not _autograd_needed(permuted_hidden, permuted_probs,
-                                                                               *weights):
+        if self.nvfp4 is not None and not _autograd_needed(permuted_hidden, permuted_probs, *weights):
             # forward only (a rollout): FC2's operand in one launch from FC1's output where the kernels apply
             ctx = self.nvfp4
             h = self._linear(permuted_hidden, self.fc1_weight, counts, 1)
             out = nvfp4_swiglu_fc2_forward(h, permuted_probs, self._weight_q(self.fc2_weight, 2), counts, ctx.recipe,
-                                           backend=ctx.backend, finite=ctx.finite if ctx.track_finite else None)
+                                           backend=ctx.backend, finite=ctx.finite if ctx.track_finite else None,
+                                           strict=self.strict)
             return out, None
         out = swiglu_experts(permuted_hidden, permuted_probs, lambda a, i: self._linear(a, weights[i], counts, i + 1),
                              strict=self.strict)

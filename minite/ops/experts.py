@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from minite.nvfp4.device_copy import int32_to
-from minite.strict import ops as S, triton_gemm
+from minite.strict import fused, fused_combine, ops as S, triton_gemm
 
 GroupedLinear = Callable[[torch.Tensor, int], torch.Tensor]
 """fc(a, which): the grouped GEMM of fc1 (which=0) or fc2 (which=1) over rows grouped by expert."""
@@ -126,10 +126,13 @@ def combine_fixed_order(rows: torch.Tensor, row_token: torch.Tensor, tokens: int
 
     Rows are expert-major, so a stable sort by token lists each token's rows in ascending expert order; the sum is
     a left-to-right loop over the k slots from a gather (no scatter_add, whose accumulation order is the kernel's).
-    Every token must have the same number k of rows (no token dropping)."""
+    Every token must have the same number k of rows (no token dropping). On a GPU without autograd, for decode-sized
+    batches: the same sums in one Triton launch (`minite.strict.fused_combine`, "combine" in fused.PROVEN)."""
     k = rows.shape[0] // max(tokens, 1)
     if k * tokens != rows.shape[0]:
         raise ValueError("strict combine: every token must have the same number of experts (no token dropping)")
+    if fused_combine.applies(rows, row_token, tokens) and fused.routes(rows, kernel="combine"):
+        return fused_combine.combine(rows, row_token, tokens)
     order = torch.sort(row_token, stable=True).indices
     gathered = rows[order].float().reshape(tokens, k, -1)
     acc = gathered[:, 0]

@@ -30,6 +30,7 @@ from minite.nvfp4 import (NVFP4Recipe, NVFP4Segments, NVFP4Stack, decode_order, 
                           quantize_count_segments, quantize_stack, segmented_gemm, segmented_gemm_passes)
 
 from minite.nvfp4.backend import has_kernel, kernel, resolve
+from minite.strict import fused as strict_fused, fused_swiglu
 
 from .common import ROLES, FiniteFlag, derive_seed, derive_seeds, quant_flags, quantiser_checks_finite
 from .experts import swiglu
@@ -104,28 +105,32 @@ def nvfp4_grouped_linear_forward(x: torch.Tensor, w_q, tokens_per_expert, recipe
 
 
 def nvfp4_swiglu_fc2_forward(h: torch.Tensor, probs: torch.Tensor, w_q, tokens_per_expert, recipe: NVFP4Recipe, *,
-                             backend: str = "auto", finite: Optional[FiniteFlag] = None) -> torch.Tensor:
+                             backend: str = "auto", finite: Optional[FiniteFlag] = None,
+                             strict: bool = False) -> torch.Tensor:
     """Forward only (no autograd): the experts' FC2 on their SwiGLU, per-expert Q_act(swiglu(h, probs)) @ w_q[e]^T
-    with `minite.ops.experts.swiglu` in default mode (h = FC1's output [R, 2F], probs [R]); `finite` records a (the
-    FC2 input), as the NVFP4 layers record what they quantise, where the quantiser does not check it itself.
-    Bitwise `nvfp4_grouped_linear_forward(swiglu(h, probs, strict=False), ...)`. On the kernels, for a bf16 h and
-    the activation recipe (1x16 blocks, per-row scales, nearest, no RHT), the SwiGLU, the quantisation and the
-    record are one launch (`minite.kernels.nvfp4_swiglu.expert_swiglu_quantize_triton`: seven launches in a rollout
-    decode step before); elsewhere those three steps run one after the other."""
+    with `minite.ops.experts.swiglu` (h = FC1's output [R, 2F], probs [R]; strict: strict mode's silu); `finite`
+    records a (the FC2 input), as the NVFP4 layers record what they quantise, where the quantiser does not check it
+    itself. Bitwise `nvfp4_grouped_linear_forward(swiglu(h, probs, strict=strict), ...)`. On the kernels, for a bf16
+    h and the activation recipe (1x16 blocks, per-row scales, nearest, no RHT), the SwiGLU, the quantisation and
+    the record are one launch (`minite.kernels.nvfp4_swiglu.expert_swiglu_quantize_triton`; strict:
+    `minite.strict.fused_swiglu`, "swiglu" in fused.PROVEN; seven launches or more in a rollout decode step
+    before); elsewhere those three steps run one after the other."""
     op = recipe.activation
     fused = (op.block == (1, 16) and op.scale_scope == "row" and op.rounding == "nearest" and not op.rht
              and h.dim() == 2 and h.shape[0] > 0 and h.dtype == torch.bfloat16 and h.shape[1] % 32 == 0
              and has_kernel("expert_swiglu_quantize") and _kernels_read_counts(h, backend)
              and not quantiser_checks_finite(h)
-             and (finite is None or finite.tensor(h.device).device == h.device))
+             and (finite is None or finite.tensor(h.device).device == h.device)
+             and (not strict or strict_fused.routes(h, kernel="swiglu")))
     if not fused:
-        a = swiglu(h, probs, strict=False)
+        a = swiglu(h, probs, strict=strict)
         if finite is not None and not quantiser_checks_finite(a):
             finite.record(a)
         return nvfp4_grouped_linear_forward(a, w_q, tokens_per_expert, recipe, backend=backend)
     counts = _counts(tokens_per_expert, len(w_q), h.shape[0], keep_tensor=True)
-    aq = kernel("expert_swiglu_quantize")(h.contiguous(), probs, flag=None if finite is None else finite.tensor(h.device),
-                                          values=quant_flags(backend, h)["values"])
+    quantize = fused_swiglu.swiglu_quantize if strict else kernel("expert_swiglu_quantize")
+    aq = quantize(h.contiguous(), probs, flag=None if finite is None else finite.tensor(h.device),
+                  values=quant_flags(backend, h)["values"])
     return grouped_gemm(aq, w_q, counts, out_dtype=h.dtype, backend=backend)
 
 

@@ -8,6 +8,9 @@ position or number of keys (docs/nvfp4.md, docs/alignment.md).
                     Triton kernel on CUDA (the same bits)
     fused_attention.py  `ops.attention` in one Triton kernel on CUDA (the same bits; grouped KV heads in place)
     fused_linear.py `ops.linear`'s fp32 path (the strict router) in one Triton kernel on CUDA (the same bits)
+    fused_combine.py  the strict MoE combine (minite.ops.combine_fixed_order) in one Triton kernel on CUDA (same bits)
+    fused_swiglu.py the strict expert SwiGLU fused with FC2's NVFP4 quantisation (minite.kernels.nvfp4_swiglu's kernel
+                    with `ops.silu`'s arithmetic)
 
 Switching an engine's model to these ops is the engine's job: megatron_patches.strict (Megatron-Core, the learner
 and the embedded rollout) and minite.rollout.sglang.strict (SGLang). Both take strict mode as an explicit setting.

@@ -68,12 +68,13 @@ _SIN_COEFFS = [(-1) ** k / math.factorial(2 * k + 1) for k in range(11)]
 _COS_COEFFS = [(-1) ** k / math.factorial(2 * k) for k in range(12)]
 _MIN_NORMAL64 = 2.0 ** -1022
 
-PROVEN = {"exp", "tree_sum", "rms_norm", "log", "attention", "rope", "sincos", "linear"}
+PROVEN = {"exp", "tree_sum", "rms_norm", "log", "attention", "rope", "sincos", "linear", "combine", "swiglu"}
 """The kernels whose bitwise GPU test has passed on the H200; `routes` sends only these. A new kernel joins after its
 test in tests/alignment/test_strict_alignment_gpu.py has passed there (`log` and `attention`: 2026-12-01, at
 5ea343c, 24 passed with tests/rollout/test_decode.py; `rope` and `sincos`: 2026-12-01, at 4f981a5, 16 passed with
 tests/rollout/test_decode.py; `linear`, the kernel of `minite.strict.fused_linear`: 2026-12-01, at 395e6cc, with
-the strict gap runs)."""
+the strict gap runs; `combine` and `swiglu`, `minite.strict.fused_combine` and `fused_swiglu`: 2026-12-04, session
+17's last device call, see docs/benchmarks.md)."""
 
 if triton is not None:
     @triton.jit(do_not_specialize=["n"])

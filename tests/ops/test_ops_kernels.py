@@ -244,8 +244,9 @@ def test_deferred_wgrads_add_the_micro_batches_bitwise(backend, tensor_counts):
     assert torch.equal(param.main_grad, start)
 
 
+@pytest.mark.parametrize("strict", [False, True])
 @pytest.mark.parametrize("counts", [[5, 0, 11, 16], [1, 0, 0, 0]])
-def test_swiglu_fc2_in_one_launch_gives_the_three_steps_bits(counts, monkeypatch):
+def test_swiglu_fc2_in_one_launch_gives_the_three_steps_bits(counts, strict, monkeypatch):
     """`nvfp4_swiglu_fc2_forward` on the kernels (the SwiGLU, FC2's activation quantisation and the NaN/Inf record
     in one launch) gives the bits of swiglu, then `nvfp4_grouped_linear_forward`, and records max |a| in the flag as
     `FiniteFlag.record` would. The quantiser is told not to check on the spot, as on a GPU (the CPU quantiser checks
@@ -255,10 +256,15 @@ def test_swiglu_fc2_in_one_launch_gives_the_three_steps_bits(counts, monkeypatch
 
     from minite.nvfp4 import backend
     monkeypatch.setattr(grouped, "quantiser_checks_finite", lambda t: False)
+    routes = grouped.strict_fused.routes
+    monkeypatch.setattr(grouped.strict_fused, "routes", lambda *a, **k: True)  # strict's kernels also under the interpreter
     launches = []
     fused_kernel = backend.kernel("expert_swiglu_quantize")
     monkeypatch.setitem(backend._KERNELS, "expert_swiglu_quantize", lambda *a, **k: launches.append(1) or
                         fused_kernel(*a, **k))
+    strict_kernel = grouped.fused_swiglu.swiglu_quantize
+    monkeypatch.setattr(grouped.fused_swiglu, "swiglu_quantize", lambda *a, **k: launches.append(1) or
+                        strict_kernel(*a, **k))
     g = torch.Generator().manual_seed(sum(counts))
     rows, f = sum(counts), 48
     h = (torch.randn(rows, 2 * f, generator=g) * 3).bfloat16().to(DEVICE)
@@ -266,8 +272,14 @@ def test_swiglu_fc2_in_one_launch_gives_the_three_steps_bits(counts, monkeypatch
     w_q = quantize_expert_weights(torch.randn(4, 32, f, generator=g).to(DEVICE), NVFP4Recipe(), backend="triton")
     tpe = torch.tensor(counts, device=DEVICE)
     fused_flag, plain_flag = FiniteFlag(), FiniteFlag()
-    got = nvfp4_swiglu_fc2_forward(h, probs, w_q, tpe, NVFP4Recipe(), backend="triton", finite=fused_flag)
-    if DEVICE == "cpu":  # the interpreter's exp is numpy's: the same arithmetic written with it (test_swiglu.py)
+    got = nvfp4_swiglu_fc2_forward(h, probs, w_q, tpe, NVFP4Recipe(), backend="triton", finite=fused_flag,
+                                   strict=strict)
+    if strict:
+        with monkeypatch.context() as mp:
+            mp.setattr(grouped.strict_fused, "routes", routes)
+            mp.setattr(grouped.strict_fused, "PROVEN", set())  # strict mode's torch ops
+            a = swiglu(h, probs, strict=True)
+    elif DEVICE == "cpu":  # the interpreter's exp is numpy's: the same arithmetic written with it (test_swiglu.py)
         import numpy as np
         gate, up = h[:, :f].float(), h[:, f:].float()
         a = (gate / (1.0 + torch.from_numpy(np.exp((-gate).numpy()))) * up * probs[:, None]).bfloat16()
@@ -278,6 +290,6 @@ def test_swiglu_fc2_in_one_launch_gives_the_three_steps_bits(counts, monkeypatch
     assert torch.equal(got, want) and launches == [1]
     assert torch.equal(fused_flag.tensor(h.device), plain_flag.tensor(h.device))
     h[0, f] = float("nan")  # an up value of row 0
-    nvfp4_swiglu_fc2_forward(h, probs, w_q, tpe, NVFP4Recipe(), backend="triton", finite=fused_flag)
+    nvfp4_swiglu_fc2_forward(h, probs, w_q, tpe, NVFP4Recipe(), backend="triton", finite=fused_flag, strict=strict)
     with pytest.raises(ValueError, match="NaN or Inf reached an NVFP4 quantiser"):
         fused_flag.check("the test")
