@@ -15,8 +15,8 @@ rounded once to bf16), quantised for FC2 in the same pass (`expert_swiglu_quanti
 rollout's decode step): torch's CUDA silu is x / (1 + expf(-x)) with IEEE division, here `div_rn` and libdevice's
 expf (the CUDA math library's expf, which nvcc compiles torch's kernel with), so `a` has torch's bits on the GPU
 (tests/kernels/test_swiglu.py, marker gpu); a is not stored (FC2's forward reads only its quantisation), and the
-NaN/Inf flag of the NVFP4 layers (`finite_max`) takes max |a| in the same pass. Six elementwise launches, the flag's
-and the quantiser's become one.
+NaN/Inf flag of the NVFP4 layers (`finite_max`) takes max |a| in the same pass: eight launches of a decode step's
+MoE layer (six elementwise, the flag's, the quantiser's) become one.
 """
 from __future__ import annotations
 
@@ -74,6 +74,14 @@ def _swiglu_quant_kernel(h_ptr, a_ptr, data_ptr, scale_ptr, gs_ptr, amax_ptr, va
 
 
 @triton.jit
+def _load_bf16(ptr, offs, mask):
+    """bf16 values as fp32, exactly, from their bits (Triton's interpreter flushes bf16 subnormals in its cast; the
+    GPU's conversion is this shift)."""
+    hi = tl.load(ptr.to(tl.pointer_type(tl.uint16)) + offs, mask=mask, other=0)
+    return (hi.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _silu_libdevice(g):
     """torch's CUDA silu on fp32: g / (1 + expf(-g)), IEEE division, the CUDA math library's expf."""
     return tl.div_rn(g, 1.0 + libdevice.exp(-g))
@@ -98,8 +106,8 @@ def _expert_swiglu_quant_kernel(h_ptr, p_ptr, data_ptr, scale_ptr, gs_ptr, amax_
     rmask = rows < R
     mask = rmask[:, None, None, None] & (col < F)
     base = rows[:, None, None, None].to(tl.int64) * (2 * F) + col
-    gate = tl.load(h_ptr + base, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(h_ptr + base + F, mask=mask, other=0.0).to(tl.float32)
+    gate = _load_bf16(h_ptr, base, mask)
+    up = _load_bf16(h_ptr, base + F, mask)
     prob = tl.load(p_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     silu = SILU(gate)
     r = silu * up * prob[:, None, None, None]  # (silu * u) * p in fp32, then one rounding to bf16, as torch

@@ -113,8 +113,8 @@ def nvfp4_swiglu_fc2_forward(h: torch.Tensor, probs: torch.Tensor, w_q, tokens_p
     itself. Bitwise `nvfp4_grouped_linear_forward(swiglu(h, probs, strict=strict), ...)`. On the kernels, for a bf16
     h and the activation recipe (1x16 blocks, per-row scales, nearest, no RHT), the SwiGLU, the quantisation and
     the record are one launch (`minite.kernels.nvfp4_swiglu.expert_swiglu_quantize_triton`; strict:
-    `minite.strict.fused_swiglu`, "swiglu" in fused.PROVEN; seven launches or more in a rollout decode step
-    before); elsewhere those three steps run one after the other."""
+    `minite.strict.fused_swiglu`, "swiglu" in fused.PROVEN; eight launches per MoE layer of a rollout decode step
+    before, more in strict mode); elsewhere those three steps run one after the other."""
     op = recipe.activation
     fused = (op.block == (1, 16) and op.scale_scope == "row" and op.rounding == "nearest" and not op.rht
              and h.dim() == 2 and h.shape[0] > 0 and h.dtype == torch.bfloat16 and h.shape[1] % 32 == 0

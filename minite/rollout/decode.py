@@ -55,6 +55,7 @@ class Decoded:
 
     tokens: list[list[int]]
     logprobs: list[list[float]]
+    finite: bool = True  # every log-prob the loop computed was finite (non-finite logits give NaN ones)
 
 
 def sample(last_logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator,
@@ -181,11 +182,13 @@ class StaticBatchDecoder:
         if events is not None:
             events[1].record()
 
-        toks, lps = tokens.cpu().tolist(), logprobs.cpu().tolist()  # the one read-back
+        finite = torch.isfinite(logprobs[:, shortest - 1:]).all().view(1)  # over the columns the loop wrote
+        toks, lps, ok = tokens.cpu().tolist(), logprobs.cpu().tolist(), finite.cpu().tolist()  # the one read-back
         if events is not None:  # complete: the read-back waited for the stream
             self.last_decode = (events[0].elapsed_time(events[1]) / 1e3, seq_len - shortest - 1)
         return Decoded(tokens=[toks[i][n: n + max_new_tokens] for i, n in enumerate(lengths)],
-                       logprobs=[lps[i][n - 1: n - 1 + max_new_tokens] for i, n in enumerate(lengths)])
+                       logprobs=[lps[i][n - 1: n - 1 + max_new_tokens] for i, n in enumerate(lengths)],
+                       finite=bool(ok[0]))
 
     def _step(self, st: "_Shape", start: int, end: int) -> torch.Tensor:
         """Forward positions [start, end) and return the logits of position end - 1 [batch, vocab] (fp32)."""

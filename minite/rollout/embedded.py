@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from collections import OrderedDict
 from typing import Iterable
 
@@ -127,7 +126,7 @@ class EmbeddedEngine(RolloutEngine):
                 out = self.decoder.generate([p for _, p in flat], max_new_tokens=params.max_new_tokens,
                                             temperature=float(params.temperature), top_p=float(params.top_p),
                                             generator=rng, pad_id=self.pad_id, device=device)
-            tokens, logprobs = out.tokens, out.logprobs
+            tokens, logprobs, finite = out.tokens, out.logprobs, out.finite
         else:
             with cpu_generate_shims(), controller_log_softmax(self.strict):
                 controller = self._controller(len(flat), max(len(p) for _, p in flat) + params.max_new_tokens)
@@ -140,7 +139,7 @@ class EmbeddedEngine(RolloutEngine):
             # that alone saw a NaN must not raise while the others wait in the next collective)
             self.nvfp4.finite.check("generate", group=_world_group())
         if self.loop == "minite":  # after the flag's check, which names the cause more closely and resets the flag
-            _check_finite_logprobs(logprobs, group=_world_group())
+            _check_finite_logprobs(finite, group=_world_group())
         results = []
         for (i, prompt), gen, lp in zip(flat, tokens, logprobs):
             toks, lps, finished = truncate_at_stop(gen, lp, params.stop_token_id)
@@ -236,11 +235,11 @@ class EmbeddedEngine(RolloutEngine):
         return list(self._params.items())
 
 
-def _check_finite_logprobs(logprobs: list[list[float]], group=None) -> None:
-    """One-line ValueError if a log-prob of the generate (host lists) is NaN or Inf, which finite logits never give
-    (log_softmax of finite values is finite): the model's logits were not finite. With `group`, raised on every rank
-    if on any (a collective each rank calls once per generate)."""
-    bad = any(not math.isfinite(x) for row in logprobs for x in row)
+def _check_finite_logprobs(finite: bool, group=None) -> None:
+    """One-line ValueError unless every log-prob of the generate was finite (`Decoded.finite`), which finite logits
+    always give (log_softmax of finite values is finite): else the model's logits were not. With `group`, raised on
+    every rank if on any (a collective each rank calls once per generate)."""
+    bad = not finite
     if group is not None:
         import torch.distributed as dist
         from minite.ops import collective_device

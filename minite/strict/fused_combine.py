@@ -39,10 +39,10 @@ if triton is not None:
         mine = (tl.load(token_ptr + r, mask=r < R, other=-1) == t).to(tl.int32)
         rank = tl.cumsum(mine, axis=0)  # 1 at t's first row, 2 at its second, ...
         pos = tl.sum(tl.where((mine != 0) & (rank == 1), r, 0), axis=0).to(tl.int64)
-        acc = tl.load(rows_ptr + pos * H + cols, mask=cmask, other=0.0).to(tl.float32)
+        acc = fused._load_f32(rows_ptr, pos * H + cols, cmask)  # bf16 by its bits: exact under the interpreter too
         for j in range(2, K + 1):
             pos = tl.sum(tl.where((mine != 0) & (rank == j), r, 0), axis=0).to(tl.int64)
-            acc = acc + tl.load(rows_ptr + pos * H + cols, mask=cmask, other=0.0).to(tl.float32)
+            acc = acc + fused._load_f32(rows_ptr, pos * H + cols, cmask)
         tl.store(out_ptr + t.to(tl.int64) * H + cols, acc, mask=cmask)
 
 

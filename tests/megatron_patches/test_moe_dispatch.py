@@ -95,11 +95,13 @@ def test_local_rows_match_megatrons_permutation(one_launch, monkeypatch):
         assert torch.equal(local.row_token, want_index) and torch.equal(counts, routing_map.sum(0))
 
 
-@pytest.mark.parametrize("tokens,experts,topk", [(64, 128, 8), (256, 128, 8), (37, 60, 4), (1, 128, 8)])
-def test_one_launch_rows_equal_the_torch_ops(tokens, experts, topk):
-    """minite.kernels.moe_rows against the dispatcher's torch ops at decode and prefill sizes (a non-power-of-two
-    expert count, a single token): the same row tokens, probs and counts (interpreted on the CPU, compiled on a
-    GPU)."""
+@pytest.mark.parametrize("tokens,experts,topk,short", [(64, 128, 8, False), (256, 128, 8, False), (37, 60, 4, False),
+                                                       (1, 128, 8, False), (20, 128, 8, True)])
+def test_one_launch_rows_equal_the_torch_ops(tokens, experts, topk, short):
+    """minite.kernels.moe_rows against the dispatcher's torch ops at decode sizes up to MAX_TOKENS (a non-power-of-two
+    expert count, a single token; short: map rows with fewer than k entries, whose missing rows get token 0 and
+    probs[0, 0] as the torch ops leave them): the same row tokens, probs and counts (interpreted on the CPU,
+    compiled on a GPU)."""
     from minite.kernels.moe_rows import applies, moe_rows
     from minite.megatron_patches.moe_dispatch import LocalTokenDispatcher
 
@@ -108,6 +110,10 @@ def test_one_launch_rows_equal_the_torch_ops(tokens, experts, topk):
     idx = torch.rand(tokens, experts, generator=g).topk(topk, dim=1).indices
     routing_map = torch.zeros(tokens, experts, dtype=torch.bool).scatter(1, idx, True).to(dev)
     probs = torch.zeros(tokens, experts).scatter(1, idx, torch.rand(tokens, topk, generator=g)).to(dev)
+    if short:
+        routing_map[3, idx[3, :2]] = False
+        routing_map[11, idx[11, 0]] = False
+        probs[0, 0] = 0.25  # what the missing rows repeat
     assert applies(routing_map, probs)
     from minite.kernels.moe_rows import MAX_TOKENS  # a prefill's map: the torch ops
     assert not applies(torch.zeros(MAX_TOKENS + 1, 4, dtype=torch.bool), torch.zeros(MAX_TOKENS + 1, 4))

@@ -68,8 +68,7 @@ def test_engine_reads_the_flag_once_per_generate(engine):
 def _modules_record_and_check(engine):
     """The deferred path through the model's NVFP4 modules: a linear and the experts record what they quantise (no
     host read on the way), the check raises once, and none of it changes a token or log-prob. (Driven at the
-    modules: a whole generate with non-finite logits would reach torch.multinomial, whose CUDA kernel asserts on NaN
-    and ends the process.)"""
+    modules: a whole generate with non-finite logits stops on its NaN log-probs first, tests/rollout/test_decode.py.)"""
     from minite.megatron_patches.nvfp4_layers import GroupedExperts, NVFP4ColumnParallelLinear
 
     model = engine.model
