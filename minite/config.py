@@ -172,6 +172,14 @@ class RLConfig:
     """Supervised steps on correct answers before RL starts (0: none; not part of rl.steps)."""
     minibatches: int = 1
     """Optimizer steps per RL step: the rollout batch is split into this many minibatches (>1 makes PPO clipping act)."""
+    micro_batches: int = 1
+    """Gradient accumulation: each minibatch (and each warm-up batch) goes through the learner in this many
+    consecutive chunks of rows, forward and backward one chunk at a time (only one chunk's activations alive), then
+    one optimizer step; the loss is the whole minibatch's token mean either way (each chunk adds its token sum over
+    the minibatch's tokens), up to the rounding of the accumulated gradients. Each minibatch's rows must split into
+    this many chunks, each a multiple of the data-parallel size. NVFP4 on the kernels: the experts' weight gradients
+    wait and are added a few chunks at a time (`NVFP4Context.expert_wgrad_passes`, docs/design.md). Not with
+    alignment.routing_replay (its routes are installed per forward of a whole minibatch)."""
     old_logp_source: Literal["learner", "rollout"] = "learner"
     """Denominator of the PPO ratio: the learner's log-probs before the update, or the rollout engine's."""
 
@@ -182,8 +190,8 @@ class RLConfig:
             raise ValueError(f"task must be one of copy, reverse, sort; got {self.task!r}")
         if self.task_length < 1 or not 2 <= self.task_digits <= 10:
             raise ValueError("task_length must be >= 1 and task_digits in 2..10")
-        if self.warmup_steps < 0 or self.minibatches < 1:
-            raise ValueError("warmup_steps must be >= 0 and minibatches >= 1")
+        if self.warmup_steps < 0 or self.minibatches < 1 or self.micro_batches < 1:
+            raise ValueError("warmup_steps must be >= 0, minibatches >= 1 and micro_batches >= 1")
         if not 0 < self.clip_eps < 1 or self.kl_coef < 0 or self.is_threshold <= 1:
             raise ValueError("clip_eps must be in (0, 1), kl_coef >= 0 and is_threshold > 1")
 

@@ -196,6 +196,20 @@ TOLERANCES = {
     # Monte Carlo mean of K3 over 400 000 normal samples (fixed seed) vs KL = 0.045: standard error 1.0e-4,
     # measured -1.6e-4; 2e-3 is 20 standard errors, looser than needed.
     "k3_monte_carlo": (2e-3, 0.0),
+    # GRPO loss split into chunks whose shares add up (rl.micro_batches) vs the whole batch, fp32: the same terms
+    # summed in another grouping (per chunk, then over chunks) and divided before instead of after the sum; each of
+    # the few dozen terms carries O(1) magnitude, so the difference is a few ulp of fp32 (2^-23) of the result.
+    "grpo_chunk_shares_fp32": (1e-6, 1e-5),
+    # One BF16 RL step with rl.micro_batches=2 vs 1 (tests/rl/test_rl_step.py): the same rollout, but the learner
+    # forwards chunks of rows instead of the whole minibatch (CPU BF16 GEMMs may block rows differently), sums the
+    # chunks' gradients into fp32 main_grad (another order), and the minibatches' second step starts from weights that
+    # differ by that rounding (bf16, 2^-8). Measured (2026-12-04, this project's CPU machine, the test's batch): loss
+    # 1.5e-4, gradient norm 5.1e-4 and the small KL (3.2e-3) 7.1e-3 relative apart; a wrong share (a chunk's loss
+    # over its own tokens, or metrics not rescaled by the chunk count) is off by O(1), 0.5 relative at 2 chunks.
+    "micro_batches_vs_whole_bf16_step": (1e-3, 1e-2),
+    # The same two runs' bf16 weights after the step (|w| <= 1): the accumulated fp32 gradients differ by rounding, so
+    # an Adam update can land a bf16 ulp apart (2^-9 below 0.5, 2^-8 below 1). Measured 1.4e-3 (2026-12-04).
+    "micro_batches_vs_whole_bf16_weights": (2.0 ** -8, 0.0),
     # Log-prob metrics computed in float64 (mismatch_metrics, logprob_gap) vs the hand-computed values: the inputs
     # carry one fp64 rounding (-1.1, -0.5 + 1e-3), the outputs a few more, ~1e-16 absolute on values ~0.005 - 0.1,
     # i.e. <= ~1e-13 relative; both bounds are looser than needed, and far below an fp32 cast (~1e-8).

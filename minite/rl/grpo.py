@@ -92,8 +92,9 @@ def is_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, params: GRPOP
     return keep.to(old_logp.dtype)
 
 
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (x * mask).sum() / mask.sum().clamp(min=1)
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor, tokens: float | None = None) -> torch.Tensor:
+    """Sum of x over mask / the mask's count, or / `tokens` when given (a chunk's share of a larger batch's mean)."""
+    return (x * mask).sum() / (mask.sum().clamp(min=1) if tokens is None else max(tokens, 1.0))
 
 
 def grpo_loss(
@@ -105,10 +106,13 @@ def grpo_loss(
     *,
     rollout_logp: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
+    tokens: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Token-mean GRPO loss over `mask` (1 on response tokens). Tensors are [B, T-1]; advantages [B].
 
     Returns (loss with grad, metrics): loss/policy, kl/ref, clip_frac, is_weight_mean, is_masked_frac.
+    tokens: the token count of the batch these rows are a chunk of (gradient accumulation): every mean is then this
+    chunk's sum over it, its share, so the chunks' losses and metrics add up to the whole batch's.
     """
     dev = logp.device  # the learner's device; the loop builds its batch tensors on the host
     old_logp, mask = old_logp.to(dev), mask.to(dev, logp.dtype)
@@ -120,11 +124,11 @@ def grpo_loss(
         w = is_weights(old_logp.detach(), rollout_logp.to(dev), params)
     else:
         w = torch.ones_like(pg)
-    policy = _masked_mean(w * pg, mask)
+    policy = _masked_mean(w * pg, mask, tokens)
     loss = policy
     kl = torch.zeros((), dtype=logp.dtype, device=dev)
     if ref_logp is not None:
-        kl = _masked_mean(k3(ref_logp.detach().to(dev) - logp), mask)
+        kl = _masked_mean(k3(ref_logp.detach().to(dev) - logp), mask, tokens)
         if params.kl_coef > 0:
             loss = loss + params.kl_coef * kl
     with torch.no_grad():
@@ -132,8 +136,8 @@ def grpo_loss(
         metrics = {
             "loss/policy": policy.item(),
             "kl/ref": kl.item(),
-            "train/clip_frac": _masked_mean(clip_active, mask).item(),
-            "train/is_weight_mean": _masked_mean(w, mask).item(),
-            "train/is_masked_frac": _masked_mean((w == 0).to(logp.dtype), mask).item(),
+            "train/clip_frac": _masked_mean(clip_active, mask, tokens).item(),
+            "train/is_weight_mean": _masked_mean(w, mask, tokens).item(),
+            "train/is_masked_frac": _masked_mean((w == 0).to(logp.dtype), mask, tokens).item(),
         }
     return loss, metrics

@@ -177,15 +177,23 @@ def train_on_batch(run: Run, batch: Batch, advantages: torch.Tensor, routes=None
     old_logp = learner_logp if cfg.rl.old_logp_source == "learner" else batch.rollout_logp
     ref_logp = run.ref.logprobs(batch.tokens).float() if run.ref is not None else None
     parts: list[dict] = []
+    n = cfg.rl.micro_batches
     for rows in torch.arange(batch.tokens.shape[0]).chunk(cfg.rl.minibatches):
-        def loss_fn(logp, rows=rows):
-            return grpo_loss(
-                logp, old_logp.index_select(0, rows.to(old_logp.device)), advantages[rows], batch.mask[rows],
-                run.grpo, rollout_logp=batch.rollout_logp[rows],
-                ref_logp=None if ref_logp is None else ref_logp.index_select(0, rows.to(ref_logp.device)),
+        # gradient accumulation (rl.micro_batches): the learner calls loss_fn once per chunk of these rows, in order;
+        # each chunk's loss is its share of the minibatch's token mean
+        chunks, tokens = iter(rows.chunk(n)), (float(batch.mask[rows].sum()) if n > 1 else None)
+
+        def loss_fn(logp, chunks=chunks, tokens=tokens):
+            part = next(chunks)
+            loss, m = grpo_loss(
+                logp, old_logp.index_select(0, part.to(old_logp.device)), advantages[part], batch.mask[part],
+                run.grpo, rollout_logp=batch.rollout_logp[part],
+                ref_logp=None if ref_logp is None else ref_logp.index_select(0, part.to(ref_logp.device)),
+                tokens=tokens,
             )
+            return loss, {k: v * n for k, v in m.items()}  # the learner averages over chunks: n x the shares' mean
         with _replay(run.learner, routes, seq_len, rows.tolist()):
-            out = run.learner.train_step(batch.tokens[rows], loss_fn)
+            out = run.learner.train_step(batch.tokens[rows], loss_fn, micro_batches=n)
         parts.append({k: float(v) for k, v in (out or {}).items() if _is_scalar(v)})
     for key in parts[0]:
         metrics[key] = sum(p[key] for p in parts) / len(parts)
@@ -351,6 +359,14 @@ def check_shapes(cfg, task: DigitTask) -> None:
     rows = cfg.rl.prompts_per_step * cfg.rollout.group_size
     if cfg.rl.minibatches > rows:
         raise ValueError(f"rl.minibatches={cfg.rl.minibatches} > rollouts per step ({rows})")
+    n = cfg.rl.micro_batches
+    sizes = sorted({len(c) for c in torch.arange(rows).chunk(cfg.rl.minibatches)})
+    if any(s % n for s in [rows, *sizes]):  # the warm-up's batch is the whole step's rows
+        raise ValueError(f"rl.micro_batches={n} does not divide the rows of a train step ({rows} rollouts, "
+                         f"minibatches of {' / '.join(map(str, sizes))}): choose rl.micro_batches dividing them")
+    if n > 1 and cfg.alignment.routing_replay:
+        raise ValueError("rl.micro_batches > 1 does not combine with alignment.routing_replay (its routes are "
+                         "installed for a whole minibatch's forward): set one of them back")
 
 
 def find_resume_state(cfg) -> dict | None:
@@ -408,13 +424,15 @@ def warmup(run: Run) -> None:
         rows = [RolloutResult(prompt_index=k, prompt=p.prompt, tokens=p.target, logprobs=[0.0] * len(p.target))
                 for k, p in enumerate(problems)]
         batch = make_batch(rows)
+        n = cfg.rl.micro_batches  # gradient accumulation, as in train_on_batch
+        chunks, tokens = iter(torch.arange(len(rows)).chunk(n)), batch.mask.sum()
 
-        def loss_fn(logp, mask=batch.mask):
-            mask = mask.to(logp.device)  # the batch is built on the host, the learner's log-probs on its device
-            nll = -(logp * mask).sum() / mask.sum()
-            return nll, {"warmup/nll": nll.item()}
+        def loss_fn(logp, mask=batch.mask, chunks=chunks, tokens=tokens):
+            part = mask[next(chunks)].to(logp.device)  # built on the host, the learner's log-probs on its device
+            nll = -(logp * part).sum() / (part.sum() if n == 1 else tokens.to(logp.device))
+            return nll, {"warmup/nll": nll.item() * n}  # the learner averages over chunks
 
-        out = run.learner.train_step(batch.tokens, loss_fn)
+        out = run.learner.train_step(batch.tokens, loss_fn, micro_batches=n)
         log_warmup(run, i + 1, out)
         if i == 0 or i + 1 == cfg.rl.warmup_steps:
             log.info("warm-up step %d/%d: %s", i + 1, cfg.rl.warmup_steps, out)

@@ -53,9 +53,10 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def config_changes(saved: dict, cfg: Config) -> dict[str, tuple[Any, Any]]:
-    """{dotted key: (checkpoint's value, current value)} for every compared key that differs."""
-    old, new = _flatten(saved), _flatten(to_dict(cfg))
-    keys = (set(old) | set(new)) - set(IGNORED)
+    """{dotted key: (checkpoint's value, current value)} for every compared key that differs. A key the checkpoint
+    lacks (added to the config since it was saved, e.g. rl.micro_batches) counts as its default there."""
+    old, new = {**_flatten(to_dict(Config())), **_flatten(saved)}, _flatten(to_dict(cfg))
+    keys = (set(_flatten(saved)) | set(new)) - set(IGNORED)
     return {k: (old.get(k), new.get(k)) for k in sorted(keys) if old.get(k) != new.get(k)}
 
 

@@ -45,7 +45,8 @@ class StandInLearner:
         with torch.no_grad():
             return self.model.logprobs(tokens)
 
-    def train_step(self, tokens, loss_fn):
+    def train_step(self, tokens, loss_fn, micro_batches=1):
+        assert micro_batches == 1  # the stand-in has no gradient accumulation
         self.opt.zero_grad()
         loss, metrics = loss_fn(self.model.logprobs(tokens))
         loss.backward()

@@ -51,7 +51,8 @@ class FakeCudaLearner:
     def local_rows(self, n):
         return range(n)
 
-    def train_step(self, tokens, loss_fn):
+    def train_step(self, tokens, loss_fn, micro_batches=1):
+        assert micro_batches == 1  # the stand-in has no gradient accumulation
         with self.mode:  # the loss_fn's host tensors meet fake cuda:0 here, as they meet cuda:0 on a GPU
             loss, _ = loss_fn(self.logprobs(tokens))
         self.devices.append(loss.device)

@@ -125,3 +125,30 @@ def test_mismatch_metrics_locate_the_largest_gap():
     assert m["mismatch/logp_abs_max"] == 8.5
     assert (m["mismatch/max_at_train_logp"], m["mismatch/max_at_rollout_logp"]) == (-9.0, -0.5)
     assert m["mismatch/max_at_position"] == 1.0 and m["mismatch/tokens_over_1"] == 2.0
+
+
+def test_chunk_shares_add_up_to_the_whole_batch():
+    """Gradient accumulation (rl.micro_batches): with `tokens` = the whole batch's token count, each chunk's loss,
+    gradient and metrics are its share, and the shares add up to the whole batch's (fp32 sums in another order:
+    the tolerance names why)."""
+    g = torch.Generator().manual_seed(0)
+    logp = (-torch.rand(6, 5, generator=g) * 3).requires_grad_(True)
+    old, ref, roll = (logp.detach() + 0.3 * torch.randn(6, 5, generator=g) for _ in range(3))
+    adv = torch.randn(6, generator=g)
+    mask = (torch.rand(6, 5, generator=g) > 0.3).float()
+    params = GRPOParams(kl_coef=0.1, is_correction="tis")
+    whole, wm = grpo_loss(logp, old, adv, mask, params, rollout_logp=roll, ref_logp=ref)
+    (gw,) = torch.autograd.grad(whole, logp)
+    total, shares, metrics, grads = float(mask.sum()), 0.0, {}, torch.zeros_like(logp)
+    for rows in torch.arange(6).chunk(3):
+        part, m = grpo_loss(logp[rows], old[rows], adv[rows], mask[rows], params, rollout_logp=roll[rows],
+                            ref_logp=ref[rows], tokens=total)
+        (gp,) = torch.autograd.grad(part, logp)
+        shares, grads = shares + part.detach(), grads + gp
+        for k, v in m.items():
+            metrics[k] = metrics.get(k, 0.0) + v
+    atol, rtol = TOLERANCES["grpo_chunk_shares_fp32"]
+    torch.testing.assert_close(shares, whole.detach(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(grads, gw, atol=atol, rtol=rtol)
+    for k, v in wm.items():
+        assert math.isclose(metrics[k], v, rel_tol=rtol, abs_tol=atol), k

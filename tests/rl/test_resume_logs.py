@@ -148,3 +148,15 @@ def test_resumed_run_saves_exactly_what_the_uninterrupted_run_saves(tmp_path):
     a = ckpt.load_checkpoint(tmp_path / "cka" / "step_000004")
     b = ckpt.load_checkpoint(tmp_path / "ckb" / "step_000004")
     _same(a, b)
+
+
+def test_a_key_added_since_the_checkpoint_counts_as_its_default():
+    """A checkpoint saved before a config key existed (rl.micro_batches) resumes without naming it as changed, unless
+    the run sets it to something else."""
+    from minite.config import load_config
+    from minite.rl.resume_policy import config_changes, config_for_checkpoint
+
+    saved = config_for_checkpoint(load_config(None, []))
+    del saved["rl"]["micro_batches"]
+    assert config_changes(saved, load_config(None, [])) == {}
+    assert config_changes(saved, load_config(None, ["rl.micro_batches=2"])) == {"rl.micro_batches": (1, 2)}

@@ -14,6 +14,7 @@ from minite.rl import checkpoint as ckpt
 from minite.rl.loop import train
 from minite.rl.metrics import TAGS
 from minite.rollout import SamplingParams, WeightUpdateError, make_engine
+from tests.tolerances import TOLERANCES
 
 TINY = {"rl.prompts_per_step": 2, "rollout.group_size": 4, "rollout.max_new_tokens": 4, "rl.task_length": 3,
         "model.max_position_embeddings": 16, "logging.progress_bar": False}
@@ -186,3 +187,51 @@ def _tensors(q):
     if isinstance(q, (tuple, list)):
         return [t for x in q for t in _tensors(x)]
     return [t.contiguous() for t in vars(q).values() if torch.is_tensor(t)]
+
+
+def _one_train_step(tmp_path, micro_batches):
+    """train_on_batch of `minite train`'s loop on a fixed batch (task prompts, random responses, advantages that are
+    not zero), rl.minibatches=2, BF16; the step's metrics and the weights after it."""
+    from minite.rl.loop import make_batch, setup, train_on_batch
+    from minite.rollout import RolloutResult
+
+    cfg = _cfg(tmp_path / str(micro_batches), **{"rl.steps": 1, "rl.warmup_steps": 0, "rl.minibatches": 2,
+                                                  "rl.micro_batches": micro_batches, "rl.kl_coef": 0.05,
+                                                  "precision.mode": "bf16"})
+    run = setup(cfg)
+    g = torch.Generator().manual_seed(0)
+    problems = [p for p in run.stream.next_batch() for _ in range(cfg.rollout.group_size)]
+    rows = [RolloutResult(prompt_index=i, prompt=p.prompt, logprobs=[-1.0] * 4,
+                          tokens=torch.randint(1, run.task.tokenizer.vocab_size, (4,), generator=g).tolist())
+            for i, p in enumerate(problems)]
+    metrics = train_on_batch(run, make_batch(rows), torch.randn(len(rows), generator=g))
+    return metrics, {n: w.float().clone() for n, w in run.learner.named_weights()}
+
+
+def test_micro_batches_split_the_forward_not_the_update(tmp_path):
+    """rl.micro_batches=2: each minibatch goes through the learner in two chunks and one optimizer step; the step's
+    loss, KL, clip fraction and gradient norm are those of the whole minibatch and so are the weights after it (BF16,
+    whose rounding draws nothing per chunk: the tolerance names what differs)."""
+    (one, w_one), (two, w_two) = _one_train_step(tmp_path, 1), _one_train_step(tmp_path, 2)
+    atol, rtol = TOLERANCES["micro_batches_vs_whole_bf16_step"]
+    assert one["loss/policy"] != 0.0 and one["kl/ref"] > 0.0 and one["grad_norm"] > 0.0  # a step that moves
+    for key in ("loss/policy", "kl/ref", "train/clip_frac", "grad_norm", "loss"):
+        assert math.isclose(one[key], two[key], rel_tol=rtol, abs_tol=atol), (key, one[key], two[key])
+    apart = max((w_one[n] - w_two[n]).abs().max().item() for n in w_one)
+    assert apart <= TOLERANCES["micro_batches_vs_whole_bf16_weights"][0], apart
+
+
+def test_micro_batches_must_divide_the_rows():
+    from minite.rl.loop import check_shapes
+    from minite.rl.tasks import make_task
+
+    task = make_task("reverse", length=3, num_digits=10)
+    bad = load_config(None, [f"{k}={v}" for k, v in {**TINY, "rl.minibatches": 2, "rl.micro_batches": 3}.items()])
+    with pytest.raises(ValueError, match=r"rl.micro_batches=3 does not divide the rows of a train step \(8 rollouts, "
+                                         r"minibatches of 4\)"):
+        check_shapes(bad, task)
+    replay = load_config(None, [f"{k}={v}" for k, v in {**TINY, "rl.micro_batches": 2,
+                                                        "alignment.routing_replay": True}.items()])
+    with pytest.raises(ValueError, match="does not combine with alignment.routing_replay"):
+        check_shapes(replay, task)
+    check_shapes(load_config(None, [f"{k}={v}" for k, v in {**TINY, "rl.micro_batches": 4}.items()]), task)
