@@ -201,9 +201,9 @@ class Learner:
         size, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         if batch_size < 1 or batch_size % size:
             raise ValueError(f"a batch of {batch_size} rows does not split over {size} data-parallel ranks: make "
-                             f"the rows per forward (rl.prompts_per_step x rollout.group_size / rl.minibatches / "
-                             f"rl.micro_batches) "
-                             f"a multiple of {size} (world size / (parallel.tp x parallel.pp))")
+                             f"the rows of each forward (rl.prompts_per_step x rollout.group_size, over "
+                             f"rl.minibatches and rl.micro_batches) a multiple of {size} (world size / "
+                             f"(parallel.tp x parallel.pp))")
         block = batch_size // size
         return range(rank * block, (rank + 1) * block)
 

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
             start_over(cfg)
     # before Megatron-Core is imported: its import-time warnings belong in the log file
     log_path = attach_log_file(Path(cfg.logging.dir) / ("train.log" if rank == 0 else f"train.rank{rank}.log"))
-    check_model(cfg)
+    check_model(cfg, world)
     if rank == 0:
         print(header(cfg, world, log_path), flush=True)
     from minite.rl.loop import train
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_model(cfg) -> None:
+def check_model(cfg, world_size: int = 1) -> None:
     """The shape read from model.hf_config against precision and layout, and the task against the model;
     ConfigError naming the config."""
     from minite.config import ConfigError, check_model_shape
@@ -72,7 +72,8 @@ def check_model(cfg) -> None:
     try:
         if cfg.model.hf_config:
             check_model_shape(model_shape(cfg), cfg)
-        check_shapes(cfg, make_task(cfg.rl.task, length=cfg.rl.task_length, num_digits=cfg.rl.task_digits))
+        check_shapes(cfg, make_task(cfg.rl.task, length=cfg.rl.task_length, num_digits=cfg.rl.task_digits),
+                     world_size)
     except ValueError as e:
         raise ConfigError(f"{cfg.source or 'the config'}: {e}") from None
 

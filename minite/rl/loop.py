@@ -10,7 +10,7 @@
         rewards    = task.reward(problem, response)            (exact, in [0, 1])
         advantages = group-normalised rewards                  (grpo.group_advantages)
         train      = learner log-probs before the update (old_logp, and the mismatch metrics against
-                     the engine's), then rl.minibatches optimizer steps on the GRPO loss
+                     the engine's), then rl.minibatches optimizer steps on the GRPO loss (each over rl.micro_batches chunks)
         sync       = engine.update_weights(learner.named_weights())
         log        = TensorBoard + JSONL + progress bar; checkpoint every checkpoint.every steps
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -184,7 +185,7 @@ def train_on_batch(run: Run, batch: Batch, advantages: torch.Tensor, routes=None
         chunks, tokens = iter(rows.chunk(n)), (float(batch.mask[rows].sum()) if n > 1 else None)
 
         def loss_fn(logp, chunks=chunks, tokens=tokens):
-            part = next(chunks)
+            part = _next_chunk(chunks, logp)
             loss, m = grpo_loss(
                 logp, old_logp.index_select(0, part.to(old_logp.device)), advantages[part], batch.mask[part],
                 run.grpo, rollout_logp=batch.rollout_logp[part],
@@ -198,6 +199,15 @@ def train_on_batch(run: Run, batch: Batch, advantages: torch.Tensor, routes=None
     for key in parts[0]:
         metrics[key] = sum(p[key] for p in parts) / len(parts)
     return metrics
+
+
+def _next_chunk(chunks, logp: torch.Tensor) -> torch.Tensor:
+    """The rows of the chunk whose log-probs the learner hands loss_fn (it calls it once per chunk, in order)."""
+    part = next(chunks)
+    if logp.shape[0] != len(part):
+        raise ValueError(f"the learner gave loss_fn log-probs of {logp.shape[0]} rows for a chunk of {len(part)} "
+                         "(rl.micro_batches needs a learner that calls loss_fn once per chunk, in order)")
+    return part
 
 
 def _replay(learner, routes, seq_len: int, rows: list[int]):
@@ -347,7 +357,10 @@ def _row_step(line: str) -> float:
         return float("inf")
 
 
-def check_shapes(cfg, task: DigitTask) -> None:
+def check_shapes(cfg, task: DigitTask, world_size: int | None = None) -> None:
+    """ValueError for a task the model cannot hold, or rows that the minibatches, micro-batches and data-parallel
+    ranks cannot split (each of the learner's forwards takes a multiple of the data-parallel size). world_size: the
+    processes of the run (default: the initialised process group's, else WORLD_SIZE, else 1)."""
     if cfg.model.vocab_size < task.tokenizer.vocab_size:
         raise ValueError(f"model.vocab_size={cfg.model.vocab_size} < the task vocabulary ({task.tokenizer.vocab_size})")
     need = task.prompt_len + cfg.rollout.max_new_tokens
@@ -361,9 +374,18 @@ def check_shapes(cfg, task: DigitTask) -> None:
         raise ValueError(f"rl.minibatches={cfg.rl.minibatches} > rollouts per step ({rows})")
     n = cfg.rl.micro_batches
     sizes = sorted({len(c) for c in torch.arange(rows).chunk(cfg.rl.minibatches)})
-    if any(s % n for s in [rows, *sizes]):  # the warm-up's batch is the whole step's rows
+    if any(s % n for s in sizes):  # (then n divides the warm-up's batch, their sum, too)
         raise ValueError(f"rl.micro_batches={n} does not divide the rows of a train step ({rows} rollouts, "
                          f"minibatches of {' / '.join(map(str, sizes))}): choose rl.micro_batches dividing them")
+    if world_size is None:
+        initialised = torch.distributed.is_available() and torch.distributed.is_initialized()
+        world_size = ckpt.rank_and_world()[1] if initialised else int(os.environ.get("WORLD_SIZE", "1"))
+    dp = max(1, world_size // (cfg.parallel.tp * cfg.parallel.pp))
+    forwards = {rows, *(s // n for s in sizes), *([rows // n] if cfg.rl.warmup_steps else [])}
+    if any(f % dp for f in forwards):  # the log-prob passes take all rows; a train step's forward a chunk
+        raise ValueError(f"the learner's forwards ({' / '.join(map(str, sorted(forwards)))} rows: rl.prompts_per_step "
+                         f"x rollout.group_size, over rl.minibatches and rl.micro_batches) must be multiples of the "
+                         f"{dp} data-parallel ranks")
     if n > 1 and cfg.alignment.routing_replay:
         raise ValueError("rl.micro_batches > 1 does not combine with alignment.routing_replay (its routes are "
                          "installed for a whole minibatch's forward): set one of them back")
@@ -428,7 +450,7 @@ def warmup(run: Run) -> None:
         chunks, tokens = iter(torch.arange(len(rows)).chunk(n)), batch.mask.sum()
 
         def loss_fn(logp, mask=batch.mask, chunks=chunks, tokens=tokens):
-            part = mask[next(chunks)].to(logp.device)  # built on the host, the learner's log-probs on its device
+            part = mask[_next_chunk(chunks, logp)].to(logp.device)  # built on the host, logp on the learner's device
             nll = -(logp * part).sum() / (part.sum() if n == 1 else tokens.to(logp.device))
             return nll, {"warmup/nll": nll.item() * n}  # the learner averages over chunks
 

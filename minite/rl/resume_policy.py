@@ -52,10 +52,15 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+ADDED = {"rl.micro_batches": 1}
+"""Keys added to the config after checkpoints existed, each with the value that stands for how the code behaved
+before it (what a checkpoint without the key ran with)."""
+
+
 def config_changes(saved: dict, cfg: Config) -> dict[str, tuple[Any, Any]]:
-    """{dotted key: (checkpoint's value, current value)} for every compared key that differs. A key the checkpoint
-    lacks (added to the config since it was saved, e.g. rl.micro_batches) counts as its default there."""
-    old, new = {**_flatten(to_dict(Config())), **_flatten(saved)}, _flatten(to_dict(cfg))
+    """{dotted key: (checkpoint's value, current value)} for every compared key that differs; a key of ADDED that
+    the checkpoint lacks counts as its ADDED value there."""
+    old, new = {**ADDED, **_flatten(saved)}, _flatten(to_dict(cfg))
     keys = (set(_flatten(saved)) | set(new)) - set(IGNORED)
     return {k: (old.get(k), new.get(k)) for k in sorted(keys) if old.get(k) != new.get(k)}
 
