@@ -21,11 +21,17 @@ BLOCK = 4096
 
 
 @triton.jit
-def _finite_max_kernel(x_ptr, n, flag_ptr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    a = tl.abs(tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32))
+def _max_into_flag(flag_ptr, a):
+    """flag = max(flag, max of a), a 1-D block of |x| in fp32 with NaN counted as +Inf (also for kernels that record
+    what they quantise themselves: minite.kernels.nvfp4_swiglu)."""
     a = tl.where(a == a, a, float("inf"))
     tl.atomic_max(flag_ptr, tl.max(a, axis=0))
+
+
+@triton.jit
+def _finite_max_kernel(x_ptr, n, flag_ptr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    _max_into_flag(flag_ptr, tl.abs(tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)))
 
 
 def finite_max_into(t: torch.Tensor, flag: torch.Tensor) -> None:

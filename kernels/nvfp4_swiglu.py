@@ -29,6 +29,7 @@ from minite.nvfp4.tensor import NVFP4Tensor
 
 from ._interpreter import ensure_interpreter_compat, interpreting
 from ._launch import cdiv, launcher, next_power_of_2
+from .finite_max import _max_into_flag
 from .nvfp4_quant import SIXTH, _block_amax, _decode_amax, _global_scales, _quantize_tile
 
 
@@ -40,14 +41,35 @@ def _round_bf16(x):
 
 
 @triton.jit
-def _swiglu_tile(h_ptr, a_ptr, rows, R, F, BLOCK_R: tl.constexpr, G: tl.constexpr):
-    """a = bf16(bf16(silu(g)) * u) as fp32 [BLOCK_R, G, 8, 2] for columns 0..16G of the F outputs; stores a."""
+def _tile_offsets(rows, R, F, G: tl.constexpr):
+    """(col, mask, base) of a [BLOCK_R, G, 8, 2] tile over columns 0..16G of h = [gate | up] [R, 2F]: the output
+    column, which lanes hold one, and the gate's offset in h (the up value sits F further)."""
     g = tl.arange(0, G)
     jj = tl.arange(0, 8)
     pp = tl.arange(0, 2)
     col = g[None, :, None, None] * 16 + jj[None, None, :, None] * 2 + pp[None, None, None, :]
     mask = (rows < R)[:, None, None, None] & (col < F)
-    base = rows[:, None, None, None].to(tl.int64) * (2 * F) + col
+    return col, mask, rows[:, None, None, None].to(tl.int64) * (2 * F) + col
+
+
+@triton.jit
+def _quantize_rows(x, rows, R, F, sixth, data_ptr, scale_ptr, gs_ptr, amax_ptr, vals_ptr, BLOCK_R: tl.constexpr,
+                   G: tl.constexpr, WRITE_VALS: tl.constexpr):
+    """The activation recipe on a [BLOCK_R, G, 8, 2] tile of whole rows: per-row global scales (and the amaxes the
+    tensor carries), 1x16 blocks, nearest-even."""
+    bamax = _block_amax(x)
+    amax = tl.max(bamax, axis=1)
+    s_enc, s_dec = _global_scales(amax)
+    tl.store(gs_ptr + rows, s_dec, mask=rows < R)
+    tl.store(amax_ptr + rows, _decode_amax(amax, s_enc), mask=rows < R)
+    _quantize_tile(x, bamax, rows, 0, R, F, s_enc[:, None], s_dec[:, None], sixth, 0,
+                   data_ptr, scale_ptr, vals_ptr, 0, 0, 0, F, BLOCK_R, G, 1, False, WRITE_VALS, False)
+
+
+@triton.jit
+def _swiglu_tile(h_ptr, a_ptr, rows, R, F, BLOCK_R: tl.constexpr, G: tl.constexpr):
+    """a = bf16(bf16(silu(g)) * u) as fp32 [BLOCK_R, G, 8, 2] for columns 0..16G of the F outputs; stores a."""
+    col, mask, base = _tile_offsets(rows, R, F, G)
     gate = tl.load(h_ptr + base, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(h_ptr + base + F, mask=mask, other=0.0).to(tl.float32)
     silu = _round_bf16(gate / (1.0 + tl.exp(-gate)))
@@ -64,13 +86,7 @@ def _swiglu_quant_kernel(h_ptr, a_ptr, data_ptr, scale_ptr, gs_ptr, amax_ptr, va
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     x = _swiglu_tile(h_ptr, a_ptr, rows, R, F, BLOCK_R, G)
     if QUANT:
-        bamax = _block_amax(x)
-        amax = tl.max(bamax, axis=1)
-        s_enc, s_dec = _global_scales(amax)
-        tl.store(gs_ptr + rows, s_dec, mask=rows < R)
-        tl.store(amax_ptr + rows, _decode_amax(amax, s_enc), mask=rows < R)
-        _quantize_tile(x, bamax, rows, 0, R, F, s_enc[:, None], s_dec[:, None], sixth, 0,
-                       data_ptr, scale_ptr, vals_ptr, 0, 0, 0, F, BLOCK_R, G, 1, False, WRITE_VALS, False)
+        _quantize_rows(x, rows, R, F, sixth, data_ptr, scale_ptr, gs_ptr, amax_ptr, vals_ptr, BLOCK_R, G, WRITE_VALS)
 
 
 @triton.jit
@@ -99,30 +115,16 @@ def _expert_swiglu_quant_kernel(h_ptr, p_ptr, data_ptr, scale_ptr, gs_ptr, amax_
                                 FLAG: tl.constexpr, SILU: tl.constexpr):
     G: tl.constexpr = BLOCK_C // 16
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    g = tl.arange(0, G)
-    jj = tl.arange(0, 8)
-    pp = tl.arange(0, 2)
-    col = g[None, :, None, None] * 16 + jj[None, None, :, None] * 2 + pp[None, None, None, :]
-    rmask = rows < R
-    mask = rmask[:, None, None, None] & (col < F)
-    base = rows[:, None, None, None].to(tl.int64) * (2 * F) + col
+    _, mask, base = _tile_offsets(rows, R, F, G)
     gate = _load_bf16(h_ptr, base, mask)
     up = _load_bf16(h_ptr, base + F, mask)
-    prob = tl.load(p_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+    prob = tl.load(p_ptr + rows, mask=rows < R, other=0.0).to(tl.float32)
     silu = SILU(gate)
     r = silu * up * prob[:, None, None, None]  # (silu * u) * p in fp32, then one rounding to bf16, as torch
     x = tl.where(r == r, _round_bf16(r), r)  # a NaN stays NaN (the rounding carry turns the GPU's 0x7FFFFFFF into -0)
-    if FLAG:  # the NaN/Inf flag: max |a|, a NaN as +Inf (minite.kernels.finite_max)
-        m = tl.abs(x)
-        m = tl.where(m == m, m, float("inf"))
-        tl.atomic_max(flag_ptr, tl.max(tl.reshape(m, [BLOCK_R * BLOCK_C]), axis=0))
-    bamax = _block_amax(x)
-    amax = tl.max(bamax, axis=1)
-    s_enc, s_dec = _global_scales(amax)
-    tl.store(gs_ptr + rows, s_dec, mask=rmask)
-    tl.store(amax_ptr + rows, _decode_amax(amax, s_enc), mask=rmask)
-    _quantize_tile(x, bamax, rows, 0, R, F, s_enc[:, None], s_dec[:, None], sixth, 0,
-                   data_ptr, scale_ptr, vals_ptr, 0, 0, 0, F, BLOCK_R, G, 1, False, WRITE_VALS, False)
+    if FLAG:  # the NaN/Inf flag: max |a|, a NaN as +Inf
+        _max_into_flag(flag_ptr, tl.reshape(tl.abs(x), [BLOCK_R * BLOCK_C]))
+    _quantize_rows(x, rows, R, F, sixth, data_ptr, scale_ptr, gs_ptr, amax_ptr, vals_ptr, BLOCK_R, G, WRITE_VALS)
 
 
 @triton.jit
@@ -156,22 +158,31 @@ def swiglu_quant_triton(h: torch.Tensor, quantize: bool = True, values_dtype: to
     f = two_f // 2
     if f % 16 or not h.is_contiguous():
         raise ValueError(f"swiglu_quant needs a contiguous [T, 2F] input with F % 16 == 0, got {tuple(h.shape)}")
-    dev = h.device
-    a = torch.empty(rows, f, dtype=torch.bfloat16, device=dev)
-    data = torch.empty(rows, f // 2, dtype=torch.uint8, device=dev)
-    scale = torch.empty(rows, f // 16, dtype=torch.uint8, device=dev)
-    gs = torch.empty(rows, dtype=torch.float32, device=dev)
-    amax = torch.empty(rows, dtype=torch.float32, device=dev)
-    vals = torch.empty(rows, f, dtype=values_dtype, device=dev) if (quantize and values_dtype) else data
+    a = torch.empty(rows, f, dtype=torch.bfloat16, device=h.device)
+    out = _row_outputs(rows, f, h.device, values_dtype if quantize else None)
     block_r, block_c = _tile(f)
     launcher(_swiglu_quant_kernel)[(cdiv(rows, block_r),)](
-        h, a, data, scale, gs, amax, vals, rows, f, SIXTH, BLOCK_R=block_r, BLOCK_C=block_c, QUANT=quantize,
+        h, a, *out, rows, f, SIXTH, BLOCK_R=block_r, BLOCK_C=block_c, QUANT=quantize,
         WRITE_VALS=bool(quantize and values_dtype), num_warps=2)
     if not quantize:
         return a, None, None
-    q = NVFP4Tensor(data=data, scale=scale.view(torch.float8_e4m3fn), global_scale=gs, shape=(rows, f),
-                    block=(1, 16), amax=amax)
-    return a, q, (vals if values_dtype else None)
+    return a, _row_tensor(out, rows, f), (out[4] if values_dtype else None)
+
+
+def _row_outputs(rows: int, f: int, dev: torch.device, values_dtype: torch.dtype | None):
+    """(data, scale, global scale, amax, block values) for the row quantisation of an [rows, f] tensor; without
+    values_dtype the values slot holds `data` (an unused kernel argument)."""
+    data = torch.empty(rows, f // 2, dtype=torch.uint8, device=dev)
+    vals = torch.empty(rows, f, dtype=values_dtype, device=dev) if values_dtype else data
+    return (data, torch.empty(rows, f // 16, dtype=torch.uint8, device=dev),
+            torch.empty(rows, dtype=torch.float32, device=dev), torch.empty(rows, dtype=torch.float32, device=dev),
+            vals)
+
+
+def _row_tensor(out, rows: int, f: int) -> NVFP4Tensor:
+    data, scale, gs, amax, _ = out
+    return NVFP4Tensor(data=data, scale=scale.view(torch.float8_e4m3fn), global_scale=gs, shape=(rows, f),
+                       block=(1, 16), amax=amax)
 
 
 def expert_swiglu_quantize_triton(h: torch.Tensor, probs: torch.Tensor, flag: torch.Tensor | None = None,
@@ -193,25 +204,19 @@ def expert_swiglu_quantize_triton(h: torch.Tensor, probs: torch.Tensor, flag: to
                          f"its device, got h {h.dtype} {tuple(h.shape)}, probs {tuple(probs.shape)}")
     if flag is not None and (flag.dtype != torch.float32 or flag.numel() != 1 or flag.device != h.device):
         raise ValueError("expert_swiglu_quantize: the flag must be one fp32 element on h's device")
-    dev = h.device
-    data = torch.empty(rows, f // 2, dtype=torch.uint8, device=dev)
-    scale = torch.empty(rows, f // 16, dtype=torch.uint8, device=dev)
-    gs = torch.empty(rows, dtype=torch.float32, device=dev)
-    amax = torch.empty(rows, dtype=torch.float32, device=dev)
-    vals = torch.empty(rows, f, dtype=torch.float16, device=dev) if values else data
+    out = _row_outputs(rows, f, h.device, torch.float16 if values else None)
     # one row per program on 8 warps for a decode step's rows, two on 2 warps above (H200, F = 768: 5.1 against
     # ~7.4 us at 512 rows, 10.7 against 13.8 us at 2048; every shape the same bits: rows are independent)
     block_r, warps = (1, 8) if rows <= 1024 else (2, 2)
     if rows:
         launcher(_expert_swiglu_quant_kernel)[(cdiv(rows, block_r),)](
-            h, probs.contiguous(), data, scale, gs, amax, vals, flag if flag is not None else gs, rows, f, SIXTH,
+            h, probs.contiguous(), *out, flag if flag is not None else out[2], rows, f, SIXTH,
             BLOCK_R=block_r, BLOCK_C=next_power_of_2(f), WRITE_VALS=values, FLAG=flag is not None,
             SILU=silu or (_silu_interpreted if interpreting() else _silu_libdevice), num_warps=warps,
             enable_fp_fusion=fp_fusion)
-    q = NVFP4Tensor(data=data, scale=scale.view(torch.float8_e4m3fn), global_scale=gs, shape=(rows, f),
-                    block=(1, 16), amax=amax)
+    q = _row_tensor(out, rows, f)
     if values:
-        q.values = vals
+        q.values = out[4]
     return q
 
 

@@ -88,6 +88,14 @@ def collective_device(group=None) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
 
+def any_rank(flag, group) -> bool:
+    """Whether `flag` (a bool or a one-element tensor) is true on any rank of `group`: a collective every rank of the
+    group calls, one host read."""
+    t = torch.as_tensor(flag).to(device=collective_device(group), dtype=torch.float32).reshape(())
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
+    return bool(t)
+
+
 class FiniteFlag:
     """Whether every tensor recorded since the last `check` was finite, kept on the device as the running max of
     |x| in fp32. `record` has no host synchronisation, so it can also be captured in a CUDA graph once the flag
@@ -132,10 +140,7 @@ class FiniteFlag:
                 return
             bad = not math.isfinite(float(self._amax))  # the one host read
         else:
-            flag = (torch.zeros((), dtype=torch.float32, device=collective_device(group)) if self._amax is None
-                    else (~torch.isfinite(self._amax)).float())
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
-            bad = bool(flag)  # the one host read
+            bad = any_rank(self._amax is not None and ~torch.isfinite(self._amax), group)  # the one host read
         if self._amax is not None:
             self._amax.zero_()
         if bad:

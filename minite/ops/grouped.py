@@ -116,11 +116,11 @@ def nvfp4_swiglu_fc2_forward(h: torch.Tensor, probs: torch.Tensor, w_q, tokens_p
     `minite.strict.fused_swiglu`, "swiglu" in fused.PROVEN; eight launches per MoE layer of a rollout decode step
     before, more in strict mode); elsewhere those three steps run one after the other."""
     op = recipe.activation
+    flag = None if finite is None else finite.tensor(h.device)
     fused = (op.block == (1, 16) and op.scale_scope == "row" and op.rounding == "nearest" and not op.rht
              and h.dim() == 2 and h.shape[0] > 0 and h.dtype == torch.bfloat16 and h.shape[1] % 32 == 0
              and has_kernel("expert_swiglu_quantize") and _kernels_read_counts(h, backend)
-             and not quantiser_checks_finite(h)
-             and (finite is None or finite.tensor(h.device).device == h.device)
+             and not quantiser_checks_finite(h) and (flag is None or flag.device == h.device)
              and (not strict or strict_fused.routes(h, kernel="swiglu")))
     if not fused:
         a = swiglu(h, probs, strict=strict)
@@ -129,8 +129,7 @@ def nvfp4_swiglu_fc2_forward(h: torch.Tensor, probs: torch.Tensor, w_q, tokens_p
         return nvfp4_grouped_linear_forward(a, w_q, tokens_per_expert, recipe, backend=backend)
     counts = _counts(tokens_per_expert, len(w_q), h.shape[0], keep_tensor=True)
     quantize = fused_swiglu.swiglu_quantize if strict else kernel("expert_swiglu_quantize")
-    aq = quantize(h.contiguous(), probs, flag=None if finite is None else finite.tensor(h.device),
-                  values=quant_flags(backend, h)["values"])
+    aq = quantize(h.contiguous(), probs, flag=flag, values=quant_flags(backend, h)["values"])
     return grouped_gemm(aq, w_q, counts, out_dtype=h.dtype, backend=backend)
 
 

@@ -180,34 +180,37 @@ def train_on_batch(run: Run, batch: Batch, advantages: torch.Tensor, routes=None
     parts: list[dict] = []
     n = cfg.rl.micro_batches
     for rows in torch.arange(batch.tokens.shape[0]).chunk(cfg.rl.minibatches):
-        # gradient accumulation (rl.micro_batches): the learner calls loss_fn once per chunk of these rows, in order;
-        # each chunk's loss is its share of the minibatch's token mean
-        chunks, tokens = iter(rows.chunk(n)), (float(batch.mask[rows].sum()) if n > 1 else None)
+        tokens = float(batch.mask[rows].sum()) if n > 1 else None  # each chunk's loss: its share of the minibatch's
 
-        def loss_fn(logp, chunks=chunks, tokens=tokens):
-            part = _next_chunk(chunks, logp)
-            loss, m = grpo_loss(
+        def chunk_loss(logp, part, tokens=tokens):
+            return grpo_loss(
                 logp, old_logp.index_select(0, part.to(old_logp.device)), advantages[part], batch.mask[part],
                 run.grpo, rollout_logp=batch.rollout_logp[part],
                 ref_logp=None if ref_logp is None else ref_logp.index_select(0, part.to(ref_logp.device)),
                 tokens=tokens,
             )
-            return loss, {k: v * n for k, v in m.items()}  # the learner averages over chunks: n x the shares' mean
         with _replay(run.learner, routes, seq_len, rows.tolist()):
-            out = run.learner.train_step(batch.tokens[rows], loss_fn, micro_batches=n)
+            out = run.learner.train_step(batch.tokens[rows], _per_chunk(rows, n, chunk_loss), micro_batches=n)
         parts.append({k: float(v) for k, v in (out or {}).items() if _is_scalar(v)})
     for key in parts[0]:
         metrics[key] = sum(p[key] for p in parts) / len(parts)
     return metrics
 
 
-def _next_chunk(chunks, logp: torch.Tensor) -> torch.Tensor:
-    """The rows of the chunk whose log-probs the learner hands loss_fn (it calls it once per chunk, in order)."""
-    part = next(chunks)
-    if logp.shape[0] != len(part):
-        raise ValueError(f"the learner gave loss_fn log-probs of {logp.shape[0]} rows for a chunk of {len(part)} "
-                         "(rl.micro_batches needs a learner that calls loss_fn once per chunk, in order)")
-    return part
+def _per_chunk(rows: torch.Tensor, n: int, chunk_loss):
+    """The loss_fn of Learner.train_step(micro_batches=n) over `rows` (gradient accumulation, rl.micro_batches):
+    the learner calls it once per chunk of the rows, in order, and chunk_loss(logp, part) gives that chunk's loss and
+    metrics as its shares of the whole; the metrics are scaled by n, as the learner averages them over the chunks."""
+    chunks = iter(rows.chunk(n))
+
+    def loss_fn(logp):
+        part = next(chunks)
+        if logp.shape[0] != len(part):
+            raise ValueError(f"the learner gave loss_fn log-probs of {logp.shape[0]} rows for a chunk of {len(part)} "
+                             "(rl.micro_batches needs a learner that calls loss_fn once per chunk, in order)")
+        loss, metrics = chunk_loss(logp, part)
+        return loss, {k: v * n for k, v in metrics.items()}
+    return loss_fn
 
 
 def _replay(learner, routes, seq_len: int, rows: list[int]):
@@ -446,15 +449,14 @@ def warmup(run: Run) -> None:
         rows = [RolloutResult(prompt_index=k, prompt=p.prompt, tokens=p.target, logprobs=[0.0] * len(p.target))
                 for k, p in enumerate(problems)]
         batch = make_batch(rows)
+        def chunk_nll(logp, part, mask=batch.mask):
+            # each chunk's token sum over the whole batch's tokens (an exact count: the same value as one chunk's
+            # mask sum when it is the whole batch); built on the host, logp on the learner's device
+            nll = -(logp * mask[part].to(logp.device)).sum() / mask.sum().to(logp.device)
+            return nll, {"warmup/nll": nll.item()}
+
         n = cfg.rl.micro_batches  # gradient accumulation, as in train_on_batch
-        chunks, tokens = iter(torch.arange(len(rows)).chunk(n)), batch.mask.sum()
-
-        def loss_fn(logp, mask=batch.mask, chunks=chunks, tokens=tokens):
-            part = mask[_next_chunk(chunks, logp)].to(logp.device)  # built on the host, logp on the learner's device
-            nll = -(logp * part).sum() / (part.sum() if n == 1 else tokens.to(logp.device))
-            return nll, {"warmup/nll": nll.item() * n}  # the learner averages over chunks
-
-        out = run.learner.train_step(batch.tokens, loss_fn, micro_batches=n)
+        out = run.learner.train_step(batch.tokens, _per_chunk(torch.arange(len(rows)), n, chunk_nll), micro_batches=n)
         log_warmup(run, i + 1, out)
         if i == 0 or i + 1 == cfg.rl.warmup_steps:
             log.info("warm-up step %d/%d: %s", i + 1, cfg.rl.warmup_steps, out)

@@ -54,6 +54,7 @@ from minite.megatron_patches.cpu import cpu_generate_shims
 from minite.megatron_patches.moe_dispatch import use_local_dispatch
 from minite.megatron_patches.nvfp4_layers import CacheLayoutError, quantize_weights_now
 from minite.megatron_patches.strict import controller_log_softmax
+from minite.ops import any_rank
 from minite.rollout.decode import StaticBatchDecoder
 from minite.rollout.base import (
     RolloutEngine,
@@ -241,12 +242,7 @@ def _check_finite_logprobs(finite: bool, group=None) -> None:
     every rank if on any (a collective each rank calls once per generate)."""
     bad = not finite
     if group is not None:
-        import torch.distributed as dist
-        from minite.ops import collective_device
-
-        flag = torch.tensor([float(bad)], device=collective_device(group))
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        bad = bool(flag.item())
+        bad = any_rank(bad, group)
     if bad:
         raise ValueError("NaN or Inf in the logits during generate (a weight or activation of the model is not "
                          "finite)")
