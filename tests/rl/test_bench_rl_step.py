@@ -25,16 +25,19 @@ def test_bench_rl_step_writes_the_documented_rows(tmp_path):
     _bench(out)
     _bench(out)
     _bench(out, "--set", "precision.mode=bf16")
+    _bench(out, "--set", "precision.mode=bf16", "--set", "rl.micro_batches=2")
     doc = json.loads(out.read_text())
     assert {"device", "date", "commit", "command", "rows"} <= set(doc)
     assert doc["device"].startswith("CPU") and "bench_rl_step.py" in doc["command"]
-    assert [(r["precision"], r["layout"], r["gpus"], r["strict"]) for r in doc["rows"]] == [
-        ("nvfp4", "single", 0, False), ("bf16", "single", 0, False)]
+    assert [(r["precision"], r["layout"], r["gpus"], r["strict"], r["micro_batches"]) for r in doc["rows"]] == [
+        ("nvfp4", "single", 0, False, 1), ("bf16", "single", 0, False, 1), ("bf16", "single", 0, False, 2)]
+    assert all(r["peak_mem_gib"] is None for r in doc["rows"])  # no GPU here
     for r in doc["rows"]:
         parts = [r[k] for k in ("rollout_s", "train_s", "sync_s")]
         assert all(p >= 0 for p in parts) and sum(parts) <= r["step_s"], r
         assert r["tokens_per_s"] > 0
     table = subprocess.run([sys.executable, str(BENCH), "--render", str(out)], capture_output=True, text=True,
                            check=True).stdout.splitlines()
-    assert table[2].startswith("| gpus | layout | precision | strict |") and len(table) == 4 + 2
-    assert table[4].startswith("| 0 | single | bf16 | no | ") and table[5].startswith("| 0 | single | nvfp4 | no | ")
+    assert table[2].startswith("| gpus | layout | precision | strict | micro-batches |") and len(table) == 4 + 3
+    assert table[4].startswith("| 0 | single | bf16 | no | 1 | ") and table[5].startswith("| 0 | single | bf16 | no | 2 | ")
+    assert table[6].startswith("| 0 | single | nvfp4 | no | 1 | ") and "| - |" in table[6]

@@ -9,8 +9,9 @@ It builds the run as `minite train` does (warm-up included, checkpoints and logs
 (the first steps pay one-off costs: kernel compilation, allocator growth), then --steps timed ones; each part is
 the median over the timed steps of the loop's own time/* metrics (the loop synchronises the GPU around the weight
 sync, so its copies are counted where they happen). Rank 0 merges one row into --out (the JSON keys `device`,
-`date`, `commit`, `command`, `rows`; a row with the same gpus/layout/precision/strict is replaced), so one file
-collects BF16/NVFP4, default/strict, one GPU and EP=2 from separate invocations. Each row also carries the `commit`
+`date`, `commit`, `command`, `rows`; a row with the same gpus/layout/precision/strict/micro_batches is replaced), so
+one file collects BF16/NVFP4, default/strict, rl.micro_batches, one GPU and EP=2 from separate invocations. On a GPU
+a row also has the peak memory allocated on rank 0 over the whole run (`peak_mem_gib`, torch's allocator). Each row also carries the `commit`
 and `date` it was measured at (the top-level ones are the last invocation's), and the table shows them.
 
     python tools/bench/bench_rl_step.py --render docs/benchmarks/rl-step-h200.json     (the Markdown table for
@@ -35,7 +36,7 @@ from minite.rl import checkpoint as ckpt
 from minite.rl import loop
 from provenance import commit  # tools/bench/, beside this script
 
-ROW_KEYS = ("gpus", "layout", "precision", "strict")
+ROW_KEYS = ("gpus", "layout", "precision", "strict", "micro_batches")
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -56,12 +57,16 @@ def render(doc: dict) -> str:
     """docs/benchmarks.md's table of one results file (numbers are never typed by hand)."""
     out = [f"Device {doc['device']}, last invocation {doc['date']} at commit {doc['commit']}: `{doc['command']}`. "
            "Each row is one invocation's medians over its timed steps, measured at the commit it names.", "",
-           "| gpus | layout | precision | strict | rollout s | learner s | sync s | step s | tokens/s | commit |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(doc["rows"], key=lambda r: (r["gpus"], r["layout"], r["precision"], r["strict"])):
+           "| gpus | layout | precision | strict | micro-batches | rollout s | learner s | sync s | step s | tokens/s "
+           "| peak GiB | commit |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(doc["rows"], key=lambda r: (r["gpus"], r["layout"], r["precision"], r["strict"],
+                                                r.get("micro_batches", 1))):
+        peak = r.get("peak_mem_gib")
         out.append(f"| {r['gpus']} | {r['layout']} | {r['precision']} | {'yes' if r['strict'] else 'no'} | "
-                   f"{r['rollout_s']:.3f} | {r['train_s']:.3f} | {r['sync_s']:.3f} | {r['step_s']:.3f} | "
-                   f"{r['tokens_per_s']:.0f} | {r.get('commit', doc['commit'])} |")
+                   f"{r.get('micro_batches', 1)} | {r['rollout_s']:.3f} | {r['train_s']:.3f} | {r['sync_s']:.3f} | "
+                   f"{r['step_s']:.3f} | {r['tokens_per_s']:.0f} | {'-' if peak is None else f'{peak:.1f}'} | "
+                   f"{r.get('commit', doc['commit'])} |")
     return "\n".join(out) + "\n"
 
 
@@ -72,6 +77,8 @@ def device_name() -> str:
 
 
 def measure(cfg, steps: int, skip: int) -> dict:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     run = loop.setup(cfg)
     timed = []
     for i in range(skip + steps):
@@ -86,18 +93,20 @@ def measure(cfg, steps: int, skip: int) -> dict:
     layout = "+".join(f"{k}{v}" for k, v in (("tp", par.tp), ("ep", par.ep), ("dp", world // (par.tp * par.pp)))
                       if v > 1) or "single"
     return {"gpus": world if torch.cuda.is_available() else 0, "layout": layout, "precision": cfg.precision.mode,
-            "strict": bool(cfg.alignment.strict), "rollout_s": med("time/rollout_s"), "train_s": med("time/train_s"),
+            "strict": bool(cfg.alignment.strict), "micro_batches": cfg.rl.micro_batches, "rollout_s": med("time/rollout_s"), "train_s": med("time/train_s"),
             "sync_s": med("time/sync_s"), "step_s": med("time/step_s"),
             "tokens_per_s": med("throughput/tokens_per_s"), "reward_mean": statistics.mean(m["reward/mean"]
                                                                                           for m in timed),
-            "steps": steps}
+            "steps": steps,
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None}
 
 
 def merge(out: Path, row: dict, command: str) -> dict:
     doc = json.loads(out.read_text()) if out.exists() else {"rows": []}
     doc.update(device=device_name(), date=datetime.date.today().isoformat(), commit=commit(), command=command)
     row = {**row, "commit": doc["commit"], "date": doc["date"]}
-    doc["rows"] = [r for r in doc["rows"] if any(r.get(k) != row[k] for k in ROW_KEYS)] + [row]
+    doc["rows"] = [r for r in doc["rows"] if any(r.get(k, 1 if k == "micro_batches" else None) != row[k]
+                                                 for k in ROW_KEYS)] + [row]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps(doc, indent=1) + "\n")
