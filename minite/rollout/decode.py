@@ -140,8 +140,13 @@ class StaticBatchDecoder:
         self._shapes[key] = st
         return st
 
-    def _log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
-        return S.log_softmax(logits, -1) if self.strict else F.log_softmax(logits, dim=-1)
+    def _token_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """log_softmax(logits [B, V])[b, tokens[b]]: fp32 [B]. Default mode: Megatron's controller's ops (the whole
+        log-softmax, then the gather); strict: `S.token_log_softmax`, the strict log-softmax's bits at the tokens."""
+        if self.strict:
+            return S.token_log_softmax(logits, tokens)
+        lp = F.log_softmax(logits.unsqueeze(1), dim=-1).to(torch.float32)
+        return torch.gather(lp, 2, tokens.view(-1, 1, 1)).view(-1)
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, top_p: float,
@@ -173,8 +178,7 @@ class StaticBatchDecoder:
             sampled = sample(last, temperature, top_p, generator, self.vocab_size)
             started = lengths_dev <= q  # rows whose prompt ended: take the sample; the others keep their prompt
             tokens[:, q] = torch.where(started, sampled, tokens[:, q])
-            lp = self._log_softmax(last.unsqueeze(1)).to(torch.float32)
-            logprobs[:, q - 1] = torch.gather(lp, 2, tokens[:, q].view(batch, 1, 1)).view(batch)
+            logprobs[:, q - 1] = self._token_logprobs(last, tokens[:, q])
             if q >= longest:  # every row is past its prompt
                 ctx.enable_decode_mode()
             if events is not None and q == shortest:

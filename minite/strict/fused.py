@@ -67,14 +67,20 @@ _PIO2_3 = 2.02226624879595063154e-21
 _SIN_COEFFS = [(-1) ** k / math.factorial(2 * k + 1) for k in range(11)]
 _COS_COEFFS = [(-1) ** k / math.factorial(2 * k) for k in range(12)]
 _MIN_NORMAL64 = 2.0 ** -1022
+LOG_ARGS = dict({f"A{i}": c for i, c in enumerate(_ATANH_COEFFS)}, SQRT2=_SQRT2, LN2_HI=_LN2_HI, LN2_LO=_LN2_LO,
+                MIN_NORMAL=_MIN_NORMAL64)
+"""The constexpr arguments of the strict log (`_log64`) for every kernel that computes it."""
 
-PROVEN = {"exp", "tree_sum", "rms_norm", "log", "attention", "rope", "sincos", "linear", "combine", "swiglu"}
+PROVEN = {"exp", "tree_sum", "rms_norm", "log", "attention", "rope", "sincos", "linear", "combine", "swiglu",
+          "log_softmax"}
 """The kernels whose bitwise GPU test has passed on the H200; `routes` sends only these. A new kernel joins after its
 test in tests/alignment/test_strict_alignment_gpu.py has passed there (`log` and `attention`: 2026-12-01, at
 5ea343c, 24 passed with tests/rollout/test_decode.py; `rope` and `sincos`: 2026-12-01, at 4f981a5, 16 passed with
 tests/rollout/test_decode.py; `linear`, the kernel of `minite.strict.fused_linear`: 2026-12-01, at 395e6cc, with
 the strict gap runs; `combine` and `swiglu`, `minite.strict.fused_combine` and `fused_swiglu`: 2026-12-04, session
-17's last device call, see docs/benchmarks.md)."""
+17's last device call; `log_softmax`, `minite.strict.fused_log_softmax` (`ops.token_log_softmax`): 2026-12-04,
+session 18's device call 2, tests/strict/test_fused_log_softmax.py at the 151,936-token vocabulary and the strict gap
+tests; see docs/benchmarks.md)."""
 
 if triton is not None:
     @triton.jit(do_not_specialize=["n"])
@@ -173,19 +179,12 @@ if triton is not None:
                 acc = tl.sum(pairs, axis=2)
         return tl.reshape(acc, [acc.shape[0]])
 
-    @triton.jit(do_not_specialize=["n"])
-    def _log_kernel(x_ptr, y_ptr, n, A0: tl.constexpr, A1: tl.constexpr, A2: tl.constexpr, A3: tl.constexpr,
-                    A4: tl.constexpr, A5: tl.constexpr, A6: tl.constexpr, A7: tl.constexpr, A8: tl.constexpr,
-                    A9: tl.constexpr, A10: tl.constexpr, A11: tl.constexpr, SQRT2: tl.constexpr,
-                    LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, MIN_NORMAL: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-        mask = offs < n
-        if x_ptr.dtype.element_ty == tl.bfloat16:  # bf16 -> fp32 by its bits (Triton's interpreter flushes bf16
-            # subnormals to zero in the cast; the GPU's conversion is this shift)
-            hi = tl.load(x_ptr.to(tl.pointer_type(tl.uint16)) + offs, mask=mask, other=0x3F80)
-            x64 = (hi.to(tl.uint32) << 16).to(tl.float32, bitcast=True).to(tl.float64)
-        else:
-            x64 = tl.load(x_ptr + offs, mask=mask, other=1.0).to(tl.float32).to(tl.float64)
+    @triton.jit
+    def _log64(x64, A0: tl.constexpr, A1: tl.constexpr, A2: tl.constexpr, A3: tl.constexpr, A4: tl.constexpr,
+               A5: tl.constexpr, A6: tl.constexpr, A7: tl.constexpr, A8: tl.constexpr, A9: tl.constexpr,
+               A10: tl.constexpr, A11: tl.constexpr, SQRT2: tl.constexpr, LN2_HI: tl.constexpr, LN2_LO: tl.constexpr,
+               MIN_NORMAL: tl.constexpr):
+        """ops._log_fwd's float64 arithmetic on a float64 tensor (fp32 values) -> float64, before its fp32 rounding."""
         nan = x64 != x64
         bits = tl.where(nan | (x64 < MIN_NORMAL), MIN_NORMAL, x64).to(tl.int64, bitcast=True)  # torch's clamp(min=)
         e = ((bits >> 52) & 0x7FF) - 1023
@@ -210,7 +209,22 @@ if triton is not None:
         y = ef * LN2_HI + (ef * LN2_LO + (2.0 * t) * acc)
         y = tl.where(x64 == 0.0, float("-inf"), y)
         y = tl.where(x64 == float("inf"), float("inf"), y)
-        y = tl.where(nan | (x64 < 0.0), float("nan"), y)
+        return tl.where(nan | (x64 < 0.0), float("nan"), y)
+
+    @triton.jit(do_not_specialize=["n"])
+    def _log_kernel(x_ptr, y_ptr, n, A0: tl.constexpr, A1: tl.constexpr, A2: tl.constexpr, A3: tl.constexpr,
+                    A4: tl.constexpr, A5: tl.constexpr, A6: tl.constexpr, A7: tl.constexpr, A8: tl.constexpr,
+                    A9: tl.constexpr, A10: tl.constexpr, A11: tl.constexpr, SQRT2: tl.constexpr,
+                    LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, MIN_NORMAL: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+        mask = offs < n
+        if x_ptr.dtype.element_ty == tl.bfloat16:  # bf16 -> fp32 by its bits (Triton's interpreter flushes bf16
+            # subnormals to zero in the cast; the GPU's conversion is this shift)
+            hi = tl.load(x_ptr.to(tl.pointer_type(tl.uint16)) + offs, mask=mask, other=0x3F80)
+            x64 = (hi.to(tl.uint32) << 16).to(tl.float32, bitcast=True).to(tl.float64)
+        else:
+            x64 = tl.load(x_ptr + offs, mask=mask, other=1.0).to(tl.float32).to(tl.float64)
+        y = _log64(x64, A0, A1, A2, A3, A4, A5, A6, A7, A8, A9, A10, A11, SQRT2, LN2_HI, LN2_LO, MIN_NORMAL)
         tl.store(y_ptr + offs, y.to(tl.float32), mask=mask)
 
     @triton.jit(do_not_specialize=["n"])  # n == 1 would become a constant, and n.to(tl.float32) fail to compile
@@ -354,7 +368,8 @@ def _gpu(x: torch.Tensor) -> bool:
 def routes(x: torch.Tensor, *others: torch.Tensor, width: int = 0, kernel: str = "") -> bool:
     """Whether `minite.strict.ops` sends this call here: `ENABLED`, a CUDA tensor, a reduced width of at most
     `MAX_WIDTH` (the whole padded row lives in one program: wider rows compile for minutes, so they stay on the torch
-    ops, e.g. a log-softmax over a 151,936-token vocabulary) and no gradient to record (the kernels have no
+    ops, e.g. a whole log-softmax over a 151,936-token vocabulary; `fused_log_softmax` splits such rows into blocks
+    for the log-softmax at one index per row) and no gradient to record (the kernels have no
     backward; the learner's strict forward keeps the torch ops, which give the same bits); `kernel` names one that
     must be in PROVEN."""
     if kernel and kernel not in PROVEN:
@@ -432,10 +447,7 @@ def log(x: torch.Tensor) -> torch.Tensor:
     n = xc.numel()
     if n == 0:
         return y
-    c = {f"A{i}": v for i, v in enumerate(_ATANH_COEFFS)}
-    launcher(_log_kernel)[(cdiv(n, BLOCK),)](
-        xc, y, n, **c, SQRT2=_SQRT2, LN2_HI=_LN2_HI, LN2_LO=_LN2_LO, MIN_NORMAL=_MIN_NORMAL64, BLOCK_SIZE=BLOCK,
-        enable_fp_fusion=False)
+    launcher(_log_kernel)[(cdiv(n, BLOCK),)](xc, y, n, **LOG_ARGS, BLOCK_SIZE=BLOCK, enable_fp_fusion=False)
     return y
 
 

@@ -52,7 +52,7 @@ import math
 
 import torch
 
-from . import fused, fused_attention, fused_linear, triton_gemm
+from . import fused, fused_attention, fused_linear, fused_log_softmax, triton_gemm
 
 _CHUNK_ELEMS = 1 << 24  # products held at once by `linear` and `attention` (64 MiB of fp32)
 
@@ -164,6 +164,15 @@ def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     m = x.amax(dim=dim, keepdim=True).detach()
     z = x - m
     return z - log(tree_sum(exp(z), dim)).unsqueeze(dim)
+
+
+def token_log_softmax(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """log_softmax(x, -1)[r, idx[r]] for x [R, V] and int64 idx [R]: fp32 [R], what a sampler keeps of the
+    log-softmax. On CUDA with "log_softmax" in `fused.PROVEN` and no gradient to record: three launches
+    (`fused_log_softmax`, the same bits) instead of the whole [R, V] log-softmax."""
+    if fused_log_softmax.applies(x, idx) and fused.routes(x, kernel="log_softmax"):
+        return fused_log_softmax.token_log_softmax(x, idx)
+    return log_softmax(x, -1).gather(-1, idx.unsqueeze(-1)).squeeze(-1)
 
 
 def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
