@@ -4,6 +4,7 @@ minite.nvfp4 (docs/nvfp4.md).
 nvfp4_quant.py   fused quantisation (1x16 / 16x16 blocks, tensor / row scale, RNE / stochastic, RHT), bitwise = reference
 nvfp4_segments.py  the same quantisation of many segments of one tensor in one launch (expert stacks, MoE wgrad)
 nvfp4_values.py  fp16 block values from packed 1x16-block codes (the MoE wgrad operand kept packed until its GEMM)
+nvfp4_decode_order.py  packed codes rewritten in the decode order of the small-M GEMMs (rollout expert weights)
 nvfp4_gemm.py    W4A4 GEMMs: dense, MoE grouped over tokens (fprop, dgrad), small-M decode tiles; the operand decoding
 nvfp4_wgrad.py   the MoE wgrad: grouped over K (tokens), into main_grad, several micro-batches in one launch
 nvfp4_swiglu.py  SwiGLU with its NVFP4 output quantisation fused in, and its backward; the experts' SwiGLU (the
@@ -22,6 +23,7 @@ Importing it needs Triton and registers the entry points with minite.nvfp4.backe
 from minite.nvfp4.backend import register_kernels
 
 from .finite_max import finite_max_into
+from .nvfp4_decode_order import decode_order_triton
 from .nvfp4_gemm import gemm_triton, grouped_gemm_triton
 from .nvfp4_quant import quantize_with_values_triton
 from .nvfp4_segments import quantize_count_segments_triton, quantize_segments_triton
@@ -34,4 +36,4 @@ register_kernels(quantize_with_values=quantize_with_values_triton, quantize_segm
                  gemm=gemm_triton, grouped_gemm=grouped_gemm_triton, segmented_gemm=segmented_gemm_triton,
                  segmented_gemm_passes=segmented_gemm_passes_triton,
                  finite_max=finite_max_into, block_values=block_values_triton,
-                 expert_swiglu_quantize=expert_swiglu_quantize_triton)
+                 expert_swiglu_quantize=expert_swiglu_quantize_triton, decode_order=decode_order_triton)

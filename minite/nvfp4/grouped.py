@@ -55,10 +55,14 @@ DECODE_CHUNK_BYTES = 16 << 20
 
 def decode_order(data: torch.Tensor) -> torch.Tensor:
     """Packed codes [..., C/2] (C a multiple of 128) in the decode order (`DECODE_BLOCK`); a copy, uint8 of the same
-    shape (the words' bytes, little-endian). Only the layout changes: the codes, scales and results do not."""
+    shape (the words' bytes, little-endian). Only the layout changes: the codes, scales and results do not. On a
+    CUDA tensor with the kernels loaded: one launch (minite.kernels.nvfp4_decode_order, the same bytes); here the
+    torch ops, chunked."""
     *lead, nb = data.shape
     if nb % DECODE_BLOCK:
         raise ValueError(f"decode_order: K = {2 * nb} is not a multiple of {2 * DECODE_BLOCK}")
+    if data.is_cuda and has_kernel("decode_order"):
+        return kernel("decode_order")(data)
     rows = data.reshape(-1, nb)
     out = torch.empty(rows.shape[0], nb // 4, dtype=torch.int32, device=data.device)
     step = max(1, DECODE_CHUNK_BYTES // max(1, nb))
