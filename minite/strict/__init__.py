@@ -1,8 +1,9 @@
 """Strict mode's batch-invariant ops: every output a fixed function of its own inputs, whatever the batch, row
 position or number of keys (docs/nvfp4.md, docs/alignment.md).
 
-    ops.py          rms_norm, linear, softmax, log_softmax, token_log_softmax, silu, exp/log, sincos, rope, attention, topk: fixed-order
-                    (tree) sums, transcendentals through fp64 polynomials; exact on every device by IEEE rules
+    ops.py          rms_norm, linear, softmax, log_softmax, token_log_softmax, silu, exp/log, sincos, rope, attention,
+                    topk: fixed-order (tree) sums, transcendentals through fp64 polynomials; exact on every device by
+                    IEEE rules
     triton_gemm.py  on CUDA, the BF16 GEMMs of `ops.linear` through one fixed-K Triton kernel
     fused.py        `ops.exp`, `ops.rms_norm`, `ops.tree_sum`, `ops.log`, `ops.rope` and `ops.sincos` each in one
                     Triton kernel on CUDA (the same bits)

@@ -169,7 +169,8 @@ def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 def token_log_softmax(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """log_softmax(x, -1)[r, idx[r]] for x [R, V] and int64 idx [R]: fp32 [R], what a sampler keeps of the
     log-softmax. On CUDA with "log_softmax" in `fused.PROVEN` and no gradient to record: three launches
-    (`fused_log_softmax`, the same bits) instead of the whole [R, V] log-softmax."""
+    (`fused_log_softmax`, the same bits) instead of the whole [R, V] log-softmax. idx must lie in [0, V) (the
+    torch ops raise otherwise, the kernels give NaN)."""
     if fused_log_softmax.applies(x, idx) and fused.routes(x, kernel="log_softmax"):
         return fused_log_softmax.token_log_softmax(x, idx)
     return log_softmax(x, -1).gather(-1, idx.unsqueeze(-1)).squeeze(-1)

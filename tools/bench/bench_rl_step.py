@@ -11,8 +11,9 @@ the median over the timed steps of the loop's own time/* metrics (the loop synch
 sync, so its copies are counted where they happen). Rank 0 merges one row into --out (the JSON keys `device`,
 `date`, `commit`, `command`, `rows`; a row with the same gpus/layout/precision/strict/micro_batches is replaced), so
 one file collects BF16/NVFP4, default/strict, rl.micro_batches, one GPU and EP=2 from separate invocations. On a GPU
-a row also has the peak memory allocated on rank 0 over the whole run (`peak_mem_gib`, torch's allocator). Each row also carries the `commit`
-and `date` it was measured at (the top-level ones are the last invocation's), and the table shows them.
+a row also has the peak memory allocated on rank 0 over the whole run (`peak_mem_gib`, torch's allocator). Each row
+also carries the `commit` and `date` it was measured at (the top-level ones are the last invocation's), and the table
+shows them.
 
     python tools/bench/bench_rl_step.py --render docs/benchmarks/rl-step-h200.json     (the Markdown table for
                                                                                        docs/benchmarks.md)
@@ -93,7 +94,8 @@ def measure(cfg, steps: int, skip: int) -> dict:
     layout = "+".join(f"{k}{v}" for k, v in (("tp", par.tp), ("ep", par.ep), ("dp", world // (par.tp * par.pp)))
                       if v > 1) or "single"
     return {"gpus": world if torch.cuda.is_available() else 0, "layout": layout, "precision": cfg.precision.mode,
-            "strict": bool(cfg.alignment.strict), "micro_batches": cfg.rl.micro_batches, "rollout_s": med("time/rollout_s"), "train_s": med("time/train_s"),
+            "strict": bool(cfg.alignment.strict), "micro_batches": cfg.rl.micro_batches,
+            "rollout_s": med("time/rollout_s"), "train_s": med("time/train_s"),
             "sync_s": med("time/sync_s"), "step_s": med("time/step_s"),
             "tokens_per_s": med("throughput/tokens_per_s"), "reward_mean": statistics.mean(m["reward/mean"]
                                                                                           for m in timed),
