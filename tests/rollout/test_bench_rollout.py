@@ -71,3 +71,19 @@ def test_cpu_smoke_run_writes_the_fixed_keys(tmp_path):
     assert table[4].startswith("| precision | mode | loop | batch |")
     assert len([t for t in table if t.startswith("| BF16")]) == 8 and any("| eager | 3 |" in t for t in table)
     assert any(t.startswith("| 3 | ") for t in table)
+
+
+def test_latest_keeps_the_newest_row_of_each_configuration():
+    def row(precision, strict, batch, step, commit):
+        return {"precision": precision, "strict": strict, "batch": batch, "step_ms": step, "commit": commit}
+
+    doc = {"rows": [row("nvfp4", False, 64, 2.0, "a"), row("nvfp4", True, 64, 2.5, "a"),
+                    row("bf16", False, 64, 3.0, "a"), row("nvfp4", False, 64, 1.9, "b"), row("nvfp4", False, 8, 1.4, "b")],
+           "reference_rows": [{"batch": 64, "commit": "a"}, {"batch": 64, "commit": "b"}],
+           "errors": [{"error": "x"}], "commit": "b"}
+    got = bench_rollout.latest(doc)
+    assert [(r["precision"], r["strict"], r["batch"], r["commit"]) for r in got["rows"]] == [
+        ("nvfp4", False, 64, "b"), ("nvfp4", True, 64, "a"), ("bf16", False, 64, "a"), ("nvfp4", False, 8, "b")]
+    assert got["reference_rows"] == [{"batch": 64, "commit": "b"}] and got["errors"] == []
+    assert len(doc["rows"]) == 5  # the file's rows are left as they are
+

@@ -4,6 +4,8 @@ row beside its HBM floor, and a plain-PyTorch BF16 decode step as the yardstick.
     python tools/bench/bench_rollout.py --out docs/benchmarks/rollout-h200.json          (one H200: the full slice)
     python tools/bench/bench_rollout.py --tiny --batches 1,4 --out /tmp/rollout.json     (CPU smoke run)
     python tools/bench/bench_rollout.py --render docs/benchmarks/rollout-h200.json       (Markdown for docs/benchmarks.md)
+    python tools/bench/bench_rollout.py --render docs/benchmarks/rollout-h200.json --latest   (its headline: the newest
+                                                                                   row of each precision/mode/batch)
 
 Model: a `--layers`-layer slice of Qwen3-30B-A3B at full width (hidden 2048, 32 heads / 4 KV groups of head_dim 128,
 128 experts top-8 of ffn 768, vocab 151936), random weights, built the way a run builds it:
@@ -90,6 +92,8 @@ def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="docs/benchmarks/rollout-h200.json")
     p.add_argument("--render", metavar="JSON", help="print the Markdown table of a results file and exit")
+    p.add_argument("--latest", action="store_true",
+                   help="with --render: only the newest row of each precision, mode and batch (and reference batch)")
     p.add_argument("--batches", default="1,8,64,256")
     p.add_argument("--precisions", default="bf16,nvfp4")
     p.add_argument("--modes", default="default,strict", help="default and/or strict")
@@ -383,6 +387,17 @@ def _ms(v: float) -> str:
     return f"{v:.2f} ms" if v >= 0.1 else f"{v:.3g} ms"
 
 
+def latest(doc: dict) -> dict:
+    """`doc` with only the newest row of each (precision, strict, batch) and reference row of each batch (rows are
+    appended in the order they were measured, so the last one of a key is the newest) and no errors: the headline
+    of docs/benchmarks.md's rollout section (each row still names its loop and commit)."""
+    def last(rows, key):
+        kept = {key(r): r for r in rows}  # a later row replaces an earlier one of its key, keeping its place
+        return list(kept.values())
+    return {**doc, "rows": last(doc["rows"], lambda r: (r["precision"], r["strict"], r["batch"])),
+            "reference_rows": last(doc.get("reference_rows", []), lambda r: r["batch"]), "errors": []}
+
+
 def render(doc: dict) -> str:
     """docs/benchmarks.md's table of one results file (numbers are never typed by hand)."""
     out = [f"Device {doc['device']}, last invocation {doc['date']} at commit {doc['commit']}: `{doc['command']}`. "
@@ -427,7 +442,8 @@ def render(doc: dict) -> str:
 def main(argv=None) -> int:
     a = parse(argv)
     if a.render:
-        print(render(json.loads(Path(a.render).read_text())), end="")
+        doc = json.loads(Path(a.render).read_text())
+        print(render(latest(doc) if a.latest else doc), end="")
         return 0
     shape = TINY if a.tiny else FULL
     out = Path(a.out)
