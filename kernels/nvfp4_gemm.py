@@ -209,6 +209,18 @@ def _unshift(acc, A_PACKED: tl.constexpr, B_PACKED: tl.constexpr):
 
 
 @triton.jit
+def _load_f32(ptr, offs, mask):
+    """A bf16/fp16/fp32 load converted to fp32 exactly; bf16 by its bits (Triton's interpreter flushes bf16
+    subnormals to zero in its cast; the GPU's conversion is this shift). Masked lanes read 0. The load beside
+    `_cast_out`'s store, for the kernels here and strict mode's (minite.strict.fused)."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        hi = tl.load(ptr.to(tl.pointer_type(tl.uint16)) + offs, mask=mask, other=0)
+        return (hi.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _cast_out(x, out_ty: tl.constexpr):
     """fp32 -> out dtype. bf16 rounds to nearest even in integer arithmetic first (Triton's interpreter truncates
     fp32 -> bf16; on the GPU the cast is already RNE, so this is the same value), then the cast is exact. A NaN is

@@ -30,6 +30,7 @@ from minite.nvfp4.tensor import NVFP4Tensor
 from ._interpreter import ensure_interpreter_compat, interpreting
 from ._launch import cdiv, launcher, next_power_of_2
 from .finite_max import _max_into_flag
+from .nvfp4_gemm import _load_f32
 from .nvfp4_quant import SIXTH, _block_amax, _decode_amax, _global_scales, _quantize_tile
 
 
@@ -90,14 +91,6 @@ def _swiglu_quant_kernel(h_ptr, a_ptr, data_ptr, scale_ptr, gs_ptr, amax_ptr, va
 
 
 @triton.jit
-def _load_bf16(ptr, offs, mask):
-    """bf16 values as fp32, exactly, from their bits (Triton's interpreter flushes bf16 subnormals in its cast; the
-    GPU's conversion is this shift)."""
-    hi = tl.load(ptr.to(tl.pointer_type(tl.uint16)) + offs, mask=mask, other=0)
-    return (hi.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _silu_libdevice(g):
     """torch's CUDA silu on fp32: g / (1 + expf(-g)), IEEE division, the CUDA math library's expf."""
     return tl.div_rn(g, 1.0 + libdevice.exp(-g))
@@ -116,8 +109,8 @@ def _expert_swiglu_quant_kernel(h_ptr, p_ptr, data_ptr, scale_ptr, gs_ptr, amax_
     G: tl.constexpr = BLOCK_C // 16
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     _, mask, base = _tile_offsets(rows, R, F, G)
-    gate = _load_bf16(h_ptr, base, mask)
-    up = _load_bf16(h_ptr, base + F, mask)
+    gate = _load_f32(h_ptr, base, mask)  # bf16 by its bits: exact under the interpreter too
+    up = _load_f32(h_ptr, base + F, mask)
     prob = tl.load(p_ptr + rows, mask=rows < R, other=0.0).to(tl.float32)
     silu = SILU(gate)
     r = silu * up * prob[:, None, None, None]  # (silu * u) * p in fp32, then one rounding to bf16, as torch

@@ -60,8 +60,9 @@ before it (what a checkpoint without the key ran with)."""
 def config_changes(saved: dict, cfg: Config) -> dict[str, tuple[Any, Any]]:
     """{dotted key: (checkpoint's value, current value)} for every compared key that differs; a key of ADDED that
     the checkpoint lacks counts as its ADDED value there."""
-    old, new = {**ADDED, **_flatten(saved)}, _flatten(to_dict(cfg))
-    keys = (set(_flatten(saved)) | set(new)) - set(IGNORED)
+    saved, new = _flatten(saved), _flatten(to_dict(cfg))
+    old = {**ADDED, **saved}
+    keys = (set(saved) | set(new)) - set(IGNORED)
     return {k: (old.get(k), new.get(k)) for k in sorted(keys) if old.get(k) != new.get(k)}
 
 

@@ -35,7 +35,7 @@ try:
     import triton
     import triton.language as tl
 
-    from minite.kernels.nvfp4_gemm import _cast_out
+    from minite.kernels.nvfp4_gemm import _cast_out, _load_f32  # noqa: F401 (_load_f32: the strict kernels')
 except ImportError:  # pragma: no cover - triton is a dependency, but keep CPU imports cheap and safe
     triton = None
 
@@ -150,16 +150,6 @@ if triton is not None:
         y = tl.where(x64 < -150.0, 0.0, y)
         y = tl.where(x64 > 89.0, float("inf"), y)
         return tl.where(nan, float("nan"), y)
-
-    @triton.jit
-    def _load_f32(ptr, offs, mask):
-        """A bf16/fp16/fp32 load converted to fp32 exactly; bf16 by its bits (Triton's interpreter flushes bf16
-        subnormals to zero in its cast; the GPU's conversion is this shift)."""
-        if ptr.dtype.element_ty == tl.bfloat16:
-            hi = tl.load(ptr.to(tl.pointer_type(tl.uint16)) + offs, mask=mask, other=0)
-            return (hi.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-        else:
-            return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
 
     @triton.jit
     def _pair_tree(acc, LEVELS: tl.constexpr, SPLIT: tl.constexpr):
