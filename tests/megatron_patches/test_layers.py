@@ -67,6 +67,53 @@ def test_gathered_l2_norm_is_upstreams_bitwise():
     assert torch.equal(ours, theirs)
 
 
+def _special_fp32(n: int, g: torch.Generator) -> torch.Tensor:
+    """Random fp32 values with the edge cases a copy or a scale must keep: signed zeros, subnormals, the largest
+    finite values (which a bf16 copy rounds to infinity), infinities and NaN."""
+    edge = torch.tensor([0.0, -0.0, 1e-40, -1e-45, 3.4028234663852886e38, -3.4028234663852886e38, float("inf"),
+                         float("-inf"), float("nan"), 1.0, -1.0 - 2**-23])
+    return torch.cat([torch.randn(n, generator=g) * 10.0 ** torch.randint(-30, 30, (n,), generator=g), edge])
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit patterns, NaN in the same places (a GPU multiply returns the canonical NaN, a copy keeps the
+    payload: both NaN)."""
+    nan = torch.isnan(a)
+    if not torch.equal(nan, torch.isnan(b)):
+        return False
+    ints = torch.int16 if a.dtype in (torch.bfloat16, torch.float16) else torch.int32
+    return torch.equal(a.view(ints)[~nan], b.view(ints)[~nan])
+
+
+def test_multi_tensor_scale_without_temporary_is_upstreams_bitwise():
+    """The patched `multi_tensor_scale_impl` of Megatron's optimizer and clip_grads gives upstream's fallback's bits:
+    the fp32 -> bf16 copy at scale 1.0 (the masters into the weights after each step), an in-place scale of fp32
+    gradients onto themselves (clip_grads), and a scale into other tensors; NaN compared as NaN (`_same_bits`)."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    from minite.megatron_patches import cpu
+    cpu.apply_upstream_fixes()
+    assert optimizer.multi_tensor_scale_impl is cpu._scale_without_temporary
+    assert clip_grads.multi_tensor_scale_impl is cpu._scale_without_temporary
+    g = torch.Generator().manual_seed(5)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    masters = [_special_fp32(n, g).to(dev) for n in (1, 300, 4096)]
+    for scale in (1.0, 0.37, 3.0):
+        for dst_dtype in (torch.bfloat16, torch.float32):
+            ours = [torch.empty(m.shape, dtype=dst_dtype, device=dev) for m in masters]
+            theirs = [torch.empty_like(o) for o in ours]
+            cpu._scale_without_temporary(2048 * 32, None, [masters, ours], scale)
+            utils.local_multi_tensor_scale(2048 * 32, None, [masters, theirs], scale)
+            assert all(_same_bits(o, t) for o, t in zip(ours, theirs)), (scale, dst_dtype)
+        grads = [m.clone() for m in masters]  # onto themselves, as clip_grads calls it
+        want = [m.clone() for m in masters]
+        cpu._scale_without_temporary(2048 * 32, None, [grads, grads], scale)
+        utils.local_multi_tensor_scale(2048 * 32, None, [want, want], scale)
+        assert all(_same_bits(a, b) for a, b in zip(grads, want)), scale
+    cpu._scale_without_temporary(2048 * 32, None, [[], []], 0.5)  # an empty group is a no-op
+
+
 def test_cpu_grouped_gemm_fallback_runs_upstream_grouped_mlp():
     """The legacy GroupedMLP (upstream class) runs on the patched gmm and equals a per-expert matmul loop."""
     import torch.nn.functional as F
