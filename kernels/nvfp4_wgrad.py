@@ -46,10 +46,12 @@ def _kgrouped_gemm_kernel(a_data, a_scale, a_vals, a_amax, a_amax_stride, a_amax
                           A_PACKED: tl.constexpr, B_PACKED: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           PTX: tl.constexpr = False, ACCUMULATE: tl.constexpr = False, PASSES: tl.constexpr = 1,
-                          a_amax_stride_s=0, b_amax_stride_s=0):
+                          a_amax_stride_s=0, b_amax_stride_s=0, C_ZERO: tl.constexpr = False):
     """c[e] = a[:, K range of e] @ b[:, K range of e]^T (the MoE wgrad: K = tokens, grouped by expert).
     ACCUMULATE: c[e] += that instead (c fp32: a gradient accumulated in place, as Megatron's main_grad), with the
-    product rounded to fp32 before the add, as when it is added afterwards (`_add_rn`).
+    product rounded to fp32 before the add, as when it is added afterwards (`_add_rn`). C_ZERO (with ACCUMULATE):
+    c holds +0.0 everywhere (a gradient buffer just zeroed) and is not read: the product is added to a +0.0 in
+    registers, the same bits (a -0.0 product becomes +0.0 either way), 4 bytes per element not read.
     PASSES > 1 (with ACCUMULATE): the K ranges of PASSES wgrads of the same experts (micro-batches), tables [PASSES, E]
     of starts, counts and (with the amax strides _s) segment amaxes; each pass's product is formed from a zero
     accumulator, rounded and added in pass order to the tile of c held in registers: bitwise PASSES launches with
@@ -71,11 +73,17 @@ def _kgrouped_gemm_kernel(a_data, a_scale, a_vals, a_amax, a_amax_stride, a_amax
         # the output's addresses formed after the K loop: held across it they cost registers (and spills)
         c_ptrs = c_ptr + e.to(tl.int64) * M * N + rows[:, None].to(tl.int64) * N + cols[None, :]
         if ACCUMULATE:
-            out = _add_rn(out, tl.load(c_ptrs, mask=rmask[:, None] & cmask[None, :], other=0.0), PTX)
+            if C_ZERO:
+                out = _add_rn(out, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PTX)
+            else:
+                out = _add_rn(out, tl.load(c_ptrs, mask=rmask[:, None] & cmask[None, :], other=0.0), PTX)
     else:
         experts = tl.num_programs(1)
         c_ptrs = c_ptr + e.to(tl.int64) * M * N + rows[:, None].to(tl.int64) * N + cols[None, :]
-        out = tl.load(c_ptrs, mask=rmask[:, None] & cmask[None, :], other=0.0)
+        if C_ZERO:
+            out = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        else:
+            out = tl.load(c_ptrs, mask=rmask[:, None] & cmask[None, :], other=0.0)
         for s in range(PASSES):
             part = _kgrouped_pass(a_data, a_scale, a_vals, a_amax + s * a_amax_stride_s, a_amax_stride,
                                   a_amax_stride_e, b_data, b_scale, b_vals, b_amax + s * b_amax_stride_s,
@@ -114,14 +122,15 @@ def kgrouped_gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, tokens_per_expert, out_
                          a_values=None, b_values=None, config: GemmConfig | None = None,
                          a_expert_amax: torch.Tensor | None = None,
                          b_expert_amax: torch.Tensor | None = None,
-                         accumulate: torch.Tensor | None = None) -> torch.Tensor:
+                         accumulate: torch.Tensor | None = None, zeroed: bool = False) -> torch.Tensor:
     """MoE wgrad: out[e] = a[:, T_e] @ b[:, T_e]^T for a [M, T], b [N, T] quantised along T (tokens grouped by expert).
 
     Each expert's token count must be a multiple of 16 (pad the permuted tokens per expert): a 16-element block must
     not straddle two experts. a_expert_amax / b_expert_amax: fp32 [E] decode amaxes, one per expert segment, used
     instead of the operands' own (minite.nvfp4.NVFP4Segments). Returns [E, M, N] in out_dtype.
     accumulate: an fp32 [E, M, N] contiguous tensor that the products are added to in place (bitwise its value plus
-    the fp32 result), returned instead (out_dtype is then not used).
+    the fp32 result), returned instead (out_dtype is then not used). zeroed: accumulate holds +0.0 everywhere (the
+    caller's promise, e.g. a gradient buffer zeroed since and not added to): it is written, not read (same bits).
     """
     ensure_interpreter_compat()
     m, kt = a.shape
@@ -160,7 +169,8 @@ def kgrouped_gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, tokens_per_expert, out_
         out, starts, counts, m, n, kt, FACTOR_INV,
         A_PACKED=a_values is None, B_PACKED=b_values is None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PTX=PTX_DECODE and not interpreting(),
-        ACCUMULATE=accumulate is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        ACCUMULATE=accumulate is not None, C_ZERO=accumulate is not None and zeroed, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return out
 
 
@@ -185,11 +195,12 @@ def _segment_table(passes: list, device) -> tuple[torch.Tensor, torch.Tensor]:
     return both[0], both[1]
 
 
-def segmented_gemm_passes_triton(a: list, b: list, accumulate: torch.Tensor) -> torch.Tensor:
+def segmented_gemm_passes_triton(a: list, b: list, accumulate: torch.Tensor, zeroed: bool = False) -> torch.Tensor:
     """accumulate[e] += a[p]_e @ b[p]_e^T for p = 0, 1, ... in order (the wgrads of several micro-batches, one launch):
     bitwise `segmented_gemm_triton(a[p], b[p], accumulate=accumulate)` for each p in turn. The passes' packed codes
     are laid side by side and their fp16 block values written in one launch per operand (bitwise those the quantiser
-    writes, minite.kernels.nvfp4_values); accumulate is read and written once."""
+    writes, minite.kernels.nvfp4_values); accumulate is read and written once (written only when `zeroed`: it
+    holds +0.0 everywhere, the caller's promise)."""
     ensure_interpreter_compat()
     dev = a[0].data.device
     experts, ra, rb = len(a[0].widths), a[0].data.shape[0], b[0].data.shape[0]
@@ -207,13 +218,13 @@ def segmented_gemm_passes_triton(a: list, b: list, accumulate: torch.Tensor) -> 
         ad, asc.view(torch.uint8), av, aam, 0, 1, bd, bsc.view(torch.uint8), bv, bam, 0, 1,
         accumulate, starts, widths, ra, rb, kt, FACTOR_INV, A_PACKED=False, B_PACKED=False,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PTX=PTX_DECODE and not interpreting(),
-        ACCUMULATE=True, PASSES=len(a), a_amax_stride_s=experts, b_amax_stride_s=experts,
+        ACCUMULATE=True, PASSES=len(a), a_amax_stride_s=experts, b_amax_stride_s=experts, C_ZERO=zeroed,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return accumulate
 
 
 def segmented_gemm_triton(a: NVFP4Segments, b: NVFP4Segments, out_dtype=torch.float32,
-                          accumulate: torch.Tensor | None = None) -> torch.Tensor:
+                          accumulate: torch.Tensor | None = None, zeroed: bool = False) -> torch.Tensor:
     """out[e] = a_e @ b_e^T over matching column segments (minite.nvfp4.segmented_gemm): the K-grouped kernel with
     one decode amax per segment; reads the fp16 block values when both operands carry them."""
     ra, rb, total = a.data.shape[0], b.data.shape[0], 2 * a.data.shape[1]  # device widths: an upper bound
@@ -226,4 +237,4 @@ def segmented_gemm_triton(a: NVFP4Segments, b: NVFP4Segments, out_dtype=torch.fl
     widths = a.widths if torch.is_tensor(a.widths) else list(a.widths)
     return kgrouped_gemm_triton(qa, qb, widths, out_dtype, a_values=a.values if use_vals else None,
                                 b_values=b.values if use_vals else None, a_expert_amax=a.amax,
-                                b_expert_amax=b.amax, accumulate=accumulate)
+                                b_expert_amax=b.amax, accumulate=accumulate, zeroed=zeroed)

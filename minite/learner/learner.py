@@ -50,7 +50,7 @@ from minite.megatron_patches.cpu import cuda_as_cpu
 from minite.megatron_patches.moe_dispatch import detach_dispatcher_graphs, use_local_dispatch
 from minite.megatron_patches.nvfp4_layers import (release_quantised_weights, release_weight_caches,
                                                    restore_quantised_weights)
-from minite.ops.grouped import DeferredWgrads
+from minite.ops.grouped import DeferredWgrads, mark_main_grads_zeroed
 from minite.strict import ops as strict_ops
 
 logger = logging.getLogger(__name__)
@@ -247,6 +247,9 @@ class Learner:
         self.model.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
+        # NVFP4: the first expert wgrad of the step writes each main_grad instead of adding to its zeros
+        zeroed = list(self.model.parameters()) if self.nvfp4 is not None else []
+        mark_main_grads_zeroed(zeroed)
         rows, total, sums = tokens.shape[0] // micro_batches, None, {}
         # NVFP4: the forward and backward read only the quantised weights; the bf16 ones are freed until the step
         released = release_quantised_weights(self.model) if self.nvfp4 is not None else []
@@ -278,6 +281,7 @@ class Learner:
             # while anything references the graph: the loss (dropped above) and Megatron's token dispatchers
             detach_dispatcher_graphs(self.model)
             if self.nvfp4 is not None:
+                mark_main_grads_zeroed(zeroed, False)  # what no wgrad wrote keeps its zeros, but say nothing more
                 self.nvfp4.micro_batch = 0
                 self.nvfp4.wgrad_sink = None
                 if sink is not None:

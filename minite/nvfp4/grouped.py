@@ -234,20 +234,22 @@ def padded(rows):
     return (rows + 15) & -16  # two ops on a tensor (add, and), the same integers as rows + (-rows) % 16
 
 
-def segmented_gemm_passes(a: list, b: list, accumulate: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+def segmented_gemm_passes(a: list, b: list, accumulate: torch.Tensor, *, backend: str = "auto",
+                          zeroed: bool = False) -> torch.Tensor:
     """accumulate[e] += a[p]_e @ b[p]_e^T for each pass p in order (the MoE wgrads of several micro-batches, each
     pair of segment operands as `segmented_gemm` takes them): bitwise `segmented_gemm(a[p], b[p],
     accumulate=accumulate)` for p = 0, 1, ... On the kernels one launch reads and writes accumulate once (the passes'
-    products are added in registers, in pass order); the reference runs the passes one by one."""
+    products are added in registers, in pass order); the reference runs the passes one by one. zeroed: as in
+    `segmented_gemm`."""
     if not a or len(a) != len(b):
         raise ValueError(f"segmented_gemm_passes: as many passes of a as of b, at least one ({len(a)} and {len(b)})")
     if resolve(backend, a[0].data, op="gemm")[0] == "triton" and has_kernel("segmented_gemm_passes"):
         for pa, pb in zip(a, b):  # the checks of segmented_gemm, pass by pass (no host synchronisation)
             if torch.is_tensor(pa.widths) != torch.is_tensor(pb.widths) or pa.data.shape[1] != pb.data.shape[1]:
                 raise ValueError("segmented_gemm_passes: each pass needs both operands' segments of the same counts")
-        return kernel("segmented_gemm_passes")(a, b, accumulate)
-    for pa, pb in zip(a, b):
-        segmented_gemm(pa, pb, backend=backend, accumulate=accumulate)
+        return kernel("segmented_gemm_passes")(a, b, accumulate, zeroed=zeroed)
+    for i, (pa, pb) in enumerate(zip(a, b)):
+        segmented_gemm(pa, pb, backend=backend, accumulate=accumulate, zeroed=zeroed and i == 0)
     return accumulate
 
 
@@ -402,12 +404,15 @@ def quantize_count_segments(x: torch.Tensor, counts, *, rounding: str = "nearest
 
 
 def segmented_gemm(a: NVFP4Segments, b: NVFP4Segments, *, out_dtype: torch.dtype = torch.float32,
-                   backend: str = "auto", accumulate: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   backend: str = "auto", accumulate: Optional[torch.Tensor] = None,
+                   zeroed: bool = False) -> torch.Tensor:
     """out[e] = a_e @ b_e^T for matching segments (the MoE wgrad: [E, Ra, Rb]); an empty segment gives zeros.
     Device widths (count segments of the same counts) are trusted to match: comparing them would synchronise.
     accumulate: a contiguous fp32 [E, Ra, Rb] tensor that the fp32 products are added to in place and that is
     returned (a gradient accumulated as Megatron's main_grad; out_dtype unused): bitwise accumulate + the fp32
-    result, without writing the result first."""
+    result, without writing the result first. zeroed: the caller's promise that accumulate holds +0.0 everywhere (a
+    gradient buffer zeroed and not added to since): the kernels write it without reading it, the same bits as the
+    add (+0.0 + x is x, with a -0.0 product made +0.0 as the add makes it); the reference adds as always."""
     on_device = torch.is_tensor(a.widths), torch.is_tensor(b.widths)
     if any(on_device):
         if not all(on_device) or a.widths.shape != b.widths.shape or a.data.shape[1] != b.data.shape[1]:
@@ -420,7 +425,7 @@ def segmented_gemm(a: NVFP4Segments, b: NVFP4Segments, *, out_dtype: torch.dtype
     if accumulate is not None:
         check_accumulate(accumulate, (len(a.widths), ra, rb), a.data.device, "segmented_gemm")
     if resolve(backend, a.data, op="gemm")[0] == "triton":
-        return kernel("segmented_gemm")(a, b, out_dtype, accumulate=accumulate)
+        return kernel("segmented_gemm")(a, b, out_dtype, accumulate=accumulate, zeroed=zeroed)
     out = torch.zeros(len(a.widths), ra, rb, dtype=torch.float32 if accumulate is not None else out_dtype,
                       device=a.data.device)
     for e, w in enumerate(a.host_widths):

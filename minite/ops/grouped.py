@@ -159,12 +159,12 @@ def _wgrad_segments(t: torch.Tensor, counts, recipe: NVFP4Recipe, role: str, see
 
 def _grouped_wgrad(dy: torch.Tensor, x: Optional[torch.Tensor], counts, recipe: NVFP4Recipe, seed: int,
                    backend: str, out_dtype: torch.dtype, x_segments: Optional[NVFP4Segments] = None,
-                   accumulate: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   accumulate: Optional[torch.Tensor] = None, zeroed: bool = False) -> torch.Tensor:
     """dW [E, N, K]: per expert e, Q(dy_e^T) @ Q(x_e^T)^T with tokens padded to a multiple of 16 and seeds derived
     from (seed, 1000 + e): exactly E separate `_wgrad` calls (the loop below), done as column segments in a
     few launches when the recipe is `_segmentable`. x_segments: x^T quantised already (`_wgrad_segments`, kept
     packed since the forward), in place of x. accumulate (segment path only): an fp32 [E, N, K] gradient that
-    the fp32 dW is added to in place by the GEMM (`segmented_gemm`), returned."""
+    the fp32 dW is added to in place by the GEMM (`segmented_gemm`; `zeroed`: it holds zeros), returned."""
     experts = len(counts)
     if not _segmentable(recipe):
         seeds = _wgrad_seeds(seed, experts)
@@ -178,7 +178,7 @@ def _grouped_wgrad(dy: torch.Tensor, x: Optional[torch.Tensor], counts, recipe: 
         return dw
     values = quant_flags(backend, dy)["values"]  # whether the kernels' GEMM reads block values
     gs, xs = _wgrad_operands(dy, x, counts, recipe, seed, backend, x_segments, values)
-    return segmented_gemm(gs, xs, out_dtype=out_dtype, backend=backend, accumulate=accumulate)
+    return segmented_gemm(gs, xs, out_dtype=out_dtype, backend=backend, accumulate=accumulate, zeroed=zeroed)
 
 
 def _wgrad_operands(dy: torch.Tensor, x: Optional[torch.Tensor], counts, recipe: NVFP4Recipe, seed: int,
@@ -189,6 +189,29 @@ def _wgrad_operands(dy: torch.Tensor, x: Optional[torch.Tensor], counts, recipe:
     if x_segments is None:
         return gs, _wgrad_segments(x, counts, recipe, "wgrad_input", seed, backend, values)
     return gs, x_segments.with_values(backend) if values else x_segments
+
+
+MAIN_GRAD_ZEROED = "minite_main_grad_zeroed"
+"""A parameter attribute that a trainer sets (`mark_main_grads_zeroed`) right after zeroing Megatron's gradient
+buffers, as the Learner does at each step's start: the parameter's main_grad holds +0.0 everywhere and nothing has
+been added to it since. The first wgrad this module adds into that main_grad (at once or through `DeferredWgrads`)
+then writes it without reading it (`segmented_gemm(zeroed=True)`: the same bits, 4 bytes per element not read; on
+the H200 learner slice's one-sequence step 4 x 604 M expert-weight elements) and clears the attribute."""
+
+
+def mark_main_grads_zeroed(params, zeroed: bool = True) -> None:
+    """Set (or clear) `MAIN_GRAD_ZEROED` on every parameter of `params` that has a main_grad."""
+    for p in params:
+        if getattr(p, "main_grad", None) is not None:
+            setattr(p, MAIN_GRAD_ZEROED, zeroed)
+
+
+def _take_zeroed(weight: torch.Tensor) -> bool:
+    """Whether weight's main_grad is known to hold zeros (`MAIN_GRAD_ZEROED`); it will not after the caller's add."""
+    zeroed = bool(getattr(weight, MAIN_GRAD_ZEROED, False))
+    if zeroed:
+        setattr(weight, MAIN_GRAD_ZEROED, False)
+    return zeroed
 
 
 def _main_grad(weight: torch.Tensor, recipe: NVFP4Recipe) -> Optional[torch.Tensor]:
@@ -214,14 +237,15 @@ class DeferredWgrads:
         if max_passes < 1:
             raise ValueError(f"max_passes must be >= 1, got {max_passes}")
         self.backend, self.max_passes = backend, max_passes
-        self._pending: dict[int, tuple[torch.Tensor, list, list]] = {}
+        self._pending: dict[int, tuple[torch.Tensor, list, list, bool]] = {}  # main_grad, dy^T's, x^T's, zeroed
 
     def __len__(self) -> int:
         """Pending micro-batch wgrads, over all weights."""
-        return sum(len(a) for _, a, _ in self._pending.values())
+        return sum(len(entry[1]) for entry in self._pending.values())
 
-    def add(self, main_grad: torch.Tensor, gs: NVFP4Segments, xs: NVFP4Segments) -> None:
-        entry = self._pending.setdefault(id(main_grad), (main_grad, [], []))
+    def add(self, main_grad: torch.Tensor, gs: NVFP4Segments, xs: NVFP4Segments, zeroed: bool = False) -> None:
+        """zeroed: main_grad holds zeros (`MAIN_GRAD_ZEROED`; only the first micro-batch of a weight can say so)."""
+        entry = self._pending.setdefault(id(main_grad), (main_grad, [], [], zeroed))
         entry[1].append(gs)
         entry[2].append(xs)
         if len(entry[1]) >= self.max_passes:
@@ -232,8 +256,8 @@ class DeferredWgrads:
             self._apply(key)
 
     def _apply(self, key: int) -> None:
-        main, a, b = self._pending.pop(key)
-        segmented_gemm_passes(a, b, main, backend=self.backend)
+        main, a, b, zeroed = self._pending.pop(key)
+        segmented_gemm_passes(a, b, main, backend=self.backend, zeroed=zeroed)
 
     def clear(self) -> None:
         self._pending = {}
@@ -285,11 +309,13 @@ class _NVFP4GroupedLinear(torch.autograd.Function):
             del gq  # freed before the wgrad quantises dy^T (the backward's own peak)
         if ctx.needs_input_grad[1]:
             weight, main = ctx.weight, _main_grad(ctx.weight, recipe)
+            zeroed = main is not None and _take_zeroed(weight)
             if main is not None and ctx.wgrad_sink is not None:  # pending: the sink adds it to main_grad later
-                ctx.wgrad_sink.add(main, *_wgrad_operands(dy, x, counts, recipe, seed, backend, x_segments, False))
+                ctx.wgrad_sink.add(main, *_wgrad_operands(dy, x, counts, recipe, seed, backend, x_segments, False),
+                                   zeroed=zeroed)
             else:
                 dw = _grouped_wgrad(dy, x, counts, recipe, seed, backend, ctx.w_dtype, x_segments=x_segments,
-                                    accumulate=main)
+                                    accumulate=main, zeroed=zeroed)
             if main is not None:  # added to main_grad already: Megatron's convention, a placeholder its DDP hook skips
                 weight.grad_added_to_main_grad = True
                 make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty

@@ -390,3 +390,28 @@ def test_segmented_gemm_accumulates_in_place_bitwise(backend):
     for bad in (grad.to(torch.bfloat16), grad[:3].clone(), grad.transpose(1, 2).contiguous()):
         with pytest.raises(ValueError, match="accumulate"):
             segmented_gemm(a, b, backend=backend, accumulate=bad)
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+def test_zeroed_accumulate_is_written_not_read(passes):
+    """zeroed=True (a gradient buffer the caller zeroed and did not add to since): the kernels write the buffer
+    without reading it, bitwise what adding into +0.0 gives (the reference's add); a buffer holding NaN instead of
+    the promised zeros is overwritten, which shows it was not read. One launch, and the multi-pass launch."""
+    from minite.nvfp4 import quantize_count_segments, segmented_gemm_passes
+    torch.manual_seed(9)
+    counts = [[9, 0, 16, 30], [0, 21, 16, 1]][:passes]
+    ops = []
+    for i, c in enumerate(counts):
+        dy, x = torch.randn(sum(c), 32, device=DEVICE), torch.randn(sum(c), 48, device=DEVICE) * 3
+        ops.append((quantize_count_segments(dy.t(), c, rounding="stochastic", seeds=[1 + i, 2, 3, 4], values=True,
+                                            backend="triton"),
+                    quantize_count_segments(x.t(), c, values=True, backend="triton")))
+    want = torch.zeros(4, 32, 48, device=DEVICE)
+    segmented_gemm_passes([a for a, _ in ops], [b for _, b in ops], want, backend="reference")
+    garbage = torch.full_like(want, float("nan"))
+    if passes == 1:
+        got = segmented_gemm(*ops[0], backend="triton", accumulate=garbage, zeroed=True)
+    else:
+        got = segmented_gemm_passes([a for a, _ in ops], [b for _, b in ops], garbage, backend="triton", zeroed=True)
+    assert got is garbage and torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert (want == 0).any()  # the empty segments: +0.0 written
