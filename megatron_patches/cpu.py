@@ -15,7 +15,7 @@ exercised against the real upstream classes by tests/learner/ and tests/megatron
 | `CudaRNGStatesTracker.add/fork` (tensor_parallel/random.py)   | calls torch.cuda RNG functions       | the tracked states live in CPU generators      |
 | `moe_utils.te_general_gemm` (a 0.16.1 bug: unset without TE)  | NameError in the router GEMM (on GPUs too) | defined as None (router falls back to torch); `apply_upstream_fixes()`, on every device |
 | `clip_grads.l2_norm_impl` = `utils.local_multi_tensor_l2_norm` (the fallback without TE or apex) | reads every gradient's norm back to the host, one synchronisation each (41 per step of the H200 learner slice) | the same norms gathered on the device, one read back, the same bits; `apply_upstream_fixes()`, on every device |
-| `optimizer.multi_tensor_scale_impl`, `clip_grads.multi_tensor_scale_impl` = `utils.local_multi_tensor_scale` | copies the fp32 masters into the bf16 weights through an fp32 temporary (`dst.copy_(src * 1.0)`), and scales gradients through one | a plain copy at scale 1.0, an in-place `_foreach_mul_` onto itself, the same bits; `apply_upstream_fixes()`, on every device |
+| `clip_grads.multi_tensor_scale_impl`, `optimizer.multi_tensor_scale_impl` = `utils.local_multi_tensor_scale` | clips the gradients through a full-size temporary and a copy back (`dst.copy_(src * scale)`); copies fp16 weights through one (`* 1.0`) | an in-place `mul_` of each gradient, a plain copy at scale 1.0, the same bits; `apply_upstream_fixes()`, on every device |
 | `grouped_gemm_util.ops.gmm` (legacy GroupedMLP)               | needs the grouped_gemm CUDA package  | a per-expert torch.matmul fallback             |
 | `MoEAlltoAllTokenDispatcher` streams and device->host copies  | creates torch.cuda.Stream; gloo gets tensors as split sizes | no streams; split sizes become numpy arrays |
 | `transformer.utils.get_default_causal_mask` / sliding window  | hard-codes device="cuda"             | same masks on the CPU                          |
@@ -240,21 +240,21 @@ def _patch_local_l2_norm() -> str:
 
 def _scale_without_temporary(chunk_size, noop_flag, tensor_lists, scale):
     """`local_multi_tensor_scale` (megatron.core.utils, 0.16.1: `dst.copy_(src * scale)` for each pair) without its
-    full-size fp32 temporary. Megatron calls it with scale 1.0 to copy the fp32 masters into the bf16 weights after
-    every optimizer step (`_copy_main_params_to_model_params`): that is a plain `copy_` here (x * 1.0 is x, signed
-    zeros, subnormals and infinities included; a NaN stays a NaN, its payload may differ), one pass of 6 bytes per
-    parameter instead of a multiply (8 bytes) and the copy (6): the multiplies took 5.9 ms of device time in a
-    114 ms step of the H200 learner slice (docs/benchmarks.md, issue 17 in the nineteenth session). clip_grads
-    scales the gradients onto themselves: one in-place `torch._foreach_mul_` by the same fp32 scale, the same
-    product rounded once, instead of a product and a copy back. Other calls (a tensor scale, distinct lists) as
-    upstream. noop_flag is not touched, as upstream's fallback does not."""
+    full-size temporary. clip_grads scales the fp32 gradients onto themselves whenever it clips: an in-place `mul_`
+    per gradient here (torch's multiply by the same scalar, in place: the same products), where upstream's fallback
+    wrote each product to a new tensor and copied it back (on the H200 learner slice's one-sequence step, which
+    clips every step: a 5.9 ms multiply and a 5.9 ms device-to-device copy at ce3ee2b; `torch._foreach_mul_`, tried
+    first, took 6.8 ms for the multiply alone; session 19, docs/benchmarks.md). Scale 1.0 (Megatron's copies between masters and weights
+    when it passes an overflow buffer, i.e. fp16 runs; bf16 runs copy directly) is a plain `copy_`: x * 1.0 is x
+    (signed zeros, subnormals and infinities included; a NaN stays a NaN, its payload may differ). Other calls (a
+    tensor scale, distinct lists) as upstream. noop_flag is not touched, as upstream's fallback does not."""
     src, dst = tensor_lists
     if not torch.is_tensor(scale) and scale == 1.0:
         for s, d in zip(src, dst):
             d.copy_(s)
     elif not torch.is_tensor(scale) and len(src) == len(dst) and all(s is d for s, d in zip(src, dst)):
-        if dst:
-            torch._foreach_mul_(list(dst), scale)
+        for d in dst:
+            d.mul_(scale)
     else:
         for s, d in zip(src, dst):
             d.copy_(s * scale)
