@@ -244,10 +244,11 @@ def _scale_without_temporary(chunk_size, noop_flag, tensor_lists, scale):
     per gradient here (torch's multiply by the same scalar, in place: the same products), where upstream's fallback
     wrote each product to a new tensor and copied it back (on the H200 learner slice's one-sequence step, which
     clips every step: a 5.9 ms multiply and a 5.9 ms device-to-device copy at ce3ee2b; `torch._foreach_mul_`, tried
-    first, took 6.8 ms for the multiply alone; session 19, docs/benchmarks.md). Scale 1.0 (Megatron's copies between masters and weights
-    when it passes an overflow buffer, i.e. fp16 runs; bf16 runs copy directly) is a plain `copy_`: x * 1.0 is x
-    (signed zeros, subnormals and infinities included; a NaN stays a NaN, its payload may differ). Other calls (a
-    tensor scale, distinct lists) as upstream. noop_flag is not touched, as upstream's fallback does not."""
+    first, took 6.8 ms for the multiply alone; session 19, docs/benchmarks.md). Scale 1.0 (Megatron's copies
+    between masters and weights when it passes an overflow buffer, i.e. fp16 runs; bf16 runs copy directly) is a
+    plain `copy_`: x * 1.0 is x (signed zeros, subnormals and infinities included; a NaN stays a NaN, its payload
+    may differ). Other calls (a tensor scale, distinct lists) as upstream. noop_flag is not touched, as upstream's
+    fallback does not."""
     src, dst = tensor_lists
     if not torch.is_tensor(scale) and scale == 1.0:
         for s, d in zip(src, dst):

@@ -180,3 +180,36 @@ def test_micro_batches_accumulate_to_the_whole_batch_step(tokens):
     assert gap <= atol
     with pytest.raises(ValueError, match="micro_batches"):
         acc.train_step(tokens, share, micro_batches=2)
+
+
+@pytest.mark.parametrize("micro", [1, 3])
+def test_first_wgrad_of_a_step_writes_main_grad_to_the_same_bits(tokens, micro, monkeypatch):
+    """The Learner marks its main_grads zeroed at each step's start (`mark_main_grads_zeroed`) so the first expert wgrad
+    of a step writes main_grad unread. On the kernels (the interpreter here) two steps give the same losses, grad
+    norms and weights, bit for bit, as with the marks off; the first wgrad of each expert weight and step is the one
+    told so (at once with one micro-batch; the first flush of DeferredWgrads with three), and no mark outlives the
+    step."""
+    import minite.learner.learner as L
+    import minite.ops.grouped as G
+    told = []
+    for name in ("segmented_gemm", "segmented_gemm_passes"):
+        real = getattr(G, name)
+        monkeypatch.setattr(G, name, lambda *a, _real=real, **k: (told.append(k.get("zeroed", False)), _real(*a, **k))[1])
+    runs = []
+    for marks in (True, False):
+        if not marks:
+            monkeypatch.setattr(L, "mark_main_grads_zeroed", lambda params, zeroed=True: None)
+        told.clear()
+        learner = L.Learner(cfg("precision.mode=nvfp4"))
+        learner.nvfp4.backend = "triton"
+        out = [learner.train_step(tokens, lambda lp: (-lp.mean() / micro, {}), micro_batches=micro) for _ in range(2)]
+        assert not any(getattr(p, G.MAIN_GRAD_ZEROED, False) for p in learner.model.parameters())
+        runs.append((out, [w.clone() for _, w in learner.named_weights()], list(told)))
+        learner.close()
+    (out_on, w_on, told_on), (out_off, w_off, told_off) = runs
+    # per step: fc1 and fc2 of the one layer; with 3 micro-batches and 2 passes a launch, 2 flushes per weight
+    first = [True, True] if micro == 1 else [True, True, False, False]
+    assert told_on == first * 2 and not any(told_off)
+    assert out_on == out_off
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) if a.dtype == torch.bfloat16 else
+               torch.equal(a, b) for a, b in zip(w_on, w_off))

@@ -220,19 +220,22 @@ WGRAD_SIGNATURE = {"a_data": "*u8", "a_scale": "*u8", "a_vals": "*fp16", "a_amax
 
 
 def wgrad_rows() -> list:
-    """The K-grouped wgrad GEMM's K loop at the learner's tile, with and without the fp32 accumulate, and the
-    multi-pass form at its tile (its longest loop is the one over passes, the K loop inside)."""
+    """The K-grouped wgrad GEMM's K loop at the learner's tile, with and without the fp32 accumulate (and the
+    accumulate into a buffer known to hold zeros, C_ZERO: written, not read), and the multi-pass form at its tile
+    (its longest loop is the one over passes, the K loop inside)."""
     div = [k for k, v in WGRAD_SIGNATURE.items() if v.startswith("*")] + ["M", "N", "KT"]
     rows = []
     tile = nw.PASSES_TILE
-    for accumulate, passes, block_m, block_n, stages in ((False, 1, 128, 256, 3), (True, 1, 128, 256, 3),
-                                                         (True, 8, tile.block_m, tile.block_n, tile.num_stages)):
+    for accumulate, zero, passes, block_m, block_n, stages in (
+            (False, False, 1, 128, 256, 3), (True, False, 1, 128, 256, 3), (True, True, 1, 128, 256, 3),
+            (True, False, 8, tile.block_m, tile.block_n, tile.num_stages)):
         constexprs = dict(A_PACKED=False, B_PACKED=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, PTX=True,
-                          ACCUMULATE=accumulate, PASSES=passes)
+                          ACCUMULATE=accumulate, PASSES=passes, C_ZERO=zero)
         sass = kernel_sass(nw._kgrouped_gemm_kernel, WGRAD_SIGNATURE, constexprs, div,
                            dict(num_warps=8, num_stages=stages))
         loop = loop_census(sass)
         rows.append({"kernel": f"kgrouped wgrad {block_m}x{block_n}x64" + (", accumulate" if accumulate else "")
+                     + (" into zeros" if zero else "")
                      + (f", {passes} passes" if passes > 1 else ""),
                      "loop_instructions": sum(loop.values()),
                      "loop_loads": {k: v for k, v in loop.items() if k.startswith(("LDG", "LDS", "LDL"))},
