@@ -247,9 +247,6 @@ class Learner:
         self.model.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        # NVFP4: the first expert wgrad of the step writes each main_grad instead of adding to its zeros
-        zeroed = list(self.model.parameters()) if self.nvfp4 is not None else []
-        mark_main_grads_zeroed(zeroed)
         rows, total, sums = tokens.shape[0] // micro_batches, None, {}
         # NVFP4: the forward and backward read only the quantised weights; the bf16 ones are freed until the step
         released = release_quantised_weights(self.model) if self.nvfp4 is not None else []
@@ -259,6 +256,9 @@ class Learner:
         sink = DeferredWgrads(self.nvfp4.backend, passes) if passes > 1 else None
         if self.nvfp4 is not None:
             self.nvfp4.wgrad_sink = sink
+        # NVFP4: the first expert wgrad of the step writes each main_grad instead of adding to its zeros (cleared below)
+        zeroed = list(self.model.parameters()) if self.nvfp4 is not None else []
+        mark_main_grads_zeroed(zeroed)
         try:
             for i in range(micro_batches):
                 if self.nvfp4 is not None:

@@ -196,7 +196,9 @@ MAIN_GRAD_ZEROED = "minite_main_grad_zeroed"
 buffers, as the Learner does at each step's start: the parameter's main_grad holds +0.0 everywhere and nothing has
 been added to it since. The first wgrad this module adds into that main_grad (at once or through `DeferredWgrads`)
 then writes it without reading it (`segmented_gemm(zeroed=True)`: the same bits, 4 bytes per element not read; on
-the H200 learner slice's one-sequence step 4 x 604 M expert-weight elements) and clears the attribute."""
+the H200 learner slice's one-sequence step 4 x 604 M expert-weight elements) and clears the attribute. Within one
+step all wgrads of a weight go one way, all at once or all through the step's one `DeferredWgrads` (as the Learner
+does): a wgrad added at once while a marked one is pending in a sink would be overwritten by the sink's flush."""
 
 
 def mark_main_grads_zeroed(params, zeroed: bool = True) -> None:

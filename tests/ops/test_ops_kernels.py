@@ -249,7 +249,8 @@ def test_main_grad_marked_zeroed_is_written_by_the_first_wgrad(backend, passes):
     """`mark_main_grads_zeroed` (the Learner, after zeroing Megatron's buffers): the first micro-batch's wgrad writes
     main_grad instead of adding to it, the later ones add, and main_grad ends bitwise as the additions into zeros;
     the mark is gone after the first. On the kernels the buffer is not read at all: NaN in a buffer marked zeroed is
-    overwritten (a broken promise shows). At once (passes 1) and through DeferredWgrads (passes 2)."""
+    overwritten (a broken promise shows). At once (passes 1) and through DeferredWgrads (passes 2); the reference
+    backend adds as always (it only keeps the mark's bookkeeping)."""
     from minite.ops.grouped import MAIN_GRAD_ZEROED, DeferredWgrads, mark_main_grads_zeroed
     torch.manual_seed(12)
     counts = [[10, 0, 17, 21], [16, 5, 0, 27]]
@@ -261,7 +262,9 @@ def test_main_grad_marked_zeroed_is_written_by_the_first_wgrad(backend, passes):
         param = torch.nn.Parameter(w.clone())
         fill = float("nan") if mark and backend == "triton" else 0.0
         param.main_grad, param.grad_added_to_main_grad = torch.full(w.shape, fill, device=DEVICE), False
-        mark_main_grads_zeroed([param, torch.nn.Parameter(w.clone())], mark)  # one without main_grad: left alone
+        bare = torch.nn.Parameter(w.clone())
+        mark_main_grads_zeroed([param, bare], mark)
+        assert getattr(param, MAIN_GRAD_ZEROED) is mark and not hasattr(bare, MAIN_GRAD_ZEROED)  # no main_grad
         sink = DeferredWgrads(backend, max_passes=passes) if passes > 1 else None
         for i, (x, dy, c) in enumerate(zip(xs, dys, counts)):
             nvfp4_grouped_linear(x, param, c, NVFP4Recipe(), seed=40 + i, backend=backend,
