@@ -192,9 +192,15 @@ def test_first_wgrad_of_a_step_writes_main_grad_to_the_same_bits(tokens, micro, 
     import minite.learner.learner as L
     import minite.ops.grouped as G
     told = []
+
+    def spy(real):
+        def call(*a, **k):
+            told.append(k.get("zeroed", False))
+            return real(*a, **k)
+        return call
+
     for name in ("segmented_gemm", "segmented_gemm_passes"):
-        real = getattr(G, name)
-        monkeypatch.setattr(G, name, lambda *a, _real=real, **k: (told.append(k.get("zeroed", False)), _real(*a, **k))[1])
+        monkeypatch.setattr(G, name, spy(getattr(G, name)))
     runs = []
     for marks in (True, False):
         if not marks:
