@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from minite.nvfp4.device_copy import int32_to
-from minite.nvfp4.grouped import NVFP4Stack, decode_order
+from minite.nvfp4.grouped import NVFP4Stack, decode_order, decode_scales
 from minite.nvfp4.tensor import FACTOR_INV, NVFP4Tensor
 
 from ._interpreter import ensure_interpreter_compat, interpreting
@@ -134,15 +134,22 @@ def _word_codes(data_ptr, rows, rmask, k0, kmax, stride_d, BLOCK_R: tl.constexpr
 def _operand_tile(data_ptr, scale_ptr, vals_ptr, rows, rmask, k0, kmax, stride_d, stride_s, stride_v,
                   SBR: tl.constexpr, PACKED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                   PTX: tl.constexpr = False, EVEN_K: tl.constexpr = False, DECODE_ORDER: tl.constexpr = False,
-                  K0_ALIGNED: tl.constexpr = False, REG_OPERAND: tl.constexpr = False):
+                  K0_ALIGNED: tl.constexpr = False, REG_OPERAND: tl.constexpr = False,
+                  F16_SCALES: tl.constexpr = False):
     """fp16 block values [BLOCK_R, BLOCK_K] of rows `rows`, columns k0..k0+BLOCK_K (zero at and beyond kmax); a packed
     operand's are scaled by 2^-PACKED_SHIFT (module comment above). EVEN_K: kmax is a multiple of BLOCK_K (no column
     mask). K0_ALIGNED: k0 is a multiple of BLOCK_K (the grouped kernel; not the K-grouped one, whose segments start at
     multiples of 16). Row strides are multiples of 8 codes (K % 16 == 0): with the column mask gone, the hints let the
-    loads be vectors (byte loads otherwise, the packed path's cost on the H200)."""
+    loads be vectors (byte loads otherwise, the packed path's cost on the H200). DECODE_ORDER (K % 128 == 0): the
+    codes are the decode order's words and a row of scales is a multiple of 8 scales, which lets the scale loads be
+    asynchronous copies too (with byte loads Triton loaded them synchronously in every K step). F16_SCALES: scale_ptr
+    holds the scales already decoded, fp16 scale x 2^PACKED_SHIFT (`decode_scales`), and no bits are decoded."""
     if PACKED:
         # (a 4-D [rows, group, byte, nibble] variant of this decode crashed Triton 3.6's dot-operand pass on sm_90)
         ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+        if DECODE_ORDER:
+            ks = tl.max_contiguous(tl.multiple_of(ks, BLOCK_K // 16), BLOCK_K // 16)
+            stride_s = (stride_s // 8) * 8  # the same value, with its divisibility known to the compiler
         s_ptrs = scale_ptr + (rows // SBR)[:, None].to(tl.int64) * stride_s + ks[None, :]
         if EVEN_K:
             s = tl.load(s_ptrs, mask=rmask[:, None], other=0)
@@ -168,8 +175,11 @@ def _operand_tile(data_ptr, scale_ptr, vals_ptr, rows, rmask, k0, kmax, stride_d
             else:
                 c = tl.reshape(tl.join(d & 15, d >> 4), [BLOCK_R, BLOCK_K]).to(tl.uint16)
                 mag = (((c & 7) << 9) | ((c & 8) << 12)).to(tl.float16, bitcast=True)  # e2m1 * 2^-14
-        # E4M3 bits (s & 0x7F) << 7 as fp16 are the scale * 2^-8; times 2^15 (exact, <= 448 * 2^7 = 57344)
-        sc = ((s.to(tl.uint16) & 0x7F) << 7).to(tl.float16, bitcast=True) * tl.full([], 32768.0, tl.float16)
+        if F16_SCALES:
+            sc = s
+        else:
+            # E4M3 bits (s & 0x7F) << 7 as fp16 are the scale * 2^-8; times 2^15 (exact, <= 448 * 2^7 = 57344)
+            sc = ((s.to(tl.uint16) & 0x7F) << 7).to(tl.float16, bitcast=True) * tl.full([], 32768.0, tl.float16)
         v = tl.reshape(mag, [BLOCK_R, BLOCK_K // 16, 16]) * sc[:, :, None]  # e2m1 * scale * 2^-7, exact
         return tl.reshape(v, [BLOCK_R, BLOCK_K])
     else:
@@ -185,7 +195,7 @@ def _operand_tile(data_ptr, scale_ptr, vals_ptr, rows, rmask, k0, kmax, stride_d
 @triton.jit
 def _b_tile(bd, bs, bv, cols, cmask, k0, N, K, B_SBR: tl.constexpr, B_PACKED: tl.constexpr, B_TRANS: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr, EVEN_K: tl.constexpr,
-            DECODE_ORDER: tl.constexpr = False, REG_OPERAND: tl.constexpr = False):
+            DECODE_ORDER: tl.constexpr = False, REG_OPERAND: tl.constexpr = False, F16_SCALES: tl.constexpr = False):
     """fp16 block values [BLOCK_N, BLOCK_K] of b rows `cols`: from b [N, K] (packed or values), or with B_TRANS
     from the values of b^T [K, N] (element (n, k) at k * N + n). k0: a multiple of BLOCK_K (the grouped kernel).
     REG_OPERAND: the tile is the MMA's register operand (SWAP_AB)."""
@@ -195,7 +205,7 @@ def _b_tile(bd, bs, bv, cols, cmask, k0, N, K, B_SBR: tl.constexpr, B_PACKED: tl
                        other=0.0)
     else:
         return _operand_tile(bd, bs, bv, cols, cmask, k0, K, K // 2, K // 16, K, B_SBR, B_PACKED, BLOCK_N, BLOCK_K,
-                             PTX, EVEN_K, DECODE_ORDER, True, REG_OPERAND)
+                             PTX, EVEN_K, DECODE_ORDER, True, REG_OPERAND, F16_SCALES)
 
 
 @triton.jit
@@ -241,11 +251,13 @@ def _grouped_gemm_kernel(a_data, a_scale, a_vals, a_amax, a_amax_stride,
                          BLOCK_E: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          SWAP_AB: tl.constexpr, B_TRANS: tl.constexpr = False, PTX: tl.constexpr = False,
-                         EVEN_K: tl.constexpr = False, DECODE_ORDER: tl.constexpr = False):
+                         EVEN_K: tl.constexpr = False, DECODE_ORDER: tl.constexpr = False,
+                         B_F16_SCALES: tl.constexpr = False):
     """c[rows of expert e] = a[rows] @ b[e]^T, for rows grouped contiguously by expert (counts per expert).
     B_TRANS: b[e] is given as the block values of its transpose, [K, N] row-major (dgrad reads the forward
     weight's values in place); the tiles hold the same values, so the result is bitwise the same.
-    PTX: decode packed operands with inline PTX (the GPU; the interpreter runs the Triton decode, same bits)."""
+    PTX: decode packed operands with inline PTX (the GPU; the interpreter runs the Triton decode, same bits).
+    B_F16_SCALES: b_scale holds b's scales decoded to fp16 (`decode_scales`; with DECODE_ORDER)."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     t = pid // num_n
@@ -269,7 +281,10 @@ def _grouped_gemm_kernel(a_data, a_scale, a_vals, a_amax, a_amax_stride,
     cmask = cols < N
     e64 = e.to(tl.int64)
     bd = b_data + e64 * N * (K // 2)
-    bs = b_scale + e64 * (N // B_SBR) * (K // 16)
+    if DECODE_ORDER:  # K % 128 == 0: a row of scales is a multiple of 8 scales (the compiler is told so)
+        bs = b_scale + e64 * (N // B_SBR) * ((K // 128) * 8)
+    else:
+        bs = b_scale + e64 * (N // B_SBR) * (K // 16)
     bv = b_vals + e64 * N * K
     if SWAP_AB:  # out^T = b @ a^T: the weight tile is the MMA's first operand (small-M decode variant)
         acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -278,7 +293,7 @@ def _grouped_gemm_kernel(a_data, a_scale, a_vals, a_amax, a_amax_stride,
                               A_SBR, A_PACKED, BLOCK_M, BLOCK_K, PTX, EVEN_K,
                               K0_ALIGNED=True)
             b = _b_tile(bd, bs, bv, cols, cmask, k0, N, K, B_SBR, B_PACKED, B_TRANS, BLOCK_N, BLOCK_K, PTX, EVEN_K,
-                        DECODE_ORDER, True)
+                        DECODE_ORDER, True, B_F16_SCALES)
             acc_t = tl.dot(b, tl.trans(a), acc_t)
         acc = tl.trans(acc_t)
     else:
@@ -288,7 +303,7 @@ def _grouped_gemm_kernel(a_data, a_scale, a_vals, a_amax, a_amax_stride,
                               A_SBR, A_PACKED, BLOCK_M, BLOCK_K, PTX, EVEN_K,
                               K0_ALIGNED=True)
             b = _b_tile(bd, bs, bv, cols, cmask, k0, N, K, B_SBR, B_PACKED, B_TRANS, BLOCK_N, BLOCK_K, PTX, EVEN_K,
-                        DECODE_ORDER)
+                        DECODE_ORDER, False, B_F16_SCALES)
             acc = tl.dot(a, tl.trans(b), acc)
     acc = _unshift(acc, A_PACKED, B_PACKED)
     ama = tl.load(a_amax + rows * a_amax_stride, mask=rmask, other=0.0)
@@ -354,6 +369,9 @@ class ExpertWeights:
     decode_data: torch.Tensor | None = None
     """The codes again in the decode order (minite.nvfp4.decode_order) or None: read instead of data by packed
     launches whose tile allows it (BLOCK_K % 128 == 0, no transpose)."""
+    decode_scale: torch.Tensor | None = None
+    """fp16 [E, N/br, K/16], the scales decoded (minite.nvfp4.decode_scales) or None: read instead of scale by the
+    launches that read decode_data."""
 
     @property
     def num_experts(self) -> int:
@@ -366,17 +384,18 @@ def _from_stack(st: NVFP4Stack) -> ExpertWeights:
         raise ValueError("NVFP4Stack has no amax (the GEMM alpha needs it): build it with quantize_stack or "
                          "NVFP4Stack.from_tensors of quantised tensors, or pass amax=")
     am = st.amax if st.amax.dim() == 2 else st.amax.reshape(-1, 1)
-    return ExpertWeights(st.data, st.scale.view(torch.uint8), am, st.values, st.block[0], st.shape, st.decode_data)
+    return ExpertWeights(st.data, st.scale.view(torch.uint8), am, st.values, st.block[0], st.shape, st.decode_data,
+                         st.decode_scale)
 
 
 def stack_expert_weights(weights: list[NVFP4Tensor], values: bool = False, decode: bool = False) -> ExpertWeights:
     """Stack per-expert NVFP4 weights [N, K]; with values=True also keep fp16 block values for large-M GEMMs, with
-    decode=True the codes in the decode order for small-M GEMMs on packed weights."""
+    decode=True the codes in the decode order and the scales decoded for small-M GEMMs on packed weights."""
     st = NVFP4Stack.from_tensors(weights)
     if values:
         st.values = torch.stack([w.block_values(VALUES_DTYPE) for w in weights])
     if decode:
-        st.decode_data = decode_order(st.data)
+        st.decode_data, st.decode_scale = decode_order(st.data), decode_scales(st.scale)
     return _from_stack(st)
 
 
@@ -441,17 +460,18 @@ def grouped_gemm_triton(a: NVFP4Tensor, weights, tokens_per_expert, out_dtype=to
     # a values-only stack (NVFP4Stack.drop_codes) has no codes: its values stand in for the pointer, never read
     # without B_PACKED (another dtype there: one more Triton specialisation, same bits)
     b_data = w.decode_data if in_order else w.values if w.data is None else w.data
+    f16_scales = in_order and w.decode_scale is not None
     launcher(_grouped_gemm_kernel)[grid](
         a.data, a.scale.view(torch.uint8), a.data if a_packed else a_values, a.decode_amax(),
         1 if a.per_row else 0,
-        b_data, w.scale, b_data if b_packed else w.values, w.amax, w.amax.stride(0),
+        b_data, w.decode_scale if f16_scales else w.scale, b_data if b_packed else w.values, w.amax, w.amax.stride(0),
         1 if w.amax.shape[1] > 1 else 0,
         out, counts, experts, n, k, FACTOR_INV,
         A_SBR=a.block[0], B_SBR=w.block_rows, A_PACKED=a_packed, B_PACKED=b_packed,
         BLOCK_E=max(16, next_power_of_2(experts)),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SWAP_AB=cfg.swap_ab, B_TRANS=b_trans,
         PTX=PTX_DECODE and not interpreting(), EVEN_K=k % cfg.block_k == 0, DECODE_ORDER=in_order,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        B_F16_SCALES=f16_scales, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 

@@ -71,6 +71,16 @@ def decode_order(data: torch.Tensor) -> torch.Tensor:
     return out.view(torch.uint8).reshape(data.shape)  # int32 words as their little-endian bytes
 
 
+def decode_scales(scale: torch.Tensor) -> torch.Tensor:
+    """E4M3 block scales [...] decoded for the small-M kernel (kernels/nvfp4_gemm.py, F16_SCALES): fp16 scale x 2^7,
+    exact (E4M3 magnitudes 2^-9..448 become 2^-2..57344), computed from the bits as that kernel decodes them in its K
+    loop otherwise ((bits & 0x7F) << 7 read as fp16, times 2^15: the sign bit ignored, the NaN byte 0x7F read as 480),
+    so a launch reading these computes the same bits as one decoding the bytes. 2 B per 16x16 block of a weight (1/128
+    B per element): the kernel's loop saves ~4 integer operations per scale."""
+    bits = ((scale.view(torch.uint8).to(torch.int32) & 0x7F) << 7).to(torch.int16)
+    return (bits.view(torch.float16).float() * 32768.0).to(torch.float16)
+
+
 def _words(rows: torch.Tensor) -> torch.Tensor:
     """int32 words [R, C/8] of packed rows [R, C/2] (`decode_order`): each pair's codes ORed in place."""
     n, nb = rows.shape
@@ -89,7 +99,8 @@ class NVFP4Stack:
     global_scale fp32 [E] (one per member) or [E, R] (per row, (1, 16) blocks: e.g. a ModelOpt gate/up weight whose
     two halves carry different scales), values fp16 [E, R, C] block values or None, amax fp32 of global_scale's
     shape (each member's decode amax, NVFP4Tensor.amax), decode_data uint8 [E, R, C/2] the codes again in the decode
-    kernel's order (`decode_order`) or None (small-M GEMMs on packed weights read it; the layout has no other use).
+    kernel's order (`decode_order`) or None (small-M GEMMs on packed weights read it; the layout has no other use),
+    decode_scale fp16 [E, R/br, C/16] the scales decoded for that kernel (`decode_scales`) or None.
     data is None in a values-only stack (`drop_codes`)."""
 
     data: Optional[torch.Tensor]
@@ -100,6 +111,7 @@ class NVFP4Stack:
     values: Optional[torch.Tensor] = None
     amax: Optional[torch.Tensor] = None
     decode_data: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
+    decode_scale: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
     _transposed: Optional["NVFP4Stack"] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
@@ -120,6 +132,8 @@ class NVFP4Stack:
             want["amax"] = (self.amax, torch.float32, tuple(self.global_scale.shape))
         if self.decode_data is not None:
             want["decode_data"] = (self.decode_data, torch.uint8, (e, rows, cols // 2))
+        if self.decode_scale is not None:
+            want["decode_scale"] = (self.decode_scale, torch.float16, (e, rows // br, cols // 16))
         for name, (t, dtype, shape) in want.items():
             if t.dtype != dtype or tuple(t.shape) != shape:
                 raise ValueError(f"NVFP4Stack.{name}: expected {dtype} {shape}, got {t.dtype} {tuple(t.shape)}")
@@ -132,7 +146,7 @@ class NVFP4Stack:
         element for GEMMs that read only the values (the kernels'). Returns self."""
         if self.values is None:
             raise ValueError("NVFP4Stack.drop_codes: the stack has no block values, the codes are all it holds")
-        self.data = self.decode_data = self._transposed = None
+        self.data = self.decode_data = self.decode_scale = self._transposed = None
         return self
 
     def _codes(self, what: str) -> torch.Tensor:

@@ -245,10 +245,25 @@ def test_decode_order_words_hold_the_documented_bits():
     assert torch.equal(got, codes)
 
 
+def test_decode_scales_are_the_loops_decode_of_every_byte():
+    """decode_scales gives, for each of the 256 scale bytes, the fp16 the packed decode computes in its loop
+    ((bits & 0x7F) << 7 as fp16, times 2^15): scale x 2^7 exactly for every finite E4M3 scale, the sign bit ignored,
+    the NaN byte read as 480; the shape and dtype follow the scales'."""
+    from minite.nvfp4 import decode_scales
+    b = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    got = decode_scales(b.view(torch.float8_e4m3fn)).reshape(2, 128)
+    assert got.dtype == torch.float16 and torch.equal(got[0], got[1])  # bit 7 (the sign) ignored
+    e4m3 = b[:127].view(torch.float8_e4m3fn).float()
+    assert torch.equal(got[0, :127].float(), e4m3 * 128)
+    assert got[0, 127].item() == 480 * 128  # 0x7F, E4M3's NaN, as the bit decode reads it
+    assert decode_scales(torch.zeros(3, 2, 8, dtype=torch.float8_e4m3fn)).shape == (3, 2, 8)
+
+
 def test_decode_order_weights_bitwise():
     """Expert weights whose codes are also kept in the decode order give the bits of the plain order, with tiles
-    that read that order (BLOCK_K % 128 == 0) and tiles that cannot (they read the plain codes)."""
-    from minite.nvfp4 import decode_order
+    that read that order (BLOCK_K % 128 == 0) and tiles that cannot (they read the plain codes); the decode order's
+    fp16 scales (`decode_scales`) and its scale bytes decoded in the loop give the same bits."""
+    from minite.nvfp4 import decode_order, decode_scales
     torch.manual_seed(9)
     experts, n, k = 3, 32, 256
     ws = [_weights(n, k, 20 + e) for e in range(experts)]
@@ -262,6 +277,16 @@ def test_decode_order_weights_bitwise():
     for cfg in (GemmConfig(16, 32, 128, 4, 1, swap_ab=True), GemmConfig(16, 32, 256, 4, 1), GemmConfig(16, 32, 64, 4, 1)):
         ref = grouped_gemm_triton(a, plain, counts, a_values=a_vals, config=cfg)
         assert torch.equal(grouped_gemm_triton(a, ordered, counts, a_values=a_vals, config=cfg), ref), vars(cfg)
+    bytes_only = stack_expert_weights(ws, decode=True)
+    bytes_only.decode_scale = None  # the decode order with the E4M3 bytes decoded in the loop
+    assert torch.equal(ordered.decode_scale, decode_scales(plain.scale))
+    for cfg in (GemmConfig(16, 32, 128, 4, 1, swap_ab=True), GemmConfig(16, 32, 256, 4, 1)):
+        ref = grouped_gemm_triton(a, plain, counts, a_values=a_vals, config=cfg)
+        assert torch.equal(grouped_gemm_triton(a, bytes_only, counts, a_values=a_vals, config=cfg), ref), vars(cfg)
+    doubled = stack_expert_weights(ws, decode=True)
+    doubled.decode_scale = doubled.decode_scale * 2  # the fp16 scales are what the kernel reads: the test can fail
+    assert not torch.equal(grouped_gemm_triton(a, doubled, counts, a_values=a_vals, config=GemmConfig(16, 32, 128, 4, 1)),
+                           grouped_gemm_triton(a, plain, counts, a_values=a_vals, config=GemmConfig(16, 32, 128, 4, 1)))
     garbled = stack_expert_weights(ws, decode=True)
     garbled.decode_data = plain.data  # the plain order read as the decode order: the test can fail
     assert not torch.equal(grouped_gemm_triton(a, garbled, counts, a_values=a_vals, config=GemmConfig(16, 32, 128, 4, 1)),

@@ -145,6 +145,18 @@ def test_values_only_stack_multiplies_as_the_full_one():
         NVFP4Stack(None, full.scale, full.global_scale, full.shape, full.block)
 
 
+def test_stack_checks_and_drops_its_decode_scales():
+    """NVFP4Stack.decode_scale (fp16 [E, R/br, C/16], `decode_scales`) is checked like the other fields and freed with
+    the codes it serves (drop_codes)."""
+    from minite.nvfp4 import decode_scales
+    full = quantize_stack(_experts(3, 32, 128, 8), values=True, backend="triton")
+    with pytest.raises(ValueError, match=r"NVFP4Stack.decode_scale: expected torch.float16 \(3, 2, 8\)"):
+        NVFP4Stack(full.data, full.scale, full.global_scale, full.shape, full.block, decode_scale=full.scale)
+    st = NVFP4Stack(full.data, full.scale, full.global_scale, full.shape, full.block, full.values, full.amax,
+                    decode_scale=decode_scales(full.scale))
+    assert st.drop_codes().decode_scale is None
+
+
 def test_errors():
     with pytest.raises(ValueError, match="multiples of 16"):
         quantize_column_segments(torch.randn(4, 40, device=DEVICE), [24, 16])

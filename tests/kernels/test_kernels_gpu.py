@@ -1,5 +1,6 @@
 """NVFP4 Triton kernels on the H200 at real shapes: quantisation bitwise vs the reference, GEMMs within the
 tensor-core accumulation bound, and bitwise batch invariance (M=1 vs 512 vs 16k rows; decode vs dense vs grouped)."""
+import dataclasses
 import itertools
 
 import pytest
@@ -108,7 +109,8 @@ def test_grouped_training_batch_vs_decode_vs_dense():
 def test_decode_order_weights_equal_the_training_tile(per_expert):
     """Packed weights read as the decode order's words (`stack_expert_weights(decode=True)`; the kernel's inline `mov`
     hands each 32-bit register to Triton as two fp16 elements) give the training tile's bits, for every tile that
-    reads that order, with 1 to 64 tokens for each of 8 experts (the default tile for each count included)."""
+    reads that order, with 1 to 64 tokens for each of 8 experts (the default tile for each count included), with the
+    scales read as fp16 (`decode_scales`) and as bytes decoded in the loop."""
     torch.manual_seed(5)
     experts, tokens = 64, 8192
     counts = torch.bincount(torch.randint(0, experts, (tokens,), device="cuda"), minlength=experts)
@@ -122,15 +124,16 @@ def test_decode_order_weights_equal_the_training_tile(per_expert):
     assert len(chosen) == 8
     rows = [starts[e] + i for e in chosen for i in range(per_expert)]
     ordered = stack_expert_weights([ws[e] for e in chosen], decode=True)
-    assert ordered.decode_data is not None
+    assert ordered.decode_data is not None and ordered.decode_scale is not None
+    bytes_only = dataclasses.replace(ordered, decode_scale=None)  # the scale bytes decoded in the loop
     xq, x_vals = quantize_with_values_triton(x[rows], (1, 16), "row", "nearest", None, False)
     tiles = [None, GemmConfig(16, 64, 128, 4, 4, swap_ab=True), GemmConfig(32, 64, 128, 4, 4, swap_ab=True),
              GemmConfig(64, 64, 128, 4, 4), GemmConfig(16, 64, 256, 4, 4), GemmConfig(16, 32, 128, 4, 4),
              GemmConfig(16, 128, 128, 4, 4, swap_ab=True), GemmConfig(32, 64, 256, 4, 3, swap_ab=True)]
-    for cfg in tiles:
-        got = grouped_gemm_triton(xq, ordered, [per_expert] * 8, torch.bfloat16, a_values=x_vals, config=cfg,
+    for cfg, w in itertools.product(tiles, (ordered, bytes_only)):
+        got = grouped_gemm_triton(xq, w, [per_expert] * 8, torch.bfloat16, a_values=x_vals, config=cfg,
                                   rows_hint=per_expert)
-        assert torch.equal(got, big[rows]), f"{per_expert} tokens per expert, tile {cfg}"
+        assert torch.equal(got, big[rows]), f"{per_expert} tokens per expert, tile {cfg}, {w.decode_scale is None=}"
 
 
 def test_wgrad_real_shape_within_bound():

@@ -21,6 +21,7 @@ Timing: triton.testing.do_bench medians (events), after warm-up; every number in
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -387,8 +388,9 @@ ROLLOUT_CANDIDATES = [GemmConfig(16, 64, 128, 4, 4, True), GemmConfig(16, 128, 1
 def section_rollout_gemm(res: dict, batches=(1, 8, 64, 256)) -> None:
     """The expert GEMMs of one decode step of the rollout slice (128 experts, top-8 of `batch` tokens): BF16
     torch._grouped_mm vs W4A4 on fp16 block-value weights (what the rollout read until now) vs packed weights with the
-    Triton and the PTX nibble decode, every W4A4 config checked bitwise against the training tile. Eight routings per
-    timed graph, so the experts read differ between calls (the 8-expert case would fit the 50 MB L2 otherwise)."""
+    Triton and the PTX nibble decode, the decode order with fp16 scales and (one tile) with the scale bytes decoded in
+    the loop, every W4A4 config checked bitwise against the training tile. Eight routings per timed graph, so the
+    experts read differ between calls (the 8-expert case would fit the 50 MB L2 otherwise)."""
     from minite.kernels import nvfp4_gemm as ng
     sets = 8
     out = res.setdefault("rollout_gemm_us", {})
@@ -399,6 +401,7 @@ def section_rollout_gemm(res: dict, batches=(1, 8, 64, 256)) -> None:
         packed = stack_expert_weights(qs)
         values = stack_expert_weights(qs, values=True)
         ordered = stack_expert_weights(qs, decode=True)
+        bytes_only = dataclasses.replace(ordered, decode_scale=None)  # the scale bytes decoded in the K loop
         wt = wb.transpose(1, 2)  # [E, K, N] view for torch._grouped_mm
         for b in batches:
             rows = b * TOPK
@@ -420,7 +423,8 @@ def section_rollout_gemm(res: dict, batches=(1, 8, 64, 256)) -> None:
             best = None
             variants = [("triton", packed, c) for c in ROLLOUT_CANDIDATES[:2]] \
                 + [("ptx", packed, c) for c in ROLLOUT_CANDIDATES] \
-                + [("ptx_decode_order", ordered, c) for c in ROLLOUT_CANDIDATES]
+                + [("ptx_decode_order", ordered, c) for c in ROLLOUT_CANDIDATES] \
+                + [("ptx_decode_order_u8_scales", bytes_only, c) for c in ROLLOUT_CANDIDATES[:1]]
             for name, wts, c in variants:
                 ng.PTX_DECODE = name != "triton"
                 key = f"packed_{name}_{c.block_m}x{c.block_n}x{c.block_k}_w{c.num_warps}" \

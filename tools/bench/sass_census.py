@@ -61,7 +61,8 @@ SIGNATURE = {"a_data": "*u8", "a_scale": "*u8", "a_vals": "*fp16", "a_amax": "*f
              "b_amax_stride_n": "i32", "c_ptr": "*bf16", "count_ptr": "*i32", "E": "i32", "N": "i32", "K": "i32",
              "factor_inv": "fp32"}
 VARIANTS = {"triton": dict(PTX=False, DECODE_ORDER=False), "ptx": dict(PTX=True, DECODE_ORDER=False),
-            "ptx_decode_order": dict(PTX=True, DECODE_ORDER=True)}
+            "ptx_decode_order_u8_scales": dict(PTX=True, DECODE_ORDER=True),
+            "ptx_decode_order": dict(PTX=True, DECODE_ORDER=True, B_F16_SCALES=True)}
 _INSTR = re.compile(r"^\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P[0-9T]+\s+)?([A-Z][A-Z0-9_.]*)")
 _LABEL = re.compile(r"^(\.L_x_\d+):")
 _BRANCH = re.compile(r"BRA\s+`\((\.L_x_\d+)\)")
@@ -73,8 +74,9 @@ def compile_sass(variant: str, block_m: int, block_n: int, block_k: int, num_war
     div = [k for k in SIGNATURE if SIGNATURE[k].startswith("*")] + ["N", "K"]
     constexprs = dict(A_SBR=1, B_SBR=16, A_PACKED=False, B_PACKED=True, BLOCK_E=128, BLOCK_M=block_m,
                       BLOCK_N=block_n, BLOCK_K=block_k, SWAP_AB=swap_ab, B_TRANS=False, EVEN_K=True,
-                      **VARIANTS[variant])
-    return kernel_sass(ng._grouped_gemm_kernel, SIGNATURE, constexprs, div,
+                      **dict(dict(B_F16_SCALES=False), **VARIANTS[variant]))
+    signature = dict(SIGNATURE, b_scale="*fp16") if constexprs.get("B_F16_SCALES") else SIGNATURE
+    return kernel_sass(ng._grouped_gemm_kernel, signature, constexprs, div,
                        dict(num_warps=num_warps, num_stages=num_stages))
 
 
@@ -248,7 +250,7 @@ def wgrad_rows() -> list:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="16,64,128,4,4,swap", help="BLOCK_M,BLOCK_N,BLOCK_K,warps,stages[,swap]")
-    p.add_argument("--variants", default="triton,ptx,ptx_decode_order")
+    p.add_argument("--variants", default="triton,ptx,ptx_decode_order_u8_scales,ptx_decode_order")
     p.add_argument("--json", default="", help="also write the rows here")
     p.add_argument("--strict", action="store_true", help="the strict kernels instead (module docstring)")
     p.add_argument("--quant", action="store_true", help="the quantisation kernels instead (module docstring)")
