@@ -382,7 +382,8 @@ def section_decode(res: dict, decode_cfg: GemmConfig | None) -> None:
 ROLLOUT_CANDIDATES = [GemmConfig(16, 64, 128, 4, 4, True), GemmConfig(16, 128, 128, 4, 4, True),
                       GemmConfig(16, 128, 128, 8, 4, True), GemmConfig(16, 64, 256, 4, 3, True),
                       GemmConfig(16, 128, 256, 8, 3, True), GemmConfig(32, 64, 128, 4, 4, True),
-                      GemmConfig(16, 64, 128, 4, 4)]
+                      GemmConfig(16, 64, 128, 4, 4), GemmConfig(16, 128, 256, 4, 3, True),
+                      GemmConfig(32, 128, 128, 4, 4, True)]
 
 
 def section_rollout_gemm(res: dict, batches=(1, 8, 64, 256)) -> None:
