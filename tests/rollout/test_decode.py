@@ -192,6 +192,33 @@ def _caches(model):
             for m in model.modules() for n, v in vars(m).items() if n.startswith("_nvfp4_wq_cache_")}
 
 
+@pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
+def test_captured_step_keeps_the_logits_in_the_model_dtype(precision):
+    """The forward a decode graph captures (`_last_logits_in_model_dtype`) gives the model-dtype logits whose fp32
+    upcast is the wrapper's `run_one_forward_step` output bit for bit, and advances the KV offset as that call does;
+    a model outside Float16Module takes the wrapper's call."""
+    from minite.rollout.decode import _last_logits_in_model_dtype
+    engine = _engine(precision, False)
+    _run(engine, PARAMS[0])  # the weights' caches made as a generate makes them
+    with torch.inference_mode():  # as in generate: the KV cache is an inference tensor
+        st = engine.decoder._state(2, 8, "cpu")
+        st.tokens.copy_(torch.randint(1, 64, (2, 8), generator=torch.Generator().manual_seed(1)))
+        bare = type(st.wrapper)(st.wrapper.model.module, st.wrapper.inference_wrapper_config,
+                                st.wrapper.inference_context)
+        outs = []
+        for wrapper, run in ((st.wrapper, lambda w, win: w.run_one_forward_step(win)[:, -1, :]),
+                             (st.wrapper, _last_logits_in_model_dtype),
+                             (bare, lambda w, win: w.run_one_forward_step(win)[:, -1, :]),
+                             (bare, _last_logits_in_model_dtype)):
+            wrapper.prep_model_for_inference()
+            outs.append((run(wrapper, wrapper.get_batch_for_context_window(st.inputs, 0, 4)),
+                         wrapper.inference_context.sequence_len_offset))
+    (full, off_full), (half, off_half), (bare_ref, _), (bare_out, _) = outs
+    assert full.dtype == torch.float32 and half.dtype == torch.bfloat16 and off_half == off_full == 4
+    assert torch.equal(half.float(), full)
+    assert bare_out.dtype == bare_ref.dtype == torch.bfloat16 and torch.equal(bare_out, bare_ref)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("strict", [False, True])
