@@ -329,9 +329,16 @@ class GemmConfig:
     proven on the H200; a tile outside them needs that GPU test first."""
 
 
-def default_config(rows_per_group: int, interpreter: bool, packed: bool = False) -> GemmConfig:
+FEW_PROGRAMS = 132
+"""The H200's SM count: a launch of fewer training tiles than this leaves SMs idle (`default_config`)."""
+
+
+def default_config(rows_per_group: int, interpreter: bool, packed: bool = False, *, ordered: bool = False,
+                   rows: int | None = None, n: int | None = None) -> GemmConfig:
     """Training-sized tiles for many rows per group, decode tiles (BLOCK_M=16, narrow N, long K) for few; packed
-    weights (the nibble decode is the cost) take 32-row tiles from 9 rows per group on."""
+    weights (the nibble decode is the cost) take 32-row tiles from 9 rows per group on, 128 columns wide in the decode
+    order (`ordered`). rows, n: the launch's total rows and N; where the training tile would make fewer programs
+    than FEW_PROGRAMS (a dense layer at a rollout's batch) a 64x64 tile takes its place."""
     if interpreter:
         return GemmConfig(16, 32, 64, 4, 1)
     # measured on the H200 (docs/benchmarks.md): FC1 of the expert block, 131072 rows, 128x256x64: 525 TFLOP/s
@@ -341,12 +348,18 @@ def default_config(rows_per_group: int, interpreter: bool, packed: bool = False)
     # packed weights in the decode order (bench_nvfp4.py --sections rollout_gemm, 2026-11-30, f5b08c7): 128 experts,
     # 4 rows each: FC1 16x64x128 swapped 140.2 us (32 rows: 162.3); 16 rows each: 16x64x128 197.4, 32x64x128 167.5;
     # the decode order as words (70f8ceb, session 8 call 1): 4 rows each 16x64x128 swapped 96.2 us (16x128x128 93.5),
-    # 0.5 rows each 44.7 us, 16 rows each 32x64x128 swapped 119.5 us
+    # 0.5 rows each 44.7 us, 16 rows each 32x64x128 swapped 119.5 us; with fp16 scales (2026-12-04, session 20 call
+    # 3), 16 rows each: FC1 32x128x128 3 stages 98.5 us, FC2 55.9 (32x64x128 4 stages 105.3, 66.7); a dense output
+    # projection (N 2048, K 4096, fp16 values) at 256 rows: 128x256x64 51.9 us (16 programs), 64x64x128 17.5
     if rows_per_group <= (8 if packed else 16):
         return GemmConfig(16, 64, 128, 4, 4, swap_ab=True)
     if rows_per_group <= 32:
+        if packed and ordered:
+            return GemmConfig(32, 128, 128, 4, 3, swap_ab=True)
         return GemmConfig(32, 64, 128, 4, 4, swap_ab=True)
     if rows_per_group <= 64:
+        return GemmConfig(64, 64, 128, 4, 4)
+    if rows is not None and n is not None and cdiv(rows, 128) * cdiv(n, 256) < FEW_PROGRAMS:
         return GemmConfig(64, 64, 128, 4, 4)
     return GemmConfig(128, 256, 64, 8, 3)
 
@@ -450,7 +463,8 @@ def grouped_gemm_triton(a: NVFP4Tensor, weights, tokens_per_expert, out_dtype=to
     experts = w.num_experts
     dev = a.data.device
     counts = _as_group_tensors(tokens_per_expert, experts, dev)
-    cfg = config or default_config(rows_hint or max(1, t_rows // experts), interpreting(), w.values is None)
+    cfg = config or default_config(rows_hint or max(1, t_rows // experts), interpreting(), w.values is None,
+                                   ordered=w.decode_data is not None and not b_trans, rows=t_rows, n=n)
     out = torch.empty(t_rows, n, dtype=out_dtype, device=dev)
     max_tiles = cdiv(t_rows, cfg.block_m) + experts
     grid = (max_tiles * cdiv(n, cfg.block_n),)

@@ -245,6 +245,23 @@ def test_decode_order_words_hold_the_documented_bits():
     assert torch.equal(got, codes)
 
 
+def test_default_tiles_fill_the_gpu_at_decode_sizes():
+    """default_config's GPU tiles: the training tile where a launch has programs for every SM, a 64x64 tile for a
+    dense layer at a rollout's batch (the training tile would leave most SMs idle), decode tiles for few rows per
+    expert, 128 columns wide for packed weights in the decode order."""
+    from minite.kernels.nvfp4_gemm import FEW_PROGRAMS, default_config
+    train = default_config(1024, False, rows=131072, n=1536)
+    assert (train.block_m, train.block_n) == (128, 256)
+    proj = default_config(256, False, rows=256, n=2048)
+    assert (proj.block_m, proj.block_n) == (64, 64)
+    assert -(-256 // 128) * -(-2048 // 256) < FEW_PROGRAMS <= -(-4096 // 128) * -(-2048 // 256)
+    assert (default_config(256, False, rows=4096, n=2048).block_m, default_config(256, False).block_m) == (128, 128)
+    ordered = default_config(16, False, packed=True, ordered=True)
+    plain = default_config(16, False, packed=True)
+    assert (ordered.block_m, ordered.block_n, ordered.swap_ab) == (32, 128, True) and plain.block_n == 64
+    assert default_config(4, False, packed=True, ordered=True).block_m == 16
+
+
 def test_decode_scales_are_the_loops_decode_of_every_byte():
     """decode_scales gives, for each of the 256 scale bytes, the fp16 the packed decode computes in its loop
     ((bits & 0x7F) << 7 as fp16, times 2^15): scale x 2^7 exactly for every finite E4M3 scale, the sign bit ignored,

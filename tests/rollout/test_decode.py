@@ -201,8 +201,8 @@ def test_captured_step_keeps_the_logits_in_the_model_dtype(precision):
     engine = _engine(precision, False)
     _run(engine, PARAMS[0])  # the weights' caches made as a generate makes them
     with torch.inference_mode():  # as in generate: the KV cache is an inference tensor
-        st = engine.decoder._state(2, 8, "cpu")
-        st.tokens.copy_(torch.randint(1, 64, (2, 8), generator=torch.Generator().manual_seed(1)))
+        st = engine.decoder._state(2, 8, next(engine.model.parameters()).device)
+        st.tokens.copy_(torch.randint(1, 64, (2, 8), generator=torch.Generator().manual_seed(1)).to(st.tokens.device))
         bare = type(st.wrapper)(st.wrapper.model.module, st.wrapper.inference_wrapper_config,
                                 st.wrapper.inference_context)
         outs = []
