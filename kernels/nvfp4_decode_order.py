@@ -4,8 +4,7 @@ The decode order (docs/nvfp4.md; `DECODE_BLOCK`, `WORD_MAG_BIT`, `WORD_SIGN_BIT`
 layout the small-M W4A4 kernel reads an expert stack's packed weights in: per 128-code block 16 int32 words, word
 4t + q holding, for pair i = 2a + b, code 32q + 16a + 8b + 2t + h (h = 0, 1) with its three magnitude bits at
 16h + WORD_MAG_BIT[i] and its sign at 16h + WORD_SIGN_BIT[i]. Code 2j + h is nibble h of byte j, so the word gathers
-bytes j = 16q + 4i + t of its block, both nibbles of each; the words of 64 rows' block lie together
-(`DECODE_TILE_ROWS`). The torch version in minite.nvfp4.grouped takes ~25
+bytes j = 16q + 4i + t of its block, both nibbles of each. The torch version in minite.nvfp4.grouped takes ~25
 launches per 16 MiB chunk (unpack, permute, eight shifted ORs): 60 ms of a 70 ms NVFP4 weight sync on the H200
 example (2.4e9 expert codes; session 18, docs/benchmarks.md); here it is one read and one write of the bytes.
 Only the layout changes (tests/kernels/test_decode_order.py: bitwise the torch version).
@@ -42,19 +41,16 @@ def _decode_order_kernel(data_ptr, out_ptr, R, NB, BLOCK_R: tl.constexpr, BLOCK_
         ((hi >> 3) << (sign_bit + 16))
     word = tl.sum(part, axis=2)  # the four pairs' bits do not overlap: their sum is their OR
     omask = (rows < R)[:, None] & ((ww * 4) < NB)[None, :]
-    # tile-major (DECODE_TILE_ROWS = 64 rows of one 128-code block, 16 words a row, contiguous)
-    tile = (rows // 64).to(tl.int64)[:, None] * (NB // 64) + (ww // 16)[None, :]
-    tl.store(out_ptr + tile * 1024 + (rows % 64)[:, None] * 16 + (ww % 16)[None, :], word, mask=omask)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * (NB // 4) + ww[None, :], word, mask=omask)
 
 
 def decode_order_triton(data: torch.Tensor) -> torch.Tensor:
-    """`minite.nvfp4.grouped.decode_order(data)` in one launch: packed codes uint8 [..., R, C/2] (C % 128 == 0,
-    R % 64 == 0) -> uint8 of the same shape, the decode order's int32 words in their 64-row tiles as little-endian
-    bytes."""
+    """`minite.nvfp4.grouped.decode_order(data)` in one launch: packed codes uint8 [..., C/2] (C % 128 == 0) ->
+    uint8 of the same shape, the decode order's int32 words as their little-endian bytes."""
     *lead, nb = data.shape
-    if data.dtype != torch.uint8 or nb % 64 or data.dim() < 2 or data.shape[-2] % 64:
-        raise ValueError(f"decode_order: packed codes uint8 [..., R, C/2] with C % 128 == 0 and R % 64 == 0 expected, "
-                         f"got {data.dtype} {tuple(data.shape)}")
+    if data.dtype != torch.uint8 or nb % 64:
+        raise ValueError(f"decode_order: packed codes uint8 [..., C/2] with C % 128 == 0 expected, got {data.dtype} "
+                         f"{tuple(data.shape)}")
     ensure_interpreter_compat()
     rows = data.numel() // nb if nb else 0
     out = torch.empty(rows, nb // 4, dtype=torch.int32, device=data.device)

@@ -98,18 +98,16 @@ _MAG_SIGN = tl.constexpr(-0x71FF7200)  # 0x8E008E00 as int32
 def _word_codes(data_ptr, rows, rmask, k0, kmax, stride_d, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                 MOV: tl.constexpr, EVEN_K: tl.constexpr):
     """fp16 bits of code x 2^-14 [BLOCK_R, BLOCK_K] (the packed decode's `mag`) of rows `rows`, columns k0.., read as
-    the decode order's words in their 64-row tiles (K % 128 == 0, k0 and BLOCK_K multiples of 128). The two codes of a pair are one 32-bit
+    the decode order's words (K % 128 == 0, k0 and BLOCK_K multiples of 128). The two codes of a pair are one 32-bit
     register. MOV (the GPU, when the tile is the MMA's register operand): one inline `mov` hands that register to
     Triton as the pair's two fp16 elements (pack=2; no repacking of halves). It relies on each pack of two being one
     pair, which holds in the MMA operand's register layout (pairs of K) but not in every blocked layout: a 64x64x128
     tile that decodes before its shared-memory store gave other bits (H200, 2026-12-01). Otherwise each element takes
     its half with a shift, in any layout."""
-    kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # word of the row; its 128-code block kw // 16
-    col = tl.max_contiguous(tl.multiple_of((kw // 16) * 1024 + kw % 16, 16), 16)
-    # the 64-row tiles (minite.nvfp4.grouped.DECODE_TILE_ROWS): tile (rows // 64, block) at 1024 words each, row
-    # rows % 64 of it 16 words in; a row has stride_d // 64 blocks
-    row = (rows // 64).to(tl.int64) * ((stride_d // 64) * 1024) + (rows % 64) * 16
-    w_ptrs = data_ptr.to(tl.pointer_type(tl.int32)) + row[:, None] + col[None, :]
+    kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    kw = tl.max_contiguous(tl.multiple_of(kw, BLOCK_K // 8), BLOCK_K // 8)
+    w_ptrs = data_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None].to(tl.int64) * tl.multiple_of(stride_d // 4, 16) \
+        + kw[None, :]
     if EVEN_K:
         w = tl.load(w_ptrs, mask=rmask[:, None], other=0)
     else:

@@ -47,13 +47,6 @@ magnitudes (signs) at bits 9..11 and 25..27 (15 and 31), where the fp16 bits of 
 WORD_MAG_BIT = (9, 6, 3, 0)
 WORD_SIGN_BIT = (15, 12, 14, 13)
 
-DECODE_TILE_ROWS = 64
-"""Rows per tile of the decode order: the 16 words of one 128-code block of 64 consecutive rows (4 KiB) lie next to
-each other, tile (g, b) of row group g and block b at word (g * blocks + b) * 1024, row r % 64 of it at 16 (r % 64).
-A 64-row tile of the small-M kernel then reads one contiguous 4 KiB per K step where row-major words made it 64
-reads of 64 B, 1 KiB apart. The rows of a stack are flattened ([E, R] -> E * R) before grouping, so R % 64 == 0 keeps
-every tile inside one expert."""
-
 
 DECODE_CHUNK_BYTES = 16 << 20
 """Packed bytes `decode_order` rearranges at a time: its temporaries are a few times a chunk, not of the whole stack
@@ -61,25 +54,20 @@ DECODE_CHUNK_BYTES = 16 << 20
 
 
 def decode_order(data: torch.Tensor) -> torch.Tensor:
-    """Packed codes [..., R, C/2] (C a multiple of 128, R of `DECODE_TILE_ROWS`) in the decode order (`DECODE_BLOCK`
-    words in `DECODE_TILE_ROWS` tiles); a copy, uint8 of the same shape (the words' bytes, little-endian). Only the
-    layout changes: the codes, scales and results do not. On a CUDA tensor with the kernels loaded: one launch
-    (minite.kernels.nvfp4_decode_order, the same bytes); here the torch ops, chunked."""
+    """Packed codes [..., C/2] (C a multiple of 128) in the decode order (`DECODE_BLOCK`); a copy, uint8 of the same
+    shape (the words' bytes, little-endian). Only the layout changes: the codes, scales and results do not. On a
+    CUDA tensor with the kernels loaded: one launch (minite.kernels.nvfp4_decode_order, the same bytes); here the
+    torch ops, chunked."""
     *lead, nb = data.shape
     if nb % DECODE_BLOCK:
         raise ValueError(f"decode_order: K = {2 * nb} is not a multiple of {2 * DECODE_BLOCK}")
-    if data.dim() < 2 or data.shape[-2] % DECODE_TILE_ROWS:
-        raise ValueError(f"decode_order: {data.shape[-2] if data.dim() > 1 else 1} rows is not a multiple of "
-                         f"{DECODE_TILE_ROWS}")
     if data.is_cuda and has_kernel("decode_order"):
         return kernel("decode_order")(data)
     rows = data.reshape(-1, nb)
     out = torch.empty(rows.shape[0], nb // 4, dtype=torch.int32, device=data.device)
-    step = max(1, DECODE_CHUNK_BYTES // max(1, nb) // DECODE_TILE_ROWS) * DECODE_TILE_ROWS
+    step = max(1, DECODE_CHUNK_BYTES // max(1, nb))
     for r0 in range(0, rows.shape[0], step):
-        words = _words(rows[r0:r0 + step])  # [n, nb / 4], n a multiple of DECODE_TILE_ROWS
-        tiles = words.view(-1, DECODE_TILE_ROWS, nb // DECODE_BLOCK, 16).transpose(1, 2)
-        out[r0:r0 + step] = tiles.reshape(-1, nb // 4)  # tile-major: the chunk's words in their tiled places
+        out[r0:r0 + step] = _words(rows[r0:r0 + step])
     return out.view(torch.uint8).reshape(data.shape)  # int32 words as their little-endian bytes
 
 

@@ -73,8 +73,8 @@ def quantize_expert_weights(weight: torch.Tensor, recipe: NVFP4Recipe, *, backen
     """Expert weights [E, N, K] with the recipe's weight role, each expert its own tensor (16x16 blocks, one global
     scale per expert): one launch on the kernels; fp16 block values kept when the kernels read them, unless
     values=False (`quantize_weight`): then the kernels read the packed codes, and the stack also keeps them in the
-    decode order (`decode_order`, where K % 128 == 0 and N % 64 == 0) with the scales decoded (`decode_scales`) for
-    the small-M GEMMs of a rollout."""
+    decode order (`decode_order`, where K % 128 == 0) with the scales decoded (`decode_scales`) for the small-M GEMMs
+    of a rollout."""
     op = recipe.weight
     if weight.dim() != 3:
         raise ValueError(f"quantize_expert_weights expects [E, N, K], got shape {tuple(weight.shape)}")
@@ -84,8 +84,7 @@ def quantize_expert_weights(weight: torch.Tensor, recipe: NVFP4Recipe, *, backen
     flags = quant_flags(backend, weight, values)
     st = quantize_stack(weight, block=op.block, rounding=op.rounding, seeds=seeds, rht=op.rht, backend=backend,
                         **flags)
-    if not values and weight.shape[2] % 128 == 0 and weight.shape[1] % 64 == 0 \
-            and quant_flags(backend, weight)["values"]:  # packed, on the kernels
+    if not values and weight.shape[2] % 128 == 0 and quant_flags(backend, weight)["values"]:  # packed, on the kernels
         st.decode_data, st.decode_scale = decode_order(st.data), decode_scales(st.scale)
     return st
 

@@ -314,8 +314,7 @@ def test_packed_weights_give_the_same_bits(strict):
     experts = [w for w in caches(packed) if isinstance(w, NVFP4Stack)]
     dense = [w for w in caches(packed) if not isinstance(w, NVFP4Stack)]
     assert experts and dense and all(w.values is None for w in experts) and all(w.values is not None for w in dense)
-    assert all((w.decode_data is not None) == (w.decode_scale is not None) == (w.shape[1] % 128 == w.shape[0] % 64 == 0)
-               for w in experts)
+    assert all((w.decode_data is not None) == (w.decode_scale is not None) == (w.shape[1] % 128 == 0) for w in experts)
     assert all(w.values is not None and getattr(w, "decode_data", None) is None for w in caches(values))
 
 
