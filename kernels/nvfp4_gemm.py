@@ -327,8 +327,6 @@ class GemmConfig:
     With decode-order weights a swapped tile hands registers to Triton with an inline mov whose correctness depends
     on the layout Triton picks (`_word_codes`): the tiles of `default_config` and the benchmarks' candidates were
     proven on the H200; a tile outside them needs that GPU test first."""
-    maxnreg: int | None = None
-    """Registers per thread the compiler may use (None: its choice); fewer let more programs share an SM."""
 
 
 FEW_PROGRAMS = 132
@@ -487,8 +485,7 @@ def grouped_gemm_triton(a: NVFP4Tensor, weights, tokens_per_expert, out_dtype=to
         BLOCK_E=max(16, next_power_of_2(experts)),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SWAP_AB=cfg.swap_ab, B_TRANS=b_trans,
         PTX=PTX_DECODE and not interpreting(), EVEN_K=k % cfg.block_k == 0, DECODE_ORDER=in_order,
-        B_F16_SCALES=f16_scales, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+        B_F16_SCALES=f16_scales, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
