@@ -6,9 +6,9 @@ Triton compiles `kernels/nvfp4_gemm.py`'s `_grouped_gemm_kernel` to a cubin for 
 nvdisasm prints the SASS, and the body of the kernel's longest loop (the K loop: one BLOCK_N x BLOCK_K weight tile per
 iteration) is counted by opcode. Variants: packed weights decoded by the Triton decode (`triton`), by the inline PTX
 (`ptx`), and from the decode order's words (`ptx_decode_order`: shifts and masks, then one `mov` per MMA register;
-minite.nvfp4.grouped.DECODE_BLOCK); the activations as fp16 block values, as in a
-rollout. Integer arguments divisible by 16 and 16-byte-aligned pointers are declared, as Triton specialises them at a
-real launch. The counts say where a decode step's instructions go (docs/benchmarks.md, rollout section); they are a
+minite.nvfp4.grouped.DECODE_BLOCK) with the scales as fp16 (`NVFP4Stack.decode_scale`) or as their E4M3 bytes
+(`ptx_decode_order_u8_scales`); the activations as fp16 block values, as in a rollout. Integer arguments divisible
+by 16 and 16-byte-aligned pointers are declared, as Triton specialises them at a real launch. The counts say where a decode step's instructions go (docs/benchmarks.md, rollout section); they are a
 static census of one loop iteration per thread, not a timing: the GPU measures the time (`bench_nvfp4.py --sections
 rollout_gemm`).
 
