@@ -338,7 +338,8 @@ def default_config(rows_per_group: int, interpreter: bool, packed: bool = False,
     """Training-sized tiles for many rows per group, decode tiles (BLOCK_M=16, narrow N, long K) for few; packed
     weights (the nibble decode is the cost) take 32-row tiles from 9 rows per group on, 128 columns wide in the decode
     order (`ordered`). rows, n: the launch's total rows and N; where the training tile would make fewer programs
-    than FEW_PROGRAMS (a dense layer at a rollout's batch) a 64x64 tile takes its place."""
+    than FEW_PROGRAMS at up to 256 rows (a dense layer at a rollout's decode batch; larger launches were not measured)
+    a 64x64 tile takes its place."""
     if interpreter:
         return GemmConfig(16, 32, 64, 4, 1)
     # measured on the H200 (docs/benchmarks.md): FC1 of the expert block, 131072 rows, 128x256x64: 525 TFLOP/s
@@ -359,7 +360,7 @@ def default_config(rows_per_group: int, interpreter: bool, packed: bool = False,
         return GemmConfig(32, 64, 128, 4, 4, swap_ab=True)
     if rows_per_group <= 64:
         return GemmConfig(64, 64, 128, 4, 4)
-    if rows is not None and n is not None and cdiv(rows, 128) * cdiv(n, 256) < FEW_PROGRAMS:
+    if rows is not None and n is not None and rows <= 256 and cdiv(rows, 128) * cdiv(n, 256) < FEW_PROGRAMS:
         return GemmConfig(64, 64, 128, 4, 4)
     return GemmConfig(128, 256, 64, 8, 3)
 
@@ -470,7 +471,7 @@ def grouped_gemm_triton(a: NVFP4Tensor, weights, tokens_per_expert, out_dtype=to
     grid = (max_tiles * cdiv(n, cfg.block_n),)
     a_packed = a_values is None
     b_packed = w.values is None
-    in_order = b_packed and w.decode_data is not None and cfg.block_k % 128 == 0 and not b_trans
+    in_order = b_packed and w.decode_data is not None and cfg.block_k % 128 == 0 and k % 128 == 0 and not b_trans
     # a values-only stack (NVFP4Stack.drop_codes) has no codes: its values stand in for the pointer, never read
     # without B_PACKED (another dtype there: one more Triton specialisation, same bits)
     b_data = w.decode_data if in_order else w.values if w.data is None else w.data

@@ -31,8 +31,8 @@ lru_cache) and strict mode's sin/cos (`minite.strict.ops._ROPE_CACHE`) are cache
 reference to every RoPE tensor its captures saw (the learner's many sequence lengths would otherwise evict the
 engine's table and free what a graph reads). The graphs of one shape share one memory pool; a step's temporaries
 are dead when it ends, and its logits, left in the model's dtype, are copied into one fp32 buffer allocated outside
-the pool (the copy is Float16Module's upcast, exact). Sampling and the
-log-softmax stay eager (a few launches). A capture that fails (a host synchronisation inside the forward, e.g. strict
+the pool (the copy is Float16Module's upcast, exact). Sampling and the log-softmax stay eager (a few launches). A
+capture that fails (a host synchronisation inside the forward, e.g. strict
 BF16's host-side expert counts) turns graphs off for this decoder with one warning naming the error, and the step
 runs eagerly: the bits are the same either way (a graph replays the kernels the eager step launches).
 """
@@ -278,14 +278,16 @@ def _last_logits_in_model_dtype(wrapper, window: dict) -> torch.Tensor:
     Float16Module's fp32 upcast off. The caller's copy into its fp32 buffer is that upcast (bf16 -> fp32 is exact):
     one pass over [batch, vocab] instead of a cast and a copy (~27 + ~22 us per decode step at batch 64 on the H200).
     A model without Float16Module or a pipeline of several stages takes the wrapper's call."""
+    from megatron.core.inference.communication_utils import is_pipeline_first_stage, is_pipeline_last_stage
     from megatron.core.transformer.module import Float16Module
 
     model = wrapper.model
-    if not isinstance(model, Float16Module) or wrapper.pp_group.size() > 1:
+    one_stage = is_pipeline_first_stage(wrapper.pp_group) and is_pipeline_last_stage(wrapper.pp_group)  # as the wrapper
+    if not isinstance(model, Float16Module) or not one_stage:
         return wrapper.run_one_forward_step(window)[:, -1, :]
     tokens = window["tokens"]
-    logits = model(tokens, window["position_ids"], window["attention_mask"], inference_context=wrapper.inference_context,
-                   runtime_gather_output=True, fp32_output=False)
+    logits = model(tokens, window["position_ids"], window["attention_mask"],
+                   inference_context=wrapper.inference_context, runtime_gather_output=True, fp32_output=False)
     wrapper.inference_context.increment_sequence_len_offset(tokens.size(1))
     return logits[:, -1, :]
 

@@ -3,6 +3,7 @@
 Runs under TRITON_INTERPRET=1 on the CPU (conftest.py) at small shapes; tests/kernels/test_kernels_gpu.py repeats it at real shapes.
 Bitwise among paths: packed vs block-value operands, M=1 vs a batch, grouped vs dense, tile shapes at fixed BLOCK_K.
 """
+import dataclasses
 import itertools
 
 import pytest
@@ -247,8 +248,8 @@ def test_decode_order_words_hold_the_documented_bits():
 
 def test_default_tiles_fill_the_gpu_at_decode_sizes():
     """default_config's GPU tiles: the training tile where a launch has programs for every SM, a 64x64 tile for a
-    dense layer at a rollout's batch (the training tile would leave most SMs idle), decode tiles for few rows per
-    expert, 128 columns wide for packed weights in the decode order."""
+    dense layer at a rollout's batch of up to 256 rows (the training tile would leave most SMs idle), decode tiles for
+    few rows per expert, 128 columns wide for packed weights in the decode order."""
     from minite.kernels.nvfp4_gemm import FEW_PROGRAMS, default_config
     train = default_config(1024, False, rows=131072, n=1536)
     assert (train.block_m, train.block_n) == (128, 256)
@@ -256,6 +257,7 @@ def test_default_tiles_fill_the_gpu_at_decode_sizes():
     assert (proj.block_m, proj.block_n) == (64, 64)
     assert -(-256 // 128) * -(-2048 // 256) < FEW_PROGRAMS <= -(-4096 // 128) * -(-2048 // 256)
     assert (default_config(256, False, rows=4096, n=2048).block_m, default_config(256, False).block_m) == (128, 128)
+    assert default_config(512, False, rows=512, n=640).block_m == 128  # few programs, but more rows than measured
     ordered = default_config(16, False, packed=True, ordered=True)
     plain = default_config(16, False, packed=True)
     assert (ordered.block_m, ordered.block_n, ordered.swap_ab) == (32, 128, True) and plain.block_n == 64
@@ -302,8 +304,29 @@ def test_decode_order_weights_bitwise():
         assert torch.equal(grouped_gemm_triton(a, bytes_only, counts, a_values=a_vals, config=cfg), ref), vars(cfg)
     doubled = stack_expert_weights(ws, decode=True)
     doubled.decode_scale = doubled.decode_scale * 2  # the fp16 scales are what the kernel reads: the test can fail
-    assert not torch.equal(grouped_gemm_triton(a, doubled, counts, a_values=a_vals, config=GemmConfig(16, 32, 128, 4, 1)),
-                           grouped_gemm_triton(a, plain, counts, a_values=a_vals, config=GemmConfig(16, 32, 128, 4, 1)))
+    tile = GemmConfig(16, 32, 128, 4, 1)
+    assert not torch.equal(grouped_gemm_triton(a, doubled, counts, a_values=a_vals, config=tile),
+                           grouped_gemm_triton(a, plain, counts, a_values=a_vals, config=tile))
+    # every scale byte through a launch (0x7F, E4M3's NaN, and the sign bit included), fp16 against the loop's decode
+    every = stack_expert_weights([_weights(64, 512, 40 + e) for e in range(experts)], decode=True)
+    assert every.scale.numel() >= 256
+    every.scale = (torch.arange(every.scale.numel()) % 256).to(torch.uint8).reshape(every.scale.shape).to(DEVICE)
+    every.decode_scale = decode_scales(every.scale.view(torch.float8_e4m3fn))
+    ae, ae_vals = quantize_with_values_triton(torch.randn(sum(counts), 512, device=DEVICE), (1, 16), "row", "nearest",
+                                              None, False)
+    assert torch.equal(grouped_gemm_triton(ae, every, counts, a_values=ae_vals, config=tile),
+                       grouped_gemm_triton(ae, dataclasses.replace(every, decode_scale=None), counts, a_values=ae_vals,
+                                           config=tile))
+    # K = 384 with 256-wide K steps: the masked (not EVEN_K) loads of the decode order, both scale paths
+    ws3 = [_weights(n, 384, 30 + e) for e in range(experts)]
+    ordered3 = stack_expert_weights(ws3, decode=True)
+    a3, a3_vals = quantize_with_values_triton(torch.randn(sum(counts), 384, device=DEVICE), (1, 16), "row", "nearest",
+                                              None, False)
+    ref3 = grouped_gemm_triton(a3, stack_expert_weights(ws3), counts, a_values=a3_vals,
+                               config=GemmConfig(16, 32, 64, 4, 1))
+    for w3 in (ordered3, dataclasses.replace(ordered3, decode_scale=None)):
+        assert torch.equal(grouped_gemm_triton(a3, w3, counts, a_values=a3_vals, config=GemmConfig(16, 32, 256, 4, 1)),
+                           ref3)
     garbled = stack_expert_weights(ws, decode=True)
     garbled.decode_data = plain.data  # the plain order read as the decode order: the test can fail
     assert not torch.equal(grouped_gemm_triton(a, garbled, counts, a_values=a_vals, config=GemmConfig(16, 32, 128, 4, 1)),

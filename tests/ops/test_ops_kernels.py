@@ -84,7 +84,8 @@ def test_packed_expert_weights_keep_the_decode_order_and_refill_it_in_place():
     ptrs = old.decode_data.data_ptr(), old.decode_scale.data_ptr()
     assert refill_in_place(old, new)
     assert (old.decode_data.data_ptr(), old.decode_scale.data_ptr()) == ptrs
-    assert torch.equal(old.decode_data, decode_order(new.data)) and torch.equal(old.decode_scale, decode_scales(new.scale))
+    assert torch.equal(old.decode_data, decode_order(new.data))
+    assert torch.equal(old.decode_scale, decode_scales(new.scale))
     vals = quantize_expert_weights(torch.randn(2, 32, 256, device=DEVICE), NVFP4Recipe(), backend="triton")
     assert vals.decode_data is None and not refill_in_place(vals, new)
 

@@ -216,6 +216,7 @@ def test_captured_step_keeps_the_logits_in_the_model_dtype(precision):
     (full, off_full), (half, off_half), (bare_ref, _), (bare_out, _) = outs
     assert full.dtype == torch.float32 and half.dtype == torch.bfloat16 and off_half == off_full == 4
     assert torch.equal(half.float(), full)
+    # without Float16Module the wrapper's own call runs (a model that refused fp32_output= would raise here)
     assert bare_out.dtype == bare_ref.dtype == torch.bfloat16 and torch.equal(bare_out, bare_ref)
 
 

@@ -8,9 +8,9 @@ iteration) is counted by opcode. Variants: packed weights decoded by the Triton 
 (`ptx`), and from the decode order's words (`ptx_decode_order`: shifts and masks, then one `mov` per MMA register;
 minite.nvfp4.grouped.DECODE_BLOCK) with the scales as fp16 (`NVFP4Stack.decode_scale`) or as their E4M3 bytes
 (`ptx_decode_order_u8_scales`); the activations as fp16 block values, as in a rollout. Integer arguments divisible
-by 16 and 16-byte-aligned pointers are declared, as Triton specialises them at a real launch. The counts say where a decode step's instructions go (docs/benchmarks.md, rollout section); they are a
-static census of one loop iteration per thread, not a timing: the GPU measures the time (`bench_nvfp4.py --sections
-rollout_gemm`).
+by 16 and 16-byte-aligned pointers are declared, as Triton specialises them at a real launch. The counts say where
+a decode step's instructions go (docs/benchmarks.md, rollout section); they are a static census of one loop
+iteration per thread, not a timing: the GPU measures the time (`bench_nvfp4.py --sections rollout_gemm`).
 
     python tools/bench/sass_census.py --strict
 
@@ -74,7 +74,7 @@ def compile_sass(variant: str, block_m: int, block_n: int, block_k: int, num_war
     div = [k for k in SIGNATURE if SIGNATURE[k].startswith("*")] + ["N", "K"]
     constexprs = dict(A_SBR=1, B_SBR=16, A_PACKED=False, B_PACKED=True, BLOCK_E=128, BLOCK_M=block_m,
                       BLOCK_N=block_n, BLOCK_K=block_k, SWAP_AB=swap_ab, B_TRANS=False, EVEN_K=True,
-                      **dict(dict(B_F16_SCALES=False), **VARIANTS[variant]))
+                      **{"B_F16_SCALES": False, **VARIANTS[variant]})
     signature = dict(SIGNATURE, b_scale="*fp16") if constexprs.get("B_F16_SCALES") else SIGNATURE
     return kernel_sass(ng._grouped_gemm_kernel, signature, constexprs, div,
                        dict(num_warps=num_warps, num_stages=num_stages))
