@@ -13,9 +13,9 @@ Sections:
           quantisation + packed-weight grouped GEMM, decode tiles) vs torch.bmm on bf16 weights. Both timed as CUDA
           graph replays over 8 rotating weight sets (the bf16 weights of one set fit in the 60 MB L2; rotating keeps
           the measurement on HBM for both).
-- rollout_gemm: the expert GEMMs (FC1, FC2) of one decode step of the rollout slice at batch 1, 8, 64, 256
-          (128 experts, top-8): BF16 torch._grouped_mm vs W4A4 reading fp16 block-value weights vs packed weights
-          (Triton and inline-PTX nibble decode, a sweep of tiles, each checked bitwise against the training tile).
+- rollout_gemm: the expert GEMMs (FC1, FC2) of one decode step of the rollout slice at batch 1, 8, 64, 256 (128
+          experts, top-8): BF16 torch._grouped_mm vs W4A4 on fp16 block-value weights vs packed weights (Triton and
+          PTX nibble decodes, the decode order; a sweep of tiles, each checked bitwise against the training tile).
 Timing: triton.testing.do_bench medians (events), after warm-up; every number in the JSON comes from this run.
 """
 from __future__ import annotations
@@ -379,19 +379,16 @@ def section_decode(res: dict, decode_cfg: GemmConfig | None) -> None:
 
 
 # ---------------------------------------------------------------- rollout_gemm
-ROLLOUT_CANDIDATES = [GemmConfig(16, 64, 128, 4, 4, True), GemmConfig(16, 128, 128, 4, 4, True),
-                      GemmConfig(16, 128, 128, 8, 4, True), GemmConfig(16, 64, 256, 4, 3, True),
-                      GemmConfig(16, 128, 256, 8, 3, True), GemmConfig(32, 64, 128, 4, 4, True),
-                      GemmConfig(16, 64, 128, 4, 4), GemmConfig(16, 128, 256, 4, 3, True),
-                      GemmConfig(32, 128, 128, 4, 4, True)]
+ROLLOUT_TILES = [GemmConfig(*c) for c in (  # the first is the default below 9 rows per expert, the last above
+    (16, 64, 128, 4, 4, True), (16, 128, 128, 4, 4, True), (16, 128, 128, 8, 4, True), (16, 64, 256, 4, 3, True),
+    (16, 128, 256, 8, 3, True), (32, 64, 128, 4, 4, True), (16, 64, 128, 4, 4), (32, 128, 128, 4, 3, True))]
 
 
 def section_rollout_gemm(res: dict, batches=(1, 8, 64, 256)) -> None:
-    """The expert GEMMs of one decode step of the rollout slice (128 experts, top-8 of `batch` tokens): BF16
-    torch._grouped_mm vs W4A4 on fp16 block-value weights (what the rollout read until now) vs packed weights with the
-    Triton and the PTX nibble decode, the decode order with fp16 scales and (one tile) with the scale bytes decoded in
-    the loop, every W4A4 config checked bitwise against the training tile. Eight routings per timed graph, so the
-    experts read differ between calls (the 8-expert case would fit the 50 MB L2 otherwise)."""
+    """The expert GEMMs of a decode step of the rollout slice (128 experts, top-8 of `batch` tokens): BF16 _grouped_mm,
+    W4A4 on fp16 block values, packed weights (Triton / PTX decode; the decode order with fp16 scales, and on one tile
+    with its scale bytes), every W4A4 tile checked bitwise against the training tile. Eight routings per timed graph:
+    the experts read differ between calls (the 8-expert case would fit the 50 MB L2 otherwise)."""
     from minite.kernels import nvfp4_gemm as ng
     sets = 8
     out = res.setdefault("rollout_gemm_us", {})
@@ -402,7 +399,6 @@ def section_rollout_gemm(res: dict, batches=(1, 8, 64, 256)) -> None:
         packed = stack_expert_weights(qs)
         values = stack_expert_weights(qs, values=True)
         ordered = stack_expert_weights(qs, decode=True)
-        bytes_only = dataclasses.replace(ordered, decode_scale=None)  # the scale bytes decoded in the K loop
         wt = wb.transpose(1, 2)  # [E, K, N] view for torch._grouped_mm
         for b in batches:
             rows = b * TOPK
@@ -422,20 +418,19 @@ def section_rollout_gemm(res: dict, batches=(1, 8, 64, 256)) -> None:
                 lambda: [grouped_gemm_triton(qa[i][0], values, cnts[i], torch.bfloat16, a_values=qa[i][1],
                                              rows_hint=max(1, rows // EXPERTS)) for i in range(sets)], sets)
             best = None
-            variants = [("triton", packed, c) for c in ROLLOUT_CANDIDATES[:2]] \
-                + [("ptx", packed, c) for c in ROLLOUT_CANDIDATES] \
-                + [("ptx_decode_order", ordered, c) for c in ROLLOUT_CANDIDATES] \
-                + [("ptx_decode_order_u8_scales", bytes_only, c) for c in ROLLOUT_CANDIDATES[:1]]
+            variants = [("triton", packed, c) for c in ROLLOUT_TILES[:2]] \
+                + [(v, w, c) for v, w in (("ptx", packed), ("ptx_decode_order", ordered)) for c in ROLLOUT_TILES] \
+                + [("ptx_decode_order_u8_scales", dataclasses.replace(ordered, decode_scale=None), ROLLOUT_TILES[0])]
             for name, wts, c in variants:
                 ng.PTX_DECODE = name != "triton"
-                key = f"packed_{name}_{c.block_m}x{c.block_n}x{c.block_k}_w{c.num_warps}" \
-                      f"s{c.num_stages}{'_swap' if c.swap_ab else ''}"
+                key = (f"packed_{name}_{c.block_m}x{c.block_n}x{c.block_k}_w{c.num_warps}s{c.num_stages}"
+                       f"{'_swap' * c.swap_ab}")
+
+                def run(i, wts=wts, c=c):
+                    return grouped_gemm_triton(qa[i][0], wts, cnts[i], torch.bfloat16, a_values=qa[i][1], config=c)
                 try:
-                    same = torch.equal(grouped_gemm_triton(qa[0][0], wts, cnts[0], torch.bfloat16,
-                                                           a_values=qa[0][1], config=c), ref)
-                    t = 1e3 * bench_graph(lambda: [grouped_gemm_triton(qa[i][0], wts, cnts[i], torch.bfloat16,
-                                                                       a_values=qa[i][1], config=c)
-                                                   for i in range(sets)], sets)
+                    same = torch.equal(run(0), ref)
+                    t = 1e3 * bench_graph(lambda: [run(i) for i in range(sets)], sets)
                 except Exception as exc:
                     log(f"  rollout_gemm {fc} b{b} {key} failed: {type(exc).__name__}: {str(exc)[-600:]}")
                     continue
