@@ -32,9 +32,9 @@ reference to every RoPE tensor its captures saw (the learner's many sequence len
 engine's table and free what a graph reads). The graphs of one shape share one memory pool; a step's temporaries
 are dead when it ends, and its logits, left in the model's dtype, are copied into one fp32 buffer allocated outside
 the pool (the copy is Float16Module's upcast, exact). Sampling and the log-softmax stay eager (a few launches). A
-capture that fails (a host synchronisation inside the forward, e.g. strict
-BF16's host-side expert counts) turns graphs off for this decoder with one warning naming the error, and the step
-runs eagerly: the bits are the same either way (a graph replays the kernels the eager step launches).
+capture that fails (a host synchronisation inside the forward, e.g. strict BF16's host-side expert counts) turns
+graphs off for this decoder with one warning naming the error, and the step runs eagerly: the bits are the same
+either way (a graph replays the kernels the eager step launches).
 """
 from __future__ import annotations
 
