@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from minite.nvfp4.device_copy import int32_to
-from minite.nvfp4.grouped import NVFP4Stack, decode_order, decode_scales
+from minite.nvfp4.grouped import NVFP4Stack
 from minite.nvfp4.tensor import FACTOR_INV, NVFP4Tensor
 
 from ._interpreter import ensure_interpreter_compat, interpreting
@@ -409,7 +409,7 @@ def stack_expert_weights(weights: list[NVFP4Tensor], values: bool = False, decod
     if values:
         st.values = torch.stack([w.block_values(VALUES_DTYPE) for w in weights])
     if decode:
-        st.decode_data, st.decode_scale = decode_order(st.data), decode_scales(st.scale)
+        st.keep_decode_order()
     return _from_stack(st)
 
 

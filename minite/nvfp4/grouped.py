@@ -141,6 +141,12 @@ class NVFP4Stack:
     def __len__(self) -> int:
         return self.scale.shape[0]
 
+    def keep_decode_order(self) -> "NVFP4Stack":
+        """Keep the codes again in the decode order and the scales decoded (`decode_order`, `decode_scales`), the
+        pair the small-M kernel reads together. Returns self."""
+        self.decode_data, self.decode_scale = decode_order(self._codes("keep_decode_order")), decode_scales(self.scale)
+        return self
+
     def drop_codes(self) -> "NVFP4Stack":
         """Free the packed codes (and their decode-order copy) of a stack that keeps its block values: 0.5 B per
         element for GEMMs that read only the values (the kernels'). Returns self."""

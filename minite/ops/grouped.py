@@ -26,8 +26,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from minite.nvfp4 import (NVFP4Recipe, NVFP4Segments, NVFP4Stack, decode_order, decode_scales, grouped_gemm,
-                          quantize_count_segments, quantize_stack, segmented_gemm, segmented_gemm_passes)
+from minite.nvfp4 import (NVFP4Recipe, NVFP4Segments, NVFP4Stack, grouped_gemm, quantize_count_segments,
+                          quantize_stack, segmented_gemm, segmented_gemm_passes)
 
 from minite.nvfp4.backend import has_kernel, kernel, resolve
 from minite.strict import fused as strict_fused, fused_swiglu
@@ -85,7 +85,7 @@ def quantize_expert_weights(weight: torch.Tensor, recipe: NVFP4Recipe, *, backen
     st = quantize_stack(weight, block=op.block, rounding=op.rounding, seeds=seeds, rht=op.rht, backend=backend,
                         **flags)
     if not values and weight.shape[2] % 128 == 0 and quant_flags(backend, weight)["values"]:  # packed, on the kernels
-        st.decode_data, st.decode_scale = decode_order(st.data), decode_scales(st.scale)
+        st.keep_decode_order()
     return st
 
 

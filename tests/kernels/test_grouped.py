@@ -136,7 +136,8 @@ def test_values_only_stack_multiplies_as_the_full_one():
                                seed=None, rht=False)
         assert torch.equal(grouped_gemm(a, bare, counts, backend="triton", transpose_weights=trans),
                            grouped_gemm(a, full, counts, backend="triton", transpose_weights=trans))
-    for use in (lambda: bare[0], bare.t, lambda: grouped_gemm(a, bare, counts, backend="reference")):
+    for use in (lambda: bare[0], bare.t, lambda: grouped_gemm(a, bare, counts, backend="reference"),
+                bare.keep_decode_order):
         with pytest.raises(ValueError, match="block values only"):
             use()
     with pytest.raises(ValueError, match="no block values"):
