@@ -49,7 +49,7 @@ from minite.nvfp4.hadamard import RHT_SIGNS
 from minite.nvfp4.quantize import SATURATED_AMAX
 from minite.nvfp4.tensor import NVFP4Tensor
 
-from ._interpreter import ensure_interpreter_compat
+from ._interpreter import ensure_interpreter_compat, interpreting
 from ._launch import cdiv, launcher, next_power_of_2, sm_count
 from .nvfp4_seeds import _as_int32_bits, seed_mix  # noqa: F401 (seed_mix: part of this module's API)
 
@@ -59,6 +59,68 @@ SIXTH = float(np.float32(1.0) / np.float32(6.0))  # the reference's fp32 1/6, ex
 RHT_SIGN_MASK = sum(1 << i for i, s in enumerate(RHT_SIGNS) if s < 0)
 MAX_SINGLE_PASS_COLS = 8192
 _SATURATED_AMAX = tl.constexpr(SATURATED_AMAX)  # an fp32 value, exact as a Python float
+
+# The E2M1 encoding of a pair on the GPU, in PTX that keeps the integer ALU free (the quantisers were bound by that
+# pipe on the H200: ncu, docs/benchmarks.md issue 17, session 21): per element a = min(|v|, 6); M = 2^22 x 2^e, e the
+# exponent of max(a, 1), whose fp32 ulp is the E2M1 step at a (0.5 below 2, 1 in [2, 4), 2 in [4, 6]), so a + M
+# rounds a to the E2M1 grid in one IEEE rounding, nearest-even, and (a + M) - M is the rounded magnitude r (exact);
+# r x 2^-126 is an fp32 whose bits are the E2M1 code shifted left by 22 (2-bit exponent, 1 mantissa bit, its
+# subnormal 0.5 at 2^-127: no flush to zero here). The sign is TE's v < 0: v + 0 turns -0 into +0 (NaN has no sign
+# after an add), and its top bit is the sign. The byte (even element in the low nibble) is then (t_e + 16 t_o) >> 22
+# plus 8 and 128 times the signs, in integer multiply-adds and high multiplies (the FMA pipe) instead of shifts, masks
+# and selects. Every rounding is spelled .rn so that ptxas cannot contract a multiply into an add. Bits equal to
+# `_e2m1_nearest` for every 0 <= a <= 6 (tests/kernels/test_quant.py models these steps exhaustively in numpy; the GPU
+# tests compare the kernels with the reference). $0: the byte; with values, $1/$2 the signed rounded magnitudes.
+_E2M1_PAIR_BODY = """
+.reg .f32 ae, ao, me, mo, se, so, re, ro, te, to, ze, zo;
+.reg .b32 be, bo, ue, uo, w, s;
+abs.f32 ae, $VE;
+min.f32 ae, ae, 0f40C00000;
+abs.f32 ao, $VO;
+min.f32 ao, ao, 0f40C00000;
+max.f32 me, ae, 0f3F800000;
+max.f32 mo, ao, 0f3F800000;
+mov.b32 be, me;
+mov.b32 bo, mo;
+and.b32 be, be, 0x7F800000;
+and.b32 bo, bo, 0x7F800000;
+mov.b32 me, be;
+mov.b32 mo, bo;
+mul.rn.f32 me, me, 0f4A800000;
+mul.rn.f32 mo, mo, 0f4A800000;
+add.rn.f32 se, ae, me;
+add.rn.f32 so, ao, mo;
+sub.rn.f32 re, se, me;
+sub.rn.f32 ro, so, mo;
+mul.rn.f32 te, re, 0f00800000;
+mul.rn.f32 to, ro, 0f00800000;
+mov.b32 be, te;
+mov.b32 bo, to;
+mad.lo.u32 w, bo, 16, be;
+mul.hi.u32 w, w, 1024;
+add.rn.f32 ze, $VE, 0f00000000;
+add.rn.f32 zo, $VO, 0f00000000;
+mov.b32 ue, ze;
+mov.b32 uo, zo;
+mul.hi.u32 s, ue, 2;
+mad.lo.u32 w, s, 8, w;
+mul.hi.u32 s, uo, 2;
+mad.lo.u32 $0, s, 128, w;
+"""
+_E2M1_PAIR_PTX = tl.constexpr("{" + _E2M1_PAIR_BODY.replace("$VE", "$1").replace("$VO", "$2") + "}")
+_E2M1_PAIR_VALUES_PTX = tl.constexpr("{" + _E2M1_PAIR_BODY.replace("$VE", "$3").replace("$VO", "$4") + """
+.reg .b32 rb;
+and.b32 ue, ue, 0x80000000;
+mov.b32 rb, re;
+or.b32 rb, rb, ue;
+mov.b32 $1, rb;
+and.b32 uo, uo, 0x80000000;
+mov.b32 rb, ro;
+or.b32 rb, rb, uo;
+mov.b32 $2, rb;
+}""")
+_PTX = tl.constexpr(not interpreting())
+"""Encode with `_E2M1_PAIR_PTX` (compiled kernels); the interpreter runs `_e2m1_nearest`, the same bits."""
 
 
 @triton.jit
@@ -70,6 +132,32 @@ def _lowbias32(x):
     x = x * tl.full([], 0x846CA68B, tl.uint32)
     x = x ^ (x >> 16)
     return x
+
+
+# `_lowbias32(x) >> 8` (the 24 random bits) on the GPU: each shift right as a high multiply (x >> n is the high word of
+# x * 2^(32 - n)), so that the hash's shifts run on the FMA pipe beside its two multiplies; the xors stay on the ALU.
+_HASH24_PTX = tl.constexpr("""{
+.reg .b32 x, t;
+mul.hi.u32 t, $1, 65536;
+xor.b32 x, $1, t;
+mul.lo.u32 x, x, 0x7FEB352D;
+mul.hi.u32 t, x, 131072;
+xor.b32 x, x, t;
+mul.lo.u32 x, x, 0x846CA68B;
+mul.hi.u32 t, x, 65536;
+xor.b32 x, x, t;
+mul.hi.u32 $0, x, 16777216;
+}""")
+
+
+@triton.jit
+def _hash24(x):
+    """The 24 random bits of counter x (uint32): `_lowbias32(x) >> 8`, as int32."""
+    if _PTX:
+        return tl.inline_asm_elementwise(_HASH24_PTX, "=r,r", [x], dtype=tl.uint32, is_pure=True,
+                                         pack=1).to(tl.int32, bitcast=True)
+    else:
+        return (_lowbias32(x) >> 8).to(tl.int32)
 
 
 @triton.jit
@@ -218,6 +306,30 @@ def _e2m1_stochastic(mag, k):
 
 
 @triton.jit
+def _encode_pairs(v, rows, c0, C, seed_mix, G: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """(byte, signed rounded magnitude of the even / odd elements) of a scaled [BLOCK_R, G, 8, 2] tile v: E2M1 codes,
+    even element in the low nibble, nearest-even or stochastic from the counter hash. The Triton encoding (the
+    interpreter, and stochastic rounding on the GPU)."""
+    mag = tl.minimum(tl.abs(v), 6.0)  # |clamp(v, -6, 6)|
+    if STOCHASTIC:
+        g = tl.arange(0, G)
+        jj = tl.arange(0, 8)
+        pp = tl.arange(0, 2)
+        col = (c0 + g * 16)[None, :, None, None] + jj[None, None, :, None] * 2 + pp[None, None, None, :]
+        # (flat index + mix) mod 2^32 computed directly in wrapping uint32 arithmetic (cheaper than int64)
+        flat = rows[:, None, None, None].to(tl.uint32) * C.to(tl.uint32) + col.to(tl.uint32)
+        k = _hash24(flat + seed_mix.to(tl.uint32, bitcast=True))  # seed_mix arrives as its int32 bit pattern
+        idx, rounded = _e2m1_stochastic(mag, k)
+    else:
+        idx, rounded = _e2m1_nearest(mag)
+    neg = v < 0.0  # TE's sign test: -0.0 gets code 0, a negative value rounding to zero code 8 (docs/nvfp4.md)
+    code = idx | (neg.to(tl.int32) << 3)
+    even, odd = tl.split(code)  # [BLOCK_R, G, 8] each: even element in the low nibble
+    re, ro = tl.split(tl.where(neg, -rounded, rounded))
+    return (even | (odd << 4)).to(tl.uint8), re, ro
+
+
+@triton.jit
 def _quantize_tile(x, bamax, rows, c0, R, C, s_enc, s_dec, sixth, seed_mix,
                    data_ptr, scale_ptr, vals_ptr, scale_row0, out_r0, out_c0, OC,
                    BLOCK_R: tl.constexpr, G: tl.constexpr, BR: tl.constexpr,
@@ -238,20 +350,17 @@ def _quantize_tile(x, bamax, rows, c0, R, C, s_enc, s_dec, sixth, seed_mix,
     scode, sf = _e4m3_rne(sv)
     mult = tl.minimum(tl.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf * s_dec), 3.4028234663852886e38)
     v = x * mult[:, :, None, None]
-    mag = tl.minimum(tl.abs(v), 6.0)  # |clamp(v, -6, 6)|
-    if STOCHASTIC:
-        pp = tl.arange(0, 2)
-        col = (c0 + g * 16)[None, :, None, None] + jj[None, None, :, None] * 2 + pp[None, None, None, :]
-        # (flat index + mix) mod 2^32 computed directly in wrapping uint32 arithmetic (cheaper than int64)
-        flat = rows[:, None, None, None].to(tl.uint32) * C.to(tl.uint32) + col.to(tl.uint32)
-        h = _lowbias32(flat + seed_mix.to(tl.uint32, bitcast=True))  # seed_mix arrives as its int32 bit pattern
-        idx, rounded = _e2m1_stochastic(mag, (h >> 8).to(tl.int32))
+    if _PTX and not STOCHASTIC:
+        ve, vo = tl.split(v)  # [BLOCK_R, G, 8] each: even element in the low nibble
+        if WRITE_VALS:
+            byte, re, ro = tl.inline_asm_elementwise(_E2M1_PAIR_VALUES_PTX, "=r,=f,=f,f,f", [ve, vo],
+                                                     dtype=(tl.int32, tl.float32, tl.float32), is_pure=True, pack=1)
+        else:
+            byte = tl.inline_asm_elementwise(_E2M1_PAIR_PTX, "=r,f,f", [ve, vo], dtype=tl.int32, is_pure=True,
+                                             pack=1)
+        byte = byte.to(tl.uint8)
     else:
-        idx, rounded = _e2m1_nearest(mag)
-    neg = v < 0.0  # TE's sign test: -0.0 gets code 0, a negative value rounding to zero code 8 (docs/nvfp4.md)
-    code = idx | (neg.to(tl.int32) << 3)
-    even, odd = tl.split(code)  # [BLOCK_R, G, 8] each: even element in the low nibble
-    byte = (even | (odd << 4)).to(tl.uint8)
+        byte, re, ro = _encode_pairs(v, rows, c0, C, seed_mix, G, STOCHASTIC)
     orows = (out_r0 + rows).to(tl.int64)
     if VEC2D:
         bcols = c0 // 2 + tl.arange(0, G * 8)
@@ -271,8 +380,8 @@ def _quantize_tile(x, bamax, rows, c0, R, C, s_enc, s_dec, sixth, seed_mix,
     if WRITE_VALS:
         # the block values in pairs: one 32-bit word per code byte (even element in the low half), stored with the
         # codes' addressing, so the stores vectorise as the codes' do (one 16-bit store per element otherwise)
-        val = (tl.where(neg, -rounded, rounded) * sf[:, :, None, None]).to(vals_ptr.dtype.element_ty)
-        ev, od = tl.split(val.to(tl.uint16, bitcast=True).to(tl.uint32))
+        ev = (re * sf[:, :, None]).to(vals_ptr.dtype.element_ty).to(tl.uint16, bitcast=True).to(tl.uint32)
+        od = (ro * sf[:, :, None]).to(vals_ptr.dtype.element_ty).to(tl.uint16, bitcast=True).to(tl.uint32)
         word = ev | (od << 16)
         wptr = tl.multiple_of(vals_ptr.to(tl.pointer_type(tl.uint32), bitcast=True), 16)
         if VEC2D:

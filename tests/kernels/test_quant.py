@@ -5,6 +5,7 @@ Runs under TRITON_INTERPRET=1 on the CPU (conftest.py) at small shapes; tests/ke
 import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -342,3 +343,58 @@ def test_e2m1_rounding_at_its_boundaries(stochastic):
 
 def triton_cdiv(a, b):
     return (a + b - 1) // b
+
+
+def _ptx_pair_model(ve: np.ndarray, vo: np.ndarray):
+    """kernels/nvfp4_quant.py's `_E2M1_PAIR_VALUES_PTX`, instruction by instruction in numpy fp32 (IEEE, round to
+    nearest, subnormals kept, as the PTX's .rn operations without .ftz) and wrapping uint32: (byte, signed rounded
+    magnitudes). PTX's min/max return the non-NaN operand; no NaN reaches the model."""
+    f32, u32 = np.float32, np.uint32
+
+    def one(v):
+        a = np.minimum(np.abs(v), f32(6.0))
+        m = (np.maximum(a, f32(1.0)).view(u32) & u32(0x7F800000)).view(f32) * f32(2.0 ** 22)
+        r = (a + m) - m
+        t = (r * f32(2.0 ** -126)).view(u32)
+        z = (v + f32(0.0)).view(u32)
+        return t, z, r
+
+    te, ze, re = one(ve)
+    to, zo, ro = one(vo)
+    w = to * u32(16) + te
+    w = ((w.astype(np.uint64) * 1024) >> 32).astype(u32)
+    w = ((ze.astype(np.uint64) * 2) >> 32).astype(u32) * u32(8) + w
+    w = ((zo.astype(np.uint64) * 2) >> 32).astype(u32) * u32(128) + w
+    sign = lambda z, r: (r.view(u32) | (z & u32(0x80000000))).view(f32)  # noqa: E731
+    return w, sign(ze, re), sign(zo, ro)
+
+
+def test_ptx_pair_encoding_model_equals_the_reference():
+    """The GPU's E2M1 pair encoding (PTX, modelled step by step in numpy) equals the reference's rounding and TE's sign
+    test for every fp32 magnitude in [0, 6] at a stride of 61 bit patterns, the E2M1 neighbourhoods, magnitudes above
+    6 and infinities (clamped to 6), subnormals, and both zeros: the byte, and the signed rounded magnitudes that the
+    block values are made of. The compiled kernels are compared with the reference on the GPU (this file, DEVICE)."""
+    from minite.nvfp4.quantize import E2M1_MAGNITUDES, e2m1_round_nearest
+    dense = np.arange(0, np.float32(6.0).view(np.uint32) + 1, 61, dtype=np.uint32).view(np.float32)
+    extra = np.concatenate([_e2m1_neighbourhoods().numpy(), np.float32([6.5, 6.9999995, 7.0, 8.0, 1e30, np.inf, 0.0,
+                                                                          1e-45, 2.0 ** -127, 2.0 ** -149])])
+    mags = np.concatenate([dense, extra]).astype(np.float32)
+    rng = np.random.default_rng(5)
+    v = mags * np.where(rng.random(mags.size) < 0.5, np.float32(-1.0), np.float32(1.0))
+    v = np.concatenate([v, np.float32([-0.0, 0.0, -1e-45, -np.inf])])
+    v = np.concatenate([v, v[:1]]) if v.size % 2 else v
+    ve, vo = v[0::2].copy(), v[1::2].copy()
+    byte, re, ro = _ptx_pair_model(ve, vo)
+
+    def ref(x):
+        t = torch.from_numpy(x)
+        idx = e2m1_round_nearest(t.abs().clamp(max=6.0)).long()
+        neg = t < 0
+        mag = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32)[idx]
+        return (idx | (neg.long() << 3)), torch.where(neg, -mag, mag)
+
+    ce, me = ref(ve)
+    co, mo = ref(vo)
+    assert np.array_equal(byte, (ce | (co << 4)).numpy().astype(np.uint32))
+    assert np.array_equal(re.view(np.uint32), me.numpy().view(np.uint32))
+    assert np.array_equal(ro.view(np.uint32), mo.numpy().view(np.uint32))
