@@ -11,7 +11,7 @@ import torch
 
 from minite.nvfp4 import apply_rht, quantize, quantize_reference
 from minite.nvfp4.quantize import uniform_u24
-from minite.kernels import nvfp4_quant
+from minite.kernels import nvfp4_encode, nvfp4_quant
 from minite.kernels.nvfp4_quant import quantize_triton, quantize_with_values_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -302,9 +302,9 @@ def _rounding_probe():
         m = offs < n
         mag = tl.load(mag_ptr + offs, mask=m, other=0.0)
         if STOCHASTIC:
-            idx, val = nvfp4_quant._e2m1_stochastic(mag, tl.load(k_ptr + offs, mask=m, other=0))
+            idx, val = nvfp4_encode._e2m1_stochastic(mag, tl.load(k_ptr + offs, mask=m, other=0))
         else:
-            idx, val = nvfp4_quant._e2m1_nearest(mag)
+            idx, val = nvfp4_encode._e2m1_nearest(mag)
         tl.store(idx_ptr + offs, idx, mask=m)
         tl.store(val_ptr + offs, val, mask=m)
     return probe
@@ -346,7 +346,7 @@ def triton_cdiv(a, b):
 
 
 def _ptx_pair_model(ve: np.ndarray, vo: np.ndarray):
-    """kernels/nvfp4_quant.py's `_E2M1_PAIR_VALUES_PTX`, instruction by instruction in numpy fp32 (IEEE, round to
+    """kernels/nvfp4_encode.py's `_E2M1_PAIR_VALUES_PTX`, instruction by instruction in numpy fp32 (IEEE, round to
     nearest, subnormals kept, as the PTX's .rn operations without .ftz) and wrapping uint32: (byte, signed rounded
     magnitudes). PTX's min/max return the non-NaN operand; no NaN reaches the model."""
     f32, u32 = np.float32, np.uint32

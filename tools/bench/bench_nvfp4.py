@@ -81,12 +81,12 @@ def section_copy_quant(res: dict) -> None:
         for kind, values in (("plain", False), ("values", True)):
             best = None
             for vec2d in (True, False):
-                for elems in (1024, 2048, 4096):
-                    nq.TUNING[kind] = {"elems": elems, "warps": 2, "vec2d": vec2d}
+                for elems, warps in ((e, w) for e in (1024, 2048, 4096) for w in (1, 2)):
+                    nq.TUNING[kind] = {"elems": elems, "warps": warps, "vec2d": vec2d}
                     fn = (lambda: quantize_with_values_triton(x, (1, 16), "row", "nearest", None, False)) if values \
                         else (lambda: quantize_triton(x, (1, 16), "row", "nearest", None, False))
                     t = bench(fn, rep=60)
-                    log(f"  quant sweep {kind} vec2d={vec2d} elems={elems} warps=2: {t * 1e3:.1f} us")
+                    log(f"  quant sweep {kind} vec2d={vec2d} elems={elems} warps={warps}: {t * 1e3:.1f} us")
                     if best is None or t < best[0]:
                         best = (t, dict(nq.TUNING[kind]))
             nq.TUNING[kind] = best[1]

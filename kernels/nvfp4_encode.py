@@ -1,0 +1,177 @@
+"""The element encodings of the NVFP4 quantisation kernels (kernels/nvfp4_quant.py), in Triton and, on the GPU, PTX.
+
+Why bit arithmetic for the casts: Hopper has no E2M1 convert, and Triton's interpreter gets fp32 -> float8e4nv wrong
+(carry, ties, saturation, subnormals; docs/nvfp4.md, "Triton's CPU interpreter"). The E4M3 rounding here adds
+0x7FFFF + lsb to the fp32 bits and truncates 20 mantissa bits (round to nearest even), and rounds subnormals
+(< 2^-6) with the 1.5 * 2^23 magic-number add. E2M1 (`_e2m1_nearest`, `_e2m1_stochastic`) works on the fp32 bits
+of |v| too: at 1 and above, E2M1 is fp32 with one mantissa bit (round: add 0x1FFFFF + lsb, clear 22 bits; stochastic:
+truncate, and compare the 24 random bits with the 22 bits cut off, in integers); below 1 the step is 0.5 (2|v| +
+2^23 in one rounding). The code index and the block value come off the rounded bits, with no float -> int
+conversion and no comparison against a table of midpoints. All of it is exact on the GPU and in the interpreter.
+Every fp32 multiply/divide mirrors one in the reference; the possible fma contraction (x*s + acc in the RHT,
+v*512 + C and 2|v| + 2^23 in the roundings) changes nothing because each product is exact.
+On the GPU the E2M1 encoding of a pair, TE's sign test and the nibble packing run as one PTX block
+(`_E2M1_PAIR_PTX`, below): the quantisers were bound by the integer ALU pipe on the H200 (ncu, 2026-12-04: row-scope
+RNE 78% ALU against 22% FMA, stochastic 89%), and the PTX moves that work to fp32 adds and integer multiply-adds, the
+FMA pipe. The interpreter runs the Triton encoding (`_encode_pairs`), the same bits.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._interpreter import interpreting
+
+# The E2M1 encoding of a pair on the GPU, in PTX that keeps the integer ALU free (the quantisers were bound by that
+# pipe on the H200: ncu, docs/benchmarks.md issue 17, session 21): per element a = min(|v|, 6); M = 2^22 x 2^e, e the
+# exponent of max(a, 1), whose fp32 ulp is the E2M1 step at a (0.5 below 2, 1 in [2, 4), 2 in [4, 6]), so a + M
+# rounds a to the E2M1 grid in one IEEE rounding, nearest-even, and (a + M) - M is the rounded magnitude r (exact);
+# r x 2^-126 is an fp32 whose bits are the E2M1 code shifted left by 22 (2-bit exponent, 1 mantissa bit, its
+# subnormal 0.5 at 2^-127: no flush to zero here). The sign is TE's v < 0: v + 0 turns -0 into +0 (NaN has no sign
+# after an add), and its top bit is the sign. The byte (even element in the low nibble) is then (t_e + 16 t_o) >> 22
+# plus 8 and 128 times the signs, in integer multiply-adds and high multiplies (the FMA pipe) instead of shifts, masks
+# and selects. Every rounding is spelled .rn so that ptxas cannot contract a multiply into an add. Bits equal to
+# `_e2m1_nearest` (tests/kernels/test_quant.py models these steps in numpy for every 61st fp32 in [0, 6] and the E2M1
+# neighbourhoods; the GPU tests compare the compiled kernels with the reference). $0: the byte; with values, $1/$2 the signed rounded magnitudes.
+_E2M1_PAIR_BODY = """
+.reg .f32 ae, ao, me, mo, se, so, re, ro, te, to, ze, zo;
+.reg .b32 be, bo, ue, uo, w, s;
+abs.f32 ae, $VE;
+min.f32 ae, ae, 0f40C00000;
+abs.f32 ao, $VO;
+min.f32 ao, ao, 0f40C00000;
+max.f32 me, ae, 0f3F800000;
+max.f32 mo, ao, 0f3F800000;
+mov.b32 be, me;
+mov.b32 bo, mo;
+and.b32 be, be, 0x7F800000;
+and.b32 bo, bo, 0x7F800000;
+mov.b32 me, be;
+mov.b32 mo, bo;
+mul.rn.f32 me, me, 0f4A800000;
+mul.rn.f32 mo, mo, 0f4A800000;
+add.rn.f32 se, ae, me;
+add.rn.f32 so, ao, mo;
+sub.rn.f32 re, se, me;
+sub.rn.f32 ro, so, mo;
+mul.rn.f32 te, re, 0f00800000;
+mul.rn.f32 to, ro, 0f00800000;
+mov.b32 be, te;
+mov.b32 bo, to;
+mad.lo.u32 w, bo, 16, be;
+mul.hi.u32 w, w, 1024;
+add.rn.f32 ze, $VE, 0f00000000;
+add.rn.f32 zo, $VO, 0f00000000;
+mov.b32 ue, ze;
+mov.b32 uo, zo;
+mul.hi.u32 s, ue, 2;
+mad.lo.u32 w, s, 8, w;
+mul.hi.u32 s, uo, 2;
+mad.lo.u32 $0, s, 128, w;
+"""
+_E2M1_PAIR_PTX = tl.constexpr("{" + _E2M1_PAIR_BODY.replace("$VE", "$1").replace("$VO", "$2") + "}")
+_E2M1_PAIR_VALUES_PTX = tl.constexpr("{" + _E2M1_PAIR_BODY.replace("$VE", "$3").replace("$VO", "$4") + """
+.reg .b32 rb;
+and.b32 ue, ue, 0x80000000;
+mov.b32 rb, re;
+or.b32 rb, rb, ue;
+mov.b32 $1, rb;
+and.b32 uo, uo, 0x80000000;
+mov.b32 rb, ro;
+or.b32 rb, rb, uo;
+mov.b32 $2, rb;
+}""")
+_PTX = tl.constexpr(not interpreting())
+"""Encode with `_E2M1_PAIR_PTX` (compiled kernels); the interpreter runs `_e2m1_nearest`, the same bits."""
+
+
+@triton.jit
+def _lowbias32(x):
+    """Bijective uint32 mixer; identical to minite.nvfp4.quantize._lowbias32 (uint32 multiply wraps mod 2^32)."""
+    x = x ^ (x >> 16)
+    x = x * tl.full([], 0x7FEB352D, tl.uint32)
+    x = x ^ (x >> 15)
+    x = x * tl.full([], 0x846CA68B, tl.uint32)
+    x = x ^ (x >> 16)
+    return x
+
+
+@triton.jit
+def _e4m3_rne(v):
+    """E4M3 code (int32) and its fp32 value for 0 <= v <= 448, rounding to nearest even."""
+    bits = v.to(tl.int32, bitcast=True)
+    r = bits + 0x7FFFF + ((bits >> 20) & 1)
+    code_n = (((r >> 23) - 120) << 3) | ((r >> 20) & 7)
+    # below 2^-6 the step is 2^-9: round v * 2^9 to an integer with the 1.5 * 2^23 magic number (nearest even)
+    q = (v * 512.0 + 12582912.0) - 12582912.0
+    code = tl.where(v < 0.015625, q.to(tl.int32), code_n)
+    e = code >> 3
+    m = code & 7
+    val_n = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    val = tl.where(e == 0, m.to(tl.float32) * 0.001953125, val_n)
+    return code, val
+
+
+@triton.jit
+def _e2m1_nearest(mag):
+    """(E2M1 magnitude index, its fp32 value) of 0 <= mag <= 6, nearest-even, from the fp32 bits: no comparison
+    against the midpoints and no float -> int conversion (the conversions run at 1/8 of the FMA rate on Hopper).
+    mag >= 1 (the E2M1 normals 1..6, one mantissa bit): the fp32 bits rounded to one mantissa bit, nearest-even
+    (add 0x1FFFFF + that bit's lsb, clear the 22 bits below; a carry moves to the next binade, 1.75 -> 2), and the
+    index is (bits >> 22) - 252 = 2 * (exp - 126) + mantissa bit. mag < 1 (step 0.5: 0, 0.5, 1): 2 * mag + 2^23 in
+    one IEEE rounding (2 * mag is exact, so an fma changes nothing) puts round-half-even(2 * mag) in the low bits."""
+    bits = mag.to(tl.int32, bitcast=True)
+    r = (bits + (0x1FFFFF + ((bits >> 22) & 1))) & -4194304  # -4194304 = 0xFFC00000
+    f = mag * 2.0 + 8388608.0
+    sub = mag < 1.0
+    idx = tl.where(sub, f.to(tl.int32, bitcast=True) - 0x4B000000, (r >> 22) - 252)
+    return idx, tl.where(sub, f * 0.5 - 4194304.0, r.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _e2m1_stochastic(mag, k):
+    """(E2M1 magnitude index, its fp32 value) of 0 <= mag <= 6 rounded up from the grid point below with probability
+    (mag - lo) / (hi - lo), up when k * 2^-24 < that fraction (k: 24 random bits, int32), as the reference.
+    mag >= 1: lo is mag's fp32 bits truncated to one mantissa bit and the fraction is exactly the 22 bits L below it
+    over 2^22, so up iff k < 4 L iff (k >> 2) < L iff L + (2^22 - 1 - (k >> 2)) carries into bit 22: the bits plus
+    (k >> 2) ^ 0x3FFFFF, truncated, are the rounded value (a carry into the exponent is 1.5 -> 2; 6 has L = 0 and
+    never rounds up). mag < 1: t = 2 * mag (exact), lo = t >= 1, fraction t - lo (exact), compared in fp32 as the
+    reference does; lo and up stay fp32 (0 or 1), and lo + up + 2^23 puts the index in the low bits, as in
+    `_e2m1_nearest` (integer 0/1 arithmetic here compiled to packed 16-bit lanes and byte permutes, and the compare
+    and select of the normal branch cost more: the tensor-scope quantiser with stochastic rounding took 26.5 more
+    instructions per element than with nearest-even on sm_90, 16.0 in this form; tools/bench/sass_census.py --quant)."""
+    bits = mag.to(tl.int32, bitcast=True)
+    r = (bits + ((k >> 2) ^ 0x3FFFFF)) & -4194304  # -4194304 = 0xFFC00000
+    t = mag * 2.0
+    lo = tl.where(t >= 1.0, 1.0, 0.0)
+    up = tl.where((k.to(tl.float32) * 5.9604644775390625e-08) < (t - lo), 1.0, 0.0)  # * 2^-24
+    idx_s = lo + up
+    sub = mag < 1.0
+    f = idx_s + 8388608.0
+    idx = tl.where(sub, f.to(tl.int32, bitcast=True) - 0x4B000000, (r >> 22) - 252)
+    return idx, tl.where(sub, idx_s * 0.5, r.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _encode_pairs(v, rows, c0, C, seed_mix, G: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """(byte, signed rounded magnitude of the even / odd elements) of a scaled [BLOCK_R, G, 8, 2] tile v: E2M1 codes,
+    even element in the low nibble, nearest-even or stochastic from the counter hash. The Triton encoding (the
+    interpreter, and stochastic rounding on the GPU)."""
+    mag = tl.minimum(tl.abs(v), 6.0)  # |clamp(v, -6, 6)|
+    if STOCHASTIC:
+        g = tl.arange(0, G)
+        jj = tl.arange(0, 8)
+        pp = tl.arange(0, 2)
+        col = (c0 + g * 16)[None, :, None, None] + jj[None, None, :, None] * 2 + pp[None, None, None, :]
+        # (flat index + mix) mod 2^32 computed directly in wrapping uint32 arithmetic (cheaper than int64)
+        flat = rows[:, None, None, None].to(tl.uint32) * C.to(tl.uint32) + col.to(tl.uint32)
+        h = _lowbias32(flat + seed_mix.to(tl.uint32, bitcast=True))  # seed_mix arrives as its int32 bit pattern
+        # (its shifts as high multiplies in PTX, on the FMA pipe: the quantiser took 611 against 564 us, H200, 2026-12-04)
+        idx, rounded = _e2m1_stochastic(mag, (h >> 8).to(tl.int32))
+    else:
+        idx, rounded = _e2m1_nearest(mag)
+    neg = v < 0.0  # TE's sign test: -0.0 gets code 0, a negative value rounding to zero code 8 (docs/nvfp4.md)
+    code = idx | (neg.to(tl.int32) << 3)
+    even, odd = tl.split(code)  # [BLOCK_R, G, 8] each: even element in the low nibble
+    re, ro = tl.split(tl.where(neg, -rounded, rounded))
+    return (even | (odd << 4)).to(tl.uint8), re, ro
