@@ -32,7 +32,9 @@ from ._interpreter import interpreting
 # plus 8 and 128 times the signs, in integer multiply-adds and high multiplies (the FMA pipe) instead of shifts, masks
 # and selects. Every rounding is spelled .rn so that ptxas cannot contract a multiply into an add. Bits equal to
 # `_e2m1_nearest` (tests/kernels/test_quant.py models these steps in numpy for every 61st fp32 in [0, 6] and the E2M1
-# neighbourhoods; the GPU tests compare the compiled kernels with the reference). $0: the byte; with values, $1/$2 the signed rounded magnitudes.
+# neighbourhoods; the GPU tests compare the compiled kernels with the reference). $0: the byte; with values, $1/$2 the
+# signed rounded magnitudes, a negative one rounded to 0 as +0 (+ 0 after the sign): what Triton's negation 0 - x gave
+# on the GPU before, and what kernels/nvfp4_values.py writes for code 8 (tests/kernels/test_grouped.py).
 _E2M1_PAIR_BODY = """
 .reg .f32 ae, ao, me, mo, se, so, re, ro, te, to, ze, zo;
 .reg .b32 be, bo, ue, uo, w, s;
@@ -72,14 +74,17 @@ mad.lo.u32 $0, s, 128, w;
 _E2M1_PAIR_PTX = tl.constexpr("{" + _E2M1_PAIR_BODY.replace("$VE", "$1").replace("$VO", "$2") + "}")
 _E2M1_PAIR_VALUES_PTX = tl.constexpr("{" + _E2M1_PAIR_BODY.replace("$VE", "$3").replace("$VO", "$4") + """
 .reg .b32 rb;
+.reg .f32 rs;
 and.b32 ue, ue, 0x80000000;
 mov.b32 rb, re;
 or.b32 rb, rb, ue;
-mov.b32 $1, rb;
+mov.b32 rs, rb;
+add.rn.f32 $1, rs, 0f00000000;
 and.b32 uo, uo, 0x80000000;
 mov.b32 rb, ro;
 or.b32 rb, rb, uo;
-mov.b32 $2, rb;
+mov.b32 rs, rb;
+add.rn.f32 $2, rs, 0f00000000;
 }""")
 _PTX = tl.constexpr(not interpreting())
 """Encode with `_E2M1_PAIR_PTX` (compiled kernels); the interpreter runs `_e2m1_nearest`, the same bits."""
