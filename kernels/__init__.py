@@ -2,6 +2,7 @@
 minite.nvfp4 (docs/nvfp4.md).
 
 nvfp4_quant.py   fused quantisation (1x16 / 16x16 blocks, tensor / row scale, RNE / stochastic, RHT), bitwise = reference
+nvfp4_encode.py  the element encodings the quantisers share: E4M3 and E2M1 roundings, E2M1 pairs in PTX on a GPU
 nvfp4_segments.py  the same quantisation of many segments of one tensor in one launch (expert stacks, MoE wgrad)
 nvfp4_values.py  fp16 block values from packed 1x16-block codes (the MoE wgrad operand kept packed until its GEMM)
 nvfp4_decode_order.py  packed codes rewritten in the decode order of the small-M GEMMs (rollout expert weights)

@@ -33,8 +33,8 @@ from ._interpreter import interpreting
 # and selects. Every rounding is spelled .rn so that ptxas cannot contract a multiply into an add. Bits equal to
 # `_e2m1_nearest` (tests/kernels/test_quant.py models these steps in numpy for every 61st fp32 in [0, 6] and the E2M1
 # neighbourhoods; the GPU tests compare the compiled kernels with the reference). $0: the byte; with values, $1/$2 the
-# signed rounded magnitudes, a negative one rounded to 0 as +0 (+ 0 after the sign): what Triton's negation 0 - x gave
-# on the GPU before, and what kernels/nvfp4_values.py writes for code 8 (tests/kernels/test_grouped.py).
+# signed rounded magnitudes, a negative one rounded to 0 as +0 (+ 0 after the sign), as `_encode_pairs` (0 - x) and
+# kernels/nvfp4_values.py write code 8's value (tests/kernels/test_grouped.py compares the bits).
 _E2M1_PAIR_BODY = """
 .reg .f32 ae, ao, me, mo, se, so, re, ro, te, to, ze, zo;
 .reg .b32 be, bo, ue, uo, w, s;
@@ -87,7 +87,9 @@ mov.b32 rs, rb;
 add.rn.f32 $2, rs, 0f00000000;
 }""")
 _PTX = tl.constexpr(not interpreting())
-"""Encode with `_E2M1_PAIR_PTX` (compiled kernels); the interpreter runs `_e2m1_nearest`, the same bits."""
+"""Encode nearest-even pairs with `_E2M1_PAIR_PTX` in compiled kernels; the interpreter, and stochastic rounding on the
+GPU, run `_encode_pairs`, the same bits (a module constant, read when a kernel compiles: one process compiles one of
+the two encodings, so a benchmark compares them across commits, not in one run)."""
 
 
 @triton.jit
@@ -178,5 +180,7 @@ def _encode_pairs(v, rows, c0, C, seed_mix, G: tl.constexpr, STOCHASTIC: tl.cons
     neg = v < 0.0  # TE's sign test: -0.0 gets code 0, a negative value rounding to zero code 8 (docs/nvfp4.md)
     code = idx | (neg.to(tl.int32) << 3)
     even, odd = tl.split(code)  # [BLOCK_R, G, 8] each: even element in the low nibble
-    re, ro = tl.split(tl.where(neg, -rounded, rounded))
+    # 0 - x, not -x: code 8's block value is +0 on every Triton version (3.6 compiled -x as 0 - x, 3.9 flips the
+    # sign) and in the interpreter, as the PTX and kernels/nvfp4_values.py write it
+    re, ro = tl.split(tl.where(neg, 0.0 - rounded, rounded))
     return (even | (odd << 4)).to(tl.uint8), re, ro

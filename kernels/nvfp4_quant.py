@@ -12,13 +12,13 @@ in Transformer Engine's order (docs/nvfp4.md, "Quantisation"; the reference modu
 and writes packed codes (even element in the low nibble), E4M3 scale bytes, the per-row decode scales and, on
 request, the block values (code x block scale, exact in fp16/bf16) that feed an MMA directly.
 
-The E4M3 and E2M1 roundings are kernels/nvfp4_encode.py's (integer bit arithmetic, exact on the GPU and in the
-interpreter; on the GPU the E2M1 encoding of a pair runs as one PTX block).
-Instructions per element (sm_90 SASS, Triton 3.6; tools/bench/sass_census.py --quant, at the launchers' tiles):
-these roundings, one block-amax reduction instead of two, the block values stored as pairs in 32-bit words (they had
-been 16-bit stores, one per element) and the tiles re-swept took the learner's calls from 50 to 34.8 (per-row,
-codes + values), 100 to 67.5 (stochastic) and 106 to 90 (a wgrad segment of dy^T, RHT + stochastic);
-docs/benchmarks.md has the rest and the times.
+The E4M3 and E2M1 roundings are kernels/nvfp4_encode.py's (exact on the GPU and in the interpreter: integer bit
+arithmetic, and on the GPU the nearest-even E2M1 encoding of a pair as one PTX block on fp32 adds and integer
+multiply-adds). Instructions per element (sm_90 SASS, Triton 3.6; tools/bench/sass_census.py --quant, at the
+launchers' tiles) went from 50 to 34.8 (per-row, codes + values), 100 to 67.5 (stochastic) and 106 to 90 (a wgrad
+segment of dy^T, RHT + stochastic) in earlier sessions; on the H200 the quantisers turned out bound by the integer
+ALU pipe rather than by instruction issue (ncu, 2026-12-04), which the PTX encoding addresses. docs/benchmarks.md
+has the times.
 
 Tile layout: [BLOCK_R, G, 8, 2] (rows, 16-groups, byte, nibble), so block maxima reduce the last two axes and the
 nibble pair of a byte is a split of the last axis: no reshape moves data between threads.
@@ -52,6 +52,7 @@ SIXTH = float(np.float32(1.0) / np.float32(6.0))  # the reference's fp32 1/6, ex
 RHT_SIGN_MASK = sum(1 << i for i, s in enumerate(RHT_SIGNS) if s < 0)
 MAX_SINGLE_PASS_COLS = 8192
 _SATURATED_AMAX = tl.constexpr(SATURATED_AMAX)  # an fp32 value, exact as a Python float
+
 
 @triton.jit
 def _round_to_input(y, in_ty: tl.constexpr):

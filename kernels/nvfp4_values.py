@@ -4,10 +4,11 @@ The MoE learner keeps the wgrad operand x^T packed between its forward and backw
 of x's 2 B in bf16, minite.ops.grouped), and the wgrad GEMM reads fp16 block values: this kernel writes them from
 the codes just before. Each value is the product the quantisation kernel writes when it keeps values
 (kernels/nvfp4_quant.py `_quantize_tile`: (+-e2m1) x e4m3 in fp32, exact, rounded to fp16 exactly), so the values
-are bitwise those the quantiser would have written, and `NVFP4Tensor.block_values(torch.float16)` of the reference.
-The E4M3 decoding is `_e4m3_rne`'s (normal: bits ((e + 120) << 23) | (m << 20); subnormal m x 2^-9); the E2M1
-magnitude index i is i / 2 below 2 and bits ((i >> 1) + 126) << 23 | (i & 1) << 22 from 2 up; a set sign bit
-negates (code 8, "-0", gives -0.0 as the quantiser's -0.0 x scale). Elementwise: batch invariant by construction.
+are bitwise those the quantiser would have written, and `NVFP4Tensor.block_values(torch.float16)` of the reference up
+to the sign of zero. The E4M3 decoding is kernels/nvfp4_encode.py `_e4m3_rne`'s (normal: bits ((e + 120) << 23) |
+(m << 20); subnormal m x 2^-9); the E2M1 magnitude index i is i / 2 below 2 and bits ((i >> 1) + 126) << 23 |
+(i & 1) << 22 from 2 up; a set sign bit negates as 0 - x, so code 8 ("-0") gives +0, as the quantisers write it (the
+reference gives -0; docs/nvfp4.md, "Zero and -0"). Elementwise: batch invariant by construction.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def _e2m1_value(code):
     i = code & 7
     normal = (((i >> 1) + 126) << 23 | (i & 1) << 22).to(tl.float32, bitcast=True)
     mag = tl.where(i < 2, i.to(tl.float32) * 0.5, normal)
-    return tl.where((code & 8) != 0, -mag, mag)
+    return tl.where((code & 8) != 0, 0.0 - mag, mag)  # 0 - x: code 8 gives +0, as the quantisers write it
 
 
 @triton.jit

@@ -288,8 +288,8 @@ def test_segments_pad_themselves_bitwise(rounding, rht, vec2d):
 def test_segment_values_from_codes_are_the_quantisers(case):
     """`NVFP4Segments.with_values` on segments quantised without values (the MoE wgrad's x^T, kept packed from the
     forward to the backward) writes bitwise the block values the quantiser writes with values=True; for finite
-    input also the reference's and `block_values`' (fp16), up to the sign of zero (code 8: Triton's negation is
-    0 - x, +0 on the GPU; the reference and the interpreter keep -0; no fp32 sum starting at +0 tells them apart)."""
+    input also the reference's and `block_values`' (fp16), up to the sign of zero (code 8: the kernels write +0, as
+    0 - x, the reference -0; no fp32 sum starting at +0 tells them apart)."""
     g = torch.Generator().manual_seed(7)
     x = torch.randn(100, 40, generator=g)
     if case == "zero":

@@ -373,9 +373,8 @@ def test_ptx_pair_encoding_model_equals_the_reference():
     """The GPU's E2M1 pair encoding (PTX, modelled step by step in numpy) equals the reference's rounding and TE's sign
     test for every fp32 magnitude in [0, 6] at a stride of 61 bit patterns, the E2M1 neighbourhoods, magnitudes above
     6 and infinities (clamped to 6), subnormals, and both zeros: the byte, and the signed rounded magnitudes that the
-    block values are made of (a negative one rounded to zero as +0, as Triton's negation 0 - x gives on the GPU and
-    kernels/nvfp4_values.py writes for code 8). The compiled kernels are compared with the reference on the GPU (this
-    file, DEVICE)."""
+    block values are made of (a negative one rounded to zero as +0, as every kernel writes code 8's value). The
+    compiled kernels are compared with the reference on the GPU (this file, DEVICE)."""
     from minite.nvfp4.quantize import E2M1_MAGNITUDES, e2m1_round_nearest
     dense = np.arange(0, np.float32(6.0).view(np.uint32) + 1, 61, dtype=np.uint32).view(np.float32)
     extra = np.concatenate([_e2m1_neighbourhoods().numpy(), np.float32([6.5, 6.9999995, 7.0, 8.0, 1e30, np.inf, 0.0,
@@ -393,7 +392,7 @@ def test_ptx_pair_encoding_model_equals_the_reference():
         idx = e2m1_round_nearest(t.abs().clamp(max=6.0)).long()
         neg = t < 0
         mag = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32)[idx]
-        return (idx | (neg.long() << 3)), torch.where(neg, 0.0 - mag, mag)  # code 8: +0, as Triton's 0 - x
+        return (idx | (neg.long() << 3)), torch.where(neg, 0.0 - mag, mag)  # code 8: +0, as the kernels write it
 
     ce, me = ref(ve)
     co, mo = ref(vo)
