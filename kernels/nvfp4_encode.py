@@ -31,8 +31,8 @@ from ._interpreter import interpreting
 # after an add), and its top bit is the sign. The byte (even element in the low nibble) is then (t_e + 16 t_o) >> 22
 # plus 8 and 128 times the signs, in integer multiply-adds and high multiplies (the FMA pipe) instead of shifts, masks
 # and selects. Every rounding is spelled .rn so that ptxas cannot contract a multiply into an add. Bits equal to
-# `_e2m1_nearest` (tests/kernels/test_quant.py models these steps in numpy for every 61st fp32 in [0, 6] and the E2M1
-# neighbourhoods; the GPU tests compare the compiled kernels with the reference). $0: the byte; with values, $1/$2 the
+# `_e2m1_nearest` (tests/kernels/test_quant.py runs this PTX text in a numpy interpreter of its instructions for every
+# 61st fp32 in [0, 6] and the E2M1 neighbourhoods; the GPU tests compare the compiled kernels with the reference). $0: the byte; with values, $1/$2 the
 # signed rounded magnitudes, a negative one rounded to 0 as +0 (+ 0 after the sign), as `_encode_pairs` (0 - x) and
 # kernels/nvfp4_values.py write code 8's value (tests/kernels/test_grouped.py compares the bits).
 _E2M1_PAIR_BODY = """
