@@ -31,10 +31,11 @@ from ._interpreter import interpreting
 # after an add), and its top bit is the sign. The byte (even element in the low nibble) is then (t_e + 16 t_o) >> 22
 # plus 8 and 128 times the signs, in integer multiply-adds and high multiplies (the FMA pipe) instead of shifts, masks
 # and selects. Every rounding is spelled .rn so that ptxas cannot contract a multiply into an add. Bits equal to
-# `_e2m1_nearest` (tests/kernels/test_quant.py runs this PTX text in a numpy interpreter of its instructions for every
-# 61st fp32 in [0, 6] and the E2M1 neighbourhoods; the GPU tests compare the compiled kernels with the reference). $0: the byte; with values, $1/$2 the
-# signed rounded magnitudes, a negative one rounded to 0 as +0 (+ 0 after the sign), as `_encode_pairs` (0 - x) and
-# kernels/nvfp4_values.py write code 8's value (tests/kernels/test_grouped.py compares the bits).
+# `_e2m1_nearest` (tests/kernels/test_quant.py runs this PTX text in tests/kernels/ptx_interpreter.py for every 61st
+# fp32 in [0, 6] and the E2M1 neighbourhoods; the GPU tests compare the compiled kernels with the reference). $0: the
+# byte; with values, $1/$2 the signed rounded magnitudes, a negative one rounded to 0 as +0 (+ 0 after the sign), as
+# the Triton encoding (0 - x) and kernels/nvfp4_values.py write code 8's value (tests/kernels/test_grouped.py compares
+# the bits).
 _E2M1_PAIR_BODY = """
 .reg .f32 ae, ao, me, mo, se, so, re, ro, te, to, ze, zo;
 .reg .b32 be, bo, ue, uo, w, s;
@@ -160,10 +161,19 @@ def _e2m1_stochastic(mag, k):
 
 
 @triton.jit
-def _encode_pairs(v, rows, c0, C, seed_mix, G: tl.constexpr, STOCHASTIC: tl.constexpr):
+def _encode_pairs(v, rows, c0, C, seed_mix, G: tl.constexpr, STOCHASTIC: tl.constexpr, VALUES: tl.constexpr):
     """(byte, signed rounded magnitude of the even / odd elements) of a scaled [BLOCK_R, G, 8, 2] tile v: E2M1 codes,
-    even element in the low nibble, nearest-even or stochastic from the counter hash. The Triton encoding (the
-    interpreter, and stochastic rounding on the GPU)."""
+    even element in the low nibble, nearest-even or stochastic from the counter hash. The magnitudes are meaningful
+    only with VALUES (unused otherwise, and compiled away). Nearest-even on the GPU is one PTX block per pair
+    (`_E2M1_PAIR_PTX`); the Triton encoding below runs in the interpreter and for stochastic rounding."""
+    if _PTX and not STOCHASTIC:
+        ve, vo = tl.split(v)  # [BLOCK_R, G, 8] each: even element in the low nibble
+        if VALUES:
+            byte, re, ro = tl.inline_asm_elementwise(_E2M1_PAIR_VALUES_PTX, "=r,=f,=f,f,f", [ve, vo],
+                                                     dtype=(tl.int32, tl.float32, tl.float32), is_pure=True, pack=1)
+            return byte.to(tl.uint8), re, ro
+        byte = tl.inline_asm_elementwise(_E2M1_PAIR_PTX, "=r,f,f", [ve, vo], dtype=tl.int32, is_pure=True, pack=1)
+        return byte.to(tl.uint8), ve, vo  # (ve, vo: placeholders, not magnitudes)
     mag = tl.minimum(tl.abs(v), 6.0)  # |clamp(v, -6, 6)|
     if STOCHASTIC:
         g = tl.arange(0, G)
@@ -172,15 +182,16 @@ def _encode_pairs(v, rows, c0, C, seed_mix, G: tl.constexpr, STOCHASTIC: tl.cons
         col = (c0 + g * 16)[None, :, None, None] + jj[None, None, :, None] * 2 + pp[None, None, None, :]
         # (flat index + mix) mod 2^32 computed directly in wrapping uint32 arithmetic (cheaper than int64)
         flat = rows[:, None, None, None].to(tl.uint32) * C.to(tl.uint32) + col.to(tl.uint32)
-        h = _lowbias32(flat + seed_mix.to(tl.uint32, bitcast=True))  # seed_mix arrives as its int32 bit pattern
-        # (its shifts as high multiplies in PTX, on the FMA pipe: the quantiser took 611 against 564 us, H200, 2026-12-04)
+        # seed_mix arrives as its int32 bit pattern; the hash's shifts stay shifts (as high multiplies in PTX, on the
+        # FMA pipe, the quantiser took 611 against 564 us: H200, 2026-12-04)
+        h = _lowbias32(flat + seed_mix.to(tl.uint32, bitcast=True))
         idx, rounded = _e2m1_stochastic(mag, (h >> 8).to(tl.int32))
     else:
         idx, rounded = _e2m1_nearest(mag)
     neg = v < 0.0  # TE's sign test: -0.0 gets code 0, a negative value rounding to zero code 8 (docs/nvfp4.md)
     code = idx | (neg.to(tl.int32) << 3)
     even, odd = tl.split(code)  # [BLOCK_R, G, 8] each: even element in the low nibble
-    # 0 - x, not -x: code 8's block value is +0 on every Triton version (3.6 compiled -x as 0 - x, 3.9 flips the
-    # sign) and in the interpreter, as the PTX and kernels/nvfp4_values.py write it
+    # 0 - x, not -x: code 8's block value is +0 on every Triton version (3.6 compiled -x as 0 - x, 3.9 flips the sign)
+    # and in the interpreter, as the PTX and kernels/nvfp4_values.py write it
     re, ro = tl.split(tl.where(neg, 0.0 - rounded, rounded))
     return (even | (odd << 4)).to(tl.uint8), re, ro

@@ -43,7 +43,7 @@ from minite.nvfp4.tensor import NVFP4Tensor
 
 from ._interpreter import ensure_interpreter_compat
 from ._launch import cdiv, launcher, next_power_of_2, sm_count
-from .nvfp4_encode import _E2M1_PAIR_PTX, _E2M1_PAIR_VALUES_PTX, _PTX, _e4m3_rne, _encode_pairs
+from .nvfp4_encode import _e4m3_rne, _encode_pairs
 from .nvfp4_seeds import _as_int32_bits, seed_mix  # noqa: F401 (seed_mix: part of this module's API)
 
 FP32_MAX = float(np.finfo(np.float32).max)
@@ -164,17 +164,7 @@ def _quantize_tile(x, bamax, rows, c0, R, C, s_enc, s_dec, sixth, seed_mix,
     scode, sf = _e4m3_rne(sv)
     mult = tl.minimum(tl.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf * s_dec), 3.4028234663852886e38)
     v = x * mult[:, :, None, None]
-    if _PTX and not STOCHASTIC:
-        ve, vo = tl.split(v)  # [BLOCK_R, G, 8] each: even element in the low nibble
-        if WRITE_VALS:
-            byte, re, ro = tl.inline_asm_elementwise(_E2M1_PAIR_VALUES_PTX, "=r,=f,=f,f,f", [ve, vo],
-                                                     dtype=(tl.int32, tl.float32, tl.float32), is_pure=True, pack=1)
-        else:
-            byte = tl.inline_asm_elementwise(_E2M1_PAIR_PTX, "=r,f,f", [ve, vo], dtype=tl.int32, is_pure=True,
-                                             pack=1)
-        byte = byte.to(tl.uint8)
-    else:
-        byte, re, ro = _encode_pairs(v, rows, c0, C, seed_mix, G, STOCHASTIC)
+    byte, re, ro = _encode_pairs(v, rows, c0, C, seed_mix, G, STOCHASTIC, WRITE_VALS)
     orows = (out_r0 + rows).to(tl.int64)
     if VEC2D:
         bcols = c0 // 2 + tl.arange(0, G * 8)

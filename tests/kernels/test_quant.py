@@ -14,6 +14,8 @@ from minite.nvfp4.quantize import uniform_u24
 from minite.kernels import nvfp4_encode, nvfp4_quant
 from minite.kernels.nvfp4_quant import quantize_triton, quantize_with_values_triton
 
+from .ptx_interpreter import run_ptx
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CONFIGS = [
     (block, scope, rounding, rht)
@@ -345,52 +347,12 @@ def triton_cdiv(a, b):
     return (a + b - 1) // b
 
 
-def _run_ptx(ptx: str, inputs: list, n_out: int) -> list:
-    """Execute the PTX text of kernels/nvfp4_encode.py's pair encodings on numpy arrays, instruction by instruction:
-    the subset they use, with PTX's semantics (registers hold 32 bits; .f32 arithmetic is IEEE fp32 with round to
-    nearest and subnormals kept, as `.rn` without `.ftz`; min/max return the non-NaN operand, as numpy's fmin/fmax;
-    u32 arithmetic wraps). $0..$(n_out - 1) are the outputs, the inputs follow. Returns the outputs' bits (uint32)."""
-    u32, f32 = np.uint32, np.float32
-    regs = {f"${n_out + k}": np.asarray(x, dtype=f32).view(u32) for k, x in enumerate(inputs)}
-
-    def val(tok):
-        if tok in regs:
-            return regs[tok]
-        if tok.startswith("0f"):
-            return u32(int(tok[2:], 16))
-        return u32(int(tok, 0))
-
-    fl = lambda bits: np.asarray(bits).view(f32) if isinstance(bits, np.ndarray) else u32(bits).view(f32)  # noqa: E731
-    ops = {
-        "abs.f32": lambda a: np.abs(fl(a)).view(u32),
-        "min.f32": lambda a, b: np.fmin(fl(a), fl(b)).view(u32),
-        "max.f32": lambda a, b: np.fmax(fl(a), fl(b)).view(u32),
-        "mov.b32": lambda a: np.asarray(a).copy(),
-        "and.b32": lambda a, b: np.bitwise_and(a, b),
-        "or.b32": lambda a, b: np.bitwise_or(a, b),
-        "mul.rn.f32": lambda a, b: (fl(a) * fl(b)).view(u32),
-        "add.rn.f32": lambda a, b: (fl(a) + fl(b)).view(u32),
-        "sub.rn.f32": lambda a, b: (fl(a) - fl(b)).view(u32),
-        "mad.lo.u32": lambda a, b, c: ((np.asarray(a, np.uint64) * np.uint64(b) + c) & 0xFFFFFFFF).astype(u32),
-        "mul.hi.u32": lambda a, b: ((np.asarray(a, np.uint64) * np.uint64(b)) >> np.uint64(32)).astype(u32),
-    }
-    with np.errstate(over="ignore", invalid="ignore"):
-        for line in ptx.replace("{", "").replace("}", "").split(";"):
-            line = line.strip()
-            if not line or line.startswith(".reg"):
-                continue
-            op, args = line.split(None, 1)
-            dst, *src = [a.strip() for a in args.split(",")]
-            regs[dst] = ops[op](*[val(a) for a in src])  # an opcode outside the subset fails here (KeyError)
-    return [regs[f"${k}"] for k in range(n_out)]
-
-
 def test_ptx_pair_encoding_equals_the_reference():
-    """The GPU's E2M1 pair encoding (the PTX text itself, run by `_run_ptx`) equals the reference's rounding and TE's sign
-    test for every fp32 magnitude in [0, 6] at a stride of 61 bit patterns, the E2M1 neighbourhoods, magnitudes above
-    6 and infinities (clamped to 6), subnormals, and both zeros: the byte, and the signed rounded magnitudes that the
-    block values are made of (a negative one rounded to zero as +0, as every kernel writes code 8's value). The
-    compiled kernels are compared with the reference on the GPU (this file, DEVICE)."""
+    """The GPU's E2M1 pair encoding (the PTX text itself, run by ptx_interpreter.py) equals the reference's rounding
+    and TE's sign test for every fp32 magnitude in [0, 6] at a stride of 61 bit patterns, the E2M1 neighbourhoods,
+    magnitudes above 6 and infinities (clamped to 6), subnormals, and both zeros: the byte, and the signed rounded
+    magnitudes that the block values are made of (a negative one rounded to zero as +0, as every kernel writes code
+    8's value). The compiled kernels are compared with the reference on the GPU (this file, DEVICE)."""
     from minite.nvfp4.quantize import E2M1_MAGNITUDES, e2m1_round_nearest
     dense = np.arange(0, np.float32(6.0).view(np.uint32) + 1, 61, dtype=np.uint32).view(np.float32)
     extra = np.concatenate([_e2m1_neighbourhoods().numpy(), np.float32([6.5, 6.9999995, 7.0, 8.0, 1e30, np.inf, 0.0,
@@ -403,9 +365,10 @@ def test_ptx_pair_encoding_equals_the_reference():
     v = np.concatenate([v, np.float32([-0.0, -0.0, -0.0, 0.0, 0.0, -0.0, -1e-45, -1e-45, -np.inf, -0.0, 1.0, -np.inf])])
     ve, vo = v[0::2].copy(), v[1::2].copy()
     from minite.kernels.nvfp4_encode import _E2M1_PAIR_PTX, _E2M1_PAIR_VALUES_PTX
-    byte, re, ro = _run_ptx(_E2M1_PAIR_VALUES_PTX.value, [ve, vo], 3)
-    (byte_only,) = _run_ptx(_E2M1_PAIR_PTX.value, [ve, vo], 1)
-    assert np.array_equal(byte_only, byte)
+    regs = run_ptx(_E2M1_PAIR_VALUES_PTX.value, {"$3": ve.view(np.uint32), "$4": vo.view(np.uint32)})
+    byte, re, ro = regs["$0"], regs["$1"], regs["$2"]
+    codes_only = run_ptx(_E2M1_PAIR_PTX.value, {"$1": ve.view(np.uint32), "$2": vo.view(np.uint32)})
+    assert np.array_equal(codes_only["$0"], byte)
 
     def ref(x):
         t = torch.from_numpy(x)

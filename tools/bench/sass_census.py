@@ -26,9 +26,9 @@ learner's calls (131072 x 2048 bf16, TUNING as shipped): per-row activations (co
 scope nearest and stochastic, a transposed view with RHT + stochastic rounding (dy^T), the expert-weight stack (16x16)
 and the wgrad column segments (x^T with RHT, dy^T with RHT + stochastic); whole-kernel instructions per element and
 per thread, and the stores by width. A static count: it includes paths that rarely run (IEEE division's slow path),
-and on the H200 the quantisers are bound by the integer ALU pipe more than by instruction issue (ncu, docs/benchmarks.md,
-issue 17 in the twenty-first session: the same instruction count ran slower when shifts became high multiplies), so
-read the opcodes, not only the total.
+and on the H200 the quantisers are bound by the integer ALU pipe more than by instruction issue (ncu,
+docs/benchmarks.md, issue 17 in the twenty-first session: the same instruction count ran slower when shifts became
+high multiplies), so read the opcodes, not only the total.
 
     python tools/bench/sass_census.py --wgrad
 
