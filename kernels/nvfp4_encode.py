@@ -11,9 +11,10 @@ conversion and no comparison against a table of midpoints. All of it is exact on
 Every fp32 multiply/divide mirrors one in the reference; the possible fma contraction (x*s + acc in the RHT,
 v*512 + C and 2|v| + 2^23 in the roundings) changes nothing because each product is exact.
 On the GPU the E2M1 encoding of a pair, TE's sign test and the nibble packing run as one PTX block
-(`_E2M1_PAIR_PTX`, below): the quantisers were bound by the integer ALU pipe on the H200 (ncu, 2026-12-04: row-scope
-RNE 78% ALU against 22% FMA, stochastic 89%), and the PTX moves that work to fp32 adds and integer multiply-adds, the
-FMA pipe. The interpreter runs the Triton encoding (`_encode_pairs`), the same bits.
+(`_pair_ptx`, below; nearest-even and stochastic): the quantisers were bound by the integer ALU pipe on the H200
+(ncu, 2026-12-04: row-scope RNE 78% ALU against 22% FMA, stochastic 89%), and the PTX moves that work to fp32 adds
+(rounded to nearest, or toward +inf for stochastic rounding) and integer multiply-adds, the FMA pipe. The interpreter
+runs the Triton encoding (`_encode_pairs`), the same bits.
 """
 from __future__ import annotations
 
@@ -30,13 +31,13 @@ from ._interpreter import interpreting
 # subnormal 0.5 at 2^-127: no flush to zero here). The sign is TE's v < 0: v + 0 turns -0 into +0 (NaN has no sign
 # after an add), and its top bit is the sign. The byte (even element in the low nibble) is then (t_e + 16 t_o) >> 22
 # plus 8 and 128 times the signs, in integer multiply-adds and high multiplies (the FMA pipe) instead of shifts, masks
-# and selects. Every rounding is spelled .rn so that ptxas cannot contract a multiply into an add. Bits equal to
+# and selects. Every rounding is spelled (.rn; .rp below) so that ptxas cannot contract a multiply into an add. Bits equal to
 # `_e2m1_nearest` (tests/kernels/test_quant.py runs this PTX text in tests/kernels/ptx_interpreter.py for every 61st
 # fp32 in [0, 6] and the E2M1 neighbourhoods; the GPU tests compare the compiled kernels with the reference). $0: the
 # byte; with values, $1/$2 the signed rounded magnitudes, a negative one rounded to 0 as +0 (+ 0 after the sign), as
 # the Triton encoding (0 - x) and kernels/nvfp4_values.py write code 8's value (tests/kernels/test_grouped.py compares
 # the bits).
-_E2M1_PAIR_BODY = """
+_E2M1_NEAREST = """
 .reg .f32 ae, ao, me, mo, se, so, re, ro, te, to, ze, zo;
 .reg .b32 be, bo, ue, uo, w, s;
 abs.f32 ae, $VE;
@@ -57,6 +58,49 @@ add.rn.f32 se, ae, me;
 add.rn.f32 so, ao, mo;
 sub.rn.f32 re, se, me;
 sub.rn.f32 ro, so, mo;
+"""
+# Stochastic rounding of a pair from 24 random bits k each ($KE, $KO), the same bits as `_e2m1_stochastic` and the
+# reference: with step the E2M1 spacing above the grid point lo <= a (2^e x 2^-1, e as above) the reference rounds
+# up iff k x 2^-24 < (a - lo) / step, i.e. iff a - w > lo for w = k x 2^-24 x step (exact: k has 24 bits and the
+# factor is a power of two). So r = ceil_grid(a - w): a - w rounded toward +inf in fp32 (a grid point is an fp32,
+# so the directed rounding cannot cross one: a - w > lo iff rp(a - w) > lo), clamped at 0 (a - w > lo - step >= 0
+# except where lo = 0), then + M rounded toward +inf to the step of M's binade (the grid), - M exact. At a = 6 (lo =
+# 6, step 2) a - w lies in (4, 6] and r = 6: no rounding up past the grid's end, as in the reference. Tested as the
+# nearest-even block is, with each magnitude's random bits at its threshold (test_ptx_stochastic_pair_encoding_...).
+_E2M1_STOCHASTIC = """
+.reg .f32 ae, ao, me, mo, se, so, re, ro, te, to, ze, zo, we, wo, he, ho;
+.reg .b32 be, bo, ue, uo, w, s;
+abs.f32 ae, $VE;
+min.f32 ae, ae, 0f40C00000;
+abs.f32 ao, $VO;
+min.f32 ao, ao, 0f40C00000;
+max.f32 me, ae, 0f3F800000;
+max.f32 mo, ao, 0f3F800000;
+mov.b32 be, me;
+mov.b32 bo, mo;
+and.b32 be, be, 0x7F800000;
+and.b32 bo, bo, 0x7F800000;
+mov.b32 me, be;
+mov.b32 mo, bo;
+cvt.rn.f32.u32 we, $KE;
+cvt.rn.f32.u32 wo, $KO;
+mul.rn.f32 he, me, 0f33000000;
+mul.rn.f32 ho, mo, 0f33000000;
+mul.rn.f32 we, we, he;
+mul.rn.f32 wo, wo, ho;
+mul.rn.f32 me, me, 0f4A800000;
+mul.rn.f32 mo, mo, 0f4A800000;
+sub.rp.f32 se, ae, we;
+sub.rp.f32 so, ao, wo;
+max.f32 se, se, 0f00000000;
+max.f32 so, so, 0f00000000;
+add.rp.f32 se, se, me;
+add.rp.f32 so, so, mo;
+sub.rn.f32 re, se, me;
+sub.rn.f32 ro, so, mo;
+"""
+# The code bits, TE's sign and the byte from the rounded magnitudes re, ro (either rounding above).
+_E2M1_PACK = """
 mul.rn.f32 te, re, 0f00800000;
 mul.rn.f32 to, ro, 0f00800000;
 mov.b32 be, te;
@@ -72,8 +116,8 @@ mad.lo.u32 w, s, 8, w;
 mul.hi.u32 s, uo, 2;
 mad.lo.u32 $0, s, 128, w;
 """
-_E2M1_PAIR_PTX = tl.constexpr("{" + _E2M1_PAIR_BODY.replace("$VE", "$1").replace("$VO", "$2") + "}")
-_E2M1_PAIR_VALUES_PTX = tl.constexpr("{" + _E2M1_PAIR_BODY.replace("$VE", "$3").replace("$VO", "$4") + """
+# with values: the signed rounded magnitudes into $1, $2, a negative one rounded to 0 as +0 (+ 0 after the sign)
+_E2M1_VALUES = """
 .reg .b32 rb;
 .reg .f32 rs;
 and.b32 ue, ue, 0x80000000;
@@ -86,11 +130,29 @@ mov.b32 rb, ro;
 or.b32 rb, rb, uo;
 mov.b32 rs, rb;
 add.rn.f32 $2, rs, 0f00000000;
-}""")
+"""
+
+
+def _pair_ptx(rounding: str, values: bool) -> tl.constexpr:
+    """The PTX block of one pair: operands $0 (byte)[, $1 $2 (values)], then the even and odd scaled elements, then
+    (stochastic) their 24 random bits."""
+    body = (_E2M1_STOCHASTIC if rounding == "stochastic" else _E2M1_NEAREST) + _E2M1_PACK
+    if values:
+        body += _E2M1_VALUES
+    first = 3 if values else 1
+    for i, name in enumerate(("$VE", "$VO", "$KE", "$KO")):
+        body = body.replace(name, f"${first + i}")
+    return tl.constexpr("{" + body + "}")
+
+
+_E2M1_PAIR_PTX = _pair_ptx("nearest", False)
+_E2M1_PAIR_VALUES_PTX = _pair_ptx("nearest", True)
+_E2M1_SR_PAIR_PTX = _pair_ptx("stochastic", False)
+_E2M1_SR_PAIR_VALUES_PTX = _pair_ptx("stochastic", True)
 _PTX = tl.constexpr(not interpreting())
-"""Encode nearest-even pairs with `_E2M1_PAIR_PTX` in compiled kernels; the interpreter, and stochastic rounding on the
-GPU, run `_encode_pairs`, the same bits (a module constant, read when a kernel compiles: one process compiles one of
-the two encodings, so a benchmark compares them across commits, not in one run)."""
+"""Encode pairs with the PTX of `_pair_ptx` in compiled kernels; the interpreter runs the Triton encoding of
+`_encode_pairs`, the same bits (a module constant, read when a kernel compiles: one process compiles one of the two
+encodings, so a benchmark compares them across commits, not in one run)."""
 
 
 @triton.jit
@@ -160,14 +222,59 @@ def _e2m1_stochastic(mag, k):
     return idx, tl.where(sub, idx_s * 0.5, r.to(tl.float32, bitcast=True))
 
 
+_F16X2_PTX = tl.constexpr("cvt.rn.f16x2.f32 $0, $2, $1;")
+_BF16X2_PTX = tl.constexpr("cvt.rn.bf16x2.f32 $0, $2, $1;")
+
+
+@triton.jit
+def _values_word(e, o, dtype: tl.constexpr):
+    """The 32-bit word of two block values in `dtype`, the even element e in the low half. A block value (an E2M1
+    magnitude times an E4M3 scale: at most 6 significant bits, between 2^-10 and 2688) is exact in fp16 and bf16,
+    so no rounding acts. On the GPU one packing convert a pair (cvt.rn.f16x2.f32, bf16x2) instead of two converts,
+    a shift and an or."""
+    if _PTX and dtype == tl.float16:
+        return tl.inline_asm_elementwise(_F16X2_PTX, "=r,f,f", [e, o], dtype=tl.uint32, is_pure=True, pack=1)
+    elif _PTX and dtype == tl.bfloat16:
+        return tl.inline_asm_elementwise(_BF16X2_PTX, "=r,f,f", [e, o], dtype=tl.uint32, is_pure=True, pack=1)
+    else:
+        ev = e.to(dtype).to(tl.uint16, bitcast=True).to(tl.uint32)
+        return ev | (o.to(dtype).to(tl.uint16, bitcast=True).to(tl.uint32) << 16)
+
+
+@triton.jit
+def _random_u24(rows, c0, C, seed_mix, G: tl.constexpr):
+    """The 24 random bits (int32) of each element of a [BLOCK_R, G, 8, 2] tile: the counter hash of its flat index
+    rows * C + column, as minite.nvfp4.quantize.uniform_u24."""
+    g = tl.arange(0, G)
+    jj = tl.arange(0, 8)
+    pp = tl.arange(0, 2)
+    col = (c0 + g * 16)[None, :, None, None] + jj[None, None, :, None] * 2 + pp[None, None, None, :]
+    # (flat index + mix) mod 2^32 computed directly in wrapping uint32 arithmetic (cheaper than int64)
+    flat = rows[:, None, None, None].to(tl.uint32) * C.to(tl.uint32) + col.to(tl.uint32)
+    # seed_mix arrives as its int32 bit pattern; the hash's shifts stay shifts (as high multiplies in PTX, on the
+    # FMA pipe, the quantiser took 611 against 564 us: H200, 2026-12-04)
+    h = _lowbias32(flat + seed_mix.to(tl.uint32, bitcast=True))
+    return (h >> 8).to(tl.int32)
+
+
 @triton.jit
 def _encode_pairs(v, rows, c0, C, seed_mix, G: tl.constexpr, STOCHASTIC: tl.constexpr, VALUES: tl.constexpr):
     """(byte, signed rounded magnitude of the even / odd elements) of a scaled [BLOCK_R, G, 8, 2] tile v: E2M1 codes,
     even element in the low nibble, nearest-even or stochastic from the counter hash. The magnitudes are meaningful
-    only with VALUES (unused otherwise, and compiled away). Nearest-even on the GPU is one PTX block per pair
-    (`_E2M1_PAIR_PTX`); the Triton encoding below runs in the interpreter and for stochastic rounding."""
-    if _PTX and not STOCHASTIC:
+    only with VALUES (unused otherwise, and compiled away). On the GPU one PTX block per pair (`_pair_ptx`); the
+    Triton encoding below runs in the interpreter, the same bits."""
+    if _PTX:
         ve, vo = tl.split(v)  # [BLOCK_R, G, 8] each: even element in the low nibble
+        if STOCHASTIC:
+            ke, ko = tl.split(_random_u24(rows, c0, C, seed_mix, G))
+            if VALUES:
+                byte, re, ro = tl.inline_asm_elementwise(_E2M1_SR_PAIR_VALUES_PTX, "=r,=f,=f,f,f,r,r", [ve, vo, ke, ko],
+                                                         dtype=(tl.int32, tl.float32, tl.float32), is_pure=True,
+                                                         pack=1)
+                return byte.to(tl.uint8), re, ro
+            byte = tl.inline_asm_elementwise(_E2M1_SR_PAIR_PTX, "=r,f,f,r,r", [ve, vo, ke, ko], dtype=tl.int32,
+                                             is_pure=True, pack=1)
+            return byte.to(tl.uint8), ve, vo  # (ve, vo: placeholders, not magnitudes)
         if VALUES:
             byte, re, ro = tl.inline_asm_elementwise(_E2M1_PAIR_VALUES_PTX, "=r,=f,=f,f,f", [ve, vo],
                                                      dtype=(tl.int32, tl.float32, tl.float32), is_pure=True, pack=1)
@@ -176,16 +283,7 @@ def _encode_pairs(v, rows, c0, C, seed_mix, G: tl.constexpr, STOCHASTIC: tl.cons
         return byte.to(tl.uint8), ve, vo  # (ve, vo: placeholders, not magnitudes)
     mag = tl.minimum(tl.abs(v), 6.0)  # |clamp(v, -6, 6)|
     if STOCHASTIC:
-        g = tl.arange(0, G)
-        jj = tl.arange(0, 8)
-        pp = tl.arange(0, 2)
-        col = (c0 + g * 16)[None, :, None, None] + jj[None, None, :, None] * 2 + pp[None, None, None, :]
-        # (flat index + mix) mod 2^32 computed directly in wrapping uint32 arithmetic (cheaper than int64)
-        flat = rows[:, None, None, None].to(tl.uint32) * C.to(tl.uint32) + col.to(tl.uint32)
-        # seed_mix arrives as its int32 bit pattern; the hash's shifts stay shifts (as high multiplies in PTX, on the
-        # FMA pipe, the quantiser took 611 against 564 us: H200, 2026-12-04)
-        h = _lowbias32(flat + seed_mix.to(tl.uint32, bitcast=True))
-        idx, rounded = _e2m1_stochastic(mag, (h >> 8).to(tl.int32))
+        idx, rounded = _e2m1_stochastic(mag, _random_u24(rows, c0, C, seed_mix, G))
     else:
         idx, rounded = _e2m1_nearest(mag)
     neg = v < 0.0  # TE's sign test: -0.0 gets code 0, a negative value rounding to zero code 8 (docs/nvfp4.md)

@@ -43,7 +43,7 @@ from minite.nvfp4.tensor import NVFP4Tensor
 
 from ._interpreter import ensure_interpreter_compat
 from ._launch import cdiv, launcher, next_power_of_2, sm_count
-from .nvfp4_encode import _e4m3_rne, _encode_pairs
+from .nvfp4_encode import _e4m3_rne, _encode_pairs, _values_word
 from .nvfp4_seeds import _as_int32_bits, seed_mix  # noqa: F401 (seed_mix: part of this module's API)
 
 FP32_MAX = float(np.finfo(np.float32).max)
@@ -184,9 +184,7 @@ def _quantize_tile(x, bamax, rows, c0, R, C, s_enc, s_dec, sixth, seed_mix,
     if WRITE_VALS:
         # the block values in pairs: one 32-bit word per code byte (even element in the low half), stored with the
         # codes' addressing, so the stores vectorise as the codes' do (one 16-bit store per element otherwise)
-        ev = (re * sf[:, :, None]).to(vals_ptr.dtype.element_ty).to(tl.uint16, bitcast=True).to(tl.uint32)
-        od = (ro * sf[:, :, None]).to(vals_ptr.dtype.element_ty).to(tl.uint16, bitcast=True).to(tl.uint32)
-        word = ev | (od << 16)
+        word = _values_word(re * sf[:, :, None], ro * sf[:, :, None], vals_ptr.dtype.element_ty)
         wptr = tl.multiple_of(vals_ptr.to(tl.pointer_type(tl.uint32), bitcast=True), 16)
         if VEC2D:
             tl.store(wptr + doff, tl.reshape(word, [BLOCK_R, G * 8]),

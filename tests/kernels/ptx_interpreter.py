@@ -1,10 +1,11 @@
 """A numpy interpreter of the inline-PTX subset the kernels use, so that CPU tests run the very PTX text the GPU
 compiles: kernels/nvfp4_gemm.py's packed decode (`_E2M1_X2_PTX`, tests/kernels/test_ptx_decode.py) and
-kernels/nvfp4_encode.py's E2M1 pair encoding (`_E2M1_PAIR_PTX`, tests/kernels/test_quant.py).
+kernels/nvfp4_encode.py's E2M1 pair encodings, nearest-even and stochastic (`_pair_ptx`, tests/kernels/test_quant.py).
 
 Registers hold 32 bits (uint32 arrays, one lane per element). PTX's semantics for the subset: u32 arithmetic wraps;
-.f32 arithmetic is IEEE fp32 with round to nearest and subnormals kept (`.rn` without `.ftz`); min/max return the
-non-NaN operand (numpy's fmin/fmax); prmt picks bytes of its two sources by an immediate selector, with PTX's
+.f32 arithmetic is IEEE fp32 with subnormals kept (no `.ftz`), rounded to nearest (`.rn`) or toward +inf (`.rp`:
+the nearest sum, moved up one ulp where its exact error, from Knuth's TwoSum in fp32, is positive); cvt.rn.f32.u32
+rounds to nearest; min/max return the non-NaN operand (numpy's fmin/fmax); prmt picks bytes of its two sources by an immediate selector, with PTX's
 sign-replicate mode. An opcode outside the subset raises NotImplementedError, so a kernel's PTX cannot grow past what
 its test checks."""
 from __future__ import annotations
@@ -35,6 +36,16 @@ def _u(x) -> np.ndarray:
     return np.asarray(x, F32).view(U32)
 
 
+def _add_rp(a, b) -> np.ndarray:
+    """fp32 a + b rounded toward +inf: s = fl(a + b) and its exact error e (TwoSum: s + e = a + b exactly, for finite
+    sums), then s, or the next fp32 up where e > 0."""
+    a, b = _f(a), _f(b)
+    s = a + b
+    bb = s - a
+    e = (a - (s - bb)) + (b - bb)
+    return _u(np.where(np.isfinite(s) & (e > 0), np.nextafter(s, F32(np.inf)), s))
+
+
 def _wide(x) -> np.ndarray:
     return np.asarray(x, U32).astype(np.uint64)
 
@@ -54,6 +65,9 @@ OPS = {
     "mul.rn.f32": lambda a, b: _u(_f(a) * _f(b)),
     "add.rn.f32": lambda a, b: _u(_f(a) + _f(b)),
     "sub.rn.f32": lambda a, b: _u(_f(a) - _f(b)),
+    "add.rp.f32": _add_rp,
+    "sub.rp.f32": lambda a, b: _add_rp(a, _u(-_f(b))),
+    "cvt.rn.f32.u32": lambda a: _u(np.asarray(a, U32).astype(F32)),
 }
 
 

@@ -382,3 +382,73 @@ def test_ptx_pair_encoding_equals_the_reference():
     assert np.array_equal(byte, (ce | (co << 4)).numpy().astype(np.uint32))
     assert np.array_equal(re, me.numpy().view(np.uint32))
     assert np.array_equal(ro, mo.numpy().view(np.uint32))
+
+
+def test_ptx_stochastic_pair_encoding_equals_the_reference():
+    """The GPU's stochastic E2M1 pair encoding (`_pair_ptx("stochastic", ...)`, the PTX text run by
+    ptx_interpreter.py) equals the reference's `e2m1_round_stochastic` and TE's sign test, the byte and the signed
+    rounded magnitudes: every E2M1 neighbourhood and every 997th fp32 in [0, 6], values above 6 and infinities,
+    signed zeros, each with the random bits at its threshold (the exact tie k x 2^-24 = fraction, which rounds down,
+    and one below it, which rounds up), at 0, at 2^24 - 1 and at random."""
+    from minite.nvfp4.quantize import E2M1_MAGNITUDES, e2m1_round_stochastic
+    from minite.kernels.nvfp4_encode import _E2M1_SR_PAIR_PTX, _E2M1_SR_PAIR_VALUES_PTX
+    dense = np.arange(0, np.float32(6.0).view(np.uint32) + 1, 997, dtype=np.uint32).view(np.float32)
+    extra = np.float32([6.0, 6.5, 7.0, 1e30, np.inf, 0.0, 1e-45, 2.0 ** -127, 2.0 ** -149])
+    mags = np.concatenate([_e2m1_neighbourhoods().numpy(), dense, extra]).astype(np.float32)
+    m = torch.from_numpy(mags).clamp(max=6.0)
+    lo = torch.zeros(m.shape, dtype=torch.long)
+    for g in E2M1_MAGNITUDES[1:]:
+        lo += m >= g
+    step = torch.tensor([0.5, 0.5, 0.5, 0.5, 1.0, 1.0, 2.0, 2.0])[lo]
+    frac = ((m - torch.tensor(E2M1_MAGNITUDES)[lo]) / step).double()  # exact: a power-of-two step
+    tie = torch.ceil(frac * 2.0 ** 24).long().clamp(max=2 ** 24 - 1)  # k x 2^-24 >= fraction from here: down
+    rng = np.random.default_rng(11)
+    ks = [tie, (tie - 1).clamp(min=0), torch.zeros_like(tie), torch.full_like(tie, 2 ** 24 - 1),
+          torch.from_numpy(rng.integers(0, 2 ** 24, tie.numel()))]
+    v = np.concatenate([mags] * len(ks))
+    v = v * np.where(rng.random(v.size) < 0.5, np.float32(-1.0), np.float32(1.0)).astype(np.float32)
+    k = torch.cat(ks).numpy().astype(np.uint32)
+    # signed zeros and -inf in both halves of a pair, with rounding-up bits
+    v = np.concatenate([v, np.float32([-0.0, -0.0, -0.0, 0.0, 0.0, -0.0, -1e-45, -1e-45, -np.inf, -0.0])])
+    k = np.concatenate([k, np.uint32([2 ** 24 - 1, 0, 5, 2 ** 24 - 1, 2 ** 24 - 1, 1, 2 ** 24 - 1, 0, 7, 9])])
+    if v.size % 2:
+        v, k = np.concatenate([v, v[:1]]), np.concatenate([k, k[:1]])
+    ve, vo, ke, ko = v[0::2].copy(), v[1::2].copy(), k[0::2].copy(), k[1::2].copy()
+    regs = run_ptx(_E2M1_SR_PAIR_VALUES_PTX.value, {"$3": ve.view(np.uint32), "$4": vo.view(np.uint32), "$5": ke,
+                                                    "$6": ko})
+    byte, re, ro = regs["$0"], regs["$1"], regs["$2"]
+    codes_only = run_ptx(_E2M1_SR_PAIR_PTX.value, {"$1": ve.view(np.uint32), "$2": vo.view(np.uint32), "$3": ke,
+                                                   "$4": ko})
+    assert np.array_equal(codes_only["$0"], byte)
+
+    def ref(x, bits):
+        t = torch.from_numpy(x)
+        idx = e2m1_round_stochastic(t.abs().clamp(max=6.0), torch.from_numpy(bits.astype(np.int64))).long()
+        neg = t < 0
+        mag = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32)[idx]
+        return (idx | (neg.long() << 3)), torch.where(neg, 0.0 - mag, mag)  # code 8: +0, as the kernels write it
+
+    ce, me = ref(ve, ke)
+    co, mo = ref(vo, ko)
+    assert np.array_equal(byte, (ce | (co << 4)).numpy().astype(np.uint32))
+    assert np.array_equal(re, me.numpy().view(np.uint32))
+    assert np.array_equal(ro, mo.numpy().view(np.uint32))
+    ups = (ce & 7).numpy() != e2m1_round_stochastic(torch.from_numpy(np.abs(ve)).clamp(max=6.0),
+                                                    torch.zeros(ve.size, dtype=torch.long)).long().numpy()
+    assert 0.2 < ups.mean() < 0.8  # the bits at and below each threshold round both ways
+
+
+def test_ptx_interpreter_rounds_toward_plus_infinity():
+    """The interpreter's add.rp.f32 / sub.rp.f32 (which the stochastic encoding's test relies on) against exact
+    rational arithmetic: the smallest fp32 >= the exact sum, on random and near-cancelling operands, subnormals."""
+    from fractions import Fraction
+    rng = np.random.default_rng(3)
+    a = np.concatenate([rng.standard_normal(300) * 4, np.float32([6.0, 1.5, 1e-45, 2.0 ** -126, 0.0, 5.9999995])])
+    b = np.concatenate([rng.standard_normal(300) * 2.0 ** rng.integers(-30, 3, 300),
+                        np.float32([-1.9999999, 1e-8, 1e-45, -2.0 ** -127, 0.0, 4194304.0])])
+    a, b = a.astype(np.float32), b.astype(np.float32)
+    got = run_ptx("add.rp.f32 $0, $1, $2; sub.rp.f32 $3, $1, $2;", {"$1": a.view(np.uint32), "$2": b.view(np.uint32)})
+    for x, y, s, d in zip(a, b, got["$0"].view(np.float32), got["$3"].view(np.float32)):
+        for exact, r in ((Fraction(float(x)) + Fraction(float(y)), s), (Fraction(float(x)) - Fraction(float(y)), d)):
+            assert Fraction(float(r)) >= exact and Fraction(float(np.nextafter(r, np.float32(-np.inf)))) < exact, \
+                (x, y, r)
