@@ -309,9 +309,9 @@ def _amax_kernel(x_ptr, stride_r, stride_c, R, C, amax_bits_ptr, tiles_c, n_tile
 # (`_tensor_amax`; other views take the quantisation's tiles).
 TUNING = {
     "plain": {"elems": 1024, "warps": 1, "vec2d": False},
-    "values": {"elems": 1024, "warps": 2, "vec2d": False},
+    "values": {"elems": 1024, "warps": 1, "vec2d": False},
     "rht": {"elems": 8192, "warps": None, "vec2d": True},
-    "colmajor": {"elems": 4096, "warps": 8, "vec2d": True, "rows": 32},
+    "colmajor": {"elems": 4096, "warps": 4, "vec2d": True, "rows": 64},
     "colmajor_segments": {"elems": 4096, "warps": 4, "vec2d": True, "rows": 64},
     "stack": {"elems": 4096, "warps": 4, "vec2d": True},
     "amax": {"programs_per_sm": 16, "segment_programs_per_sm": 64, "elems": 4096, "warps": 4},
