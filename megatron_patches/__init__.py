@@ -11,4 +11,5 @@ moe_dispatch.py  a MoE token dispatcher for EP = 1 without host synchronisation 
 qwen3_moe.py     the Qwen3-MoE GPTModel spec builder (from minite.models.qwen3_moe's shape), SDPA core attention
 rope.py          Megatron's apply_rotary_pos_emb dispatched per call (strict, one-launch CUDA inference, upstream)
 strict.py        strict mode: switch a built model's ops to minite.strict's batch-invariant ops (apply_strict)
+weight_copy.py   the optimizer's master -> weight copy of the NVFP4 expert weights with their amax (one launch each)
 """

@@ -29,10 +29,13 @@ its quantised inputs and weights in the context's device-side `finite` flag inst
 Quantised weights are cached per module, keyed by (ctx.generation, storage, version counter): a weight is quantised
 once per update, not once per forward (in a 2-layer model's forward 20 of the 28 quantisations are weights).
 `param.copy_` / load_state_dict bump the version counter; writes through `.data` (Megatron's optimizers) do not,
-so whoever writes that way calls `ctx.weights_updated()` (the Learner does after every step and load).
+so whoever writes that way calls `ctx.weights_updated()` (the Learner does at every optimizer step, just before
+it, and after every load).
 During a train step the Learner frees the bf16 storage of every quantised weight (`release_quantised_weights`):
 between quantising a weight and the optimizer writing its update nothing reads it but the quantiser, so it is 2 B
 per parameter of dead memory at the step's memory peak; `restore_quantised_weights` gives it back before the step.
+The optimizer's copy of the expert weights from their masters also computes each expert's amax, which their next
+quantisation uses instead of reading the weights again (megatron_patches.weight_copy; `copied_amax`).
 """
 from __future__ import annotations
 
@@ -48,6 +51,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from minite.megatron_patches.cpu import gpu_present
+from minite.megatron_patches.weight_copy import copied_amax
 from minite.nvfp4 import NVFP4Recipe, NVFP4Stack, NVFP4Tensor
 from minite.ops import (FiniteFlag, derive_seed, group_size, grouped_linear_bf16, nvfp4_grouped_linear, nvfp4_linear,
                         nvfp4_swiglu_fc2_forward, quantiser_checks_finite, quantize_expert_weights, quantize_weight,
@@ -107,6 +111,11 @@ class NVFP4Context:
     wgrad_sink: Optional[DeferredWgrads] = None
     """Where the experts' wgrads wait during such a step (minite.ops.grouped.DeferredWgrads), set and flushed by the
     learner; None: each backward adds its wgrad at once."""
+
+    fuse_weight_amax: bool = True
+    """The learner's optimizer writes the expert weights from their fp32 masters with each expert's amax computed on
+    the way (megatron_patches.weight_copy, where the kernels quantise them), and their next quantisation uses it
+    instead of reading the weights for it: the same bits. False: Megatron's copy and the quantiser's own amax."""
 
     def layer_seed(self, layer_id: int) -> int:
         if self.micro_batch:
@@ -285,8 +294,10 @@ class GroupedExperts(MegatronModule):
 
     def _weight_q(self, weight: torch.Tensor, salt: int, record: bool = True):
         ctx = self.nvfp4
+        # the amax the optimizer's copy took when it wrote the weight, if nothing wrote it since (weight_copy)
         return cached_weight_q(self, weight, lambda: quantize_expert_weights(weight, ctx.recipe, backend=ctx.backend,
-                                                                         values=ctx.weight_values),
+                                                                         values=ctx.weight_values,
+                                                                         amax=copied_amax(weight, ctx)),
                                slot=f"fc{salt}", record=record)
 
     def forward(self, permuted_hidden: torch.Tensor, tokens_per_expert, permuted_probs: torch.Tensor):
@@ -364,6 +375,13 @@ def _quantised_weights(model: torch.nn.Module):
             yield m, "fc2", m.fc2_weight, lambda m=m: m._weight_q(m.fc2_weight, 2, record=False)
         elif isinstance(m, (NVFP4ColumnParallelLinear, NVFP4RowParallelLinear)) and m.weight is not None:
             yield m, "weight", m.weight, lambda m=m: _linear_weight_q(m, m.weight, record=False)
+
+
+def expert_weights(model: torch.nn.Module) -> list:
+    """(parameter, NVFP4Context) of every NVFP4 expert weight stack of `model` (GroupedExperts fc1/fc2): the weights
+    whose optimizer copy computes their amax (megatron_patches.weight_copy.install_amax_copy)."""
+    return [(p, m.nvfp4) for m in model.modules() if isinstance(m, GroupedExperts) and m.nvfp4 is not None
+            for p in (m.fc1_weight, m.fc2_weight)]
 
 
 def quantize_weights_now(model: torch.nn.Module, *, in_place: bool = False) -> int:

@@ -28,6 +28,9 @@ an unsharded run, as with any split of the batch into micro-batches.
 NVFP4 memory: for the forward and backward of a step the quantised weights are all the model reads of its NVFP4
 layers, so the bf16 weights' storage is freed after they are quantised and given back before the optimizer step,
 which writes every one from its fp32 master (a skipped step or a failing loss rebuilds them from the masters).
+The optimizer's copy of the expert weights from their masters also takes each expert's amax, which their next
+quantisation uses instead of reading the weights for it (megatron_patches.weight_copy: one launch per weight stack
+instead of the copy and the amax read, the same bits; on the kernels only).
 
 Resume: `state_dict()` snapshots model weights, optimizer state (fp32 masters, Adam moments and step), the step
 counter that seeds NVFP4 stochastic rounding, and torch's CPU RNG; `load_state_dict` restores all of them, so a
@@ -48,8 +51,9 @@ from minite.learner.model import build_model, compute_dtype, nvfp4_context
 from minite.learner.weights import checked_weight_copy
 from minite.megatron_patches.cpu import cuda_as_cpu
 from minite.megatron_patches.moe_dispatch import detach_dispatcher_graphs, use_local_dispatch
-from minite.megatron_patches.nvfp4_layers import (release_quantised_weights, release_weight_caches,
+from minite.megatron_patches.nvfp4_layers import (expert_weights, release_quantised_weights, release_weight_caches,
                                                    restore_quantised_weights)
+from minite.megatron_patches.weight_copy import install_amax_copy
 from minite.ops.grouped import DeferredWgrads, mark_main_grads_zeroed
 from minite.strict import ops as strict_ops
 
@@ -179,6 +183,8 @@ class Learner:
         )
         optimizer = get_megatron_optimizer(config, [self.ddp])
         _adam_implementation(optimizer)
+        if self.nvfp4 is not None:  # the expert weights' copy from their masters also takes their amax
+            install_amax_copy(optimizer, expert_weights(self.model))
         return optimizer
 
     # ------------------------------------------------------------------ forward
@@ -289,6 +295,11 @@ class Learner:
                 release_weight_caches(self.model)  # stale after the step: not held while the optimizer's memory peaks
         restore_quantised_weights(self.model, released, values=False)  # the step writes every one of them
         ok = False
+        if self.nvfp4 is not None:
+            # the optimizer writes the weights through .data: cached quantised weights are stale from here on. Bumped
+            # before the step, so that the expert amaxes its copy takes (megatron_patches.weight_copy) carry the
+            # generation the next quantisation sees
+            self.nvfp4.weights_updated()
         try:
             with cuda_as_cpu():
                 finalize_model_grads([self.ddp])
@@ -304,7 +315,6 @@ class Learner:
         self.step += 1
         if self.nvfp4 is not None:
             self.nvfp4.step = self.step
-            self.nvfp4.weights_updated()  # the optimizer wrote the weights through .data
         out = {k: v / micro_batches for k, v in sums.items()}
         out.update(loss=float(total), grad_norm=float(grad_norm if grad_norm is not None else 0.0),
                    step_ok=float(bool(ok)))

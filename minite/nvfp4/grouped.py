@@ -317,10 +317,26 @@ def stack_amax(x: torch.Tensor) -> torch.Tensor:
     return torch.maximum(-lo, hi).abs().float()
 
 
+def _given_amax(x: torch.Tensor, amax: Optional[torch.Tensor]) -> torch.Tensor:
+    """The caller's amax of `quantize_stack` (shape, dtype and device checked), or stack_amax(x) without one."""
+    if amax is None:
+        return stack_amax(x)
+    if amax.dtype != torch.float32 or tuple(amax.shape) != (x.shape[0],) or amax.device != x.device:
+        raise ValueError(f"quantize_stack: amax must be fp32 [{x.shape[0]}] on {x.device}, got {amax.dtype} "
+                         f"{tuple(amax.shape)} on {amax.device}")
+    return amax
+
+
 def quantize_stack(x: torch.Tensor, *, block=BLOCK_2D, rounding: str = "nearest", seeds=None, rht: bool = False,
-                   values: bool = False, check_finite: bool = True, backend: str = "auto") -> NVFP4Stack:
+                   values: bool = False, check_finite: bool = True, backend: str = "auto",
+                   amax: Optional[torch.Tensor] = None) -> NVFP4Stack:
     """Quantise each x[e] of x [E, R, C] as its own tensor (scale_scope="tensor"); `values` also keeps the fp16
-    block values. check_finite=False skips the NaN/Inf check (a host synchronisation on a GPU)."""
+    block values. check_finite=False skips the NaN/Inf check (a host synchronisation on a GPU).
+    amax: each member's max |x[e]|, fp32 [E] on x's device, computed where x was last written (the optimizer's
+    master -> weight copy, minite.kernels.copy_amax): the kernels then skip their own read of x for it
+    (`stack_amax`). It must be bitwise stack_amax(x), which the caller guarantees (nothing checks it: that would be
+    the read it saves). Ignored by the reference (which computes the same amax itself) and with the RHT (whose amax
+    is of the transformed values)."""
     if x.dim() != 3:
         raise ValueError(f"quantize_stack expects [E, R, C], got shape {tuple(x.shape)}")
     block = tuple(block)
@@ -333,7 +349,7 @@ def quantize_stack(x: torch.Tensor, *, block=BLOCK_2D, rounding: str = "nearest"
         segs = [(i * rows, 0, rows, cols, i * rows, 0) for i in range(e)]
         data, scale, gs, amax, vals = kernel("quantize_segments")(flat, segs, (e * rows, cols), block, rounding, seeds,
                                                                rht, VALUES_DTYPE if values else None,
-                                                               amax=None if rht else stack_amax(x))
+                                                               amax=None if rht else _given_amax(x, amax))
         br = block[0]
         return NVFP4Stack(data.view(e, rows, cols // 2), scale.view(e, rows // br, cols // 16), gs, (rows, cols),
                           block, None if vals is None else vals.view(e, rows, cols), amax)

@@ -69,12 +69,13 @@ def _kernels_read_counts(x: torch.Tensor, backend: str) -> bool:
 
 
 def quantize_expert_weights(weight: torch.Tensor, recipe: NVFP4Recipe, *, backend: str = "auto",
-                            values: bool = True) -> NVFP4Stack:
+                            values: bool = True, amax: Optional[torch.Tensor] = None) -> NVFP4Stack:
     """Expert weights [E, N, K] with the recipe's weight role, each expert its own tensor (16x16 blocks, one global
     scale per expert): one launch on the kernels; fp16 block values kept when the kernels read them, unless
     values=False (`quantize_weight`): then the kernels read the packed codes, and the stack also keeps them in the
     decode order (`decode_order`, where K % 128 == 0) with the scales decoded (`decode_scales`) for the small-M GEMMs
-    of a rollout."""
+    of a rollout. amax: each expert's max |W_e| (fp32 [E]) known already, bitwise stack_amax(weight) (the learner's
+    optimizer computes it while it writes the weight: megatron_patches.weight_copy); see `quantize_stack`."""
     op = recipe.weight
     if weight.dim() != 3:
         raise ValueError(f"quantize_expert_weights expects [E, N, K], got shape {tuple(weight.shape)}")
@@ -83,7 +84,7 @@ def quantize_expert_weights(weight: torch.Tensor, recipe: NVFP4Recipe, *, backen
         seeds = [int(torch.randint(0, 2**32, ()).item()) for _ in range(weight.shape[0])]
     flags = quant_flags(backend, weight, values)
     st = quantize_stack(weight, block=op.block, rounding=op.rounding, seeds=seeds, rht=op.rht, backend=backend,
-                        **flags)
+                        amax=amax, **flags)
     if not values and weight.shape[2] % 128 == 0 and quant_flags(backend, weight)["values"]:  # packed, on the kernels
         st.keep_decode_order()
     return st
