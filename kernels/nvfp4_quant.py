@@ -297,6 +297,10 @@ def _amax_kernel(x_ptr, stride_r, stride_c, R, C, amax_bits_ptr, tiles_c, n_tile
 # With the E2M1 encoding in PTX (a7d93bb, session 21 call 4; a sweep of elems 1024-4096 x warps 1-4 x
 # vec2d): codes only on one warp, 1024 elements: per-row RNE 226.7 us (2 warps 238.7), tensor-scope stochastic 550.7
 # (561.3); codes + values unchanged (1024 elements, 2 warps: 307.9 us per row; 4 warps 353.4).
+# With stochastic rounding in PTX too (session 22 call 1, f0b9fa4): codes + values on one warp, 1024 elements (per
+# row 312.7 us against 322.9 on two warps; tensor-scope SR with values 563.9 against 578.7); transposed views (dy^T,
+# RHT + SR, values) 64-row tiles of 4096 elements on 4 warps, 889.7 us (32 x 4096 on 8 warps: 976.0; 32 x 8192 on 8
+# warps 898.4); the wgrad column segments unchanged (call 2: 961 us, nine settings 956-1274).
 #   elems: fp32 elements one program holds; warps: None = 8 if elems >= 8192 else 4; vec2d: 2-D row loads/stores
 #   (16-byte vectors) reshaped to the 4-D view, else 4-D addressing; rows (transposed views only): the tile's rows,
 #   the contiguous direction in memory.
