@@ -24,6 +24,8 @@ def test_bench_learner_slice_tiny_rows(tmp_path):
     for r in rows:
         assert {"precision", "tokens_per_s", "fwd_bwd_s", "optimizer_s", "model_tflops", "peak_mem_gib"} <= set(r)
         assert r["tokens"] == 32 * r["micro_batches"] and r["tokens_per_s"] > 0 and 0 < r["optimizer_s"] < r["step_s"]
+        assert len(r["steps_s"]) == 1 and r["steps_s"][0] == round(r["step_s"], 5)  # every timed step, kept
+        assert len(r["optimizer_steps_s"]) == 1
     assert set(doc["nvfp4_over_bf16_tokens_per_s_by_micro_batches"]) == {"1", "2"}
     assert doc["nvfp4_over_bf16_tokens_per_s"] == doc["nvfp4_over_bf16_tokens_per_s_by_micro_batches"]["1"]
     assert {"date", "commit", "command"} <= set(doc) and "bench_learner_slice.py" in doc["command"]

@@ -106,8 +106,9 @@ def _peak_gib(dev: str) -> float:
 
 def _time_steps(learner, tokens, micro: int, steps: int, warmup: int, dev: str) -> tuple[float, float, dict]:
     """Median (step s, optimizer s) over `steps` train steps after `warmup`, and the last step's metrics (with the
-    peak memory of the forward/backward phase and of the optimizer phase, GiB, over all steps); each step is `micro`
-    micro-batches of one sequence (gradient accumulation), each loss its 1/micro share."""
+    peak memory of the forward/backward phase and of the optimizer phase, GiB, over all steps, and every timed step's
+    and optimizer phase's seconds: `steps_s`, `optimizer_steps_s`); each step is `micro` micro-batches of one
+    sequence (gradient accumulation), each loss its 1/micro share."""
     opt_times, times, step_fn = [], [], learner.optimizer.step
     peaks = {"peak_fwd_bwd_gib": 0.0, "peak_optimizer_gib": 0.0}
 
@@ -135,7 +136,9 @@ def _time_steps(learner, tokens, micro: int, steps: int, warmup: int, dev: str) 
     finally:
         learner.optimizer.step = step_fn
     peaks["peak_optimizer_gib"] = max(peaks["peak_optimizer_gib"], _peak_gib(dev))
-    return statistics.median(times), statistics.median(opt_times[warmup:warmup + steps]), {**metrics, **peaks}
+    opts = opt_times[warmup:warmup + steps]
+    spread = {"steps_s": [round(t, 5) for t in times], "optimizer_steps_s": [round(t, 5) for t in opts]}
+    return statistics.median(times), statistics.median(opts), {**metrics, **peaks, **spread}
 
 
 class ExpertRows:
@@ -225,7 +228,10 @@ def run(precision: str, shape: dict, layers: int, seq: int, steps: int, warmup: 
                      "peak_fwd_bwd_gib": metrics["peak_fwd_bwd_gib"] if dev == "cuda" else None,
                      "peak_optimizer_gib": metrics["peak_optimizer_gib"] if dev == "cuda" else None,
                      "mem_start_gib": mem_start, "expert_rows_max_over_mean": balance,
-                     "expert_wgrad_passes": passes})
+                     "expert_wgrad_passes": passes,
+                     # every timed step (the median above): the step moves by up to ~15% between runs of one tree on
+                     # the H200 (docs/benchmarks.md, issue 17 in the twenty-second session)
+                     "steps_s": metrics["steps_s"], "optimizer_steps_s": metrics["optimizer_steps_s"]})
         if RANK0:
             print(json.dumps(rows[-1]), flush=True)
     if profile_top or memory_top or sync_top or op_sites or phases:
