@@ -3,8 +3,8 @@ pass (issue 17: the NVFP4 re-quantisation's first read fused into the optimizer 
 
 After its update Megatron's optimizer writes every bf16 weight from its fp32 master (`that.copy_(this)`), and the
 next forward quantises the expert weights [E, N, K], each expert with its own global scale from its amax
-max |W_e|: a full extra read of every expert weight (`minite.nvfp4.grouped.stack_amax`, 1.2-1.7 ms of a 113 ms
-step on the H200). This kernel does the copy and takes the max while the bf16 values are in registers:
+max |W_e|: a full extra read of every expert weight (`minite.nvfp4.grouped.stack_amax`, 1.2-1.7 ms of a
+113-127 ms step on the H200). This kernel does the copy and takes the max while the bf16 values are in registers:
     weight[e, i] = bf16(master[e, i])          round to nearest even, as torch's copy_
     amax[e]      = max_i |weight[e, i]|        fp32 [E], the max of the *bf16* values (what stack_amax reads)
 Each program copies a run of one expert's elements and adds its max to amax[e] with one atomic max on the fp32

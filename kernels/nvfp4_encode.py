@@ -25,13 +25,13 @@ from ._interpreter import interpreting
 
 # The E2M1 encoding of a pair on the GPU, in PTX that keeps the integer ALU free (the quantisers were bound by that
 # pipe on the H200: ncu, docs/benchmarks.md issue 17, session 21): per element a = min(|v|, 6); M = 2^22 x 2^e, e the
-# exponent of max(a, 1), whose fp32 ulp is the E2M1 step at a (0.5 below 2, 1 in [2, 4), 2 in [4, 6]), so a + M
-# rounds a to the E2M1 grid in one IEEE rounding, nearest-even, and (a + M) - M is the rounded magnitude r (exact);
-# r x 2^-126 is an fp32 whose bits are the E2M1 code shifted left by 22 (2-bit exponent, 1 mantissa bit, its
-# subnormal 0.5 at 2^-127: no flush to zero here). The sign is TE's v < 0: v + 0 turns -0 into +0 (NaN has no sign
-# after an add), and its top bit is the sign. The byte (even element in the low nibble) is then (t_e + 16 t_o) >> 22
-# plus 8 and 128 times the signs, in integer multiply-adds and high multiplies (the FMA pipe) instead of shifts, masks
-# and selects. Every rounding is spelled (.rn; .rp below) so that ptxas cannot contract a multiply into an add. Bits equal to
+# exponent of max(a, 1), whose fp32 ulp is the E2M1 step at a (0.5 below 2, 1 in [2, 4), 2 in [4, 6]), so a + M rounds
+# a to the E2M1 grid in one IEEE rounding, nearest-even, and (a + M) - M is the rounded magnitude r (exact); r x
+# 2^-126 is an fp32 whose bits are the E2M1 code shifted left by 22 (2-bit exponent, 1 mantissa bit, its subnormal 0.5
+# at 2^-127: no flush to zero here). The sign is TE's v < 0: v + 0 turns -0 into +0 (NaN has no sign after an add),
+# and its top bit is the sign. The byte (even element in the low nibble) is then (t_e + 16 t_o) >> 22 plus 8 and 128
+# times the signs, in integer multiply-adds and high multiplies (the FMA pipe) instead of shifts, masks and selects.
+# Every rounding is spelled (.rn; .rp below) so that ptxas cannot contract a multiply into an add. Bits equal to
 # `_e2m1_nearest` (tests/kernels/test_quant.py runs this PTX text in tests/kernels/ptx_interpreter.py for every 61st
 # fp32 in [0, 6] and the E2M1 neighbourhoods; the GPU tests compare the compiled kernels with the reference). $0: the
 # byte; with values, $1/$2 the signed rounded magnitudes, a negative one rounded to 0 as +0 (+ 0 after the sign), as
@@ -207,9 +207,10 @@ def _e2m1_stochastic(mag, k):
     (k >> 2) ^ 0x3FFFFF, truncated, are the rounded value (a carry into the exponent is 1.5 -> 2; 6 has L = 0 and
     never rounds up). mag < 1: t = 2 * mag (exact), lo = t >= 1, fraction t - lo (exact), compared in fp32 as the
     reference does; lo and up stay fp32 (0 or 1), and lo + up + 2^23 puts the index in the low bits, as in
-    `_e2m1_nearest` (integer 0/1 arithmetic here compiled to packed 16-bit lanes and byte permutes, and the compare
-    and select of the normal branch cost more: the tensor-scope quantiser with stochastic rounding took 26.5 more
-    instructions per element than with nearest-even on sm_90, 16.0 in this form; tools/bench/sass_census.py --quant)."""
+    `_e2m1_nearest`. The interpreter runs this; compiled kernels run `_E2M1_STOCHASTIC` (PTX, the same bits). (When
+    the GPU still ran it: integer 0/1 arithmetic here compiled to packed 16-bit lanes and byte permutes, and the
+    compare and select of the normal branch cost more; the tensor-scope quantiser with stochastic rounding took 26.5
+    more instructions per element than with nearest-even on sm_90, 16.0 in this form: sass_census.py --quant.)"""
     bits = mag.to(tl.int32, bitcast=True)
     r = (bits + ((k >> 2) ^ 0x3FFFFF)) & -4194304  # -4194304 = 0xFFC00000
     t = mag * 2.0

@@ -13,12 +13,12 @@ and writes packed codes (even element in the low nibble), E4M3 scale bytes, the 
 request, the block values (code x block scale, exact in fp16/bf16) that feed an MMA directly.
 
 The E4M3 and E2M1 roundings are kernels/nvfp4_encode.py's (exact on the GPU and in the interpreter: integer bit
-arithmetic, and on the GPU the nearest-even E2M1 encoding of a pair as one PTX block on fp32 adds and integer
-multiply-adds). Instructions per element (sm_90 SASS, Triton 3.6; tools/bench/sass_census.py --quant, at the
-launchers' tiles) went from 50 to 34.8 (per-row, codes + values), 100 to 67.5 (stochastic) and 106 to 90 (a wgrad
-segment of dy^T, RHT + stochastic) in earlier sessions; on the H200 the quantisers turned out bound by the integer
-ALU pipe rather than by instruction issue (ncu, 2026-12-04), which the PTX encoding addresses. docs/benchmarks.md
-has the times.
+arithmetic, and on the GPU the E2M1 encoding of a pair, nearest-even or stochastic, as one PTX block on fp32 adds and
+integer multiply-adds: `_pair_ptx`). Instructions per element (sm_90 SASS, Triton 3.6; tools/bench/sass_census.py
+--quant, at the launchers' tiles) went from 50 to 34.8 (per-row, codes + values), 100 to 67.5 (stochastic) and 106 to
+90 (a wgrad segment of dy^T, RHT + stochastic) in earlier sessions; on the H200 the quantisers turned out bound by the
+integer ALU pipe rather than by instruction issue (ncu, 2026-12-04), which the PTX encoding addresses.
+docs/benchmarks.md has the times.
 
 Tile layout: [BLOCK_R, G, 8, 2] (rows, 16-groups, byte, nibble), so block maxima reduce the last two axes and the
 nibble pair of a byte is a split of the last axis: no reshape moves data between threads.
@@ -297,10 +297,12 @@ def _amax_kernel(x_ptr, stride_r, stride_c, R, C, amax_bits_ptr, tiles_c, n_tile
 # With the E2M1 encoding in PTX (a7d93bb, session 21 call 4; a sweep of elems 1024-4096 x warps 1-4 x
 # vec2d): codes only on one warp, 1024 elements: per-row RNE 226.7 us (2 warps 238.7), tensor-scope stochastic 550.7
 # (561.3); codes + values unchanged (1024 elements, 2 warps: 307.9 us per row; 4 warps 353.4).
-# With stochastic rounding in PTX too (session 22 call 1, f0b9fa4): codes + values on one warp, 1024 elements (per
-# row 312.7 us against 322.9 on two warps; tensor-scope SR with values 563.9 against 578.7); transposed views (dy^T,
-# RHT + SR, values) 64-row tiles of 4096 elements on 4 warps, 889.7 us (32 x 4096 on 8 warps: 976.0; 32 x 8192 on 8
-# warps 898.4); the wgrad column segments unchanged (call 2: 961 us, nine settings 956-1274).
+# With stochastic rounding in PTX too (session 22 call 1, f0b9fa4): codes + values on one warp, 1024 elements (per row
+# 312.7 us against 322.9 on two warps; tensor-scope SR with values 563.9 against 578.7); transposed views (dy^T, RHT +
+# SR, values) 64-row tiles of 4096 elements on 4 warps, 889.7 us (32 x 4096 on 8 warps: 976.0; 32 x 8192 on 8 warps
+# 898.4); the wgrad column segments unchanged (call 2: 961 us, nine settings 956-1274). In the expert block (call 2)
+# the separate per-row quantisation of a with values took 154.7 us (178.8 at 225a6b5, call 1). The "values" tile also
+# serves the row-major segments (kernels/nvfp4_segments.py), not timed on their own.
 #   elems: fp32 elements one program holds; warps: None = 8 if elems >= 8192 else 4; vec2d: 2-D row loads/stores
 #   (16-byte vectors) reshaped to the 4-D view, else 4-D addressing; rows (transposed views only): the tile's rows,
 #   the contiguous direction in memory.

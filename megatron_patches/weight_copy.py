@@ -10,7 +10,7 @@ bits as the copy, and max |W_e| of the bf16 values, fp32 [E], bitwise `minite.nv
 other parameter by Megatron's own copy, unchanged.
 
 The amax is kept on the parameter (attribute `minite_copied_amax`) with the key of the weight it was taken from:
-(the NVFP4 context's generation, data_ptr, version counter, shape). `copied_amax` hands it to the quantiser only
+(the NVFP4 context and its generation, data_ptr, version counter, shape). `copied_amax` hands it to the quantiser only
 while the key still matches: the Learner bumps the generation just before the optimizer step (so the key is that of
 the step's write); a later `param.copy_` (a load, `restore_quantised_weights(values=True)`) bumps the version
 counter, a write through `.data` comes with `weights_updated()` (the contract of the quantised-weight caches), and
@@ -40,7 +40,10 @@ STASH = "minite_copied_amax"
 
 
 def _key(weight: torch.Tensor, ctx) -> tuple:
-    return (ctx.generation, weight.data_ptr(), weight._version, tuple(weight.shape))
+    """What identifies the write that took an amax: the NVFP4 context and its generation (bumped by
+    `weights_updated()`, which a write through `.data`, or a `p.data = t` assignment, must come with, as for the
+    quantised-weight caches), the storage, the version counter (bumped by `copy_` and other in-place ops) and shape."""
+    return (id(ctx), ctx.generation, weight.data_ptr(), weight._version, tuple(weight.shape))
 
 
 def copied_amax(weight: torch.Tensor, ctx) -> Optional[torch.Tensor]:
@@ -59,6 +62,7 @@ def fused_copy_applies(weight: torch.Tensor, master: torch.Tensor, ctx) -> bool:
             and weight.dtype == torch.bfloat16 and master.dtype == torch.float32 and weight.shape == master.shape
             and weight.dim() == 3 and weight.device == master.device
             and weight.is_contiguous() and master.is_contiguous()
+            # the weight's storage is there (not released for the step's forward and backward)
             and weight.untyped_storage().nbytes() >= weight.numel() * weight.element_size())
 
 

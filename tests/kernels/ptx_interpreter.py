@@ -3,11 +3,11 @@ compiles: kernels/nvfp4_gemm.py's packed decode (`_E2M1_X2_PTX`, tests/kernels/t
 kernels/nvfp4_encode.py's E2M1 pair encodings, nearest-even and stochastic (`_pair_ptx`, tests/kernels/test_quant.py).
 
 Registers hold 32 bits (uint32 arrays, one lane per element). PTX's semantics for the subset: u32 arithmetic wraps;
-.f32 arithmetic is IEEE fp32 with subnormals kept (no `.ftz`), rounded to nearest (`.rn`) or toward +inf (`.rp`:
-the nearest sum, moved up one ulp where its exact error, from Knuth's TwoSum in fp32, is positive); cvt.rn.f32.u32
-rounds to nearest; min/max return the non-NaN operand (numpy's fmin/fmax); prmt picks bytes of its two sources by an immediate selector, with PTX's
-sign-replicate mode. An opcode outside the subset raises NotImplementedError, so a kernel's PTX cannot grow past what
-its test checks."""
+.f32 arithmetic is IEEE fp32 with subnormals kept (no `.ftz`), rounded to nearest (`.rn`) or toward +inf (`.rp`: the
+nearest sum, moved up one ulp where its exact error, from Knuth's TwoSum in fp32, is positive); cvt.rn.f32.u32 rounds
+to nearest; min/max return the non-NaN operand (numpy's fmin/fmax); prmt picks bytes of its two sources by an
+immediate selector, with PTX's sign-replicate mode. An opcode outside the subset raises NotImplementedError, so a
+kernel's PTX cannot grow past what its test checks."""
 from __future__ import annotations
 
 import numpy as np
@@ -38,12 +38,14 @@ def _u(x) -> np.ndarray:
 
 def _add_rp(a, b) -> np.ndarray:
     """fp32 a + b rounded toward +inf: s = fl(a + b) and its exact error e (TwoSum: s + e = a + b exactly, for finite
-    sums), then s, or the next fp32 up where e > 0."""
+    sums), then s, or the next fp32 up where e > 0; a finite sum that overflows to -inf under round-to-nearest is
+    -FLT_MAX toward +inf (one that overflows to +inf stays +inf)."""
     a, b = _f(a), _f(b)
     s = a + b
     bb = s - a
     e = (a - (s - bb)) + (b - bb)
-    return _u(np.where(np.isfinite(s) & (e > 0), np.nextafter(s, F32(np.inf)), s))
+    up = np.where(np.isfinite(s) & (e > 0), np.nextafter(s, F32(np.inf)), s)
+    return _u(np.where((s == -np.inf) & np.isfinite(a) & np.isfinite(b), -np.finfo(F32).max, up).astype(F32))
 
 
 def _wide(x) -> np.ndarray:

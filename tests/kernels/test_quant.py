@@ -448,6 +448,10 @@ def test_ptx_interpreter_rounds_toward_plus_infinity():
                         np.float32([-1.9999999, 1e-8, 1e-45, -2.0 ** -127, 0.0, 4194304.0])])
     a, b = a.astype(np.float32), b.astype(np.float32)
     got = run_ptx("add.rp.f32 $0, $1, $2; sub.rp.f32 $3, $1, $2;", {"$1": a.view(np.uint32), "$2": b.view(np.uint32)})
+    big = np.float32([np.finfo(np.float32).max])  # overflow: toward +inf, -FLT_MAX - FLT_MAX is -FLT_MAX
+    nb = (-big).view(np.uint32)
+    over = run_ptx("add.rp.f32 $0, $1, $2; add.rp.f32 $3, $4, $4;", {"$1": nb, "$2": nb, "$4": big.view(np.uint32)})
+    assert over["$0"].view(np.float32)[0] == -big[0] and over["$3"].view(np.float32)[0] == np.inf
     for x, y, s, d in zip(a, b, got["$0"].view(np.float32), got["$3"].view(np.float32)):
         for exact, r in ((Fraction(float(x)) + Fraction(float(y)), s), (Fraction(float(x)) - Fraction(float(y)), d)):
             assert Fraction(float(r)) >= exact and Fraction(float(np.nextafter(r, np.float32(-np.inf)))) < exact, \

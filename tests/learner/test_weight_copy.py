@@ -122,8 +122,39 @@ def test_amax_is_used_only_while_nothing_wrote_the_weight():
     copy_with_amax(w, master, ctx)
     w.data = w.data.clone()
     assert copied_amax(w, ctx) is None
+    copy_with_amax(w, master, ctx)
+    other = NVFP4Context(backend="triton")  # another context at the same generation
+    other.generation = ctx.generation
+    assert copied_amax(w, ctx) is not None and copied_amax(w, other) is None
     ctx.fuse_weight_amax = False
     assert not fused_copy_applies(w, master, ctx)
+
+
+@pytest.mark.slow
+def test_a_skipped_step_leaves_no_amax(monkeypatch):
+    """An optimizer step that skips (non-finite gradients: Megatron's step returns ok=False and writes no weight) leaves
+    no usable amax: the Learner rebuilds the weights from their masters (`copy_`, a new version) after bumping the
+    generation, and the next step's quantisation reads each expert weight for its amax again."""
+    tokens = torch.randint(1, 64, (2, 33), generator=torch.Generator().manual_seed(3))
+    learner = _learner(TINY, "triton", True)
+    learner.train_step(tokens, loss_fn)  # the step's copy keeps each expert stack's amax
+    experts = expert_weights(learner.model)
+    assert all(copied_amax(p, ctx) is not None for p, ctx in experts)
+    step = learner.optimizer.step
+    monkeypatch.setattr(learner.optimizer, "step", lambda *a, **k: (False, None, None))
+    assert learner.train_step(tokens, loss_fn)["step_ok"] == 0.0
+    assert not any(copied_amax(p, ctx) is not None for p, ctx in experts)
+    monkeypatch.setattr(learner.optimizer, "step", step)
+    calls, real = [0], grouped.stack_amax
+
+    def counted(x):
+        calls[0] += 1
+        return real(x)
+
+    monkeypatch.setattr(grouped, "stack_amax", counted)
+    assert learner.train_step(tokens, loss_fn)["step_ok"] == 1.0
+    assert calls == [4]  # 2 layers x (fc1, fc2): each read for its amax
+    learner.close()
 
 
 GPU_SETS = ["model.num_layers=2", "model.hidden_size=256", "model.vocab_size=512", "model.num_experts=8",
