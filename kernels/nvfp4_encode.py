@@ -37,7 +37,8 @@ from ._interpreter import interpreting
 # byte; with values, $1/$2 the signed rounded magnitudes, a negative one rounded to 0 as +0 (+ 0 after the sign), as
 # the Triton encoding (0 - x) and kernels/nvfp4_values.py write code 8's value (tests/kernels/test_grouped.py compares
 # the bits).
-_E2M1_NEAREST = """
+# Per element a = min(|v|, 6) and me = 2^e (e the exponent of max(a, 1)), for either rounding below
+_E2M1_MAGNITUDES = """
 .reg .f32 ae, ao, me, mo, se, so, re, ro, te, to, ze, zo;
 .reg .b32 be, bo, ue, uo, w, s;
 abs.f32 ae, $VE;
@@ -52,6 +53,9 @@ and.b32 be, be, 0x7F800000;
 and.b32 bo, bo, 0x7F800000;
 mov.b32 me, be;
 mov.b32 mo, bo;
+"""
+# Nearest-even: the rounded magnitudes re, ro
+_E2M1_NEAREST = """
 mul.rn.f32 me, me, 0f4A800000;
 mul.rn.f32 mo, mo, 0f4A800000;
 add.rn.f32 se, ae, me;
@@ -68,20 +72,7 @@ sub.rn.f32 ro, so, mo;
 # 6, step 2) a - w lies in (4, 6] and r = 6: no rounding up past the grid's end, as in the reference. Tested as the
 # nearest-even block is, with each magnitude's random bits at its threshold (test_ptx_stochastic_pair_encoding_...).
 _E2M1_STOCHASTIC = """
-.reg .f32 ae, ao, me, mo, se, so, re, ro, te, to, ze, zo, we, wo, he, ho;
-.reg .b32 be, bo, ue, uo, w, s;
-abs.f32 ae, $VE;
-min.f32 ae, ae, 0f40C00000;
-abs.f32 ao, $VO;
-min.f32 ao, ao, 0f40C00000;
-max.f32 me, ae, 0f3F800000;
-max.f32 mo, ao, 0f3F800000;
-mov.b32 be, me;
-mov.b32 bo, mo;
-and.b32 be, be, 0x7F800000;
-and.b32 bo, bo, 0x7F800000;
-mov.b32 me, be;
-mov.b32 mo, bo;
+.reg .f32 we, wo, he, ho;
 cvt.rn.f32.u32 we, $KE;
 cvt.rn.f32.u32 wo, $KO;
 mul.rn.f32 he, me, 0f33000000;
@@ -136,7 +127,7 @@ add.rn.f32 $2, rs, 0f00000000;
 def _pair_ptx(rounding: str, values: bool) -> tl.constexpr:
     """The PTX block of one pair: operands $0 (byte)[, $1 $2 (values)], then the even and odd scaled elements, then
     (stochastic) their 24 random bits."""
-    body = (_E2M1_STOCHASTIC if rounding == "stochastic" else _E2M1_NEAREST) + _E2M1_PACK
+    body = _E2M1_MAGNITUDES + (_E2M1_STOCHASTIC if rounding == "stochastic" else _E2M1_NEAREST) + _E2M1_PACK
     if values:
         body += _E2M1_VALUES
     first = 3 if values else 1

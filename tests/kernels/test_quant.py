@@ -347,13 +347,44 @@ def triton_cdiv(a, b):
     return (a + b - 1) // b
 
 
+def _check_pair_ptx(rounding: str, ve: np.ndarray, vo: np.ndarray, bits=None) -> torch.Tensor:
+    """Run a pair encoding's PTX text (with values, and codes only) in ptx_interpreter.py on the even / odd scaled
+    elements ve, vo (fp32 arrays) and their 24 random bits (stochastic: bits = (even, odd) uint32 arrays), and compare
+    it with the reference: its magnitude index (`e2m1_round_nearest` / `e2m1_round_stochastic` of min(|v|, 6)), TE's
+    sign test (v < 0: code 8 added), the byte (even element in the low nibble) and the signed rounded magnitudes that
+    the block values are made of (a negative one rounded to zero as +0, as every kernel writes code 8's value).
+    Returns the even elements' reference indices."""
+    from minite.kernels import nvfp4_encode as ne
+    from minite.nvfp4.quantize import E2M1_MAGNITUDES, e2m1_round_nearest, e2m1_round_stochastic
+    values_ptx, codes_ptx = ((ne._E2M1_SR_PAIR_VALUES_PTX, ne._E2M1_SR_PAIR_PTX) if rounding == "stochastic" else
+                             (ne._E2M1_PAIR_VALUES_PTX, ne._E2M1_PAIR_PTX))
+    ops = [ve.view(np.uint32), vo.view(np.uint32)] + ([] if bits is None else list(bits))
+    regs = run_ptx(values_ptx.value, {f"${3 + i}": op for i, op in enumerate(ops)})  # $0-$2: byte, values
+    codes_only = run_ptx(codes_ptx.value, {f"${1 + i}": op for i, op in enumerate(ops)})  # $0: byte
+    assert np.array_equal(codes_only["$0"], regs["$0"])
+    table = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32)
+    codes, values, indices = [], [], []
+    for half, x in enumerate((ve, vo)):
+        t = torch.from_numpy(x)
+        mag = t.abs().clamp(max=6.0)
+        idx = (e2m1_round_nearest(mag) if bits is None else
+               e2m1_round_stochastic(mag, torch.from_numpy(bits[half].astype(np.int64)))).long()
+        neg = t < 0
+        codes.append(idx | (neg.long() << 3))
+        values.append(torch.where(neg, 0.0 - table[idx], table[idx]))
+        indices.append(idx)
+    assert np.array_equal(regs["$0"], (codes[0] | (codes[1] << 4)).numpy().astype(np.uint32))
+    assert np.array_equal(regs["$1"], values[0].numpy().view(np.uint32))
+    assert np.array_equal(regs["$2"], values[1].numpy().view(np.uint32))
+    return indices[0]
+
+
 def test_ptx_pair_encoding_equals_the_reference():
     """The GPU's E2M1 pair encoding (the PTX text itself, run by ptx_interpreter.py) equals the reference's rounding
     and TE's sign test for every fp32 magnitude in [0, 6] at a stride of 61 bit patterns, the E2M1 neighbourhoods,
     magnitudes above 6 and infinities (clamped to 6), subnormals, and both zeros: the byte, and the signed rounded
-    magnitudes that the block values are made of (a negative one rounded to zero as +0, as every kernel writes code
-    8's value). The compiled kernels are compared with the reference on the GPU (this file, DEVICE)."""
-    from minite.nvfp4.quantize import E2M1_MAGNITUDES, e2m1_round_nearest
+    magnitudes that the block values are made of (`_check_pair_ptx`). The compiled kernels are compared with the
+    reference on the GPU (this file, DEVICE)."""
     dense = np.arange(0, np.float32(6.0).view(np.uint32) + 1, 61, dtype=np.uint32).view(np.float32)
     extra = np.concatenate([_e2m1_neighbourhoods().numpy(), np.float32([6.5, 6.9999995, 7.0, 8.0, 1e30, np.inf, 0.0,
                                                                           1e-45, 2.0 ** -127, 2.0 ** -149])])
@@ -363,35 +394,16 @@ def test_ptx_pair_encoding_equals_the_reference():
     v = np.concatenate([v, v[:1]]) if v.size % 2 else v
     # signed zeros, tiny negatives and -inf in both halves of a pair
     v = np.concatenate([v, np.float32([-0.0, -0.0, -0.0, 0.0, 0.0, -0.0, -1e-45, -1e-45, -np.inf, -0.0, 1.0, -np.inf])])
-    ve, vo = v[0::2].copy(), v[1::2].copy()
-    from minite.kernels.nvfp4_encode import _E2M1_PAIR_PTX, _E2M1_PAIR_VALUES_PTX
-    regs = run_ptx(_E2M1_PAIR_VALUES_PTX.value, {"$3": ve.view(np.uint32), "$4": vo.view(np.uint32)})
-    byte, re, ro = regs["$0"], regs["$1"], regs["$2"]
-    codes_only = run_ptx(_E2M1_PAIR_PTX.value, {"$1": ve.view(np.uint32), "$2": vo.view(np.uint32)})
-    assert np.array_equal(codes_only["$0"], byte)
-
-    def ref(x):
-        t = torch.from_numpy(x)
-        idx = e2m1_round_nearest(t.abs().clamp(max=6.0)).long()
-        neg = t < 0
-        mag = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32)[idx]
-        return (idx | (neg.long() << 3)), torch.where(neg, 0.0 - mag, mag)  # code 8: +0, as the kernels write it
-
-    ce, me = ref(ve)
-    co, mo = ref(vo)
-    assert np.array_equal(byte, (ce | (co << 4)).numpy().astype(np.uint32))
-    assert np.array_equal(re, me.numpy().view(np.uint32))
-    assert np.array_equal(ro, mo.numpy().view(np.uint32))
+    _check_pair_ptx("nearest", v[0::2].copy(), v[1::2].copy())
 
 
 def test_ptx_stochastic_pair_encoding_equals_the_reference():
     """The GPU's stochastic E2M1 pair encoding (`_pair_ptx("stochastic", ...)`, the PTX text run by
     ptx_interpreter.py) equals the reference's `e2m1_round_stochastic` and TE's sign test, the byte and the signed
-    rounded magnitudes: every E2M1 neighbourhood and every 997th fp32 in [0, 6], values above 6 and infinities,
-    signed zeros, each with the random bits at its threshold (the exact tie k x 2^-24 = fraction, which rounds down,
-    and one below it, which rounds up), at 0, at 2^24 - 1 and at random."""
+    rounded magnitudes (`_check_pair_ptx`): every E2M1 neighbourhood and every 997th fp32 in [0, 6], values above 6
+    and infinities, signed zeros, each with the random bits at its threshold (the exact tie k x 2^-24 = fraction,
+    which rounds down, and one below it, which rounds up), at 0, at 2^24 - 1 and at random."""
     from minite.nvfp4.quantize import E2M1_MAGNITUDES, e2m1_round_stochastic
-    from minite.kernels.nvfp4_encode import _E2M1_SR_PAIR_PTX, _E2M1_SR_PAIR_VALUES_PTX
     dense = np.arange(0, np.float32(6.0).view(np.uint32) + 1, 997, dtype=np.uint32).view(np.float32)
     extra = np.float32([6.0, 6.5, 7.0, 1e30, np.inf, 0.0, 1e-45, 2.0 ** -127, 2.0 ** -149])
     mags = np.concatenate([_e2m1_neighbourhoods().numpy(), dense, extra]).astype(np.float32)
@@ -413,28 +425,10 @@ def test_ptx_stochastic_pair_encoding_equals_the_reference():
     k = np.concatenate([k, np.uint32([2 ** 24 - 1, 0, 5, 2 ** 24 - 1, 2 ** 24 - 1, 1, 2 ** 24 - 1, 0, 7, 9])])
     if v.size % 2:
         v, k = np.concatenate([v, v[:1]]), np.concatenate([k, k[:1]])
-    ve, vo, ke, ko = v[0::2].copy(), v[1::2].copy(), k[0::2].copy(), k[1::2].copy()
-    regs = run_ptx(_E2M1_SR_PAIR_VALUES_PTX.value, {"$3": ve.view(np.uint32), "$4": vo.view(np.uint32), "$5": ke,
-                                                    "$6": ko})
-    byte, re, ro = regs["$0"], regs["$1"], regs["$2"]
-    codes_only = run_ptx(_E2M1_SR_PAIR_PTX.value, {"$1": ve.view(np.uint32), "$2": vo.view(np.uint32), "$3": ke,
-                                                   "$4": ko})
-    assert np.array_equal(codes_only["$0"], byte)
-
-    def ref(x, bits):
-        t = torch.from_numpy(x)
-        idx = e2m1_round_stochastic(t.abs().clamp(max=6.0), torch.from_numpy(bits.astype(np.int64))).long()
-        neg = t < 0
-        mag = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32)[idx]
-        return (idx | (neg.long() << 3)), torch.where(neg, 0.0 - mag, mag)  # code 8: +0, as the kernels write it
-
-    ce, me = ref(ve, ke)
-    co, mo = ref(vo, ko)
-    assert np.array_equal(byte, (ce | (co << 4)).numpy().astype(np.uint32))
-    assert np.array_equal(re, me.numpy().view(np.uint32))
-    assert np.array_equal(ro, mo.numpy().view(np.uint32))
-    ups = (ce & 7).numpy() != e2m1_round_stochastic(torch.from_numpy(np.abs(ve)).clamp(max=6.0),
-                                                    torch.zeros(ve.size, dtype=torch.long)).long().numpy()
+    ve = v[0::2].copy()
+    idx = _check_pair_ptx("stochastic", ve, v[1::2].copy(), (k[0::2].copy(), k[1::2].copy()))
+    ups = idx.numpy() != e2m1_round_stochastic(torch.from_numpy(np.abs(ve)).clamp(max=6.0),
+                                               torch.zeros(ve.size, dtype=torch.long)).long().numpy()
     assert ups.any() and not ups.all()  # the bits at and below each threshold round both ways
 
 
