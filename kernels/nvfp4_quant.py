@@ -16,12 +16,15 @@ The E4M3 and E2M1 roundings are kernels/nvfp4_encode.py's (exact on the GPU and 
 arithmetic, and on the GPU the E2M1 encoding of a pair, nearest-even or stochastic, as one PTX block on fp32 adds and
 integer multiply-adds: `_pair_ptx`). Instructions per element (sm_90 SASS, Triton 3.6; tools/bench/sass_census.py
 --quant, at the launchers' tiles) went from 50 to 34.8 (per-row, codes + values), 100 to 67.5 (stochastic) and 106 to
-90 (a wgrad segment of dy^T, RHT + stochastic) in earlier sessions; on the H200 the quantisers turned out bound by the
-integer ALU pipe rather than by instruction issue (ncu, 2026-12-04), which the PTX encoding addresses.
-docs/benchmarks.md has the times.
+90 (a wgrad segment of dy^T, RHT + stochastic) in earlier sessions, and with the PTX encodings and whole groups a
+thread (`_group_view`) are 25.6 (per-row, codes + values), 43.8 (tensor scope, stochastic, values) and 69.8 (the
+wgrad segment) on Triton 3.6 (2026-12-04); on the H200 the quantisers turned out bound by the integer ALU pipe
+rather than by instruction issue (ncu, 2026-12-04), which the PTX encoding addresses. docs/benchmarks.md has the
+times.
 
 Tile layout: [BLOCK_R, G, 8, 2] (rows, 16-groups, byte, nibble), so block maxima reduce the last two axes and the
-nibble pair of a byte is a split of the last axis: no reshape moves data between threads.
+nibble pair of a byte is a split of the last axis: no reshape moves data between threads. Row-major tiles are loaded
+as two halves of each group and joined into that view (`_group_view`), so that one thread holds a whole group.
 
 Memory passes: scale_scope="row" with rows of at most 8192 elements is one pass (read x once, write 0.5625 B/elem,
 plus 2 B/elem if block values are requested). scale_scope="tensor" needs the amax of the whole tensor first: one
@@ -79,15 +82,12 @@ def _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C,
     Columns at or past C read as zeros; PARTIAL: C need not be a multiple of 16 (element masks, not group masks:
     the zero padding of a segment that the kernel pads itself)."""
     rmask = rows < R
-    g = tl.arange(0, G)
-    jj = tl.arange(0, 8)
-    pp = tl.arange(0, 2)
-    gcol = c0 + g * 16
-    r4 = rows[:, None, None, None].to(tl.int64) * stride_r
-    g4 = gcol[None, :, None, None].to(tl.int64) * stride_c
-    m4 = rmask[:, None, None, None] & (gcol < C)[None, :, None, None]
+    gcol = c0 + tl.arange(0, G) * 16
     if RHT:
-        j16 = jj[:, None] * 2 + pp[None, :]  # [8, 2]: position within the 16-group
+        r4 = rows[:, None, None, None].to(tl.int64) * stride_r
+        g4 = gcol[None, :, None, None].to(tl.int64) * stride_c
+        m4 = rmask[:, None, None, None] & (gcol < C)[None, :, None, None]
+        j16 = tl.arange(0, 8)[:, None] * 2 + tl.arange(0, 2)[None, :]  # [8, 2]: position within the 16-group
         # y_j = (s_0j x_0 + s_1j x_1 + ...) * 1/4 in this order; s_ij = sign_i * (-1)^popcount(i & j) = +-1, so each
         # product is an exact sign flip (subnormal inputs included) and fma contraction cannot change the sum
         x0 = tl.load(x_ptr + r4 + g4, mask=m4, other=0.0).to(tl.float32)
@@ -109,10 +109,34 @@ def _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C,
         ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :].to(tl.int64) * stride_c
         x2 = tl.load(ptrs, mask=rmask[:, None] & (cols < C)[None, :], other=0.0).to(tl.float32)
         return tl.reshape(x2, [BLOCK_R, G, 8, 2])
-    else:
-        j4 = jj[None, None, :, None] * 2 + pp[None, None, None, :]
-        m = (m4 & (gcol[None, :, None, None] + j4 < C)) if PARTIAL else m4
-        return tl.load(x_ptr + r4 + g4 + j4.to(tl.int64) * stride_c, mask=m, other=0.0).to(tl.float32)
+    else:  # each group as two halves of 8 elements (`_group_view`)
+        r3 = rows[:, None, None].to(tl.int64) * stride_r
+        m3 = rmask[:, None, None] & (gcol < C)[None, :, None]
+        c3 = gcol[None, :, None] + tl.arange(0, 8)[None, None, :]
+        lo = tl.load(x_ptr + r3 + c3.to(tl.int64) * stride_c, mask=(m3 & (c3 < C)) if PARTIAL else m3, other=0.0)
+        hi = tl.load(x_ptr + r3 + (c3 + 8).to(tl.int64) * stride_c, mask=(m3 & (c3 + 8 < C)) if PARTIAL else m3,
+                     other=0.0)
+        return _group_view(lo.to(tl.float32), hi.to(tl.float32), BLOCK_R, G)
+
+
+@triton.jit
+def _group_view(lo, hi, BLOCK_R: tl.constexpr, G: tl.constexpr):
+    """The [BLOCK_R, G, 8, 2] tile (group, pair, even/odd) of two [BLOCK_R, G, 8] tiles, a group's first and second
+    8 elements: a join, a permute and a reshape of the elements a thread holds, no data movement. Row-major tiles are
+    loaded as these halves (a 16-byte load each in bf16), so that a thread holds whole groups and a group's maximum
+    and scale are one thread's work, on Triton 3.6 and 3.9 alike. Loaded as [BLOCK_R, G, 8, 2], the axis that gets
+    the threads first depends on how a Triton version orders axes of equal contiguity: 3.9 gave a group's 8 pairs
+    to 8 threads, each computing the group's scale (twice the instructions per element; sm_90,
+    tools/bench/sass_census.py --quant; docs/benchmarks.md, issue 17 in the twenty-third session)."""
+    return tl.reshape(tl.permute(tl.join(lo, hi), (0, 1, 3, 2)), [BLOCK_R, G, 8, 2])
+
+
+@triton.jit
+def _group_halves(t, BLOCK_R: tl.constexpr, G: tl.constexpr, W: tl.constexpr):
+    """The inverse of `_group_view`: the first and the second W items of each group of a [BLOCK_R, G, ...] tile of
+    2 W items a group ([BLOCK_R, G, 8, 2] elements: W = 8; [BLOCK_R, G, 8] words of pairs: W = 4), [BLOCK_R, G, W]
+    each, to store as the halves were loaded."""
+    return tl.split(tl.permute(tl.reshape(t, [BLOCK_R, G, 2, W]), (0, 1, 3, 2)))
 
 
 @triton.jit
@@ -190,7 +214,14 @@ def _quantize_tile(x, bamax, rows, c0, R, C, s_enc, s_dec, sixth, seed_mix,
             tl.store(wptr + doff, tl.reshape(word, [BLOCK_R, G * 8]),
                      mask=rmask[:, None] & (bcols < C // 2)[None, :])
         else:
-            tl.store(wptr + doff, word, mask=rmask[:, None, None] & gmask[None, :, None])
+            # stored as two [BLOCK_R, G, 4] halves (16 bytes each), as `_group_view` loads: a thread's words stay
+            # in that thread (stored as [BLOCK_R, G, 8], the compiler splits a group's 32 bytes over two threads)
+            wlo, whi = _group_halves(word, BLOCK_R, G, 4)
+            woff = (orows[:, None, None] * (OC // 2) + out_c0 // 2 + (c0 // 2 + g * 8)[None, :, None]
+                    + tl.arange(0, 4)[None, None, :])
+            wmask = rmask[:, None, None] & gmask[None, :, None]
+            tl.store(wptr + woff, wlo, mask=wmask)
+            tl.store(wptr + woff + 4, whi, mask=wmask)
 
 
 @triton.jit(do_not_specialize=["seed_mix"])

@@ -31,7 +31,8 @@ from ._interpreter import ensure_interpreter_compat, interpreting
 from ._launch import cdiv, launcher, next_power_of_2
 from .finite_max import _max_into_flag
 from .nvfp4_gemm import _load_f32
-from .nvfp4_quant import SIXTH, _block_amax, _decode_amax, _global_scales, _quantize_tile
+from .nvfp4_quant import (SIXTH, _block_amax, _decode_amax, _global_scales, _group_halves, _group_view,
+                          _quantize_tile)
 
 
 @triton.jit
@@ -69,13 +70,23 @@ def _quantize_rows(x, rows, R, F, sixth, data_ptr, scale_ptr, gs_ptr, amax_ptr, 
 
 @triton.jit
 def _swiglu_tile(h_ptr, a_ptr, rows, R, F, BLOCK_R: tl.constexpr, G: tl.constexpr):
-    """a = bf16(bf16(silu(g)) * u) as fp32 [BLOCK_R, G, 8, 2] for columns 0..16G of the F outputs; stores a."""
-    col, mask, base = _tile_offsets(rows, R, F, G)
-    gate = tl.load(h_ptr + base, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(h_ptr + base + F, mask=mask, other=0.0).to(tl.float32)
+    """a = bf16(bf16(silu(g)) * u) as fp32 [BLOCK_R, G, 8, 2] for columns 0..16G of the F outputs; stores a. Loaded
+    and stored as the two halves of each group (`_group_view`: a thread holds whole groups; sm_90, Triton 3.6: 54
+    instructions per element against 60 in the [BLOCK_R, G, 8, 2] addressing that `_tile_offsets` gives the
+    experts' kernel below, where this form counted more: tools/bench/sass_census.py --quant)."""
+    col = tl.arange(0, G)[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]  # a group's first half
+    mask = (rows < R)[:, None, None] & (col < F)  # the second half's too (F % 16 == 0)
+    base = rows[:, None, None].to(tl.int64) * (2 * F) + col
+    gate = _group_view(tl.load(h_ptr + base, mask=mask, other=0.0), tl.load(h_ptr + base + 8, mask=mask, other=0.0),
+                       BLOCK_R, G).to(tl.float32)
+    up = _group_view(tl.load(h_ptr + base + F, mask=mask, other=0.0),
+                     tl.load(h_ptr + base + F + 8, mask=mask, other=0.0), BLOCK_R, G).to(tl.float32)
     silu = _round_bf16(gate / (1.0 + tl.exp(-gate)))
     a = _round_bf16(silu * up)
-    tl.store(a_ptr + rows[:, None, None, None].to(tl.int64) * F + col, a.to(tl.bfloat16), mask=mask)
+    a_lo, a_hi = _group_halves(a.to(tl.bfloat16), BLOCK_R, G, 8)
+    aptr = a_ptr + rows[:, None, None].to(tl.int64) * F + col
+    tl.store(aptr, a_lo, mask=mask)
+    tl.store(aptr + 8, a_hi, mask=mask)
     return a
 
 
@@ -139,6 +150,9 @@ def _swiglu_bwd_kernel(h_ptr, da_ptr, dh_ptr, R, F, BLOCK_R: tl.constexpr, BLOCK
     tl.store(dh_ptr + base + F, dup.to(dh_ptr.dtype.element_ty), mask=mask)
 
 
+SWIGLU_WARPS = 2  # `swiglu_quant_triton`'s warps (tools/bench/sass_census.py compiles what it launches)
+
+
 def _tile(f: int) -> tuple[int, int]:
     block_c = next_power_of_2(f)
     return max(1, 2048 // block_c), block_c
@@ -156,7 +170,7 @@ def swiglu_quant_triton(h: torch.Tensor, quantize: bool = True, values_dtype: to
     block_r, block_c = _tile(f)
     launcher(_swiglu_quant_kernel)[(cdiv(rows, block_r),)](
         h, a, *out, rows, f, SIXTH, BLOCK_R=block_r, BLOCK_C=block_c, QUANT=quantize,
-        WRITE_VALS=bool(quantize and values_dtype), num_warps=2)
+        WRITE_VALS=bool(quantize and values_dtype), num_warps=SWIGLU_WARPS)
     if not quantize:
         return a, None, None
     return a, _row_tensor(out, rows, f), (out[4] if values_dtype else None)

@@ -24,8 +24,13 @@ FADD and local-memory spills (LDL/STL) per thread.
 compiles the NVFP4 quantisation kernels of `kernels/nvfp4_quant.py` at the tiles their launchers pick for the
 learner's calls (131072 x 2048 bf16, TUNING as shipped): per-row activations (codes, codes + fp16 values), tensor
 scope nearest and stochastic, a transposed view with RHT + stochastic rounding (dy^T), the expert-weight stack (16x16)
-and the wgrad column segments (x^T with RHT, dy^T with RHT + stochastic); whole-kernel instructions per element and
-per thread, and the stores by width. A static count: it includes paths that rarely run (IEEE division's slow path),
+and the wgrad column segments (x^T with RHT, dy^T with RHT + stochastic), and the learner's SwiGLU with its fused
+quantisation (kernels/nvfp4_swiglu.py, F = 768); whole-kernel instructions per element and per thread, the stores by
+width and the IEEE divisions (FCHK: one per 16-element block a thread holds, plus the global scales', when one
+thread computes a block's scale). Compile with the GPU's Triton for the GPU's counts (a wheel of that version
+unpacked into a folder put first on PYTHONPATH): the compiler's layouts differ between versions (Triton 3.9 gave
+the row tiles' blocks to 8 threads each where 3.6 gave them to one, docs/benchmarks.md, issue 17 in the
+twenty-third session). A static count: it includes paths that rarely run (IEEE division's slow path),
 and on the H200 the quantisers are bound by the integer ALU pipe more than by instruction issue (ncu,
 docs/benchmarks.md, issue 17 in the twenty-first session: the same instruction count ran slower when shifts became
 high multiplies), so read the opcodes, not only the total.
@@ -207,13 +212,27 @@ def quant_rows(rows: int = 131072, cols: int = 2048) -> list:
                                                                   if k in sig]
         sass = kernel_sass(fn, sig, ce, div, dict(num_warps=warps))
         ops = collections.Counter(m.group(2) for m in map(_INSTR.match, sass.splitlines()) if m)
-        per_thread = block_r * block_c // (32 * warps)
-        n = sum(ops.values())
-        out.append({"call": label, "tile": [block_r, block_c], "warps": warps, "elements_per_thread": per_thread,
-                    "instructions": n, "per_element": n / per_thread,
-                    "stores": {op: k for op, k in sorted(ops.items()) if op.startswith("STG")},
-                    "float_to_int": sum(k for op, k in ops.items() if op.startswith("F2I"))})
+        out.append(_quant_row(label, [block_r, block_c], warps, ops))
+    # the learner's SwiGLU with the FC2 operand's quantisation (kernels/nvfp4_swiglu.py, F = 768: Qwen3-30B-A3B)
+    from minite.kernels import nvfp4_swiglu as sw
+    block_r, block_c = sw._tile(768)
+    sig = dict(h_ptr="*bf16", a_ptr="*bf16", data_ptr="*u8", scale_ptr="*u8", gs_ptr="*fp32", amax_ptr="*fp32",
+               vals_ptr="*fp16", R="i32", F="i32", sixth="fp32")
+    sass = kernel_sass(sw._swiglu_quant_kernel, sig, dict(BLOCK_R=block_r, BLOCK_C=block_c, QUANT=True,
+                                                          WRITE_VALS=True),
+                       [k for k, t in sig.items() if t.startswith("*")] + ["F"], dict(num_warps=sw.SWIGLU_WARPS))
+    ops = collections.Counter(m.group(2) for m in map(_INSTR.match, sass.splitlines()) if m)
+    out.append(_quant_row("swiglu + row quantisation, values", [block_r, block_c], sw.SWIGLU_WARPS, ops))
     return out
+
+
+def _quant_row(label: str, tile: list, warps: int, ops: collections.Counter) -> dict:
+    per_thread = tile[0] * tile[1] // (32 * warps)
+    n = sum(ops.values())
+    return {"call": label, "tile": tile, "warps": warps, "elements_per_thread": per_thread, "instructions": n,
+            "per_element": n / per_thread, "stores": {op: k for op, k in sorted(ops.items()) if op.startswith("STG")},
+            "float_to_int": sum(k for op, k in ops.items() if op.startswith("F2I")),
+            "divisions": sum(k for op, k in ops.items() if op.startswith("FCHK"))}
 
 
 WGRAD_SIGNATURE = {"a_data": "*u8", "a_scale": "*u8", "a_vals": "*fp16", "a_amax": "*fp32", "a_amax_stride": "i32",
