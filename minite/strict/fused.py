@@ -80,7 +80,9 @@ tests/rollout/test_decode.py; `linear`, the kernel of `minite.strict.fused_linea
 the strict gap runs; `combine` and `swiglu`, `minite.strict.fused_combine` and `fused_swiglu`: 2026-12-04, session
 17's last device call; `log_softmax`, `minite.strict.fused_log_softmax` (`ops.token_log_softmax`): 2026-12-04,
 session 18's device call 2, tests/strict/test_fused_log_softmax.py at the 151,936-token vocabulary and the strict gap
-tests; see docs/benchmarks.md)."""
+tests; see docs/benchmarks.md). Waiting: `combine_rows_dtype`, the default (not strict) combine's kernel
+(`fused_combine.combine_in_rows_dtype`, written 2026-12-04 in a session without a device): it joins once
+tests/strict/test_fused_combine.py has passed on the H200."""
 
 if triton is not None:
     @triton.jit(do_not_specialize=["n"])

@@ -8,6 +8,14 @@ columns) finds its token's rows itself (the positions where row_token == t, rank
 order in fp32: additions are IEEE, so the bits are the torch ops' (tests/strict/test_fused_combine.py: under the
 interpreter on the CPU, compiled on a GPU). Every token must have exactly k = R / T rows,
 as the torch ops assume. Each program scans all R row tokens: `applies` keeps it to decode-sized batches.
+
+The same kernel also gives the default combine's sums (`combine_in_rows_dtype`, `minite.ops.combine_scatter_add`:
+Megatron's unpermute, a scatter_add of the rows into zeros in their dtype) as torch computes them on the CPU: its
+scatter_add over an expanded index accumulates in fp32 and rounds once (0 + r_1 + r_2 + ... in ascending row order,
+then to the rows' dtype; tests/strict/test_fused_combine.py compares the two). On a GPU torch's scatter_add adds with
+bf16 atomics, each addition rounded to bf16, in an order the hardware picks, so one step's default combine can
+differ from another's; the kernel's sums are the CPU's, in a fixed order. It routes on a GPU only once its test has
+passed there ("combine_rows_dtype" in `fused.PROVEN`).
 """
 from __future__ import annotations
 
@@ -31,7 +39,21 @@ BLOCK_H = 512
 
 if triton is not None:
     @triton.jit
-    def _combine_kernel(rows_ptr, token_ptr, out_ptr, R, H, K, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    def _round_to(x, ty: tl.constexpr):
+        """fp32 x rounded to nearest even in ty (bf16 in integer arithmetic, as the interpreter's cast truncates; a
+        NaN stays NaN) and back to fp32; fp32 unchanged."""
+        if ty == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            r = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+            return tl.where(x == x, r, x)
+        elif ty == tl.float16:
+            return x.to(tl.float16).to(tl.float32)
+        else:
+            return x
+
+    @triton.jit
+    def _combine_kernel(rows_ptr, token_ptr, out_ptr, R, H, K, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+                        ROWS_DTYPE: tl.constexpr = False):
         t = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         cmask = cols < H
@@ -40,10 +62,14 @@ if triton is not None:
         rank = tl.cumsum(mine, axis=0)  # 1 at t's first row, 2 at its second, ...
         pos = tl.sum(tl.where((mine != 0) & (rank == 1), r, 0), axis=0).to(tl.int64)
         acc = fused._load_f32(rows_ptr, pos * H + cols, cmask)  # bf16 by its bits: exact under the interpreter too
+        if ROWS_DTYPE:  # the default combine: 0 + r_1 (-0.0 becomes +0.0)
+            acc = 0.0 + acc
         for j in range(2, K + 1):
             pos = tl.sum(tl.where((mine != 0) & (rank == j), r, 0), axis=0).to(tl.int64)
             acc = acc + fused._load_f32(rows_ptr, pos * H + cols, cmask)
-        tl.store(out_ptr + t.to(tl.int64) * H + cols, acc, mask=cmask)
+        if ROWS_DTYPE:  # one rounding to the rows' dtype, exact in the store's conversion then
+            acc = _round_to(acc, rows_ptr.dtype.element_ty)
+        tl.store(out_ptr + t.to(tl.int64) * H + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
 def applies(rows: torch.Tensor, row_token: torch.Tensor, tokens: int) -> bool:
@@ -57,13 +83,25 @@ def applies(rows: torch.Tensor, row_token: torch.Tensor, tokens: int) -> bool:
 
 def combine(rows: torch.Tensor, row_token: torch.Tensor, tokens: int) -> torch.Tensor:
     """combine_fixed_order's bits (module docstring): fp32 [tokens, H]."""
+    return _launch(rows, row_token, tokens, False, "strict fused combine")
+
+
+def combine_in_rows_dtype(rows: torch.Tensor, row_token: torch.Tensor, tokens: int) -> torch.Tensor:
+    """The default combine's bits as torch's CPU scatter_add computes them (fp32 sums, one rounding; module
+    docstring): [tokens, H] in the rows' dtype."""
+    return _launch(rows, row_token, tokens, True, "fused default combine")
+
+
+def _launch(rows: torch.Tensor, row_token: torch.Tensor, tokens: int, rows_dtype: bool, what: str) -> torch.Tensor:
+    """fp32 sums (the strict combine) or, rows_dtype, the sums from 0 rounded once to the rows' dtype (the
+    default)."""
     if not fused.available(rows) or not applies(rows, row_token, tokens):
-        raise ValueError("strict fused combine needs rows [R, H] and row_token [R] on a CUDA device (or "
-                         f"TRITON_INTERPRET=1), R a multiple of the tokens and <= {MAX_ROWS}")
+        raise ValueError(f"{what} needs rows [R, H] and row_token [R] on a CUDA device (or TRITON_INTERPRET=1), R a "
+                         f"multiple of the tokens and <= {MAX_ROWS}")
     ensure_interpreter_compat()
     r, h = rows.shape
-    out = torch.empty(tokens, h, dtype=torch.float32, device=rows.device)
+    out = torch.empty(tokens, h, dtype=rows.dtype if rows_dtype else torch.float32, device=rows.device)
     launcher(_combine_kernel)[(tokens, cdiv(h, BLOCK_H))](
         rows.contiguous(), row_token.contiguous(), out, r, h, r // tokens, BLOCK_R=next_power_of_2(r),
-        BLOCK_H=BLOCK_H, num_warps=4, enable_fp_fusion=False)
+        BLOCK_H=BLOCK_H, ROWS_DTYPE=rows_dtype, num_warps=4, enable_fp_fusion=False)
     return out

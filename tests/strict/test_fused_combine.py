@@ -3,7 +3,7 @@ CPU, compiled on a GPU: the same tests)."""
 import pytest
 import torch
 
-from minite.ops import combine_fixed_order
+from minite.ops import combine_fixed_order, combine_scatter_add
 from minite.strict import fused, fused_combine
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -31,7 +31,8 @@ def _torch_ops(rows, row_token, tokens, monkeypatch):
 
 
 def _same(a, b):
-    return bool(((a.view(torch.int32) == b.view(torch.int32)) | (torch.isnan(a) & torch.isnan(b))).all())
+    bits = torch.int32 if a.dtype == torch.float32 else torch.int16
+    return bool(((a.view(bits) == b.view(bits)) | (torch.isnan(a) & torch.isnan(b))).all())
 
 
 @pytest.mark.parametrize("tokens,k,hidden", [(64, 8, 2048), (1, 8, 100), (7, 2, 600), (256, 8, 64), (5, 1, 16)])
@@ -49,3 +50,19 @@ def test_routes_only_decode_sized_calls():
     assert not fused_combine.applies(torch.zeros(10, 4), torch.zeros(10, dtype=torch.long), 3)  # not k per token
     with pytest.raises(ValueError, match="strict fused combine needs"):
         fused_combine.combine(torch.zeros(10, 4), torch.zeros(10, dtype=torch.long), 3)
+
+
+@pytest.mark.parametrize("tokens,k,hidden", [(64, 8, 2048), (1, 8, 100), (7, 2, 600), (5, 1, 16)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_default_combine_is_bitwise_the_cpu_scatter_add(tokens, k, hidden, dtype):
+    """The default combine's kernel (`combine_in_rows_dtype`) gives torch's CPU scatter_add bits: fp32 sums from 0
+    (a -0.0 row becomes +0.0), rounded once to the rows' dtype; on a GPU, the compiled kernel against the CPU's."""
+    rows, row_token = _case(tokens, k, hidden, dtype, 7 * tokens + k + hidden)
+    want = combine_scatter_add(rows.cpu(), row_token.cpu(), tokens)  # torch's ops on the CPU: nothing routes there
+    got = fused_combine.combine_in_rows_dtype(rows, row_token, tokens)
+    assert got.dtype == dtype and _same(got.cpu(), want)
+    if dtype != torch.float32 and k > 2:  # one rounding, not one per addition (the same for two rows)
+        per_add = torch.zeros(tokens, hidden, dtype=dtype)
+        for r in range(rows.shape[0]):
+            per_add[row_token[r]] = per_add[row_token[r]] + rows[r].cpu()
+        assert not _same(per_add, want)
