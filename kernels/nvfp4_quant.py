@@ -16,9 +16,9 @@ The E4M3 and E2M1 roundings are kernels/nvfp4_encode.py's (exact on the GPU and 
 arithmetic, and on the GPU the E2M1 encoding of a pair, nearest-even or stochastic, as one PTX block on fp32 adds and
 integer multiply-adds: `_pair_ptx`). Instructions per element (sm_90 SASS, Triton 3.6; tools/bench/sass_census.py
 --quant, at the launchers' tiles) went from 50 to 34.8 (per-row, codes + values), 100 to 67.5 (stochastic) and 106 to
-90 (a wgrad segment of dy^T, RHT + stochastic) in earlier sessions, and with the PTX encodings and whole groups a
-thread (`_group_view`) are 25.6 (per-row, codes + values), 43.8 (tensor scope, stochastic, values) and 69.8 (the
-wgrad segment) on Triton 3.6 (2026-12-04); on the H200 the quantisers turned out bound by the integer ALU pipe
+90 (a wgrad segment of dy^T, RHT + stochastic) in earlier sessions; with the PTX encodings they are 25.6 (per-row,
+codes + values, and whole groups a thread: `_group_view`), 43.8 (tensor scope, stochastic, values, the same) and
+69.8 (the wgrad segment) on Triton 3.6 (2026-12-04); on the H200 the quantisers turned out bound by the integer ALU pipe
 rather than by instruction issue (ncu, 2026-12-04), which the PTX encoding addresses. docs/benchmarks.md has the
 times.
 
@@ -122,7 +122,8 @@ def _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C,
 @triton.jit
 def _group_view(lo, hi, BLOCK_R: tl.constexpr, G: tl.constexpr):
     """The [BLOCK_R, G, 8, 2] tile (group, pair, even/odd) of two [BLOCK_R, G, 8] tiles, a group's first and second
-    8 elements: a join, a permute and a reshape of the elements a thread holds, no data movement. Row-major tiles are
+    8 elements: a join, a permute and a reshape of the elements a thread holds (no data movement in the quantisers'
+    compiled layouts, sm_90 census). Row-major tiles are
     loaded as these halves (a 16-byte load each in bf16), so that a thread holds whole groups and a group's maximum
     and scale are one thread's work, on Triton 3.6 and 3.9 alike. Loaded as [BLOCK_R, G, 8, 2], the axis that gets
     the threads first depends on how a Triton version orders axes of equal contiguity: 3.9 gave a group's 8 pairs

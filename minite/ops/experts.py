@@ -8,9 +8,10 @@ the arithmetic that learner/rollout alignment depends on cannot drift between co
              (Megatron's moe_utils.permute; `route`)
     experts  h = fc1(x_e); act = silu(gate) * up * router prob, in fp32, rounded once to h's dtype; out = fc2(act)
              (`swiglu_experts`; fc1/fc2 are grouped GEMMs chosen by the caller: NVFP4, BF16, or strict BF16)
-    combine  default: scatter_add of the rows into zeros in their dtype (Megatron's unpermute; torch sums in fp32
-             and rounds once on the CPU, adds with bf16 atomics on a GPU); strict: each token's k rows summed in ascending expert order in fp32 from a gather, which
-             no kernel can reorder (`combine_fixed_order`)
+    combine  default: scatter_add of the rows into zeros in their dtype (Megatron's unpermute: torch sums in
+             fp32 and rounds once on the CPU, adds with atomics in the rows' dtype on a GPU); strict: each token's
+             k rows summed in ascending expert order in fp32 from a gather, which no kernel can reorder
+             (`combine_fixed_order`)
 
 Strict mode (`strict=True`) changes two things only: SiLU is `minite.strict.ops.silu` (x / (1 + strict exp(-x)),
 fp32) instead of torch's, and the combine is the fixed-order sum. Both are explicit arguments.
@@ -118,10 +119,10 @@ def routed_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
 def combine_scatter_add(rows: torch.Tensor, row_token: torch.Tensor, tokens: int) -> torch.Tensor:
     """Default combine: the rows scatter_add'ed into zeros in their dtype (Megatron's unpermute). On a
     GPU without autograd, for decode-sized batches, once proven there ("combine_rows_dtype" in fused.PROVEN): the
-    CPU's bits (fp32 sums, one rounding) in one Triton launch, where torch's CUDA scatter_add adds with bf16 atomics
-    in no fixed order (`minite.strict.fused_combine.combine_in_rows_dtype`)."""
-    if (rows.dim() == 2 and fused_combine.applies(rows, row_token, tokens)
-            and fused.routes(rows, kernel="combine_rows_dtype")):
+    CPU's bits (fp32 sums, one rounding) in one Triton launch, where torch's CUDA scatter_add adds with atomics in
+    no fixed order (`minite.strict.fused_combine.combine_in_rows_dtype`, which needs exactly k rows per token, as
+    `route` and the dispatcher make them)."""
+    if fused_combine.applies(rows, row_token, tokens) and fused.routes(rows, kernel="combine_rows_dtype"):
         return fused_combine.combine_in_rows_dtype(rows, row_token, tokens)
     out = torch.zeros(tokens, rows.shape[1], dtype=rows.dtype, device=rows.device)
     return out.scatter_add_(0, row_token.unsqueeze(1).expand(-1, rows.shape[1]), rows)

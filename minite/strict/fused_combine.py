@@ -6,16 +6,19 @@ token t's k rows in ascending row order (rows are expert-major, so ascending exp
 cast and k - 1 additions: ~12 launches per MoE layer of a strict decode step. Here one program per (token, block of
 columns) finds its token's rows itself (the positions where row_token == t, ranked by a cumsum) and adds them in that
 order in fp32: additions are IEEE, so the bits are the torch ops' (tests/strict/test_fused_combine.py: under the
-interpreter on the CPU, compiled on a GPU). Every token must have exactly k = R / T rows,
-as the torch ops assume. Each program scans all R row tokens: `applies` keeps it to decode-sized batches.
+interpreter on the CPU, compiled on a GPU). Every token must have exactly k = R / T rows, as combine_fixed_order's
+torch ops assume (scatter_add does not). Each program scans all R row tokens: `applies` keeps it to decode-sized
+batches.
 
 The same kernel also gives the default combine's sums (`combine_in_rows_dtype`, `minite.ops.combine_scatter_add`:
 Megatron's unpermute, a scatter_add of the rows into zeros in their dtype) as torch computes them on the CPU: its
 scatter_add over an expanded index accumulates in fp32 and rounds once (0 + r_1 + r_2 + ... in ascending row order,
-then to the rows' dtype; tests/strict/test_fused_combine.py compares the two). On a GPU torch's scatter_add adds with
-bf16 atomics, each addition rounded to bf16, in an order the hardware picks, so one step's default combine can
-differ from another's; the kernel's sums are the CPU's, in a fixed order. It routes on a GPU only once its test has
-passed there ("combine_rows_dtype" in `fused.PROVEN`).
+then to the rows' dtype, any NaN as NaN; tests/strict/test_fused_combine.py compares the two). On a GPU torch's
+scatter_add adds with atomics in the rows' dtype, each addition rounded, in an order the hardware picks, so one step's
+default combine need not equal another's; the kernel's sums are the CPU's, in a fixed order. It routes on a GPU only
+once its test has passed there ("combine_rows_dtype" in `fused.PROVEN`), and then only for calls without autograd:
+the learner's default combine stays torch's, so in default mode the rollout's and the learner's combines would round
+differently (once against once per addition), which the default-mode log-prob gap measures before it is switched on.
 """
 from __future__ import annotations
 
@@ -39,19 +42,6 @@ BLOCK_H = 512
 
 if triton is not None:
     @triton.jit
-    def _round_to(x, ty: tl.constexpr):
-        """fp32 x rounded to nearest even in ty (bf16 in integer arithmetic, as the interpreter's cast truncates; a
-        NaN stays NaN) and back to fp32; fp32 unchanged."""
-        if ty == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            r = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
-            return tl.where(x == x, r, x)
-        elif ty == tl.float16:
-            return x.to(tl.float16).to(tl.float32)
-        else:
-            return x
-
-    @triton.jit
     def _combine_kernel(rows_ptr, token_ptr, out_ptr, R, H, K, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
                         ROWS_DTYPE: tl.constexpr = False):
         t = tl.program_id(0)
@@ -67,14 +57,22 @@ if triton is not None:
         for j in range(2, K + 1):
             pos = tl.sum(tl.where((mine != 0) & (rank == j), r, 0), axis=0).to(tl.int64)
             acc = acc + fused._load_f32(rows_ptr, pos * H + cols, cmask)
-        if ROWS_DTYPE:  # one rounding to the rows' dtype, exact in the store's conversion then
-            acc = _round_to(acc, rows_ptr.dtype.element_ty)
-        tl.store(out_ptr + t.to(tl.int64) * H + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+        off = t.to(tl.int64) * H + cols
+        if ROWS_DTYPE and rows_ptr.dtype.element_ty == tl.bfloat16:
+            # one rounding to bf16, nearest even on the bits and stored as bits (the interpreter's cast truncates
+            # and mishandles subnormals); a NaN as 0x7FC0, the CPU's
+            bits = acc.to(tl.uint32, bitcast=True)
+            h = tl.where(acc == acc, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16, 0x7FC0).to(tl.uint16)
+            tl.store(out_ptr.to(tl.pointer_type(tl.uint16), bitcast=True) + off, h, mask=cmask)
+        else:  # fp32, or one rounding to fp16 (nearest even in the interpreter too)
+            tl.store(out_ptr + off, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
 def applies(rows: torch.Tensor, row_token: torch.Tensor, tokens: int) -> bool:
-    """Whether `combine` takes this call: rows [R, H] (fp32/bf16/fp16) and row_token [R] on one device, R = k x
-    tokens with k >= 1, R <= MAX_ROWS."""
+    """Whether `combine` or `combine_in_rows_dtype` takes this call: rows [R, H] (fp32/bf16/fp16) and row_token [R]
+    on one device, R = k x tokens with k >= 1, R <= MAX_ROWS. Not checked (it would read row_token on the host):
+    that every token has exactly k rows, as dropless top-k routing gives (`minite.ops.route`, the dispatcher); a
+    token with fewer would read row 0 in place of its missing ones, one with more would lose them."""
     r = rows.shape[0] if rows.dim() == 2 else -1
     return (rows.dim() == 2 and rows.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and row_token.shape == (r,) and row_token.device == rows.device and tokens > 0

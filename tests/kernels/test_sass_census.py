@@ -77,9 +77,10 @@ def test_quant_kernels_census(tmp_path):
     for r in rows.values():
         assert "STG.E.U16" not in r["stores"], r["call"]
         # one thread computes a 16-element block's scale (one IEEE division, FCHK), not every thread holding a part
-        # of the block: at most one division per block a thread holds, plus the global scales'. Triton 3.9 gave the
-        # [BLOCK_R, G, 8, 2]-addressed row tiles' 8 pairs of a block to 8 threads (34 divisions for 64 elements)
-        assert r["divisions"] <= r["elements_per_thread"] // 16 + 4, r["call"]
+        # of the block: at most one division per block a thread holds, plus a few (2-4 for the global scales). Triton
+        # 3.9 gave the [BLOCK_R, G, 8, 2]-addressed row tiles' 8 pairs of a block to 8 threads (34 divisions for 64
+        # elements, 18 for 32)
+        assert r["divisions"] <= r["elements_per_thread"] // 16 + 8, r["call"]
         if triton.__version__.startswith("3.6."):
             assert r["float_to_int"] * 4 <= r["elements_per_thread"], r["call"]
         if "values" in r["call"]:
