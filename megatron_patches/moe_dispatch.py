@@ -19,7 +19,9 @@ tokens_per_expert `.cpu()` and the same masked_selects).
              counts on the device (torch._grouped_mm in BF16, the Triton kernels in NVFP4) and reads it on the host
              only where a GEMM loops over experts in Python (the CPU, strict BF16) or NVFP4's wgrad needs them (autograd)
     combine  Megatron's unpermute (scatter_add into zeros in the rows' dtype, index_add_ under deterministic
-             algorithms); strict: `combine_fixed_order`, as megatron_patches.strict does for the upstream dispatcher
+             algorithms; `minite.ops.combine_scatter_add`, which on a GPU without autograd, once its kernel is
+             proven there, gives the CPU's sums where upstream adds with atomics); strict: `combine_fixed_order`,
+             as megatron_patches.strict does for the upstream dispatcher
 On a GPU without autograd on the probs (a rollout) the rows, probs and counts come from one Triton launch
 (`minite.kernels.moe_rows`: the same integers and copied values as the torch ops, which take ~14 launches), then
 one index_select of the hidden states.
