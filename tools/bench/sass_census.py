@@ -28,7 +28,7 @@ and the wgrad column segments (x^T with RHT, dy^T with RHT + stochastic), and th
 quantisation (kernels/nvfp4_swiglu.py, F = 768); whole-kernel instructions per element and per thread, the stores by
 width and the IEEE divisions (FCHK: one per 16-element block a thread holds, plus the global scales', when one
 thread computes a block's scale). Compile with the GPU's Triton for the GPU's counts (a wheel of that version
-unpacked into a folder put first on PYTHONPATH): the compiler's layouts differ between versions (Triton 3.9 gave
+installed into a folder, `--triton-site DIR`): the compiler's layouts differ between versions (Triton 3.9 gave
 the row tiles' blocks to 8 threads each where 3.6 gave them to one, docs/benchmarks.md, issue 17 in the
 twenty-third session). A static count: it includes paths that rarely run (IEEE division's slow path),
 and on the H200 the quantisers are bound by the integer ALU pipe more than by instruction issue (ncu,
@@ -56,6 +56,11 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+if __name__ == "__main__" and "--triton-site" in sys.argv[:-1]:  # before triton is imported: run again with it first
+    _i = sys.argv.index("--triton-site")
+    _path = os.pathsep.join(p for p in (sys.argv[_i + 1], os.environ.get("PYTHONPATH", "")) if p)
+    os.execve(sys.executable, [sys.executable] + sys.argv[:_i] + sys.argv[_i + 2:], dict(os.environ, PYTHONPATH=_path))
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -276,6 +281,9 @@ def main(argv=None) -> None:
     p.add_argument("--strict", action="store_true", help="the strict kernels instead (module docstring)")
     p.add_argument("--quant", action="store_true", help="the quantisation kernels instead (module docstring)")
     p.add_argument("--wgrad", action="store_true", help="the MoE wgrad's K-grouped GEMM instead (module docstring)")
+    p.add_argument("--triton-site", metavar="DIR", help="compile with the Triton installed in DIR (e.g. `pip install "
+                   "--no-deps -t DIR triton==3.6.0`, the H200's): the layouts, and so the counts, differ between "
+                   "versions (docs/upstream.md)")
     a = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("sass_census: TRITON_INTERPRET=1 makes Triton interpret, not compile; unset it")
