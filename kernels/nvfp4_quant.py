@@ -113,10 +113,16 @@ def _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C,
         r3 = rows[:, None, None].to(tl.int64) * stride_r
         m3 = rmask[:, None, None] & (gcol < C)[None, :, None]
         c3 = gcol[None, :, None] + tl.arange(0, 8)[None, None, :]
-        lo = tl.load(x_ptr + r3 + c3.to(tl.int64) * stride_c, mask=(m3 & (c3 < C)) if PARTIAL else m3, other=0.0)
-        hi = tl.load(x_ptr + r3 + (c3 + 8).to(tl.int64) * stride_c, mask=(m3 & (c3 + 8 < C)) if PARTIAL else m3,
-                     other=0.0)
-        return _group_view(lo.to(tl.float32), hi.to(tl.float32), BLOCK_R, G)
+        return _load_groups(x_ptr + r3 + c3.to(tl.int64) * stride_c, x_ptr + r3 + (c3 + 8).to(tl.int64) * stride_c,
+                            (m3 & (c3 < C)) if PARTIAL else m3, (m3 & (c3 + 8 < C)) if PARTIAL else m3, BLOCK_R, G)
+
+
+@triton.jit
+def _load_groups(lo_ptrs, hi_ptrs, lo_mask, hi_mask, BLOCK_R: tl.constexpr, G: tl.constexpr):
+    """fp32 [BLOCK_R, G, 8, 2] tile of two [BLOCK_R, G, 8] loads, each group's first and second 8 elements (masked
+    lanes read 0), joined by `_group_view`."""
+    return _group_view(tl.load(lo_ptrs, mask=lo_mask, other=0.0).to(tl.float32),
+                       tl.load(hi_ptrs, mask=hi_mask, other=0.0).to(tl.float32), BLOCK_R, G)
 
 
 @triton.jit

@@ -31,7 +31,7 @@ from ._interpreter import ensure_interpreter_compat, interpreting
 from ._launch import cdiv, launcher, next_power_of_2
 from .finite_max import _max_into_flag
 from .nvfp4_gemm import _load_f32
-from .nvfp4_quant import (SIXTH, _block_amax, _decode_amax, _global_scales, _group_halves, _group_view,
+from .nvfp4_quant import (SIXTH, _block_amax, _decode_amax, _global_scales, _group_halves, _load_groups,
                           _quantize_tile)
 
 
@@ -71,16 +71,14 @@ def _quantize_rows(x, rows, R, F, sixth, data_ptr, scale_ptr, gs_ptr, amax_ptr, 
 @triton.jit
 def _swiglu_tile(h_ptr, a_ptr, rows, R, F, BLOCK_R: tl.constexpr, G: tl.constexpr):
     """a = bf16(bf16(silu(g)) * u) as fp32 [BLOCK_R, G, 8, 2] for columns 0..16G of the F outputs; stores a. Loaded
-    and stored as the two halves of each group (`_group_view`: a thread holds whole groups; sm_90, Triton 3.6: 54
+    and stored as the two halves of each group (`_load_groups`: a thread holds whole groups; sm_90, Triton 3.6: 54
     instructions per element against 60 in the [BLOCK_R, G, 8, 2] addressing that `_tile_offsets` gives the
     experts' kernel below, where this form counted more: tools/bench/sass_census.py --quant)."""
     col = tl.arange(0, G)[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]  # a group's first half
     mask = (rows < R)[:, None, None] & (col < F)  # the second half's too (F % 16 == 0)
     base = rows[:, None, None].to(tl.int64) * (2 * F) + col
-    gate = _group_view(tl.load(h_ptr + base, mask=mask, other=0.0), tl.load(h_ptr + base + 8, mask=mask, other=0.0),
-                       BLOCK_R, G).to(tl.float32)
-    up = _group_view(tl.load(h_ptr + base + F, mask=mask, other=0.0),
-                     tl.load(h_ptr + base + F + 8, mask=mask, other=0.0), BLOCK_R, G).to(tl.float32)
+    gate = _load_groups(h_ptr + base, h_ptr + base + 8, mask, mask, BLOCK_R, G)
+    up = _load_groups(h_ptr + base + F, h_ptr + base + F + 8, mask, mask, BLOCK_R, G)
     silu = _round_bf16(gate / (1.0 + tl.exp(-gate)))
     a = _round_bf16(silu * up)
     a_lo, a_hi = _group_halves(a.to(tl.bfloat16), BLOCK_R, G, 8)

@@ -81,19 +81,20 @@ def applies(rows: torch.Tensor, row_token: torch.Tensor, tokens: int) -> bool:
 
 def combine(rows: torch.Tensor, row_token: torch.Tensor, tokens: int) -> torch.Tensor:
     """combine_fixed_order's bits (module docstring): fp32 [tokens, H]."""
-    return _launch(rows, row_token, tokens, False, "strict fused combine")
+    return _launch(rows, row_token, tokens, False)
 
 
 def combine_in_rows_dtype(rows: torch.Tensor, row_token: torch.Tensor, tokens: int) -> torch.Tensor:
     """The default combine's bits as torch's CPU scatter_add computes them (fp32 sums, one rounding; module
     docstring): [tokens, H] in the rows' dtype."""
-    return _launch(rows, row_token, tokens, True, "fused default combine")
+    return _launch(rows, row_token, tokens, True)
 
 
-def _launch(rows: torch.Tensor, row_token: torch.Tensor, tokens: int, rows_dtype: bool, what: str) -> torch.Tensor:
+def _launch(rows: torch.Tensor, row_token: torch.Tensor, tokens: int, rows_dtype: bool) -> torch.Tensor:
     """fp32 sums (the strict combine) or, rows_dtype, the sums from 0 rounded once to the rows' dtype (the
     default)."""
     if not fused.available(rows) or not applies(rows, row_token, tokens):
+        what = "fused default combine" if rows_dtype else "strict fused combine"
         raise ValueError(f"{what} needs rows [R, H] and row_token [R] on a CUDA device (or TRITON_INTERPRET=1), R a "
                          f"multiple of the tokens and <= {MAX_ROWS}")
     ensure_interpreter_compat()
