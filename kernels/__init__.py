@@ -10,6 +10,7 @@ nvfp4_gemm.py    W4A4 GEMMs: dense, MoE grouped over tokens (fprop, dgrad), smal
 nvfp4_wgrad.py   the MoE wgrad: grouped over K (tokens), into main_grad, several micro-batches in one launch
 nvfp4_swiglu.py  SwiGLU with its NVFP4 output quantisation fused in, and its backward; the experts' SwiGLU (the
                  model's arithmetic) fused with FC2's activation quantisation, forward only
+expert_swiglu.py the experts' SwiGLU (the model's arithmetic, router prob included), forward and backward, for training
 finite_max.py    the NaN/Inf flag of the NVFP4 layers (minite.ops.FiniteFlag) in one launch
 copy_amax.py     the optimizer's fp32 master -> bf16 copy of expert weights with each expert's amax (re-quantisation)
 moe_rows.py      the MoE dispatch's rows, probs and counts from a routing map in one launch (rollout forwards)
@@ -25,6 +26,7 @@ Importing it needs Triton and registers the entry points with minite.nvfp4.backe
 from minite.nvfp4.backend import register_kernels
 
 from .copy_amax import copy_amax_triton
+from .expert_swiglu import expert_swiglu_backward_triton, expert_swiglu_triton
 from .finite_max import finite_max_into
 from .nvfp4_decode_order import decode_order_triton
 from .nvfp4_gemm import gemm_triton, grouped_gemm_triton
@@ -40,4 +42,5 @@ register_kernels(quantize_with_values=quantize_with_values_triton, quantize_segm
                  segmented_gemm_passes=segmented_gemm_passes_triton,
                  finite_max=finite_max_into, block_values=block_values_triton,
                  expert_swiglu_quantize=expert_swiglu_quantize_triton, decode_order=decode_order_triton,
-                 copy_amax=copy_amax_triton)
+                 copy_amax=copy_amax_triton, expert_swiglu=expert_swiglu_triton,
+                 expert_swiglu_backward=expert_swiglu_backward_triton)

@@ -7,7 +7,8 @@ the arithmetic that learner/rollout alignment depends on cannot drift between co
     rows     a token's rows grouped by expert, ascending; inside an expert, ascending token order
              (Megatron's moe_utils.permute; `route`)
     experts  h = fc1(x_e); act = silu(gate) * up * router prob, in fp32, rounded once to h's dtype; out = fc2(act)
-             (`swiglu_experts`; fc1/fc2 are grouped GEMMs chosen by the caller: NVFP4, BF16, or strict BF16)
+             (`swiglu_experts`; fc1/fc2 are grouped GEMMs chosen by the caller: NVFP4, BF16, or strict BF16;
+             default mode's SwiGLU, once proven on the GPU, in one Triton launch each way: `swiglu_kernels_apply`)
     combine  default: scatter_add of the rows into zeros in their dtype (Megatron's unpermute: torch sums in
              fp32 and rounds once on the CPU, adds with atomics in the rows' dtype on a GPU); strict: each token's
              k rows summed in ascending expert order in fp32 from a gather, which no kernel can reorder
@@ -23,6 +24,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from minite.nvfp4.backend import has_kernel, kernel
 from minite.nvfp4.device_copy import int32_to
 from minite.strict import fused, fused_combine, ops as S, triton_gemm
 
@@ -31,10 +33,40 @@ GroupedLinear = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 def swiglu(h: torch.Tensor, probs: torch.Tensor, *, strict: bool) -> torch.Tensor:
-    """silu(gate) * up * prob for h = [gate | up] [R, 2F] and probs [R]: fp32 products, rounded once to h's dtype."""
+    """silu(gate) * up * prob for h = [gate | up] [R, 2F] and probs [R]: fp32 products, rounded once to h's dtype.
+    Default mode on a GPU, once proven there (`swiglu_kernels_apply`): the same bits in one Triton launch, and its
+    backward in one (`_SwiGLUKernels`)."""
+    if not strict and swiglu_kernels_apply(h, probs):
+        return _SwiGLUKernels.apply(h, probs)
     gate, up = torch.chunk(h, 2, dim=-1)
     silu = S.silu(gate) if strict else F.silu(gate.float())
     return (silu * up.float() * probs.unsqueeze(-1).float()).to(h.dtype)
+
+
+def swiglu_kernels_apply(h: torch.Tensor, probs: torch.Tensor) -> bool:
+    """Whether default-mode `swiglu` runs on minite.kernels.expert_swiglu: a CUDA bf16 h [R, 2F] with fp32 probs [R]
+    on its device, the kernels loaded, and their GPU test (tests/kernels/test_expert_swiglu.py: the forward's bits
+    torch's, the backward's dh torch's autograd's) passed on the H200: "expert_swiglu" in `fused.PROVEN`. Not yet."""
+    return ("expert_swiglu" in fused.PROVEN and fused._gpu(h) and h.dtype == torch.bfloat16 and h.dim() == 2
+            and h.shape[1] % 2 == 0 and probs.dtype == torch.float32 and probs.shape == (h.shape[0],)
+            and probs.device == h.device and has_kernel("expert_swiglu"))
+
+
+class _SwiGLUKernels(torch.autograd.Function):
+    """`swiglu` (default mode) on the kernels: the forward keeps h and probs only (torch's ops keep four fp32 [R, F]
+    tensors: 16 bytes per output element against h's 4), the backward recomputes from them; dh has torch autograd's
+    operations in its order, dprobs its row sums in the kernel's order (kernels/expert_swiglu.py)."""
+
+    @staticmethod
+    def forward(ctx, h, probs):
+        ctx.save_for_backward(h, probs)
+        return kernel("expert_swiglu")(h, probs)
+
+    @staticmethod
+    def backward(ctx, da):
+        h, probs = ctx.saved_tensors
+        dh, dprobs = kernel("expert_swiglu_backward")(h, probs, da)
+        return dh, (dprobs if ctx.needs_input_grad[1] else None)
 
 
 def swiglu_experts(x: torch.Tensor, probs: torch.Tensor, fc: GroupedLinear, *, strict: bool) -> torch.Tensor:

@@ -82,7 +82,9 @@ the strict gap runs; `combine` and `swiglu`, `minite.strict.fused_combine` and `
 session 18's device call 2, tests/strict/test_fused_log_softmax.py at the 151,936-token vocabulary and the strict gap
 tests; see docs/benchmarks.md). Waiting: `combine_rows_dtype`, the default (not strict) combine's kernel
 (`fused_combine.combine_in_rows_dtype`, written 2026-12-04 in a session without a device): it joins once
-tests/strict/test_fused_combine.py has passed on the H200."""
+tests/strict/test_fused_combine.py has passed on the H200; `expert_swiglu`, default mode's expert SwiGLU with its
+backward (kernels/expert_swiglu.py, routed by `minite.ops.experts.swiglu_kernels_apply`, under autograd too; written
+2026-12-05 in a session without a device): it joins once tests/kernels/test_expert_swiglu.py's GPU test has passed."""
 
 if triton is not None:
     @triton.jit(do_not_specialize=["n"])

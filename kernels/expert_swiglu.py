@@ -1,0 +1,148 @@
+"""The experts' SwiGLU as the model computes it, forward and backward, for training in either precision.
+
+`minite.ops.experts.swiglu` (default mode) is, in torch's ops,
+
+    a = bf16(silu(g) * u * p)        g, u = fp32 halves of h = [gate | up] (bf16 [R, 2F]), p = the row's router prob
+
+and autograd runs its backward as ~10 elementwise launches over fp32 [R, F] tensors, after a forward of ~6 that keeps
+four of them for the backward (16 bytes per element of a, where h itself is 4). Here the forward is one launch that
+keeps nothing (the backward recomputes from h), and the backward one launch:
+
+    forward    a = bf16((silu(g) * u) * p)                     silu(g) = g / (1 + expf(-g)), IEEE division
+    backward   t = da * p                                      (the mul's gradient towards silu(g) * u)
+               dgate = bf16((t * u) * s * (1 + g * (1 - s)))   s = 1 / (1 + expf(-g)): torch's silu_backward
+               dup = bf16(t * silu(g))
+               dp = sum over the row of da * (silu(g) * u)      fp32, in the kernel's order (torch sums in its own)
+
+with da = the fp32 value of the bf16 gradient of a. Each line is the operation torch's kernels run, in their order
+(torch's CUDA silu_backward: dy * s * (1 + x * (1 - s)), s = 1 / (1 + exp(-x))); the GPU builds of both may contract
+`1 + g * (1 - s)` into one fused multiply-add, so the kernels keep Triton's default contraction, and whether dh has
+torch's bits on the GPU is what tests/kernels/test_expert_swiglu.py's GPU test checks. The row sum dp is a reduction
+whose order torch does not fix: equal to torch's within rounding, not bitwise. Under the interpreter exp is numpy's,
+so the CPU tests compare with these formulas in torch with numpy's exp.
+
+The forward's bits are `expert_swiglu_quantize_triton`'s `a` (kernels/nvfp4_swiglu.py), which the rollout already
+computes in its decode steps. Rows are independent: batch invariant.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from ._interpreter import ensure_interpreter_compat, interpreting
+from ._launch import cdiv, launcher, next_power_of_2
+from .nvfp4_gemm import _load_f32
+
+FORWARD_ELEMS = 2048  # outputs per program of the forward (rows x a power-of-two slice of the F columns)
+BACKWARD_ELEMS = 2048  # padded elements per program of the backward (whole rows: the row sum dp)
+
+
+@triton.jit
+def _exp_neg_libdevice(g):
+    """expf(-g) as torch's CUDA kernels compute it (the CUDA math library's expf)."""
+    return libdevice.exp(-g)
+
+
+@triton.jit
+def _exp_neg_interpreted(g):
+    """The same under the interpreter, which has no libdevice: numpy's exp (the CPU tests' reference)."""
+    return tl.exp(-g)
+
+
+@triton.jit
+def _store_bf16(ptr, offs, x, mask):
+    """fp32 x stored as bf16 rounded to nearest even, by its bits (the interpreter's cast truncates, and mangles
+    subnormals); a NaN through the cast (on the GPU cvt.rn.bf16.f32's canonical NaN, as torch's CUDA cast)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16)
+    nan = x.to(tl.bfloat16).to(tl.uint16, bitcast=True)
+    tl.store(ptr.to(tl.pointer_type(tl.uint16)) + offs, tl.where(x == x, rounded, nan), mask=mask)
+
+
+@triton.jit
+def _forward_kernel(h_ptr, p_ptr, a_ptr, R, F, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, EXP_NEG: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows < R)[:, None] & (cols < F)[None, :]
+    base = rows[:, None].to(tl.int64) * (2 * F) + cols[None, :]
+    gate = _load_f32(h_ptr, base, mask)
+    up = _load_f32(h_ptr, base + F, mask)
+    prob = tl.load(p_ptr + rows, mask=rows < R, other=0.0).to(tl.float32)
+    silu = tl.div_rn(gate, 1.0 + EXP_NEG(gate))
+    a = silu * up * prob[:, None]
+    _store_bf16(a_ptr, rows[:, None].to(tl.int64) * F + cols[None, :], a, mask)
+
+
+@triton.jit
+def _backward_kernel(h_ptr, p_ptr, da_ptr, dh_ptr, dp_ptr, R, F, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                     EXP_NEG: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_C)
+    mask = (rows < R)[:, None] & (cols < F)[None, :]
+    base = rows[:, None].to(tl.int64) * (2 * F) + cols[None, :]
+    gate = _load_f32(h_ptr, base, mask)
+    up = _load_f32(h_ptr, base + F, mask)
+    da = _load_f32(da_ptr, rows[:, None].to(tl.int64) * F + cols[None, :], mask)
+    prob = tl.load(p_ptr + rows, mask=rows < R, other=0.0).to(tl.float32)
+    e = EXP_NEG(gate)
+    silu = tl.div_rn(gate, 1.0 + e)
+    s = tl.div_rn(1.0, 1.0 + e)
+    t = da * prob[:, None]
+    dgate = (t * up) * s * (1.0 + gate * (1.0 - s))
+    dup = t * silu
+    dp = tl.sum(tl.where(mask, da * (silu * up), 0.0), axis=1)
+    _store_bf16(dh_ptr, base, dgate, mask)
+    _store_bf16(dh_ptr, base + F, dup, mask)
+    tl.store(dp_ptr + rows, dp, mask=rows < R)
+
+
+def _check(h: torch.Tensor, probs: torch.Tensor) -> int:
+    if (h.dim() != 2 or h.dtype != torch.bfloat16 or h.shape[1] % 2 or probs.shape != (h.shape[0],)
+            or probs.device != h.device):
+        raise ValueError(f"expert_swiglu needs h bf16 [R, 2F] and probs [R] on its device, got h {h.dtype} "
+                         f"{tuple(h.shape)}, probs {tuple(probs.shape)} on {probs.device}")
+    return h.shape[1] // 2
+
+
+def _exp_neg():
+    return _exp_neg_interpreted if interpreting() else _exp_neg_libdevice
+
+
+def expert_swiglu_triton(h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """a = bf16(silu(gate) * up * prob) (bf16 [R, F]) for h = [gate | up] bf16 [R, 2F] and probs [R] (module
+    docstring)."""
+    ensure_interpreter_compat()
+    f = _check(h, probs)
+    rows = h.shape[0]
+    a = torch.empty(rows, f, dtype=torch.bfloat16, device=h.device)
+    if rows and f:
+        h = h.contiguous()
+        block_c = min(next_power_of_2(f), 256)
+        block_r = max(1, FORWARD_ELEMS // block_c)
+        launcher(_forward_kernel)[(cdiv(rows, block_r), cdiv(f, block_c))](
+            h, probs.contiguous(), a, rows, f, BLOCK_R=block_r, BLOCK_C=block_c, EXP_NEG=_exp_neg(), num_warps=4)
+    return a
+
+
+def expert_swiglu_backward_triton(h: torch.Tensor, probs: torch.Tensor, da: torch.Tensor):
+    """(dh bf16 [R, 2F], dprobs fp32 [R]) of `expert_swiglu_triton` for the gradient da (bf16 [R, F]) of its output
+    (module docstring)."""
+    ensure_interpreter_compat()
+    f = _check(h, probs)
+    rows = h.shape[0]
+    if da.shape != (rows, f) or da.device != h.device:
+        raise ValueError(f"expert_swiglu backward: da of shape {tuple(da.shape)} on {da.device}, expected "
+                         f"{(rows, f)} on {h.device}")
+    dh = torch.empty_like(h, memory_format=torch.contiguous_format)
+    dp = torch.empty(rows, dtype=torch.float32, device=h.device)
+    if rows and f:
+        block_c = next_power_of_2(f)
+        block_r = max(1, BACKWARD_ELEMS // block_c)
+        launcher(_backward_kernel)[(cdiv(rows, block_r),)](
+            h.contiguous(), probs.contiguous(), da.contiguous(), dh, dp, rows, f, BLOCK_R=block_r, BLOCK_C=block_c,
+            EXP_NEG=_exp_neg(), num_warps=4)
+    elif rows:
+        dp.zero_()
+    return dh, dp
