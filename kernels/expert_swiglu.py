@@ -12,7 +12,8 @@ keeps nothing (the backward recomputes from h), and the backward one launch:
     backward   t = da * p                                      (the mul's gradient towards silu(g) * u)
                dgate = bf16((t * u) * s * (1 + g * (1 - s)))   s = 1 / (1 + expf(-g)): torch's silu_backward
                dup = bf16(t * silu(g))
-               dp = sum over the row of da * (silu(g) * u)      fp32, in the kernel's order (torch sums in its own)
+               dp = sum over the row of da * (silu(g) * u)      fp32: a sum per tile of 256 columns, then the tiles'
+                                                               sums left to right (torch sums in its own order)
 
 with da = the fp32 value of the bf16 gradient of a. Each line is the operation torch's kernels run, in their order
 (torch's CUDA silu_backward: dy * s * (1 + x * (1 - s)), s = 1 / (1 + exp(-x))); the GPU builds of both may contract
@@ -26,6 +27,8 @@ computes in its decode steps. Rows are independent: batch invariant.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -36,7 +39,7 @@ from ._launch import cdiv, launcher, next_power_of_2
 from .nvfp4_gemm import _load_f32
 
 FORWARD_ELEMS = 2048  # outputs per program of the forward (rows x a power-of-two slice of the F columns)
-BACKWARD_ELEMS = 2048  # padded elements per program of the backward (whole rows: the row sum dp)
+BACKWARD_ELEMS = 2048  # elements per program of the backward (the row sum dp: a partial per column tile)
 
 
 @triton.jit
@@ -78,8 +81,9 @@ def _forward_kernel(h_ptr, p_ptr, a_ptr, R, F, BLOCK_R: tl.constexpr, BLOCK_C: t
 @triton.jit
 def _backward_kernel(h_ptr, p_ptr, da_ptr, dh_ptr, dp_ptr, R, F, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                      EXP_NEG: tl.constexpr):
+    """dh, and dp's partial sum over this program's BLOCK_C columns (dp_ptr: fp32 [R, cdiv(F, BLOCK_C)])."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_C)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows < R)[:, None] & (cols < F)[None, :]
     base = rows[:, None].to(tl.int64) * (2 * F) + cols[None, :]
     gate = _load_f32(h_ptr, base, mask)
@@ -95,7 +99,7 @@ def _backward_kernel(h_ptr, p_ptr, da_ptr, dh_ptr, dp_ptr, R, F, BLOCK_R: tl.con
     dp = tl.sum(tl.where(mask, da * (silu * up), 0.0), axis=1)
     _store_bf16(dh_ptr, base, dgate, mask)
     _store_bf16(dh_ptr, base + F, dup, mask)
-    tl.store(dp_ptr + rows, dp, mask=rows < R)
+    tl.store(dp_ptr + rows.to(tl.int64) * tl.num_programs(1) + tl.program_id(1), dp, mask=rows < R)
 
 
 def _check(h: torch.Tensor, probs: torch.Tensor) -> int:
@@ -104,6 +108,13 @@ def _check(h: torch.Tensor, probs: torch.Tensor) -> int:
         raise ValueError(f"expert_swiglu needs h bf16 [R, 2F] and probs [R] on its device, got h {h.dtype} "
                          f"{tuple(h.shape)}, probs {tuple(probs.shape)} on {probs.device}")
     return h.shape[1] // 2
+
+
+def tile(f: int, elems: int) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_C) of a launch over F columns: column tiles of up to 256 (F = 768: three, none masked), rows
+    to `elems` elements a program."""
+    block_c = min(next_power_of_2(f), 256)
+    return max(1, elems // block_c), block_c
 
 
 def _exp_neg():
@@ -119,8 +130,7 @@ def expert_swiglu_triton(h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     a = torch.empty(rows, f, dtype=torch.bfloat16, device=h.device)
     if rows and f:
         h = h.contiguous()
-        block_c = min(next_power_of_2(f), 256)
-        block_r = max(1, FORWARD_ELEMS // block_c)
+        block_r, block_c = tile(f, FORWARD_ELEMS)
         launcher(_forward_kernel)[(cdiv(rows, block_r), cdiv(f, block_c))](
             h, probs.contiguous(), a, rows, f, BLOCK_R=block_r, BLOCK_C=block_c, EXP_NEG=_exp_neg(), num_warps=4)
     return a
@@ -136,13 +146,14 @@ def expert_swiglu_backward_triton(h: torch.Tensor, probs: torch.Tensor, da: torc
         raise ValueError(f"expert_swiglu backward: da of shape {tuple(da.shape)} on {da.device}, expected "
                          f"{(rows, f)} on {h.device}")
     dh = torch.empty_like(h, memory_format=torch.contiguous_format)
-    dp = torch.empty(rows, dtype=torch.float32, device=h.device)
-    if rows and f:
-        block_c = next_power_of_2(f)
-        block_r = max(1, BACKWARD_ELEMS // block_c)
-        launcher(_backward_kernel)[(cdiv(rows, block_r),)](
-            h.contiguous(), probs.contiguous(), da.contiguous(), dh, dp, rows, f, BLOCK_R=block_r, BLOCK_C=block_c,
-            EXP_NEG=_exp_neg(), num_warps=4)
-    elif rows:
-        dp.zero_()
+    if not (rows and f):
+        return dh, torch.zeros(rows, dtype=torch.float32, device=h.device)
+    block_r, block_c = tile(f, BACKWARD_ELEMS)
+    tiles = cdiv(f, block_c)
+    parts = torch.empty(rows, tiles, dtype=torch.float32, device=h.device)
+    launcher(_backward_kernel)[(cdiv(rows, block_r), tiles)](
+        h.contiguous(), probs.contiguous(), da.contiguous(), dh, parts, rows, f, BLOCK_R=block_r, BLOCK_C=block_c,
+        EXP_NEG=_exp_neg(), num_warps=4)
+    # the column tiles' partial sums added left to right (one tile: the sum itself)
+    dp = parts[:, 0].clone() if tiles == 1 else functools.reduce(torch.add, parts.unbind(1))
     return dh, dp

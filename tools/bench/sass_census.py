@@ -25,7 +25,8 @@ compiles the NVFP4 quantisation kernels of `kernels/nvfp4_quant.py` at the tiles
 learner's calls (131072 x 2048 bf16, TUNING as shipped): per-row activations (codes, codes + fp16 values), tensor
 scope nearest and stochastic, a transposed view with RHT + stochastic rounding (dy^T), the expert-weight stack (16x16)
 and the wgrad column segments (x^T with RHT, dy^T with RHT + stochastic), and the learner's SwiGLU with its fused
-quantisation (kernels/nvfp4_swiglu.py, F = 768); whole-kernel instructions per element and per thread, the stores by
+quantisation (kernels/nvfp4_swiglu.py, F = 768), and the experts' SwiGLU of training, forward and backward
+(kernels/expert_swiglu.py); whole-kernel instructions per element and per thread, the stores by
 width and the IEEE divisions (FCHK: one per 16-element block a thread holds, plus the global scales', when one
 thread computes a block's scale). Compile with the GPU's Triton for the GPU's counts (a wheel of that version
 installed into a folder, `--triton-site DIR`): the compiler's layouts differ between versions (Triton 3.9 gave
@@ -228,6 +229,18 @@ def quant_rows(rows: int = 131072, cols: int = 2048) -> list:
                        [k for k, t in sig.items() if t.startswith("*")] + ["F"], dict(num_warps=sw.SWIGLU_WARPS))
     ops = collections.Counter(m.group(2) for m in map(_INSTR.match, sass.splitlines()) if m)
     out.append(_quant_row("swiglu + row quantisation, values", [block_r, block_c], sw.SWIGLU_WARPS, ops))
+    # the experts' SwiGLU of training, forward and backward (kernels/expert_swiglu.py, F = 768), as launched
+    from minite.kernels import expert_swiglu as es
+    for label, fn, elems, sig in (
+            ("expert swiglu forward (training)", es._forward_kernel, es.FORWARD_ELEMS,
+             dict(h_ptr="*bf16", p_ptr="*fp32", a_ptr="*bf16", R="i32", F="i32")),
+            ("expert swiglu backward (training)", es._backward_kernel, es.BACKWARD_ELEMS,
+             dict(h_ptr="*bf16", p_ptr="*fp32", da_ptr="*bf16", dh_ptr="*bf16", dp_ptr="*fp32", R="i32", F="i32"))):
+        block_r, block_c = es.tile(768, elems)
+        sass = kernel_sass(fn, sig, dict(BLOCK_R=block_r, BLOCK_C=block_c, EXP_NEG=es._exp_neg_libdevice),
+                           [k for k, t in sig.items() if t.startswith("*")] + ["F"], dict(num_warps=4))
+        ops = collections.Counter(m.group(2) for m in map(_INSTR.match, sass.splitlines()) if m)
+        out.append(_quant_row(label, [block_r, block_c], 4, ops))
     return out
 
 
