@@ -140,6 +140,12 @@ class RolloutConfig:
     The dense linears keep fp16 values (packed they measured slower end to end). On the H200 (2026-12-01, 8cadb07)
     the rollout slice's decode step took 3.26 vs 3.57 ms at batch 64, 5.87 vs 6.16 at 256, 1.65 vs 1.64 at 1
     (docs/benchmarks.md)."""
+    stop_check_every: int = 8
+    """embedded backend (miniTE's loop): every this many decode steps, one host read of which responses have ended
+    (their stop token, the task's end of sequence); once all have, the rollout stops, and until then the unfinished
+    ones run at the smallest power-of-two batch that holds them (minite/rollout/decode.py: a finished response stops
+    costing; in strict mode every token and log-prob is the full batch's; with CUDA graphs only the stop, until the
+    compaction is proven there). 0: never look, run every response to max_new_tokens."""
     sglang_args: dict[str, Any] = field(default_factory=dict)
     """sglang backend: more `sglang.Engine` keyword arguments, over miniTE's defaults (minite.rollout.sglang.engine
     `engine_args_for`), e.g. --set 'rollout.sglang_args={attention_backend: triton, mem_fraction_static: 0.3}'."""
@@ -149,6 +155,9 @@ class RolloutConfig:
             raise ValueError("temperature must be > 0 and top_p in (0, 1]")
         if self.max_new_tokens < 1 or self.group_size < 1:
             raise ValueError("max_new_tokens and group_size must be >= 1")
+        if self.stop_check_every < 0:
+            raise ValueError(f"stop_check_every must be >= 0 (0: never look for stop tokens), got "
+                             f"{self.stop_check_every}")
 
 
 @dataclass(kw_only=True)

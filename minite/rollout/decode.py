@@ -6,18 +6,21 @@
         logits of position q - 1 -> sample a token for position q (Megatron's sampling arithmetic)
         a row still inside its prompt keeps its prompt token; log p(token at q) = log_softmax(logits)[token]
         forward the token at q (one position, the KV cache grows by one)
+        every stop_check_every steps, given a stop token: one host read of the rows that have sampled it; all of
+        them -> stop; else the unfinished rows move to the batch's first rows and run alone (compaction, `_Slots`)
     one read-back of the tokens and log-probs
 
 It computes what Megatron-Core 0.16.1's TextGenerationController.generate_all_output_tokens_static_batch computes
 for a static batch without early termination (the same forward calls through the same GPTInferenceWrapper, the same
 sampling ops in the same order on the same generator, the same log-softmax, the same sequence-parallel guard), tested
-bit for bit against it on the CPU (tests/rollout/test_decode.py). One difference can show on a GPU in default mode:
+bit for bit against it on the CPU (tests/rollout/test_decode.py); with a stop token, each response up to it, bit for
+bit where the forward is batch invariant (strict mode), since compaction changes the batch a step runs. One difference can show on a GPU in default mode:
 prefill materialises the logits of the last prompt position only, so the lm_head GEMM has batch rows where the
 controller's had batch x prompt rows, and cuBLAS may pick another kernel for it (strict mode's linears are batch
 invariant; `observed()` in the engine restores the controller's full prefill logits). What differs is the host side: the controller keeps the prompt lengths in a CUDA
 tensor, so every context position and every "all done?" test is a device-to-host read (17 host synchronisations per
 decode step measured on the H200, docs/benchmarks.md); here positions are Python ints and the only reads are the
-final tokens and log-probs. Prefill materialises the logits of the last prompt position only (the controller
+final tokens and log-probs, and with a stop token one every `stop_check_every` steps. Prefill materialises the logits of the last prompt position only (the controller
 materialises every prompt position's logits for prompt log-probs, which a rollout does not return).
 
 CUDA graphs (`cuda_graphs=True`, CUDA only): decode step q runs as a graph captured once for (batch, sequence
@@ -60,7 +63,7 @@ class Decoded:
 
 
 def sample(last_logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator,
-           vocab_size: int) -> torch.Tensor:
+           vocab_size: int, rows: torch.Tensor | None = None, batch: int = 0) -> torch.Tensor:
     """One token per row of last_logits [B, V], with Megatron-Core 0.16.1's `_torch_sampling_func` arithmetic for
     top_k = 0 (the same ops in the same order on the same generator, so the same tokens): temperature, then nucleus
     filtering with its shifted mask (top_p < 1), softmax, one multinomial draw, clamped into the vocabulary.
@@ -71,7 +74,10 @@ def sample(last_logits: torch.Tensor, temperature: float, top_p: float, generato
     generator, argmax(p / q) per row): the same ops on the same generator, so the same tokens and the same generator
     state after (tests/rollout/test_decode.py; on the H200 too), without the validity checks multinomial runs
     first (a min/max and a per-row sum over [batch, vocab] and device asserts: ~50 us per step at batch 64 on the
-    H200, and an assert ends the process). Non-finite logits are caught by the caller, from the log-probs."""
+    H200, and an assert ends the process). Non-finite logits are caught by the caller, from the log-probs.
+
+    rows (a compacted batch, `StaticBatchDecoder.generate`): last_logits' row i is row rows[i] of a batch of `batch`
+    rows; the draws are the whole batch's, row rows[i]'s taken, so a row samples what it would in the whole batch."""
     logits = last_logits.clone() if temperature != 1.0 or 0.0 < top_p < 1.0 else last_logits
     if temperature != 1.0:
         logits.div_(temperature)
@@ -82,7 +88,10 @@ def sample(last_logits: torch.Tensor, temperature: float, top_p: float, generato
         drop[..., 0] = 0
         logits.masked_fill_(drop.scatter(1, sorted_idx, drop), float("-inf"))
     probs = logits.softmax(dim=-1)
-    q = torch.empty_like(probs).exponential_(1, generator=generator)
+    if rows is None:
+        q = torch.empty_like(probs).exponential_(1, generator=generator)
+    else:
+        q = probs.new_empty(batch, probs.shape[1]).exponential_(1, generator=generator)[rows]
     tokens = torch.div(probs, q, out=q).argmax(dim=-1)
     return torch.clamp(tokens, min=0, max=vocab_size - 1)
 
@@ -91,13 +100,16 @@ class StaticBatchDecoder:
     """The loop of the module docstring over `model` (a GPTModel, Float16Module-wrapped in BF16)."""
 
     def __init__(self, model: torch.nn.Module, *, vocab_size: int, hidden_size: int, params_dtype: torch.dtype,
-                 strict: bool = False, cuda_graphs: bool = False):
+                 strict: bool = False, cuda_graphs: bool = False, stop_check_every: int = 8):
+        if stop_check_every < 0:
+            raise ValueError(f"stop_check_every must be >= 0 (0: never look for stop tokens), got {stop_check_every}")
         self.model = model
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.params_dtype = params_dtype
         self.strict = strict
         self.cuda_graphs = cuda_graphs
+        self.stop_check_every = stop_check_every  # decode steps between looks for finished rows (generate)
         self.graph_error: str | None = None  # why graphs were turned off, if they were
         self.prefill_all_logits = False  # materialise every prompt position's logits (op capture lines up rows)
         self.time_decode = False  # CUDA: time the decode steps with two events per generate (benchmarks)
@@ -151,7 +163,14 @@ class StaticBatchDecoder:
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, top_p: float,
-                 generator: torch.Generator, pad_id: int, device) -> Decoded:
+                 generator: torch.Generator, pad_id: int, device, stop_token_id: int | None = None,
+                 group=None) -> Decoded:
+        """stop_token_id (with `stop_check_every` > 0): every that many steps one host read of which rows have
+        sampled it after their prompt; the loop ends once all have (under `group`, once all have on every rank:
+        each rank runs the same steps, for the collectives of its layers), and otherwise the batch is compacted to
+        the smallest power of two that holds the unfinished rows (`_Slots`; not yet with CUDA graphs,
+        `COMPACT_WITH_GRAPHS`). A row's tokens and log-probs up to its stop token are those of the whole batch's
+        run wherever the forward is batch invariant (strict mode); its draws are the whole batch's (`sample`)."""
         lengths = [len(p) for p in prompts]
         batch, shortest, longest = len(prompts), min(lengths), max(lengths)
         seq_len = longest + max_new_tokens
@@ -162,7 +181,7 @@ class StaticBatchDecoder:
             padded[i, : len(p)] = torch.tensor(p, dtype=torch.long)
         tokens.copy_(padded)  # one host-to-device copy
         lengths_dev = torch.tensor(lengths, dtype=torch.long).to(device)
-        logprobs = torch.empty(batch, seq_len - 1, dtype=torch.float32, device=device)
+        logprobs = torch.zeros(batch, seq_len - 1, dtype=torch.float32, device=device)
 
         wrapper.prep_model_for_inference()  # eval mode, KV offsets to 0 (the cache memory is kept)
         if not self._guarded:
@@ -172,60 +191,79 @@ class StaticBatchDecoder:
         events = None
         if self.time_decode and tokens.is_cuda and seq_len - shortest > 1:
             events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        slots = _Slots(batch, lengths_dev, stop_token_id if self.stop_check_every > 0 else None)
+        q = shortest
         for q in range(shortest, seq_len):
             start = 0 if q == shortest else q - 1
             ctx.materialize_only_last_token_logits = not (self.prefill_all_logits and start == 0)
-            last = self._step(st, start, q)
-            sampled = sample(last, temperature, top_p, generator, self.vocab_size)
-            started = lengths_dev <= q  # rows whose prompt ended: take the sample; the others keep their prompt
-            tokens[:, q] = torch.where(started, sampled, tokens[:, q])
-            logprobs[:, q - 1] = self._token_logprobs(last, tokens[:, q])
+            last = self._step(st, start, q, slots.n)
+            sampled = sample(last, temperature, top_p, generator, self.vocab_size, slots.rows, batch)
+            started = slots.lengths <= q  # rows whose prompt ended: take the sample; the others keep their prompt
+            cur = tokens[: slots.n]
+            cur[:, q] = torch.where(started, sampled, cur[:, q])
+            slots.record(q, cur[:, q], self._token_logprobs(last, cur[:, q]), started, logprobs)
             if q >= longest:  # every row is past its prompt
                 ctx.enable_decode_mode()
             if events is not None and q == shortest:
                 events[0].record()  # prefill and its sample done: decode steps from here
+            if slots.stop is not None and q < seq_len - 1 and (q - shortest + 1) % self.stop_check_every == 0:
+                alive = slots.alive(group)  # a host read (and a collective under group)
+                if alive is None:
+                    break
+                if self._may_compact(st):
+                    slots.compact(alive, st, tokens, ctx.sequence_len_offset)
         if events is not None:
             events[1].record()
 
-        finite = torch.isfinite(logprobs[:, shortest - 1:]).all().view(1)  # over the columns the loop wrote
-        toks, lps, ok = tokens.cpu().tolist(), logprobs.cpu().tolist(), finite.cpu().tolist()  # the one read-back
+        written = logprobs[:, shortest - 1: q]  # the columns the loop wrote (the others hold zeros)
+        finite = torch.isfinite(written).all().view(1)
+        out = slots.tokens if slots.tokens is not None else tokens
+        toks, lps, ok = out.cpu().tolist(), logprobs.cpu().tolist(), finite.cpu().tolist()  # the one read-back
         if events is not None:  # complete: the read-back waited for the stream
-            self.last_decode = (events[0].elapsed_time(events[1]) / 1e3, seq_len - shortest - 1)
+            self.last_decode = (events[0].elapsed_time(events[1]) / 1e3, q - shortest)
         return Decoded(tokens=[toks[i][n: n + max_new_tokens] for i, n in enumerate(lengths)],
                        logprobs=[lps[i][n - 1: n - 1 + max_new_tokens] for i, n in enumerate(lengths)],
                        finite=bool(ok[0]))
 
-    def _step(self, st: "_Shape", start: int, end: int) -> torch.Tensor:
-        """Forward positions [start, end) and return the logits of position end - 1 [batch, vocab] (fp32)."""
+    def _may_compact(self, st: "_Shape") -> bool:
+        """Whether this generate's decode steps may run at a smaller batch: eager steps always; captured ones once
+        compaction is proven under CUDA graphs on the GPU (`COMPACT_WITH_GRAPHS`)."""
+        graphs = self.cuda_graphs and self.graph_error is None and st.tokens.is_cuda
+        return COMPACT_WITH_GRAPHS or not graphs
+
+    def _step(self, st: "_Shape", start: int, end: int, n: int) -> torch.Tensor:
+        """Forward positions [start, end) of the batch's first n rows (all of them until a compaction) and return the
+        logits of position end - 1 [n, vocab] (fp32)."""
         decode = end - start == 1 and start > 0
         if decode and st.warm and self.cuda_graphs and self.graph_error is None and st.tokens.is_cuda:
-            graph = st.graphs.get(end) or self._capture(st, start, end)
+            graph = st.graphs.get((n, end)) or self._capture(st, start, end, n)
             if graph is not None:
                 graph.replay()
                 st.wrapper.inference_context.increment_sequence_len_offset(end - start)
-                return st.logits
-        window = st.wrapper.get_batch_for_context_window(st.inputs, start, end)
+                return st.logits[n]
+        window = st.wrapper.get_batch_for_context_window(st.rows_inputs(n), start, end)
         logits = st.wrapper.run_one_forward_step(window)[:, -1, :]
         st.warm = st.warm or decode
         return logits
 
-    def _capture(self, st: "_Shape", start: int, end: int):
-        """Capture decode step `end` (the KV offset is start); None (and graphs off) if the capture fails."""
+    def _capture(self, st: "_Shape", start: int, end: int, n: int):
+        """Capture decode step `end` of the first n rows (the KV offset is start); None (and graphs off) if the
+        capture fails."""
         ctx = st.wrapper.inference_context
         offset = ctx.sequence_len_offset
-        if st.logits is None:
-            st.logits = torch.empty(st.tokens.shape[0], self.vocab_size, dtype=torch.float32, device=st.tokens.device)
+        if n not in st.logits:
+            st.logits[n] = torch.empty(n, self.vocab_size, dtype=torch.float32, device=st.tokens.device)
         if st.pool is None:
             st.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        window = st.wrapper.get_batch_for_context_window(st.inputs, start, end)
+        window = st.wrapper.get_batch_for_context_window(st.rows_inputs(n), start, end)
         seen = []  # the RoPE tables the captured forward reads (module docstring)
         hooks = [m.register_forward_hook(lambda mod, args, out: seen.append(out)) for m in self.model.modules()
                  if _is_rotary(m)]
         try:
             # thread_local: another thread's CUDA calls (NCCL's watchdog under several ranks) do not break the capture
             with torch.cuda.graph(graph, pool=st.pool, capture_error_mode="thread_local"):
-                st.logits.copy_(_last_logits_in_model_dtype(st.wrapper, window))
+                st.logits[n].copy_(_last_logits_in_model_dtype(st.wrapper, window))
         except Exception as e:  # noqa: BLE001 - any capture failure: eager from now on, said once
             self.graph_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             logger.warning("rollout CUDA graphs off, the decode step runs eagerly: capture failed (%s)",
@@ -240,7 +278,7 @@ class StaticBatchDecoder:
         ctx.sequence_len_offset = offset  # the captured forward advanced it; the replay's caller does
         for t in [*seen, *S._ROPE_CACHE]:
             st.keep.setdefault(id(t), t)
-        st.graphs[end] = graph
+        st.graphs[(n, end)] = graph
         return graph
 
     def reset_graphs(self) -> None:
@@ -259,16 +297,88 @@ KEPT_SHAPES = 4
 @dataclass(eq=False)
 class _Shape:
     """What a decoder keeps per (batch, sequence length): the wrapper and its KV cache, the token buffer and the
-    wrapper's inputs over it (position ids), and the graphs, their pool and their output buffer."""
+    wrapper's inputs over it (position ids), and the graphs (keyed by (rows, step): a compacted batch runs on the
+    first rows of the same buffers), their pool and their output buffers (one per number of rows)."""
 
     wrapper: object
     tokens: torch.Tensor
     inputs: dict
     graphs: dict = field(default_factory=dict)
     pool: object = None
-    logits: torch.Tensor | None = None
+    logits: dict = field(default_factory=dict)
     warm: bool = False  # an eager decode step ran at this shape (lazy caches and kernels exist)
     keep: dict = field(default_factory=dict)  # RoPE tensors the graphs read, held so no cache eviction frees them
+
+    def rows_inputs(self, n: int) -> dict:
+        """The wrapper's inputs over the first n rows (views at fixed addresses: what a graph of n rows reads)."""
+        if n == self.tokens.shape[0]:
+            return self.inputs
+        return {"tokens": self.tokens[:n], "position_ids": self.inputs["position_ids"][:n],
+                "attention_mask": self.inputs["attention_mask"]}
+
+
+COMPACT_WITH_GRAPHS = False
+"""Whether a generate whose decode steps replay CUDA graphs compacts its batch (`_Slots`): the graphs of the compacted
+rows are captured and replayed as the whole batch's are, but that has not run on a GPU yet (the compaction was
+written 2026-12-05 in a session without a device): it turns on once tests/rollout/test_decode.py's GPU test of it
+has passed on the H200. Until then such a generate still stops when every row has finished, and runs the unfinished
+ones at the whole batch's size."""
+
+
+class _Slots:
+    """The rows of a generate's batch as its decode steps run them (`StaticBatchDecoder.generate`): at first every
+    row in its own slot; after a compaction the first n slots of the token buffer and of every layer's KV cache hold
+    the unfinished rows (`rows`), the first `real` of them once each and the rest repeating the first (n, a power of
+    two, bounds the shapes a graph is captured for), and the finished rows' tokens live in `tokens`. Megatron's
+    static KV cache writes a forward of b rows into its first b rows, so a compacted step needs no other change."""
+
+    def __init__(self, batch: int, lengths: torch.Tensor, stop: int | None):
+        self.batch, self.n, self.real = batch, batch, batch
+        self.lengths = lengths  # each slot's prompt length
+        self.rows: torch.Tensor | None = None  # each slot's row of the batch, once compacted
+        self.tokens: torch.Tensor | None = None  # [batch, seq_len]: every row's tokens, once compacted
+        self.stop = stop
+        self.done = None if stop is None else torch.zeros(batch, dtype=torch.bool, device=lengths.device)
+
+    def record(self, q: int, sampled: torch.Tensor, logp: torch.Tensor, started: torch.Tensor,
+               logprobs: torch.Tensor) -> None:
+        """Step q's tokens (already in the slots' token buffer) and log-probs, written for the slots' rows."""
+        if self.rows is None:
+            logprobs[:, q - 1] = logp
+        else:
+            real = self.rows[: self.real]
+            logprobs[real, q - 1] = logp[: self.real]
+            self.tokens[real, q] = sampled[: self.real]
+        if self.done is not None:
+            self.done |= started & (sampled == self.stop)
+
+    def alive(self, group=None) -> torch.Tensor | None:
+        """The slots whose row has not sampled the stop token yet (a host read), or None when no row has any left
+        here nor, under `group`, on any rank."""
+        slots = (~self.done[: self.real]).nonzero().view(-1)
+        left = slots.numel()
+        if group is not None:
+            from minite.ops.common import any_rank
+            left = any_rank(left > 0, group)
+        return slots if left else None
+
+    def compact(self, slots: torch.Tensor, st: _Shape, tokens: torch.Tensor, written: int) -> None:
+        """Move the rows of `slots` to the first slots, when that halves the batch at least: the token buffer's rows
+        and the first `written` positions of every layer's KV cache (a gather, then a copy into the first rows)."""
+        real = slots.numel()
+        n = 1 << max(0, real - 1).bit_length()  # the smallest power of two >= real (1 for none: a rank whose
+        if n >= self.n:                           # rows have finished while another rank's have not)
+            return
+        pick = torch.cat([slots, slots[:1].expand(n - real)]) if real else slots.new_zeros(1)
+        if self.tokens is None:
+            self.tokens = tokens.clone()
+        tokens[:n] = tokens[: self.n][pick]
+        for key, value in st.wrapper.inference_context.key_value_memory_dict.values():
+            for cache in (key, value):  # [sequence, batch, ...]
+                cache[:written, :n] = cache[:written, : self.n][:, pick]
+        self.rows = pick if self.rows is None else self.rows[pick]
+        self.lengths, self.done = self.lengths[pick], self.done[pick]
+        self.n, self.real = n, real
 
 
 def _last_logits_in_model_dtype(wrapper, window: dict) -> torch.Tensor:

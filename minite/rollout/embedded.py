@@ -18,7 +18,10 @@ RNG is never touched.
 
 Stopping: we pass no_early_termination and cut each response after its first stop token
 ourselves, so the stop token itself (and its log-prob) is part of the response the learner trains
-on; Megatron's own EOD handling drops the EOD token from the generated tokens.
+on; Megatron's own EOD handling drops the EOD token from the generated tokens. miniTE's loop looks for the stop token
+every `stop_check_every` steps (cfg.rollout.stop_check_every): it stops once every response has ended and runs the
+unfinished ones at a smaller batch until then (decode.py), so an RL rollout whose responses end at different lengths
+does not pay for the finished ones.
 
 CPU: besides the Megatron CPU patches the learner applies (minite.megatron_patches.cpu), the static
 generate path calls torch.cuda.current_device(), torch.cuda.Event (timing) and Tensor.cuda() once;
@@ -83,7 +86,8 @@ class EmbeddedEngine(RolloutEngine):
     """Megatron-Core static inference over an in-process GPTModel (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, *, pad_id: int = 0, strict: bool = False, local_moe_dispatch: bool = True,
-                 loop: str = "minite", cuda_graphs: bool = False, packed_weights: bool = False):
+                 loop: str = "minite", cuda_graphs: bool = False, packed_weights: bool = False,
+                 stop_check_every: int = 8):
         from megatron.core.transformer.module import Float16Module
         from megatron.core.utils import get_model_config, unwrap_model
 
@@ -112,7 +116,7 @@ class EmbeddedEngine(RolloutEngine):
         self.loop = loop
         self.decoder = StaticBatchDecoder(self.model, vocab_size=self.vocab_size, hidden_size=self.config.hidden_size,
                                           params_dtype=self.config.params_dtype, strict=strict,
-                                          cuda_graphs=cuda_graphs)
+                                          cuda_graphs=cuda_graphs, stop_check_every=stop_check_every)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[RolloutResult]:
         if not prompts or any(len(p) == 0 for p in prompts):
@@ -126,7 +130,8 @@ class EmbeddedEngine(RolloutEngine):
             with cpu_generate_shims():
                 out = self.decoder.generate([p for _, p in flat], max_new_tokens=params.max_new_tokens,
                                             temperature=float(params.temperature), top_p=float(params.top_p),
-                                            generator=rng, pad_id=self.pad_id, device=device)
+                                            generator=rng, pad_id=self.pad_id, device=device,
+                                            stop_token_id=params.stop_token_id, group=_world_group())
             tokens, logprobs, finite = out.tokens, out.logprobs, out.finite
         else:
             with cpu_generate_shims(), controller_log_softmax(self.strict):
@@ -195,16 +200,17 @@ class EmbeddedEngine(RolloutEngine):
     @contextlib.contextmanager
     def observed(self):
         """While open, Python forward hooks see every step (op capture, route recording): no CUDA-graph replays, and
-        prefill materialises every prompt position's logits as Megatron's controller does, so captured rows line up
-        with the learner's full-sequence forward. The same tokens and log-probs either way on the CPU and in strict
-        mode (in default mode on a GPU the prefill's lm_head GEMM then has more rows: decode.py's docstring)."""
+        prefill materialises every prompt position's logits as Megatron's controller does, and every row runs to
+        max_new_tokens (no stop, no compaction), so captured rows line up with the learner's full-sequence forward.
+        The same tokens and log-probs either way on the CPU and in strict mode (in default mode on a GPU the
+        prefill's lm_head GEMM then has more rows: decode.py's docstring)."""
         d = self.decoder
-        saved = (d.cuda_graphs, d.prefill_all_logits)
-        d.cuda_graphs, d.prefill_all_logits = False, True
+        saved = (d.cuda_graphs, d.prefill_all_logits, d.stop_check_every)
+        d.cuda_graphs, d.prefill_all_logits, d.stop_check_every = False, True, 0
         try:
             yield self
         finally:
-            d.cuda_graphs, d.prefill_all_logits = saved
+            d.cuda_graphs, d.prefill_all_logits, d.stop_check_every = saved
 
     def _drop_stale_graphs(self) -> None:
         """A CUDA graph replays the quantised-weight caches it captured, at their addresses. `update_weights` refills
@@ -258,4 +264,5 @@ def build_embedded(cfg, *, pad_id: int = 0) -> EmbeddedEngine:
     """An embedded engine over a fresh `build_model(cfg)` (the learner's layers, its own weights)."""
     strict = bool(cfg.alignment.strict)
     return EmbeddedEngine(build_model(cfg, strict=strict), pad_id=pad_id, strict=strict,
-                          cuda_graphs=bool(cfg.rollout.cuda_graphs), packed_weights=bool(cfg.rollout.packed_weights))
+                          cuda_graphs=bool(cfg.rollout.cuda_graphs), packed_weights=bool(cfg.rollout.packed_weights),
+                          stop_check_every=int(cfg.rollout.stop_check_every))

@@ -332,3 +332,90 @@ def _churn_rope_caches(model):
     torch.cuda.empty_cache()
     junk = [torch.full((1 << 20,), float("nan"), device="cuda") for _ in range(64)]
     del junk
+
+
+def _forward_rows(engine):
+    """A list that gets the batch size of every forward the engine's model runs (a pre-hook)."""
+    rows = []
+    engine.model.register_forward_pre_hook(lambda mod, args, kwargs: rows.append(int(args[0].shape[0])),
+                                           with_kwargs=True)
+    return rows
+
+
+def _cut(responses, stop):
+    """Each (tokens, logprobs, finished) cut after its first `stop` token, as the engine cuts."""
+    out = []
+    for toks, lps, _ in responses:
+        n = toks.index(stop) + 1 if stop in toks else len(toks)
+        out.append((toks[:n], lps[:n], stop in toks))
+    return out
+
+
+def _early_stop_token(responses):
+    """A token that ends some responses early and never comes in others (so the batch shrinks and runs on)."""
+    firsts = {t: [r[0].index(t) if t in r[0] else None for r in responses] for r in responses for t in r[0]}
+    return next(t for t, at in sorted(firsts.items()) if any(a is not None and a <= 4 for a in at) and None in at)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
+def test_finished_responses_stop_costing_with_the_same_bits(precision):
+    """Strict mode (batch invariant): looking for the stop token every step, the loop runs the unfinished responses
+    at smaller batches (compaction) and each response is bit for bit the one of the run that never looks, cut at its
+    stop token."""
+    engine = _engine(precision, True, "rollout.stop_check_every=0")
+    params = SamplingParams(max_new_tokens=12, n=2, seed=3)
+    prompts = PROMPTS + [[13, 14, 15], [16, 17]]
+    free = _run(engine, params, prompts)
+    stop = _early_stop_token(free)
+    want = _cut(free, stop)
+    engine.decoder.stop_check_every = 1
+    rows = _forward_rows(engine)
+    got = _run(engine, SamplingParams(max_new_tokens=12, n=2, seed=3, stop_token_id=stop), prompts)
+    assert got == want
+    assert rows[0] == len(free) and min(rows) < len(free)  # prefill over the whole batch, later steps fewer rows
+    assert all(n & (n - 1) == 0 for n in rows[rows.index(min(rows)):])  # compacted batches: powers of two
+
+
+def test_the_loop_stops_once_every_response_has_ended():
+    engine = _engine("bf16", False, "rollout.stop_check_every=1")
+    params = SamplingParams(max_new_tokens=12, seed=3)
+    engine.decoder.stop_check_every = 0
+    free = _run(engine, params, [[1, 2, 3]])
+    stop = free[0][0][2]  # the third token of the response
+    engine.decoder.stop_check_every = 1
+    rows = _forward_rows(engine)
+    got = _run(engine, SamplingParams(max_new_tokens=12, seed=3, stop_token_id=stop), [[1, 2, 3]])
+    assert got == _cut(free, stop) and got[0][2]
+    assert len(rows) == free[0][0].index(stop) + 1  # prefill and one step per token after it, none more
+    engine.decoder.stop_check_every = 4  # looked for every 4 steps: stops at the first look after the stop token
+    rows.clear()
+    assert _run(engine, SamplingParams(max_new_tokens=12, seed=3, stop_token_id=stop), [[1, 2, 3]]) == got
+    assert len(rows) == 4
+
+
+def test_stop_check_every_must_not_be_negative():
+    with pytest.raises(ValueError, match=r"rollout: stop_check_every must be >= 0 .*, got -1"):
+        load_config(None, TINY + ["rollout.stop_check_every=-1"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
+def test_compaction_under_cuda_graphs_gives_the_eager_bits(precision, monkeypatch):
+    """What `decode.COMPACT_WITH_GRAPHS` waits for: strict mode, looking for the stop token every step, the graphed
+    engine compacts its batch (graphs of the compacted rows captured in the first generate, replayed in the second)
+    and gives the bits of the eager run that never looks, cut at the stop token."""
+    from minite.rollout import decode
+
+    monkeypatch.setattr(decode, "COMPACT_WITH_GRAPHS", True)
+    eager = _engine(precision, True, "rollout.cuda_graphs=false", "rollout.stop_check_every=0")
+    graphed = _engine(precision, True, "rollout.stop_check_every=1")
+    graphed.update_weights(eager.named_weights())
+    prompts = PROMPTS + [[13, 14, 15], [16, 17]]
+    free = _run(eager, SamplingParams(max_new_tokens=12, n=2, seed=3), prompts)
+    stop = _early_stop_token(free)
+    params = SamplingParams(max_new_tokens=12, n=2, seed=3, stop_token_id=stop)
+    for _ in range(2):
+        assert _run(graphed, params, prompts) == _cut(free, stop)
+    assert graphed.decoder.graph_error is None
+    sizes = {n for st in graphed.decoder._shapes.values() for n, _ in st.graphs}
+    assert min(sizes) < len(free), sizes  # steps of compacted batches ran as graphs
