@@ -24,7 +24,9 @@ no backward, so calls that record a gradient stay on the torch ops.
 """
 from __future__ import annotations
 
+import logging
 import math
+import os
 
 import torch
 
@@ -84,7 +86,17 @@ tests; see docs/benchmarks.md). Waiting: `combine_rows_dtype`, the default (not 
 (`fused_combine.combine_in_rows_dtype`, written 2026-12-04 in a session without a device): it joins once
 tests/strict/test_fused_combine.py has passed on the H200; `expert_swiglu`, default mode's expert SwiGLU with its
 backward (kernels/expert_swiglu.py, routed by `minite.ops.experts.swiglu_kernels_apply`, under autograd too; written
-2026-12-05 in a session without a device): it joins once tests/kernels/test_expert_swiglu.py's GPU test has passed."""
+2026-12-05 in a session without a device): it joins once tests/kernels/test_expert_swiglu.py's GPU test has passed.
+
+MINITE_TRY_KERNELS (a comma-separated list of names, read at import) adds kernels that wait here, for a benchmark on
+the GPU that measures one before its test has passed (both ways in one device call); a warning names them. Not for
+training runs: an unproven kernel may compute other bits than the ops it replaces."""
+
+TRIED = frozenset(n.strip() for n in os.environ.get("MINITE_TRY_KERNELS", "").split(",") if n.strip()) - PROVEN
+if TRIED:
+    PROVEN = PROVEN | TRIED
+    logging.getLogger(__name__).warning("MINITE_TRY_KERNELS routes kernels whose GPU test has not passed: %s",
+                                        ", ".join(sorted(TRIED)))
 
 if triton is not None:
     @triton.jit(do_not_specialize=["n"])

@@ -386,3 +386,21 @@ def test_fused_sincos_is_bitwise_ops_sincos(monkeypatch):
         fused.sincos(x.double())
     for name in ("_TWO_OVER_PI", "_PIO2_1", "_PIO2_2", "_PIO2_3", "_SIN_COEFFS", "_COS_COEFFS"):
         assert getattr(fused, name) == getattr(ops, name), name  # the kernel's constants are ops.sincos' own
+
+
+def test_try_kernels_routes_waiting_kernels_with_a_warning():
+    """MINITE_TRY_KERNELS adds waiting kernels to PROVEN (a benchmark's A/B before their GPU test), saying so."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import logging; logging.basicConfig(); from minite.strict import fused; "
+            "print(sorted(fused.TRIED), 'expert_swiglu' in fused.PROVEN)")
+    env = dict(os.environ, MINITE_TRY_KERNELS=" expert_swiglu,combine_rows_dtype,,")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "['combine_rows_dtype', 'expert_swiglu'] True"
+    assert "MINITE_TRY_KERNELS routes kernels whose GPU test has not passed: combine_rows_dtype, expert_swiglu" \
+        in out.stderr
+    env.pop("MINITE_TRY_KERNELS")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[] False" and "MINITE_TRY_KERNELS" not in out.stderr
