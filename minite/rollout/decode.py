@@ -10,18 +10,19 @@
         them -> stop; else the unfinished rows move to the batch's first rows and run alone (compaction, `_Slots`)
     one read-back of the tokens and log-probs
 
-It computes what Megatron-Core 0.16.1's TextGenerationController.generate_all_output_tokens_static_batch computes
-for a static batch without early termination (the same forward calls through the same GPTInferenceWrapper, the same
-sampling ops in the same order on the same generator, the same log-softmax, the same sequence-parallel guard), tested
-bit for bit against it on the CPU (tests/rollout/test_decode.py); with a stop token, each response up to it, bit for
-bit where the forward is batch invariant (strict mode), since compaction changes the batch a step runs. One difference can show on a GPU in default mode:
-prefill materialises the logits of the last prompt position only, so the lm_head GEMM has batch rows where the
-controller's had batch x prompt rows, and cuBLAS may pick another kernel for it (strict mode's linears are batch
-invariant; `observed()` in the engine restores the controller's full prefill logits). What differs is the host side: the controller keeps the prompt lengths in a CUDA
-tensor, so every context position and every "all done?" test is a device-to-host read (17 host synchronisations per
-decode step measured on the H200, docs/benchmarks.md); here positions are Python ints and the only reads are the
-final tokens and log-probs, and with a stop token one every `stop_check_every` steps. Prefill materialises the logits of the last prompt position only (the controller
-materialises every prompt position's logits for prompt log-probs, which a rollout does not return).
+It computes what Megatron-Core 0.16.1's TextGenerationController.generate_all_output_tokens_static_batch computes for a
+static batch without early termination (the same forward calls through the same GPTInferenceWrapper, the same sampling
+ops in the same order on the same generator, the same log-softmax, the same sequence-parallel guard), tested bit for bit
+against it on the CPU (tests/rollout/test_decode.py); with a stop token, each response up to it, bit for bit where the
+forward is batch invariant (strict mode), since compaction changes the batch a step runs. One difference can show on a
+GPU in default mode: prefill materialises the logits of the last prompt position only, so the lm_head GEMM has batch
+rows where the controller's had batch x prompt rows, and cuBLAS may pick another kernel for it (strict mode's linears
+are batch invariant; `observed()` in the engine restores the controller's full prefill logits). What differs is the host
+side: the controller keeps the prompt lengths in a CUDA tensor, so every context position and every "all done?" test is
+a device-to-host read (17 host synchronisations per decode step measured on the H200, docs/benchmarks.md); here
+positions are Python ints and the only reads are the final tokens and log-probs, and with a stop token one every
+`stop_check_every` steps. Prefill materialises the logits of the last prompt position only (the controller materialises
+every prompt position's logits for prompt log-probs, which a rollout does not return).
 
 CUDA graphs (`cuda_graphs=True`, CUDA only): decode step q runs as a graph captured once for (batch, sequence
 length, q) and replayed in every later generate of that shape. Each step's graph differs because Megatron's static
@@ -48,7 +49,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from minite.strict import ops as S
+from minite.strict import fused, ops as S
 
 logger = logging.getLogger(__name__)
 
@@ -229,7 +230,7 @@ class StaticBatchDecoder:
         """Whether this generate's decode steps may run at a smaller batch: eager steps always; captured ones once
         compaction is proven under CUDA graphs on the GPU (`COMPACT_WITH_GRAPHS`)."""
         graphs = self.cuda_graphs and self.graph_error is None and st.tokens.is_cuda
-        return COMPACT_WITH_GRAPHS or not graphs
+        return COMPACT_WITH_GRAPHS in fused.PROVEN or not graphs
 
     def _step(self, st: "_Shape", start: int, end: int, n: int) -> torch.Tensor:
         """Forward positions [start, end) of the batch's first n rows (all of them until a compaction) and return the
@@ -317,12 +318,13 @@ class _Shape:
                 "attention_mask": self.inputs["attention_mask"]}
 
 
-COMPACT_WITH_GRAPHS = False
-"""Whether a generate whose decode steps replay CUDA graphs compacts its batch (`_Slots`): the graphs of the compacted
-rows are captured and replayed as the whole batch's are, but that has not run on a GPU yet (the compaction was
-written 2026-12-05 in a session without a device): it turns on once tests/rollout/test_decode.py's GPU test of it
-has passed on the H200. Until then such a generate still stops when every row has finished, and runs the unfinished
-ones at the whole batch's size."""
+COMPACT_WITH_GRAPHS = "compact_with_graphs"
+"""The name under which a generate whose decode steps replay CUDA graphs compacts its batch (`_Slots`): once it is in
+`minite.strict.fused.PROVEN`. The graphs of the compacted rows are captured and replayed as the whole batch's are,
+but that has not run on a GPU yet (the compaction was written 2026-12-05 in a session without a device): it joins
+once tests/rollout/test_decode.py's GPU test of it has passed on the H200 (MINITE_TRY_KERNELS=compact_with_graphs
+routes it for a benchmark before). Until then such a generate still stops when every row has finished, and runs the
+unfinished ones at the whole batch's size."""
 
 
 class _Slots:

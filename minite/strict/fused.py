@@ -86,7 +86,9 @@ tests; see docs/benchmarks.md). Waiting: `combine_rows_dtype`, the default (not 
 (`fused_combine.combine_in_rows_dtype`, written 2026-12-04 in a session without a device): it joins once
 tests/strict/test_fused_combine.py has passed on the H200; `expert_swiglu`, default mode's expert SwiGLU with its
 backward (kernels/expert_swiglu.py, routed by `minite.ops.experts.swiglu_kernels_apply`, under autograd too; written
-2026-12-05 in a session without a device): it joins once tests/kernels/test_expert_swiglu.py's GPU test has passed.
+2026-12-05 in a session without a device): it joins once tests/kernels/test_expert_swiglu.py's GPU test has passed;
+`compact_with_graphs`, not a kernel but the rollout's compacted batches under CUDA graphs (minite.rollout.decode,
+written the same day): it joins once tests/rollout/test_decode.py's GPU test of it has passed.
 
 MINITE_TRY_KERNELS (a comma-separated list of names, read at import) adds kernels that wait here, for a benchmark on
 the GPU that measures one before its test has passed (both ways in one device call); a warning names them. Not for
