@@ -19,6 +19,8 @@
 #             EP alone with SYNC_EP=only)
 #   rollout   tools/bench/bench_rollout.py: decode step against its HBM floor (BATCHES, default 64,1,8,256;
 #             ROLLOUT_ARGS: more of its arguments, e.g. "--repeats 3 --precisions nvfp4")
+#   lengths   tools/bench/bench_rollout_lengths.py: responses that end at different lengths, with and without the
+#             stop and the compaction (LENGTHS_ARGS; not in the default STAGES)
 #   (SLICE_ARGS, SCALE_ARGS, SYNC_ARGS: more arguments of those benchmarks, e.g. "--profile 25" or "--precisions nvfp4")
 #   sglang    tools/sglang_gpu_probe.sh (needs .sglwhl/ carried): how far SGLang's GPU path runs with the plugin
 #             (SGLANG_ARGS: more probe arguments, e.g. "--phases graphs,eager")
@@ -53,7 +55,7 @@ stage() {  # name, seconds, command...
   # outlive a timeout of their launcher (still on the GPUs for the next stage's measurement): they are found by it
   export MINITE_STAGE_TAG="$name-$$-$RANDOM"
   if declare -F "$1" >/dev/null; then  # a function of this script: run it in a child bash that knows it
-    export -f "$1" rewards; export OUT LOGS GPU_TESTS GPU_TESTS_K ROLLOUT_ARGS DIST_TESTS TRAIN_STEPS TRAIN1_SETS TRAIN2_SETS SYNC_EP BATCHES SGLANG_BUDGET SGLANG_ARGS NPROC BENCH_1GPU BENCH_EP2 SYNC_ARGS SLICE_ARGS SCALE_ARGS
+    export -f "$1" rewards; export OUT LOGS GPU_TESTS GPU_TESTS_K ROLLOUT_ARGS LENGTHS_ARGS DIST_TESTS TRAIN_STEPS TRAIN1_SETS TRAIN2_SETS SYNC_EP BATCHES SGLANG_BUDGET SGLANG_ARGS NPROC BENCH_1GPU BENCH_EP2 SYNC_ARGS SLICE_ARGS SCALE_ARGS
     timeout "$limit" bash -c "$*" >"$LOGS/$name.log" 2>&1
   else
     timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1
@@ -188,6 +190,10 @@ rollout() {  # issue 16's decode benchmark (the 4-layer full-width slice) and it
     --out "$OUT/rollout-h200.json" && python3 tools/bench/bench_rollout.py --render "$OUT/rollout-h200.json"
 }
 stage rollout ${T_ROLLOUT:-240} rollout
+lengths() {  # issue 16: a finished response stops costing (minite/rollout/decode.py's stop and compaction)
+  TORCHDYNAMO_DISABLE=1 python3 tools/bench/bench_rollout_lengths.py ${LENGTHS_ARGS:-} --out "$OUT/rollout-lengths-h200.json"
+}
+stage lengths ${T_LENGTHS:-240} lengths
 sglangprobe() {  # SGLang 0.5.23 with the plugin on the GPU, as far as it goes without sgl-kernel (docs/sglang.md)
   bash tools/sglang_gpu_probe.sh "$LOGS/sglang" "${SGLANG_BUDGET:-150}" ${SGLANG_ARGS:-}; cp "$LOGS/sglang/probe.json" "$OUT/"
 }
