@@ -154,6 +154,7 @@ def expert_swiglu_backward_triton(h: torch.Tensor, probs: torch.Tensor, da: torc
     launcher(_backward_kernel)[(cdiv(rows, block_r), tiles)](
         h.contiguous(), probs.contiguous(), da.contiguous(), dh, parts, rows, f, BLOCK_R=block_r, BLOCK_C=block_c,
         EXP_NEG=_exp_neg(), num_warps=4)
-    # the column tiles' partial sums added left to right (one tile: the sum itself)
+    # the column tiles' partial sums added left to right (one tile: the sum itself): dprobs' order, fixed for a
+    # given F whatever the rows (one add launch per tile after the first)
     dp = parts[:, 0].clone() if tiles == 1 else functools.reduce(torch.add, parts.unbind(1))
     return dh, dp

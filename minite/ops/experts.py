@@ -55,7 +55,8 @@ def swiglu_kernels_apply(h: torch.Tensor, probs: torch.Tensor) -> bool:
 class _SwiGLUKernels(torch.autograd.Function):
     """`swiglu` (default mode) on the kernels: the forward keeps h and probs only (torch's ops keep four fp32 [R, F]
     tensors: 16 bytes per output element against h's 4), the backward recomputes from them; dh has torch autograd's
-    operations in its order, dprobs its row sums in the kernel's order (kernels/expert_swiglu.py)."""
+    operations in its order, dprobs its row sums in the kernel's order (kernels/expert_swiglu.py). Not twice
+    differentiable (the eager ops are): a double backward raises."""
 
     @staticmethod
     def forward(ctx, h, probs):
@@ -63,6 +64,7 @@ class _SwiGLUKernels(torch.autograd.Function):
         return kernel("expert_swiglu")(h, probs)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, da):
         h, probs = ctx.saved_tensors
         dh, dprobs = kernel("expert_swiglu_backward")(h, probs, da)

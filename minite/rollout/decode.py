@@ -56,7 +56,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Decoded:
-    """Per row of the flat batch: the max_new_tokens response tokens and their log-probs (host lists)."""
+    """Per row of the flat batch: the max_new_tokens response tokens and their log-probs (host lists). With a stop
+    token, what follows a row's first one is filler (samples, then pad_id with log-prob 0 after a compaction or an
+    early stop): callers cut after the stop token (`minite.rollout.base.truncate_at_stop`)."""
 
     tokens: list[list[int]]
     logprobs: list[list[float]]
@@ -236,7 +238,7 @@ class StaticBatchDecoder:
         """Forward positions [start, end) of the batch's first n rows (all of them until a compaction) and return the
         logits of position end - 1 [n, vocab] (fp32)."""
         decode = end - start == 1 and start > 0
-        if decode and st.warm and self.cuda_graphs and self.graph_error is None and st.tokens.is_cuda:
+        if decode and n in st.warm and self.cuda_graphs and self.graph_error is None and st.tokens.is_cuda:
             graph = st.graphs.get((n, end)) or self._capture(st, start, end, n)
             if graph is not None:
                 graph.replay()
@@ -244,7 +246,8 @@ class StaticBatchDecoder:
                 return st.logits[n]
         window = st.wrapper.get_batch_for_context_window(st.rows_inputs(n), start, end)
         logits = st.wrapper.run_one_forward_step(window)[:, -1, :]
-        st.warm = st.warm or decode
+        if decode:
+            st.warm.add(n)
         return logits
 
     def _capture(self, st: "_Shape", start: int, end: int, n: int):
@@ -307,7 +310,8 @@ class _Shape:
     graphs: dict = field(default_factory=dict)
     pool: object = None
     logits: dict = field(default_factory=dict)
-    warm: bool = False  # an eager decode step ran at this shape (lazy caches and kernels exist)
+    warm: set = field(default_factory=set)  # row counts whose eager decode step ran here (lazy caches, compiled
+    # kernels of that size exist, so a capture records launches only)
     keep: dict = field(default_factory=dict)  # RoPE tensors the graphs read, held so no cache eviction frees them
 
     def rows_inputs(self, n: int) -> dict:
@@ -369,7 +373,7 @@ class _Slots:
         and the first `written` positions of every layer's KV cache (a gather, then a copy into the first rows)."""
         real = slots.numel()
         n = 1 << max(0, real - 1).bit_length()  # the smallest power of two >= real (1 for none: a rank whose
-        if n >= self.n:                           # rows have finished while another rank's have not)
+        if n > self.n // 2:                       # rows have finished while another rank's have not)
             return
         pick = torch.cat([slots, slots[:1].expand(n - real)]) if real else slots.new_zeros(1)
         if self.tokens is None:

@@ -94,7 +94,12 @@ MINITE_TRY_KERNELS (a comma-separated list of names, read at import) adds kernel
 the GPU that measures one before its test has passed (both ways in one device call); a warning names them. Not for
 training runs: an unproven kernel may compute other bits than the ops it replaces."""
 
+WAITING = frozenset({"combine_rows_dtype", "expert_swiglu", "compact_with_graphs"})
+"""The names above that wait for their GPU test: what MINITE_TRY_KERNELS may name."""
 TRIED = frozenset(n.strip() for n in os.environ.get("MINITE_TRY_KERNELS", "").split(",") if n.strip()) - PROVEN
+if TRIED - WAITING:
+    raise ValueError(f"MINITE_TRY_KERNELS names {', '.join(sorted(TRIED - WAITING))}: not a kernel waiting for its GPU "
+                     f"test (those are {', '.join(sorted(WAITING))})")
 if TRIED:
     PROVEN = PROVEN | TRIED
     logging.getLogger(__name__).warning("MINITE_TRY_KERNELS routes kernels whose GPU test has not passed: %s",

@@ -404,3 +404,7 @@ def test_try_kernels_routes_waiting_kernels_with_a_warning():
     env.pop("MINITE_TRY_KERNELS")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[] False" and "MINITE_TRY_KERNELS" not in out.stderr
+    env["MINITE_TRY_KERNELS"] = "expert_swiglu,compact_with_graph"  # a misspelt name: refused, not silently ignored
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode != 0 and ("ValueError: MINITE_TRY_KERNELS names compact_with_graph: not a kernel waiting for "
+                                    "its GPU test") in out.stderr

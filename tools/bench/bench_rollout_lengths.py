@@ -109,9 +109,8 @@ def measure(engine, a, prompts, lengths, stop, check_every: int, compact: bool) 
 
     engine.decoder.stop_check_every = check_every
     params = SamplingParams(max_new_tokens=a.new_tokens, seed=0, stop_token_id=stop)
-    saved = fused.PROVEN
-    if compact:
-        fused.PROVEN = fused.PROVEN | {COMPACT_WITH_GRAPHS}
+    saved = fused.PROVEN  # this row's own setting, whatever MINITE_TRY_KERNELS says
+    fused.PROVEN = (fused.PROVEN | {COMPACT_WITH_GRAPHS}) if compact else (fused.PROVEN - {COMPACT_WITH_GRAPHS})
     times, out = [], None
     try:
         with ForcedLengths(lengths, stop) as forced:
