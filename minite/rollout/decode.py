@@ -170,9 +170,9 @@ class StaticBatchDecoder:
                  group=None) -> Decoded:
         """stop_token_id (with `stop_check_every` > 0): every that many steps one host read of which rows have
         sampled it after their prompt; the loop ends once all have (under `group`, once all have on every rank:
-        each rank runs the same steps, for the collectives of its layers), and otherwise the batch is compacted to
-        the smallest power of two that holds the unfinished rows (`_Slots`; not yet with CUDA graphs,
-        `COMPACT_WITH_GRAPHS`). A row's tokens and log-probs up to its stop token are those of the whole batch's
+        each rank runs the same steps, for the collectives of its layers), and otherwise, where that halves it at
+        least, the batch is compacted to the smallest power of two that holds the unfinished rows (`_Slots`; under
+        CUDA graphs only once `COMPACT_WITH_GRAPHS` is proven). A row's tokens and log-probs up to its stop token are those of the whole batch's
         run wherever the forward is batch invariant (strict mode); its draws are the whole batch's (`sample`)."""
         lengths = [len(p) for p in prompts]
         batch, shortest, longest = len(prompts), min(lengths), max(lengths)
