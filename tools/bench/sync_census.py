@@ -50,16 +50,32 @@ READS = {torch.Tensor.tolist: "tolist", torch.Tensor.item: "item", torch.Tensor.
 FACTORIES = {torch.tensor: "torch.tensor", torch.as_tensor: "torch.as_tensor"}
 
 
+def _line(path: str, needle: str) -> str:
+    """`path:line` of the one line of the repository file `path` that contains `needle` (our files' sites are found by
+    their text: line numbers move with every edit, and a stale one made this census count the CPU's NaN check as a
+    GPU synchronisation)."""
+    file = Path(__file__).resolve().parents[2] / path
+    hits = [i for i, text in enumerate(file.read_text().splitlines(), 1) if needle in text]
+    if len(hits) != 1:
+        raise RuntimeError(f"sync_census: {needle!r} is on {len(hits)} lines of {path}, expected one")
+    return f"{path}:{hits[0]}"
+
+
+NVFP4_HOST_COUNTS = _line("megatron_patches/nvfp4_layers.py",
+                          "counts = [int(c) for c in (counts.tolist() if torch.is_tensor(counts) else counts)]")
 CPU_ONLY = {
-    # innermost frame (prefix) -> why the site does not synchronise on a GPU
+    # innermost frame (file:line, or a file's prefix) -> why the site does not synchronise on a GPU; the upstream
+    # lines are Megatron-Core 0.16.1's, ours are found by their text
     "megatron_patches/cpu.py:": "CPU patch of the dispatcher's D2H (a GPU: non-blocking copies + 1 event wait/layer)",
     "core/transformer/moe/moe_utils.py:50": "split sizes already on the host on a GPU (after the event wait)",
     "core/transformer/moe/router.py:90": "moves a CPU weight to the device: CPU only",
     "core/models/common/embeddings/rotary_pos_embedding.py:162": "moves a CPU table to the device: CPU only",
-    "megatron_patches/nvfp4_layers.py:2": "host counts for the per-expert loop (CPU); on a GPU only strict BF16 reads "
-                                          "them, once per layer (counted there)",
-    "minite/nvfp4/tensor.py:42": "reference GEMM (the CPU's backend; a GPU runs the Triton kernels)",
-    "minite/nvfp4/quantize.py:128": "NaN/Inf check: CPU only (quantiser_checks_finite)",
+    NVFP4_HOST_COUNTS: "host counts for the per-expert loop (CPU); on a GPU only strict BF16 reads them, once per "
+                       "layer (counted there)",
+    _line("minite/nvfp4/tensor.py", "mags = torch.tensor(E2M1_MAGNITUDES"): "reference GEMM (the CPU's backend; a GPU "
+                                                                           "runs the Triton kernels)",
+    _line("minite/nvfp4/quantize.py", "if check_finite and not bool(torch.isfinite(x).all()):"):
+        "NaN/Inf check: CPU only (quantiser_checks_finite)",
     "minite/nvfp4/device_copy.py:": "a device-side cast of device counts, or a pinned non-blocking H2D copy",
     "minite/ops/grouped.py:": "host counts for the reference backend only (Triton reads the tensor)",
     "minite/ops/experts.py:": "host counts for the per-expert loop: CPU only",
@@ -68,9 +84,10 @@ CPU_ONLY = {
 
 def cpu_only(site: tuple[str, ...], precision: str = "", mode: str = "", device_counts: bool = False) -> str:
     if (device_counts and precision == "bf16" and mode == "strict" and site
-            and site[0].startswith("megatron_patches/nvfp4_layers.py:2")):
+            and site[0] == NVFP4_HOST_COUNTS):
         return ""  # GroupedExperts: strict BF16 loops over experts on a GPU too, after one host read of device counts
-    return next((why for k, why in CPU_ONLY.items() if site and site[0].startswith(k)), "")
+    return next((why for k, why in CPU_ONLY.items()
+                 if site and (site[0].startswith(k) if k.endswith(":") else site[0] == k)), "")
 
 
 def _site(depth: int = 3) -> tuple[str, ...]:

@@ -1,0 +1,28 @@
+"""tools/bench/sync_census.py: a decode step's host synchronisations counted on the CPU, with the sites that would not
+synchronise on a GPU set apart. Its list of those sites finds our files' lines by their text: with line numbers
+written in, an edit of minite/nvfp4/quantize.py had moved the CPU's NaN check off its entry, and the census counted
+it as 8 GPU synchronisations per NVFP4 decode step (2026-12-05)."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "bench"))
+
+
+def test_the_nvfp4_kernel_path_decodes_without_a_gpu_synchronisation():
+    import sync_census
+
+    engine = sync_census.engine_for("nvfp4", False, 1, "triton")
+    per_step, _ = sync_census.census(engine, batch=2)
+    on_gpu = {k: n for k, n in per_step.items() if not sync_census.cpu_only(k[1], "nvfp4", "default", True)}
+    assert per_step and not on_gpu, on_gpu  # candidates exist on the CPU, none of them on a GPU
+    check = sync_census.CPU_ONLY[next(k for k in sync_census.CPU_ONLY if k.startswith("minite/nvfp4/quantize.py:"))]
+    assert any(site[0].startswith("minite/nvfp4/quantize.py:") for _, site in per_step) and "NaN/Inf" in check
+
+
+def test_sites_are_found_by_their_text():
+    import pytest
+    import sync_census
+
+    assert sync_census.NVFP4_HOST_COUNTS.startswith("megatron_patches/nvfp4_layers.py:")
+    with pytest.raises(RuntimeError, match="is on 0 lines of minite/nvfp4/quantize.py, expected one"):
+        sync_census._line("minite/nvfp4/quantize.py", "no such text in the file")
