@@ -37,6 +37,7 @@ from triton.language.extra import libdevice
 from ._interpreter import ensure_interpreter_compat, interpreting
 from ._launch import cdiv, launcher, next_power_of_2
 from .nvfp4_gemm import _load_f32
+from .nvfp4_swiglu import _round_bf16
 
 FORWARD_ELEMS = 2048  # outputs per program of the forward (rows x a power-of-two slice of the F columns)
 BACKWARD_ELEMS = 2048  # elements per program of the backward (the row sum dp: a partial per column tile)
@@ -58,8 +59,7 @@ def _exp_neg_interpreted(g):
 def _store_bf16(ptr, offs, x, mask):
     """fp32 x stored as bf16 rounded to nearest even, by its bits (the interpreter's cast truncates, and mangles
     subnormals); a NaN through the cast (on the GPU cvt.rn.bf16.f32's canonical NaN, as torch's CUDA cast)."""
-    bits = x.to(tl.uint32, bitcast=True)
-    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16)
+    rounded = (_round_bf16(x).to(tl.uint32, bitcast=True) >> 16).to(tl.uint16)
     nan = x.to(tl.bfloat16).to(tl.uint16, bitcast=True)
     tl.store(ptr.to(tl.pointer_type(tl.uint16)) + offs, tl.where(x == x, rounded, nan), mask=mask)
 

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from minite.ops import any_rank
 from minite.strict import fused, ops as S
 
 logger = logging.getLogger(__name__)
@@ -172,8 +173,9 @@ class StaticBatchDecoder:
         sampled it after their prompt; the loop ends once all have (under `group`, once all have on every rank:
         each rank runs the same steps, for the collectives of its layers), and otherwise, where that halves it at
         least, the batch is compacted to the smallest power of two that holds the unfinished rows (`_Slots`; under
-        CUDA graphs only once `COMPACT_WITH_GRAPHS` is proven). A row's tokens and log-probs up to its stop token are those of the whole batch's
-        run wherever the forward is batch invariant (strict mode); its draws are the whole batch's (`sample`)."""
+        CUDA graphs only once `COMPACT_WITH_GRAPHS` is proven). A row's tokens and log-probs up to its stop token
+        are those of the whole batch's run wherever the forward is batch invariant (strict mode); its draws are the
+        whole batch's (`sample`)."""
         lengths = [len(p) for p in prompts]
         batch, shortest, longest = len(prompts), min(lengths), max(lengths)
         seq_len = longest + max_new_tokens
@@ -339,7 +341,7 @@ class _Slots:
     static KV cache writes a forward of b rows into its first b rows, so a compacted step needs no other change."""
 
     def __init__(self, batch: int, lengths: torch.Tensor, stop: int | None):
-        self.batch, self.n, self.real = batch, batch, batch
+        self.n, self.real = batch, batch
         self.lengths = lengths  # each slot's prompt length
         self.rows: torch.Tensor | None = None  # each slot's row of the batch, once compacted
         self.tokens: torch.Tensor | None = None  # [batch, seq_len]: every row's tokens, once compacted
@@ -364,7 +366,6 @@ class _Slots:
         slots = (~self.done[: self.real]).nonzero().view(-1)
         left = slots.numel()
         if group is not None:
-            from minite.ops.common import any_rank
             left = any_rank(left > 0, group)
         return slots if left else None
 
