@@ -28,6 +28,7 @@ allocations and prints the N allocation sites alive at its peak (tools/bench/mem
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -183,10 +184,27 @@ def _row_passes(micro: int, wgrad_passes, default) -> list:
     return [p for p in dict.fromkeys(min(micro, p) for p in wgrad_passes if p is not None) if p != last] + [last]
 
 
+@contextlib.contextmanager
+def routing(ab: str, on: bool | None):
+    """One row's kernel routing: `ab` (a kernel name of minite.strict.fused, proven or waiting) out of fused.PROVEN
+    (on False) or in it (on True), as shipped for on None; restored afterwards."""
+    from minite.strict import fused
+    saved = fused.PROVEN
+    if ab and on is not None:
+        fused.PROVEN = (saved | {ab}) if on else (saved - {ab})
+    try:
+        yield
+    finally:
+        fused.PROVEN = saved
+
+
 def run(precision: str, shape: dict, layers: int, seq: int, steps: int, warmup: int, micro_batches=(1,),
         profile_top: int = 0, ep: int = 1, profile_micro: int = 1, memory_top: int = 0,
-        sync_top: int = 0, op_sites: str = "", phases: bool = False, wgrad_passes=(None,)) -> list[dict]:
-    """One learner, one row per micro-batch count: a step of `micro` x `seq` tokens and one optimizer step."""
+        sync_top: int = 0, op_sites: str = "", phases: bool = False, wgrad_passes=(None,), ab: str = "",
+        ab_rounds: int = 2) -> list[dict]:
+    """One learner, one row per micro-batch count: a step of `micro` x `seq` tokens and one optimizer step. With `ab`
+    (a kernel name of minite.strict.fused), each row `ab_rounds` times without that kernel routed and with it,
+    interleaved on the same learner (off, on, off, on, ...), each row naming its side in `ab`."""
     from minite.config import load_config
     from minite.learner.learner import Learner
 
@@ -207,14 +225,16 @@ def run(precision: str, shape: dict, layers: int, seq: int, steps: int, warmup: 
     rows = []
     nvfp4 = learner.nvfp4
     default = nvfp4.expert_wgrad_passes if nvfp4 is not None else None
-    combos = [(m, p) for m in micro_batches for p in _row_passes(m, wgrad_passes, default)]
-    for micro, passes in combos:
+    sides = [False, True] * ab_rounds if ab else [None]
+    combos = [(m, p, on) for m in micro_batches for p in _row_passes(m, wgrad_passes, default) for on in sides]
+    for micro, passes, on in combos:
         if passes is not None:  # NVFP4Context.expert_wgrad_passes for this row
             nvfp4.expert_wgrad_passes = passes
         if dev == "cuda":  # each row's own peak (the learner's state included)
             torch.cuda.reset_peak_memory_stats()
         counter = ExpertRows(learner.model)
-        step, opt, metrics = _time_steps(learner, tokens[:world * micro], micro, steps, warmup, dev)
+        with routing(ab, on):
+            step, opt, metrics = _time_steps(learner, tokens[:world * micro], micro, steps, warmup, dev)
         peak = max(metrics["peak_fwd_bwd_gib"], metrics["peak_optimizer_gib"])  # the phases' resets lose the max
         balance = counter.max_over_mean()
         counter.close()
@@ -228,7 +248,7 @@ def run(precision: str, shape: dict, layers: int, seq: int, steps: int, warmup: 
                      "peak_fwd_bwd_gib": metrics["peak_fwd_bwd_gib"] if dev == "cuda" else None,
                      "peak_optimizer_gib": metrics["peak_optimizer_gib"] if dev == "cuda" else None,
                      "mem_start_gib": mem_start, "expert_rows_max_over_mean": balance,
-                     "expert_wgrad_passes": passes,
+                     "expert_wgrad_passes": passes, **({"ab": f"{ab}:{'on' if on else 'off'}"} if ab else {}),
                      # every timed step (the median above): the step moves by up to ~15% between runs of one tree on
                      # the H200 (docs/benchmarks.md, issue 17 in the twenty-second session)
                      "steps_s": metrics["steps_s"], "optimizer_steps_s": metrics["optimizer_steps_s"]})
@@ -279,7 +299,16 @@ def main() -> None:
     p.add_argument("--wgrad-passes", default="",
                    help="NVFP4: comma list of NVFP4Context.expert_wgrad_passes, one row each per micro-batch count "
                    "(1: each micro-batch's expert wgrad added into main_grad at once; the same bits either way)")
+    p.add_argument("--ab", default="", metavar="KERNEL",
+                   help="a kernel name of minite.strict.fused (PROVEN or waiting, e.g. expert_swiglu): every row "
+                   "--ab-rounds times without it routed and with it, interleaved on one learner (key `ab` of a row)")
+    p.add_argument("--ab-rounds", type=int, default=2)
     a = p.parse_args()
+    if a.ab:
+        from minite.strict import fused
+        if a.ab not in fused.PROVEN | fused.WAITING:
+            p.error(f"--ab {a.ab}: not a kernel name of minite.strict.fused (those are "
+                    f"{', '.join(sorted(fused.PROVEN | fused.WAITING))})")
     shape = TINY if a.tiny else FULL
     micro = tuple(int(m) for m in a.micro_batches.split(","))
     rows = []
@@ -287,11 +316,12 @@ def main() -> None:
         try:
             rows += run(prec, shape, a.layers, a.seq, a.steps, a.warmup, micro, a.profile, a.ep,
                         a.profile_micro_batches, a.memory_top, a.sync_sites, a.op_sites, a.phases,
-                        tuple(int(v) for v in a.wgrad_passes.split(",")) if a.wgrad_passes else (None,))
+                        tuple(int(v) for v in a.wgrad_passes.split(",")) if a.wgrad_passes else (None,), a.ab,
+                        a.ab_rounds)
         except Exception as e:  # report and go on: one precision failing must not hide the other's number
             rows.append({"precision": prec, "error": f"{type(e).__name__}: {e}"})
             print(json.dumps(rows[-1]), flush=True)
-    ok = {(r["precision"], r["micro_batches"]): r for r in rows if "error" not in r}
+    ok = {(r["precision"], r["micro_batches"]): r for r in rows if "error" not in r}  # each count's last row
 
     def ratio(m):
         both = ok.get(("nvfp4", m)), ok.get(("bf16", m))
