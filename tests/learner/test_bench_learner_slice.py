@@ -33,7 +33,8 @@ def test_bench_learner_slice_tiny_rows(tmp_path):
 
 def test_benchmark_commit_says_when_the_tree_is_not_its_head(tmp_path):
     """tools/bench/provenance.py: MINITE_COMMIT when set; else git's HEAD, with +dirty once a tracked file differs
-    (a device's copy of the tree whose git metadata is older than its files must not name a commit silently)."""
+    (a device's copy of the tree whose git metadata is older than its files must not name a commit silently), and
+    the kernels MINITE_TRY_KERNELS routes."""
     import shutil
     repo = tmp_path / "repo"
     (repo / "tools" / "bench").mkdir(parents=True)
@@ -49,13 +50,17 @@ def test_benchmark_commit_says_when_the_tree_is_not_its_head(tmp_path):
     def commit(**env):
         code = "import sys; sys.path.insert(0, 'tools/bench'); import provenance; print(provenance.commit())"
         return subprocess.run([sys.executable, "-c", code], cwd=repo, text=True, check=True, capture_output=True,
-                              env={k: v for k, v in dict(os.environ, **env).items() if k != "MINITE_COMMIT"
-                                   or "MINITE_COMMIT" in env}).stdout.strip()
+                              env={k: v for k, v in dict(os.environ, **env).items()
+                                   if k not in ("MINITE_COMMIT", "MINITE_TRY_KERNELS") or k in env}).stdout.strip()
 
     assert commit() == head
     (repo / "kernel.py").write_text("# changed after the commit\n")
     assert commit() == head + "+dirty"
     assert commit(MINITE_COMMIT="abc1234") == "abc1234"
+    # kernels routed before their GPU test passed: the commit alone does not run what was measured
+    assert commit(MINITE_COMMIT="abc1234", MINITE_TRY_KERNELS=" expert_swiglu,combine_rows_dtype,") == \
+        "abc1234+MINITE_TRY_KERNELS=combine_rows_dtype,expert_swiglu"
+    assert commit(MINITE_TRY_KERNELS="expert_swiglu") == head + "+dirty+MINITE_TRY_KERNELS=expert_swiglu"
 
 
 def test_memory_peak_replay_finds_the_blocks_alive_at_the_peak():

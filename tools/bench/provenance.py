@@ -2,7 +2,9 @@
 
 The commit is MINITE_COMMIT when the caller sets it, else git's HEAD, marked `+dirty` when tracked files differ from
 it. A device's copy of the tree can carry git metadata older than its files (in the twelfth session a kernels JSON
-measured at 7693d02 said f3e5b6f): the mark shows that instead of naming the wrong commit silently.
+measured at 7693d02 said f3e5b6f): the mark shows that instead of naming the wrong commit silently. A run with
+MINITE_TRY_KERNELS set (minite/strict/fused.py: kernels routed before their GPU test has passed) says so too: the
+commit reads `abc1234+MINITE_TRY_KERNELS=expert_swiglu`, since that commit alone does not run what was measured.
 """
 from __future__ import annotations
 
@@ -21,13 +23,15 @@ def _git(*args: str) -> str:
 
 
 def commit() -> str:
+    tried = ",".join(sorted(n.strip() for n in os.environ.get("MINITE_TRY_KERNELS", "").split(",") if n.strip()))
+    tried = f"+MINITE_TRY_KERNELS={tried}" if tried else ""
     if os.environ.get("MINITE_COMMIT"):
-        return os.environ["MINITE_COMMIT"]
+        return os.environ["MINITE_COMMIT"] + tried
     try:
         head = _git("rev-parse", "--short", "HEAD")
-        return head + ("+dirty" if _git("status", "--porcelain", "--untracked-files=no") else "")
+        return head + ("+dirty" if _git("status", "--porcelain", "--untracked-files=no") else "") + tried
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return "unknown" + tried
 
 
 def stamp() -> dict:
