@@ -3,6 +3,10 @@
 # one-line result per stage at the end (the numbers a closing note cites come from these logs).
 #   STAGES="tests dist diagnose train1 train2 bench" bash tools/gpu_acceptance.sh
 # Stages:
+#   gate      the GPU test each waiting kernel waits for (minite.strict.fused.WAITS_FOR), one pytest run each;
+#             $OUT/gate.txt says "passed NAME" or "failed NAME" (a test that skipped has not passed). With
+#             GATE_ROUTE="name,..." the later stages of this run route the named ones that passed
+#             (MINITE_TRY_KERNELS, which the benchmarks' commit then names: tools/bench/provenance.py)
 #   tests     every `gpu`-marked test, plus the kernel and op-kernel tests compiled on the GPU
 #   dist      the distributed tests (`distributed` marker) over NCCL: TP/EP/DP=2 vs one GPU, checkpoint/resume, strict EP=2
 #   diagnose  strict mode on a medium model (hidden 1024, 4 layers, 32 experts): `minite diagnose --fail-above 0`
@@ -28,7 +32,7 @@
 # /tmp/site; kernels/ and megatron_patches/ are linked into minite/ as setup.py installs them.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; LOGS=${LOGS:-/tmp/acceptance-logs}; mkdir -p "$OUT" "$LOGS"
-STAGES=${STAGES:-tests dist diagnose train1 train2 killresume bench slice scale sync rollout sglang}
+STAGES=${STAGES:-gate tests dist diagnose train1 train2 killresume bench slice scale sync rollout sglang}
 TRAIN_STEPS=${TRAIN_STEPS:-60}
 NPROC=${NPROC:-2}  # ranks of the multi-rank stages
 python3 -c "import megatron.core" 2>/dev/null ||  # the device: no megatron-core until the carried wheel is in
@@ -90,6 +94,23 @@ print(f"steps {len(rows)}  reward first5 {sum(r[:5]) / 5:.3f}  last5 {sum(r[-5:]
       + (f"  rows_differ max {max(differ)} (steps with any: {sum(d > 0 for d in differ)})" if differ else ""))
 EOF
 }
+gate() {  # each waiting name's GPU test; passed only on a GPU, where pytest's summary says passed (and warnings) alone
+  local name node out result passed=() failed=()
+  python3 -c "from minite.strict import fused; print('\n'.join(f'{n} {t}' for n, t in sorted(fused.WAITS_FOR.items())))" \
+    >"$LOGS/gate-nodes.txt" || return 1
+  : >"$OUT/gate.txt"
+  local cuda=1; python3 -c "import torch, sys; sys.exit(not torch.cuda.is_available())" || { cuda=0; echo "no CUDA device"; }
+  while read -r name node; do
+    echo "== $name: $node"
+    out=$(python3 -m pytest -q -p no:cacheprovider -rA "$node" 2>&1); echo "$out"
+    if [ "$cuda" = 1 ] && [[ "$(tail -n 1 <<<"$out")" =~ ^[0-9]+\ passed(,\ [0-9]+\ warnings?)?\ in ]]; then
+      result=passed; passed+=("$name")
+    else result=failed; failed+=("$name"); fi
+    echo "$result $name" >>"$OUT/gate.txt"
+  done <"$LOGS/gate-nodes.txt"
+  echo "gate: passed ${passed[*]:--}; failed ${failed[*]:--}"
+  [ ${#failed[@]} = 0 ]
+}
 gpu_tests() {  # GPU_TESTS: pytest arguments of a shorter selection instead
   if [ -n "${GPU_TESTS:-}" ]; then
     python3 -m pytest -q -p no:cacheprovider -rs $GPU_TESTS ${GPU_TESTS_K:+-k "$GPU_TESTS_K"}; return
@@ -99,6 +120,11 @@ gpu_tests() {  # GPU_TESTS: pytest arguments of a shorter selection instead
   python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests --ignore=tests/kernels
   return $(( a || $? ))
 }
+stage gate ${T_GATE:-240} gate
+if [ -n "${GATE_ROUTE:-}" ] && [ -s "$OUT/gate.txt" ]; then  # the named kernels whose test passed, for the stages below
+  MINITE_TRY_KERNELS=$(for n in ${GATE_ROUTE//,/ }; do grep -qx "passed $n" "$OUT/gate.txt" && echo "$n"; done | paste -sd, -)
+  export MINITE_TRY_KERNELS; echo "== gate: the stages below route MINITE_TRY_KERNELS=${MINITE_TRY_KERNELS:-(none)}"
+fi
 stage tests ${T_TESTS:-300} gpu_tests
 DIST_TESTS=${DIST_TESTS:-tests/learner tests/rl tests/alignment}
 stage dist ${T_DIST:-240} python3 -m pytest -q -p no:cacheprovider -rs -m distributed $DIST_TESTS

@@ -408,3 +408,15 @@ def test_try_kernels_routes_waiting_kernels_with_a_warning():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode != 0 and ("ValueError: MINITE_TRY_KERNELS names compact_with_graph: not a kernel waiting for "
                                     "its GPU test") in out.stderr
+
+
+def test_each_waiting_name_names_its_gpu_test():
+    """fused.WAITS_FOR: every waiting name's GPU test is a test function that exists (tools/gpu_acceptance.sh's gate
+    stage runs these node ids on the H200; a renamed test must not leave a name waiting for nothing)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    assert fused.WAITING == set(fused.WAITS_FOR) and not fused.WAITING & (fused.PROVEN - fused.TRIED)
+    for name, node in fused.WAITS_FOR.items():
+        path, func = node.split("::")
+        assert f"\ndef {func}(" in (root / path).read_text(), (name, node)
