@@ -50,6 +50,7 @@ from minite.console import CONSOLE
 from minite.learner.model import build_model, compute_dtype, nvfp4_context
 from minite.learner.weights import checked_weight_copy
 from minite.megatron_patches.cpu import cuda_as_cpu
+from minite.megatron_patches.grad_stats import count_experts_by_expert_tp
 from minite.megatron_patches.moe_dispatch import detach_dispatcher_graphs, use_local_dispatch
 from minite.megatron_patches.nvfp4_layers import (expert_weights, release_quantised_weights, release_weight_caches,
                                                    restore_quantised_weights)
@@ -182,6 +183,7 @@ class Learner:
             params_dtype=torch.bfloat16 if bf16 else torch.float32, use_distributed_optimizer=False,
         )
         optimizer = get_megatron_optimizer(config, [self.ddp])
+        count_experts_by_expert_tp(optimizer)  # one grad norm on every TP rank (megatron_patches/grad_stats.py)
         _adam_implementation(optimizer)
         if self.nvfp4 is not None:  # the expert weights' copy from their masters also takes their amax
             install_amax_copy(optimizer, expert_weights(self.model))

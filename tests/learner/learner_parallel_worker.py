@@ -7,6 +7,7 @@ layout and checks:
   1. initial weights: the shards gathered over TP/EP equal the unsharded weights exactly (layout-invariant init);
   2. log-probs before training: equal up to the cross-rank summation order (tolerances.py);
   3. grad norm and log-probs after one Adam step: close (tolerances.py says why they are looser).
+Then, for TP=2 alone: every rank's grad norm and the TP ranks' whole copies of parameters after clipped steps.
 Rank 0 writes a JSON report to argv[1]; the pytest wrapper (test_learner_parallel.py) asserts on it.
 """
 import json
@@ -123,6 +124,30 @@ def shared_expert_tp(tokens):
     return {"logp_max_abs": float((ref.logprobs(tokens) - lp_sh).abs().max())}
 
 
+def tp_replicas_after_clipped_steps(precision, tokens):
+    """TP=2 with every step clipped (optim.clip_grad far below the gradient norm): every rank's grad norm, and the
+    parameters the TP ranks hold whole (norms, routers, the experts: EP = 1, expert TP 1) that differ between them
+    after three steps. Megatron-Core 0.16.1's expert optimizer counted the experts in the norm on TP rank 0 only
+    (megatron_patches/grad_stats.py), so the ranks clipped by different factors and their replicas drifted apart."""
+    from megatron.core import parallel_state as ps
+    ps.destroy_model_parallel()
+    sh = Learner(make_cfg(precision, 2, 1, "optim.clip_grad=1e-3"))
+    norms = []
+    for _ in range(3):
+        norms.append(sh.train_step(tokens, loss_fn)["grad_norm"])
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, norms)
+    differ = []
+    for name, p in sh.model.named_parameters():
+        if getattr(p, "tensor_model_parallel", False):
+            continue
+        both = [torch.empty_like(p) for _ in range(2)]
+        dist.all_gather(both, p.detach().contiguous(), group=ps.get_tensor_model_parallel_group())
+        if not torch.equal(both[0], both[1]):
+            differ.append(name)
+    return {"grad_norms_by_rank": gathered, "replicas_differ": differ}
+
+
 def main():
     backend.init()
     torch.manual_seed(0)
@@ -140,6 +165,13 @@ def main():
             report["bf16_tp2_shared_expert_full_weights"] = shared_expert_tp(tokens)
         except Exception:
             report["bf16_tp2_shared_expert_full_weights"] = {"error": traceback.format_exc()}
+    for precision in ("bf16", "nvfp4"):
+        if "error" in str(report):
+            break
+        try:
+            report[f"{precision}_tp2_clipped_replicas"] = tp_replicas_after_clipped_steps(precision, tokens)
+        except Exception:
+            report[f"{precision}_tp2_clipped_replicas"] = {"error": traceback.format_exc()}
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(report, f, indent=1)

@@ -7,7 +7,8 @@ learner_parallel_worker.py); this wrapper launches it with a timeout and checks 
 - NVFP4: log-probs agree to fp32 rounding (the TP amax sync makes shards quantise like the unsharded tensor);
   gradients differ by stochastic-rounding noise no larger than two seeds of one layout differ (tolerances.py);
 - a TP=2 model with a shared expert: its Learner.full_weights() loaded into the unsharded model reproduce its
-  log-probs.
+  log-probs;
+- TP=2 with clipped steps: every rank computes one grad norm, and the TP ranks' whole copies stay equal.
 """
 import json
 import shutil
@@ -67,5 +68,17 @@ def test_tp_shared_expert_full_weights_reproduce_logprobs(report):
     assert report["bf16_tp2_shared_expert_full_weights"]["logp_max_abs"] <= atol
 
 
+@pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
+def test_tp_ranks_clip_alike_and_keep_equal_replicas(report, precision):
+    """TP=2, every step clipped: one grad norm on every rank, and the parameters both TP ranks hold whole (norms,
+    routers, experts) still bitwise equal after three steps (Megatron-Core 0.16.1's expert optimizer counted the
+    experts on TP rank 0 only: megatron_patches/grad_stats.py)."""
+    r = report[f"{precision}_tp2_clipped_replicas"]
+    rank0, rank1 = r["grad_norms_by_rank"]
+    assert rank0 == rank1, r
+    assert not r["replicas_differ"], r
+
+
 def test_all_configs_ran(report):
-    assert sorted(report) == sorted(CONFIGS + ["bf16_tp2_shared_expert_full_weights"])
+    assert sorted(report) == sorted(CONFIGS + ["bf16_tp2_shared_expert_full_weights", "bf16_tp2_clipped_replicas",
+                                               "nvfp4_tp2_clipped_replicas"])
