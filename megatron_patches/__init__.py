@@ -12,4 +12,5 @@ qwen3_moe.py     the Qwen3-MoE GPTModel spec builder (from minite.models.qwen3_m
 rope.py          Megatron's apply_rotary_pos_emb dispatched per call (strict, one-launch CUDA inference, upstream)
 strict.py        strict mode: switch a built model's ops to minite.strict's batch-invariant ops (apply_strict)
 weight_copy.py   the optimizer's master -> weight copy of the NVFP4 expert weights with their amax (one launch each)
+grad_stats.py    the expert optimizer's gradient norm counted by expert TP rank (one clip factor on every TP rank)
 """
