@@ -20,10 +20,13 @@ materialised; and, unlike upstream's path, no fork of Megatron's CUDA RNG tracke
 capture refuses). Explicit masks, multi-position steps over a cache and CPU runs keep upstream's path.
 No dropout (RL on-policy forward passes must be deterministic); router aux loss 0 unless asked. With TP > 1 the
 config turns on sequence parallelism (Megatron refuses MoE + TP training without it), so the sequence length must
-be a multiple of TP (the learner pads).
+be a multiple of TP (the learner pads); `sequence_parallel(model, False)` turns it off for a forward that has to
+see whole sequences on every TP rank (a decode step, `minite diagnose`'s learner forward), as Megatron's static
+inference does.
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Optional, Union
 
@@ -80,6 +83,30 @@ def transformer_config(shape: Qwen3MoeShape, *, compute_dtype: torch.dtype = tor
         bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
         persist_layer_norm=False, moe_permute_fusion=False,
     )
+
+
+def set_sequence_parallel(model: torch.nn.Module, on: bool) -> None:
+    """Sequence parallelism of a built TP > 1 model on or off, with Megatron's `set_model_to_sequence_parallel` (the
+    config's flag and every module's sequence-parallel attributes; the parameters' own `sequence_parallel` marks,
+    which finalize_model_grads reads, stay). Off: every TP rank runs the whole sequence through every layer. With
+    expert TP 1 (this builder's) the MoE layers take the whole sequence as well as a shard of it: their
+    dispatcher's groups span the expert TP x EP ranks, not the dense TP ranks (docs/upstream.md). No-op at TP 1."""
+    from megatron.core.transformer.utils import set_model_to_sequence_parallel
+    from megatron.core.utils import get_model_config, unwrap_model
+
+    if get_model_config(unwrap_model(model)).tensor_model_parallel_size > 1:
+        set_model_to_sequence_parallel(unwrap_model(model), on)
+
+
+@contextlib.contextmanager
+def sequence_parallel_off(model: torch.nn.Module):
+    """`set_sequence_parallel(model, False)` for the duration, then back on (a no-grad forward of the learner whose
+    ops must line up position by position with a rollout engine's: `minite diagnose`)."""
+    set_sequence_parallel(model, False)
+    try:
+        yield model
+    finally:
+        set_sequence_parallel(model, True)
 
 
 class RMSNorm(torch.nn.RMSNorm):

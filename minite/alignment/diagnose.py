@@ -4,7 +4,8 @@ Procedure
 1. Build the learner from the config and a rollout engine (embedded or sglang) holding the learner's weights.
 2. The engine generates from a batch of prompts of varied lengths (random token ids, seeded), recording every op's
    input and output during its prefill and decode steps (`Capture`).
-3. The learner scores the resulting sequences in one full-sequence forward, recording the same ops.
+3. The learner scores the resulting sequences in one full-sequence forward, recording the same ops (under TP
+   without sequence parallelism, so that every rank's ops see whole sequences as the engine's do).
 4. Compare: per-token |logp_learner - logp_engine| over every generated token, and per op the largest difference at
    positions both engines computed (position s of sequence b, for s < len_b - 1: the input tokens both engines saw).
    The first op whose outputs differ, in the learner's execution order, is the divergence; it is "local" when its
@@ -21,6 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from minite.learner.learner import Learner
+from minite.megatron_patches.qwen3_moe import sequence_parallel_off
 from minite.rollout import make_engine
 from minite.rollout.base import SamplingParams
 
@@ -139,6 +141,8 @@ def diagnose_pair(learner, engine, cfg, params: Optional[DiagnoseParams] = None,
             stack.enter_context(replay_routes(learner.model, replay_targets(routes_b, tokens.shape[1])))
         elif routed:
             rec_a = stack.enter_context(record_routes(learner.model))
+        # under TP the learner's ops run on whole sequences, as the engine's do (its training keeps them split)
+        stack.enter_context(sequence_parallel_off(learner.model))
         logp_a = learner.logprobs(tokens.to(_device(learner.model))).cpu()
     flips = None if replay or not routed else route_flips(rec_a.routes(len(results)), routes_b, valid)
     diffs = compare_ops([_mask_rows(t, valid) for t in cap_a.ordered()],

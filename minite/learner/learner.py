@@ -197,7 +197,8 @@ class Learner:
             raise ValueError(f"tokens need at least 2 positions to score, got T={tokens.shape[1]}")
         tokens = tokens.to(self.model.embedding.word_embeddings.weight.device)
         t = tokens.shape[1]
-        pad = (-t) % self.cfg.parallel.tp  # sequence parallelism splits T over TP ranks; causal: pads are inert
+        # sequence parallelism splits T over the TP ranks (causal: the pads are inert); `minite diagnose` turns it off
+        pad = (-t) % self.cfg.parallel.tp if self.model.config.sequence_parallel else 0
         if pad:
             tokens = torch.cat([tokens, tokens.new_zeros(tokens.shape[0], pad)], dim=1)
         positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)

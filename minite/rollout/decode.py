@@ -416,16 +416,8 @@ def _is_rotary(module) -> bool:
 
 def _sequence_parallel_guard(model) -> None:
     """Megatron's controller's guard (which it runs before every static generate; the model's settings do not change
-    between calls, so the decoder runs it before its first): with TP > 1 the non-MoE modules run without sequence
-    parallelism (a decode step has one position to split). Megatron does this for TP > 1 with EP > 1 and refuses EP =
-    1; with expert TP 1 (miniTE's layout) the MoE layers take the whole sequence either way (docs/upstream.md)."""
-    from megatron.core.transformer.moe.moe_layer import BaseMoELayer
-    from megatron.core.transformer.utils import set_model_to_sequence_parallel
-    from megatron.core.utils import get_model_config, unwrap_model
-
-    cfg = get_model_config(unwrap_model(model))
-    tp, ep = cfg.tensor_model_parallel_size, cfg.expert_model_parallel_size
-    if tp > 1:
-        set_model_to_sequence_parallel(unwrap_model(model), False, exclude_modules=[BaseMoELayer])
-    elif cfg.sequence_parallel:
-        raise NotImplementedError("Sequence parallellism is only supported for static batching with MoE models")
+    between calls, so the decoder runs it before its first): with TP > 1 the model runs without sequence parallelism
+    (a decode step has one position to split). Megatron does this for TP > 1 with EP > 1 and refuses EP = 1; with
+    expert TP 1 (miniTE's layout) the MoE layers take the whole sequence either way (docs/upstream.md)."""
+    from minite.megatron_patches.qwen3_moe import set_sequence_parallel
+    set_sequence_parallel(model, False)
