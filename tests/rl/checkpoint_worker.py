@@ -1,5 +1,6 @@
 """Worker for test_checkpoint_resume.py: the real RL loop (`minite.rl.loop.train`, real Learner and embedded engine)
-on 2 ranks, for each layout in LAYOUTS (DP=2; EP=2 with DP=2 for the dense parameters):
+on 2 ranks, for each layout in LAYOUTS (DP=2; EP=2 with DP=2 for the dense parameters; TP=2 with sequence
+parallelism, each rank its half of every partitioned weight):
 
     straight     STEPS RL steps, a checkpoint after every step
     interrupted  STEPS // 2 steps into another checkpoint dir (the run "dies" after its checkpoint)
@@ -24,12 +25,12 @@ from minite.rl import checkpoint as ckpt
 from minite.rl.loop import train
 from tests import distributed_backend as backend
 
-LAYOUTS = {"dp2": 1, "ep2": 2}  # name: parallel.ep (tp = 1)
+LAYOUTS = {"dp2": (1, 1), "ep2": (1, 2), "tp2": (2, 1)}  # name: (parallel.tp, parallel.ep)
 STEPS = 4
 
 
-def make_cfg(out: Path, ep: int, run: str, steps: int, ck: str):
-    sets = {"precision.mode": "nvfp4", "parallel.ep": ep, "rl.steps": steps, "rl.warmup_steps": 1,
+def make_cfg(out: Path, tp: int, ep: int, run: str, steps: int, ck: str):
+    sets = {"precision.mode": "nvfp4", "parallel.tp": tp, "parallel.ep": ep, "rl.steps": steps, "rl.warmup_steps": 1,
             "rl.prompts_per_step": 2, "rollout.group_size": 4, "rollout.max_new_tokens": 4, "rl.minibatches": 2,
             "rl.task_length": 3, "model.vocab_size": 16, "model.max_position_embeddings": 32,
             "checkpoint.dir": str(out / ck), "checkpoint.every": 1, "checkpoint.keep": 0,
@@ -53,7 +54,7 @@ def same(a, b) -> bool:
     return a == b
 
 
-def run_layout(out: Path, name: str, ep: int) -> dict:
+def run_layout(out: Path, name: str, tp: int, ep: int) -> dict:
     from megatron.core import parallel_state as ps
     rank = dist.get_rank()
     hist = {}
@@ -62,7 +63,8 @@ def run_layout(out: Path, name: str, ep: int) -> dict:
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
         scramble(100 * i + rank)
-        hist[run] = train(make_cfg(out / name, ep, "logs_straight" if run == "straight" else "logs_resume", steps, ck))
+        logs = "logs_straight" if run == "straight" else "logs_resume"
+        hist[run] = train(make_cfg(out / name, tp, ep, logs, steps, ck))
     final = ckpt.step_dir(out / name / "ck_resume", STEPS)
     a = ckpt.load_checkpoint(ckpt.step_dir(out / name / "ck_straight", STEPS), rank=rank)
     b = ckpt.load_checkpoint(final, rank=rank)
@@ -74,9 +76,9 @@ def run_layout(out: Path, name: str, ep: int) -> dict:
 def main():
     out = Path(sys.argv[1])
     used = backend.init()
-    for name, ep in LAYOUTS.items():
+    for name, (tp, ep) in LAYOUTS.items():
         try:
-            report = run_layout(out, name, ep)
+            report = run_layout(out, name, tp, ep)
         except Exception:  # report, do not leave the other rank waiting in a collective forever
             report = {"error": traceback.format_exc()}
         reports = [None] * dist.get_world_size()
