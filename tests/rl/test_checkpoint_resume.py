@@ -1,6 +1,6 @@
-"""Two ranks (torchrun; gloo on CPU, NCCL with two GPUs) run the real RL loop with DP=2, EP=2 and TP=2: a run interrupted
-after its checkpoint and resumed equals the uninterrupted run bit for bit (every step's metrics, and every rank's
-shard of the final checkpoint), each rank writes its own shard (EP=2: its half of the experts) into one manifest,
+"""Two ranks (torchrun; gloo on CPU, NCCL with two GPUs) run the real RL loop with DP=2, EP=2 and TP=2: a run
+interrupted after its checkpoint and resumed equals the uninterrupted run bit for bit (every step's metrics, and every
+rank's shard of the final checkpoint), each rank writes its own shard (EP=2: its half of the experts) into one manifest,
 and only rank 0 writes metrics.jsonl and TensorBoard files (checkpoint_worker.py says what runs)."""
 import json
 from pathlib import Path
