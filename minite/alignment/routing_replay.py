@@ -18,7 +18,8 @@ Layout. A router sees hidden states [s, b, h] flattened s-major, so a call's ind
 prefill and decode calls, concatenated, give routes [S, b, k] per layer for positions 0..S-1 of each sequence of
 its static batch; the learner's full forward over tokens [b, T] wants [T * b, k]. Positions the engine never ran
 (a sequence's last token, padding) get experts 0..k-1: causal attention keeps them from influencing any scored
-position.
+position. Under TP with sequence parallelism a learner rank's routers see only its slice of the positions
+(`Learner.sequence_shard`: T padded to a multiple of TP), so `learner_replay` gives each rank that slice's rows.
 """
 from __future__ import annotations
 
@@ -159,7 +160,15 @@ def engine_recording(engine, enabled: bool) -> Iterator[RouteRecording | None]:
 
 
 def learner_replay(learner, routes: list[torch.Tensor] | None, seq_len: int, rows: list[int] | None = None):
-    """For the RL loop: a context in which the learner's forwards over rows `rows` replay `routes` (no-op if None)."""
+    """For the RL loop: a context in which the learner's forwards over rows `rows` replay `routes` (no-op if None).
+    Under sequence parallelism each TP rank's routers see their slice of the (padded) positions
+    (`Learner.sequence_shard`), so each replays that slice."""
     if routes is None:
         return contextlib.nullcontext()
-    return replay_routes(learner.model, replay_targets(routes, seq_len, rows))
+    padded, start, end = learner.sequence_shard(seq_len)
+    return replay_routes(learner.model, shard_targets(replay_targets(routes, padded, rows), padded, start, end))
+
+
+def shard_targets(targets: list[torch.Tensor], padded: int, start: int, end: int) -> list[torch.Tensor]:
+    """Per layer, the rows of positions [start, end) of [padded * b, k] s-major targets."""
+    return [t.reshape(padded, -1, t.shape[-1])[start:end].reshape(-1, t.shape[-1]) for t in targets]

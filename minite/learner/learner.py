@@ -197,12 +197,24 @@ class Learner:
             raise ValueError(f"tokens need at least 2 positions to score, got T={tokens.shape[1]}")
         tokens = tokens.to(self.model.embedding.word_embeddings.weight.device)
         t = tokens.shape[1]
-        # sequence parallelism splits T over the TP ranks (causal: the pads are inert); `minite diagnose` turns it off
-        pad = (-t) % self.cfg.parallel.tp if self.model.config.sequence_parallel else 0
-        if pad:
-            tokens = torch.cat([tokens, tokens.new_zeros(tokens.shape[0], pad)], dim=1)
+        padded, _, _ = self.sequence_shard(t)
+        if padded > t:  # causal: the pads are inert
+            tokens = torch.cat([tokens, tokens.new_zeros(tokens.shape[0], padded - t)], dim=1)
         positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
         return (self.ddp or self.model)(tokens, positions, None)[:, :t]
+
+    def sequence_shard(self, seq_len: int) -> tuple[int, int, int]:
+        """(padded length, first, end) of the positions this rank's layers between the embedding and the output
+        layer hold in a forward over `seq_len` positions: (seq_len, 0, seq_len) without sequence parallelism; with it
+        (TP > 1; `minite diagnose` turns it off) seq_len padded to a multiple of TP and this TP rank's slice. The
+        routers see those positions (a routing replay's targets are sliced to them)."""
+        from megatron.core import parallel_state as ps
+        tp = self.cfg.parallel.tp
+        if tp == 1 or not self.model.config.sequence_parallel:
+            return seq_len, 0, seq_len
+        padded = seq_len + (-seq_len) % tp
+        per, rank = padded // tp, ps.get_tensor_model_parallel_rank()
+        return padded, rank * per, (rank + 1) * per
 
     def local_rows(self, batch_size: int) -> range:
         """The rows of a [batch_size, T] batch that this rank forwards: its data-parallel rank's contiguous block

@@ -6,7 +6,8 @@ step's grad norm and the log-probs after that step, then rebuilds the Megatron p
 layout and checks:
   1. initial weights: the shards gathered over TP/EP equal the unsharded weights exactly (layout-invariant init);
   2. log-probs before training: equal up to the cross-rank summation order (tolerances.py);
-  3. grad norm and log-probs after one Adam step: close (tolerances.py says why they are looser).
+  3. grad norm and log-probs after one Adam step: close (tolerances.py says why they are looser);
+  4. log-probs with every router replaying fixed routes (routing replay): as close as 2.
 Then, for TP=2 alone: every rank's grad norm and the TP ranks' whole copies of parameters after clipped steps.
 Rank 0 writes a JSON report to argv[1]; the pytest wrapper (test_learner_parallel.py) asserts on it.
 """
@@ -70,6 +71,19 @@ def full(learner, tp, ep, tensors=None):
             p.data = saved[n]
 
 
+def replayed_logprobs(learner, tokens):
+    """Log-probs with every router replaying fixed routes (minite.alignment.routing_replay, as the RL loop replays
+    the engine's): each layer's position p of row b goes to experts (p + b + layer) % E and (p + 2b + layer + 1) % E.
+    T = 31: under sequence parallelism the learner pads to 32 and each TP rank replays its slice."""
+    from minite.alignment.routing_replay import learner_replay
+    toks = tokens[:, :31]
+    t, b, e = toks.shape[1], toks.shape[0], learner.cfg.model.num_experts
+    pos, row = torch.arange(t)[:, None], torch.arange(b)[None, :]
+    routes = [torch.stack([(pos + row + i) % e, (pos + 2 * row + i + 1) % e], dim=-1) for i in range(2)]
+    with learner_replay(learner, routes, t, list(learner.local_rows(b))):  # its data-parallel rows, as the loop does
+        return learner.logprobs(toks)
+
+
 def run(precision, tp, ep, tokens):
     from megatron.core import parallel_state as ps
     results = {}
@@ -77,6 +91,7 @@ def run(precision, tp, ep, tokens):
     ref = Learner(make_cfg(precision, 1, 1))
     ref_w = {k: v.detach().clone() for k, v in ref.model.named_parameters()}
     ref_lp0 = ref.logprobs(tokens)
+    ref_lp_replay = replayed_logprobs(ref, tokens)
     ref_g = grads(ref, tokens)
     if ref.nvfp4 is not None:  # the same run with other stochastic-rounding draws: the noise floor of NVFP4 grads
         ref.nvfp4.seed += 1
@@ -91,6 +106,8 @@ def run(precision, tp, ep, tokens):
     sh_w = full(sh, tp, ep)
     results["weights_equal"] = set(sh_w) == set(ref_w) and all(torch.equal(sh_w[k], ref_w[k]) for k in ref_w)
     lp0 = sh.logprobs(tokens)
+    results["logp_replay_max_abs"] = float((replayed_logprobs(sh, tokens) - ref_lp_replay).abs().max())
+    results["replay_moves_logp"] = float((ref_lp_replay - ref_lp0[:, :30]).abs().max())
     sh_g = full(sh, tp, ep, grads(sh, tokens))
     # per parameter: |g - g_ref| / |g_ref| (Frobenius), the worst over parameters
     results["grad_rel_max"] = max(float((sh_g[k] - ref_g[k]).norm() / ref_g[k].norm().clamp_min(1e-30))

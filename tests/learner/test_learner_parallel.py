@@ -3,6 +3,8 @@
 One torchrun launch runs four configurations (BF16 and NVFP4, each with TP=2 and with EP=2; see
 learner_parallel_worker.py); this wrapper launches it with a timeout and checks its JSON report:
 - weights: the initial model gathered from its shards equals the unsharded one exactly (layout-invariant init);
+- log-probs with every router replaying fixed routes (routing replay) agree as the plain ones do (under TP each
+  rank's routers replay their slice of the sequence);
 - BF16 (fp32 compute): log-probs, per-parameter gradients and log-probs after one Adam step agree to fp32 rounding;
 - NVFP4: log-probs agree to fp32 rounding (the TP amax sync makes shards quantise like the unsharded tensor);
   gradients differ by stochastic-rounding noise no larger than two seeds of one layout differ (tolerances.py);
@@ -50,6 +52,7 @@ def test_sharded_equals_unsharded(report, key):
     assert r["weights_equal"], "initial weights differ between the sharded and the unsharded model"
     atol, rtol = TOLERANCES["learner_parallel_fp32"]
     assert r["logp0_max_abs"] <= atol, r
+    assert r["logp_replay_max_abs"] <= atol < r["replay_moves_logp"], r  # the sharded routers replayed their rows
     assert abs(r["loss"] - r["loss_ref"]) <= atol, r
     if key.startswith("bf16"):
         assert r["grad_rel_max"] <= rtol, r

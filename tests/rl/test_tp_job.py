@@ -16,12 +16,14 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.distributed
 
 
-@pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
-def test_rl_job_with_tp2_keeps_learner_and_rollout_together(tmp_path, precision):
+@pytest.mark.parametrize("precision,extra", [("bf16", []), ("nvfp4", []),
+                                             ("nvfp4", ["--set", "alignment.routing_replay=true"])])
+def test_rl_job_with_tp2_keeps_learner_and_rollout_together(tmp_path, precision, extra):
+    """extra: routing replay, whose routes each TP rank's learner slices to its share of the sequence."""
     env = dict(os.environ, NPROC_PER_NODE="2", LOG_DIR=str(tmp_path / "logs"), OMP_NUM_THREADS="1")
     proc = subprocess.run(["bash", "tools/launch/torchrun.sh", f"examples/tiny/{precision}.yaml", "--fresh",
                            "--set", "parallel.tp=2", "--set", "rl.steps=5", "--set", "checkpoint.dir=null",
-                           "--set", f"logging.dir={tmp_path / 'run'}", "--set", "logging.progress_bar=false"],
+                           "--set", f"logging.dir={tmp_path / 'run'}", "--set", "logging.progress_bar=false", *extra],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
