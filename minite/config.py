@@ -104,6 +104,11 @@ class ParallelConfig:
         for name in ("tp", "ep", "pp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.pp != 1:
+            raise ValueError(f"pp={self.pp}: pipeline parallelism is not supported (use 1; tp or ep split the model)")
+        if self.tp > 1 and self.ep > 1:
+            raise ValueError(f"tp={self.tp} with ep={self.ep}: tensor and expert parallelism together are not supported "
+                             "yet (untested); use one of them")
 
 
 @dataclass(kw_only=True)
