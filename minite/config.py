@@ -280,6 +280,10 @@ class Config:
     def __post_init__(self):
         if self.alignment.strict and self.parallel.tp != 1:
             raise ValueError("alignment.strict needs parallel.tp = 1 (expert parallelism is fine)")
+        if self.rollout.backend == "sglang" and (self.parallel.tp, self.parallel.ep) != (1, 1):
+            raise ValueError(f"rollout.backend=sglang takes weight updates from a learner with parallel.tp = parallel.ep "
+                             f"= 1 for now (got tp={self.parallel.tp}, ep={self.parallel.ep}): use rollout.backend="
+                             "embedded, or data parallelism alone")
         if self.model.hf_config is None:  # otherwise the shape is in that file: check_model_shape(model_shape(cfg))
             check_model_shape(self.model, self)
 

@@ -54,6 +54,8 @@ def assert_one_line_failure(out, pattern: str, status: int = 2) -> None:
     (["--set", "parallel.ep=2"], r"^minite train: parallel.tp=1 x parallel.pp=1 and parallel.ep=2 must divide the 1 "),
     (["--set", "parallel.tp=2", "--set", "parallel.ep=2"],
      r"^minite train: .*tiny.yaml.parallel: tp=2 with ep=2: tensor and expert parallelism together are not supported"),
+    (["--set", "parallel.ep=2", "--set", "rollout.backend=sglang"],
+     r"^minite train: .*tiny.yaml: rollout.backend=sglang takes weight updates from a learner with parallel.tp"),
     (["--set", "parallel.pp=2"], r"^minite train: .*tiny.yaml.parallel: pp=2: pipeline parallelism is not supported"),
     (["--set", "model.hf_config=nope.json"], r"^minite train: model.hf_config: nope.json does not exist"),
     (["--set", "rollout.max_new_tokens=40"], r"^minite train: .*tiny.yaml: prompt .* exceeds model.max_position"),
