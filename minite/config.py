@@ -90,6 +90,11 @@ class PrecisionConfig:
     """Activations between layers and the BF16 GEMMs."""
     recipe: NVFP4Recipe = field(default_factory=NVFP4Recipe)
 
+    def __post_init__(self):
+        if self.params_dtype == "bfloat16":
+            raise ValueError("params_dtype='bfloat16' is not supported: Megatron's optimizer keeps fp32 master weights "
+                             "for BF16 compute (use params_dtype='float32')")
+
 
 @dataclass(kw_only=True)
 class ParallelConfig:
@@ -124,6 +129,8 @@ class OptimConfig:
     def __post_init__(self):
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.clip_grad < 0:
+            raise ValueError(f"clip_grad must be >= 0 (0 disables it), got {self.clip_grad}")
 
 
 @dataclass(kw_only=True)

@@ -174,8 +174,6 @@ class Learner:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         o = self.cfg.optim
-        if o.clip_grad < 0:
-            raise ValueError(f"optim.clip_grad must be >= 0, got {o.clip_grad}")
         bf16 = compute_dtype(self.cfg) == torch.bfloat16
         config = OptimizerConfig(
             optimizer="adam", lr=o.lr, min_lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,

@@ -77,11 +77,7 @@ def model_shape(cfg: Config) -> Qwen3MoeShape:
 
 
 def compute_dtype(cfg: Config) -> torch.dtype:
-    prec = cfg.precision
-    if prec.params_dtype == "bfloat16":
-        raise ValueError("precision.params_dtype='bfloat16' is not supported: Megatron's optimizer keeps fp32 "
-                         "master weights for BF16 compute (use params_dtype='float32')")
-    return _DTYPES[prec.compute_dtype]
+    return _DTYPES[cfg.precision.compute_dtype]  # params_dtype is float32 (PrecisionConfig refuses bfloat16)
 
 
 def build_model(cfg: Config, *, strict: bool, init_parallel_state: bool = True):

@@ -56,6 +56,8 @@ def assert_one_line_failure(out, pattern: str, status: int = 2) -> None:
      r"^minite train: .*tiny.yaml.parallel: tp=2 with ep=2: tensor and expert parallelism together are not supported"),
     (["--set", "parallel.ep=2", "--set", "rollout.backend=sglang"],
      r"^minite train: .*tiny.yaml: rollout.backend=sglang takes weight updates from a learner with parallel.tp"),
+    (["--set", "optim.clip_grad=-1"], r"^minite train: .*tiny.yaml.optim: clip_grad must be >= 0"),
+    (["--set", "precision.params_dtype=bfloat16"], r"^minite train: .*tiny.yaml.precision: params_dtype='bfloat16' is not"),
     (["--set", "parallel.pp=2"], r"^minite train: .*tiny.yaml.parallel: pp=2: pipeline parallelism is not supported"),
     (["--set", "model.hf_config=nope.json"], r"^minite train: model.hf_config: nope.json does not exist"),
     (["--set", "rollout.max_new_tokens=40"], r"^minite train: .*tiny.yaml: prompt .* exceeds model.max_position"),
