@@ -76,6 +76,10 @@ class ModelConfig:
             raise ValueError("num_attention_heads must be a multiple of num_query_groups")
         if self.moe_router_topk > self.num_experts:
             raise ValueError("moe_router_topk must be <= num_experts")
+        if not self.rope_theta > 0:  # 0 or less gives NaN rotary angles at the first forward
+            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
+        if not self.rms_norm_eps >= 0:  # a negative epsilon gives NaN norms where a row's mean square is below it
+            raise ValueError(f"rms_norm_eps must be >= 0, got {self.rms_norm_eps}")
 
 
 @dataclass(kw_only=True)
@@ -127,9 +131,17 @@ class OptimConfig:
     """Global gradient-norm clip (0 disables)."""
 
     def __post_init__(self):
-        if self.lr <= 0:
+        # checked here rather than by torch's Adam, whose refusals came after start-up as unexpected errors
+        if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
-        if self.clip_grad < 0:
+        if not self.weight_decay >= 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if not self.adam_eps > 0:  # 0 divides 0 by 0 for a parameter whose gradient is 0
+            raise ValueError(f"adam_eps must be > 0, got {self.adam_eps}")
+        if not self.clip_grad >= 0:
             raise ValueError(f"clip_grad must be >= 0 (0 disables it), got {self.clip_grad}")
 
 
