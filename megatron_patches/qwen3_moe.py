@@ -100,13 +100,16 @@ def set_sequence_parallel(model: torch.nn.Module, on: bool) -> None:
 
 @contextlib.contextmanager
 def sequence_parallel_off(model: torch.nn.Module):
-    """`set_sequence_parallel(model, False)` for the duration, then back on (a no-grad forward of the learner whose
+    """`set_sequence_parallel(model, False)` for the duration, then as it was (a no-grad forward of the learner whose
     ops must line up position by position with a rollout engine's: `minite diagnose`)."""
+    from megatron.core.utils import get_model_config, unwrap_model
+
+    was = get_model_config(unwrap_model(model)).sequence_parallel
     set_sequence_parallel(model, False)
     try:
         yield model
     finally:
-        set_sequence_parallel(model, True)
+        set_sequence_parallel(model, was)
 
 
 class RMSNorm(torch.nn.RMSNorm):

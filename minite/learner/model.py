@@ -48,8 +48,6 @@ def init_parallel(cfg: Config) -> None:
     if not cpu_patches.gpu_present():
         cpu_patches.apply()
     par = cfg.parallel
-    if par.pp != 1:
-        raise ValueError(f"parallel.pp={par.pp}: pipeline parallelism is not supported by the learner (use 1)")
     if not dist.is_initialized():
         backend = "nccl" if cpu_patches.gpu_present() else "gloo"
         if cpu_patches.gpu_present():

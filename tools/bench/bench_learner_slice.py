@@ -301,9 +301,13 @@ def main() -> None:
                    "(1: each micro-batch's expert wgrad added into main_grad at once; the same bits either way)")
     p.add_argument("--ab", default="", metavar="KERNEL",
                    help="a kernel name of minite.strict.fused (PROVEN or waiting, e.g. expert_swiglu): every row "
-                   "--ab-rounds times without it routed and with it, interleaved on one learner (key `ab` of a row)")
+                   "--ab-rounds times without it routed and with it, interleaved on one learner (key `ab` of a row; "
+                   "the NVFP4/BF16 ratios take each count's last row, a routed one). Decode-only names (combine, "
+                   "compact_with_graphs) change nothing in a learner step")
     p.add_argument("--ab-rounds", type=int, default=2)
     a = p.parse_args()
+    if a.ab_rounds < 1:
+        p.error(f"--ab-rounds must be >= 1, got {a.ab_rounds}")
     if a.ab:
         from minite.strict import fused
         if a.ab not in fused.PROVEN | fused.WAITING:

@@ -23,7 +23,7 @@ def _git(*args: str) -> str:
 
 
 def commit() -> str:
-    tried = ",".join(sorted(n.strip() for n in os.environ.get("MINITE_TRY_KERNELS", "").split(",") if n.strip()))
+    tried = ",".join(sorted({n.strip() for n in os.environ.get("MINITE_TRY_KERNELS", "").split(",") if n.strip()}))
     tried = f"+MINITE_TRY_KERNELS={tried}" if tried else ""
     if os.environ.get("MINITE_COMMIT"):
         return os.environ["MINITE_COMMIT"] + tried
