@@ -20,7 +20,7 @@ materialised; and, unlike upstream's path, no fork of Megatron's CUDA RNG tracke
 capture refuses). Explicit masks, multi-position steps over a cache and CPU runs keep upstream's path.
 No dropout (RL on-policy forward passes must be deterministic); router aux loss 0 unless asked. With TP > 1 the
 config turns on sequence parallelism (Megatron refuses MoE + TP training without it), so the sequence length must
-be a multiple of TP (the learner pads); `sequence_parallel(model, False)` turns it off for a forward that has to
+be a multiple of TP (the learner pads); `set_sequence_parallel(model, False)` turns it off for a forward that has to
 see whole sequences on every TP rank (a decode step, `minite diagnose`'s learner forward), as Megatron's static
 inference does.
 """

@@ -123,7 +123,9 @@ gpu_tests() {  # GPU_TESTS: pytest arguments of a shorter selection instead
 stage gate ${T_GATE:-240} gate
 case " $STAGES " in *" gate "*) gate_ran=1 ;; *) gate_ran=0 ;; esac
 if [ -n "${GATE_ROUTE:-}" ] && [ "$gate_ran" = 1 ]; then  # the named kernels whose test passed here, for the stages below
-  for n in ${GATE_ROUTE//,/ }; do grep -q " $n$" "$OUT/gate.txt" || echo "== gate: GATE_ROUTE names $n, which waits for no test"; done
+  for n in ${GATE_ROUTE//,/ }; do
+    grep -q " $n$" "$OUT/gate.txt" || echo "== gate: GATE_ROUTE names $n, which waits for no test"
+  done
   MINITE_TRY_KERNELS=$(for n in ${GATE_ROUTE//,/ }; do grep -qx "passed $n" "$OUT/gate.txt" && echo "$n"; done | paste -sd, -)
   export MINITE_TRY_KERNELS; echo "== gate: the stages below route MINITE_TRY_KERNELS=${MINITE_TRY_KERNELS:-(none)}"
 elif [ -n "${GATE_ROUTE:-}" ]; then
