@@ -2,6 +2,7 @@
 are visible (one per rank, by LOCAL_RANK), gloo on CPU otherwise, so the same tests run over NCCL on a GPU machine and
 over gloo in the CPU suite. Tests: worker_env() and torchrun() start the workers the same way everywhere."""
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -44,4 +45,32 @@ def torchrun(worker: Path, *args, cwd: Path, env: dict, timeout: float, nproc: i
     environment's torchrun script may name another one."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
            "127.0.0.1", "--master_port", str(free_port()), str(worker), *map(str, args)]
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:  # the ranks too, not only the launcher (as subprocess.run would leave them)
+        kill_tree(proc.pid)
+        out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(cmd, timeout, out, err)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and every descendant (torchrun's ranks run in sessions of their own, so a process group
+    does not reach them), the descendants found from /proc before any is killed."""
+    parent = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    tree, frontier = [pid], [pid]
+    while frontier:
+        frontier = [p for p, pp in parent.items() if pp in frontier]
+        tree += frontier
+    for p in reversed(tree):
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -5,13 +5,13 @@ different gradient norms, so the rollout's policy drifted from the learner's (do
 finishes, and the learner/rollout log-prob gap stays within tolerances.py's tp2_rl_logp_gap at every step."""
 import json
 import os
-import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.distributed_backend import kill_tree
 from tests.tolerances import TOLERANCES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,12 +28,11 @@ def test_rl_job_with_tp2_keeps_learner_and_rollout_together(tmp_path, precision,
     proc = subprocess.Popen(["bash", "tools/launch/torchrun.sh", f"examples/tiny/{precision}.yaml", "--fresh",
                              "--set", "parallel.tp=2", "--set", "rl.steps=5", "--set", "checkpoint.dir=null",
                              "--set", f"logging.dir={tmp_path / 'run'}", "--set", "logging.progress_bar=false", *extra],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=600)
     except subprocess.TimeoutExpired:  # the ranks too, not only the launcher
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         out, err = proc.communicate()
     assert proc.returncode == 0, out[-3000:] + err[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
