@@ -45,6 +45,12 @@ def torchrun(worker: Path, *args, cwd: Path, env: dict, timeout: float, nproc: i
     environment's torchrun script may name another one."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
            "127.0.0.1", "--master_port", str(free_port()), str(worker), *map(str, args)]
+    return run_ranks(cmd, cwd=cwd, env=env, timeout=timeout)
+
+
+def run_ranks(cmd: list, *, cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True) for a launcher of ranks (torchrun, tools/launch/...): on a
+    timeout its whole process tree is killed, the ranks too, before TimeoutExpired is raised."""
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=timeout)

@@ -5,13 +5,12 @@ different gradient norms, so the rollout's policy drifted from the learner's (do
 finishes, and the learner/rollout log-prob gap stays within tolerances.py's tp2_rl_logp_gap at every step."""
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.distributed_backend import kill_tree
+from tests.distributed_backend import run_ranks
 from tests.tolerances import TOLERANCES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,16 +24,11 @@ pytestmark = [pytest.mark.distributed, pytest.mark.skipif(
 def test_rl_job_with_tp2_keeps_learner_and_rollout_together(tmp_path, precision, extra):
     """extra: routing replay, whose routes each TP rank's learner slices to its share of the sequence."""
     env = dict(os.environ, NPROC_PER_NODE="2", LOG_DIR=str(tmp_path / "logs"), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(["bash", "tools/launch/torchrun.sh", f"examples/tiny/{precision}.yaml", "--fresh",
-                             "--set", "parallel.tp=2", "--set", "rl.steps=5", "--set", "checkpoint.dir=null",
-                             "--set", f"logging.dir={tmp_path / 'run'}", "--set", "logging.progress_bar=false", *extra],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = proc.communicate(timeout=600)
-    except subprocess.TimeoutExpired:  # the ranks too, not only the launcher
-        kill_tree(proc.pid)
-        out, err = proc.communicate()
-    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    proc = run_ranks(["bash", "tools/launch/torchrun.sh", f"examples/tiny/{precision}.yaml", "--fresh",
+                      "--set", "parallel.tp=2", "--set", "rl.steps=5", "--set", "checkpoint.dir=null",
+                      "--set", f"logging.dir={tmp_path / 'run'}", "--set", "logging.progress_bar=false", *extra],
+                     cwd=ROOT, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 5
     gaps = [r["mismatch/logp_abs_max"] for r in rows]
