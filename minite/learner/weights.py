@@ -10,9 +10,15 @@ from typing import Iterable, Mapping
 
 import torch
 
+from minite.nvfp4 import NonFiniteError
+
 
 class WeightUpdateError(RuntimeError):
     """A weight update was rejected; the engine's previous weights are untouched."""
+
+
+class NonFiniteWeightError(WeightUpdateError, NonFiniteError):
+    """A weight update was rejected because a tensor holds NaN or Inf (a learner that diverged)."""
 
 
 def strip_wrapper_prefix(name: str) -> str:
@@ -42,7 +48,7 @@ def check_weights(shapes: Mapping[str, tuple], named_tensors: Iterable[tuple[str
         incoming[bare], names[bare] = t.detach(), name
     bad = _first_nonfinite(incoming)
     if bad is not None:
-        raise WeightUpdateError(f"weight {names[bad]!r} is not a finite floating-point tensor")
+        raise NonFiniteWeightError(f"weight {names[bad]!r} is not a finite floating-point tensor")
     missing = sorted(set(shapes) - set(incoming))
     if missing:
         raise WeightUpdateError(f"incomplete weight update: {len(missing)} parameters missing, e.g. {missing[:3]}")

@@ -28,6 +28,12 @@ import numpy as np
 import torch
 
 from .backend import kernel, resolve
+
+
+class NonFiniteError(ValueError, FloatingPointError):
+    """NaN or Inf where a finite value is needed (NVFP4 has no code for either): a quantiser's input, and, raised
+    elsewhere with this class, a model's logits, weights handed to an engine or a step's metrics. In a training run
+    it means the run diverged (`minite.rl.loop` reports it so); a ValueError still, for callers that catch those."""
 from .hadamard import apply_rht
 from .tensor import BLOCK_1D, BLOCK_2D, E2M1_MAGNITUDES, NVFP4Tensor, SIGN_BIT, pack_codes
 
@@ -128,7 +134,7 @@ def _validate(x, block, scale_scope, rounding, check_finite: bool = True, check_
     if rounding not in ("nearest", "stochastic"):
         raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
     if check_finite and not bool(torch.isfinite(x).all()):
-        raise ValueError("quantize input contains NaN or Inf")
+        raise NonFiniteError("quantize input contains NaN or Inf")
     return rows, cols
 
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from minite.nvfp4 import NVFP4Tensor, OperandRecipe, apply_rht
+from minite.nvfp4 import NonFiniteError, NVFP4Tensor, OperandRecipe, apply_rht
 from minite.nvfp4.backend import has_kernel, kernel, resolve
 
 _M32 = 0xFFFFFFFF
@@ -101,7 +101,8 @@ class FiniteFlag:
     |x| in fp32. `record` has no host synchronisation, so it can also be captured in a CUDA graph once the flag
     exists: on a CUDA tensor with the kernels loaded it is one launch (minite.kernels.finite_max: a NaN counts as
     +Inf), elsewhere torch's inf-norm and an in-place maximum (both propagate NaN; Inf stays Inf). `check` reads it
-    once, resets it and raises a one-line ValueError naming `where` if anything recorded was NaN or Inf."""
+    once, resets it and raises a one-line NonFiniteError (a ValueError) naming `where` if anything recorded was NaN
+    or Inf."""
 
     def __init__(self):
         self._amax: Optional[torch.Tensor] = None
@@ -144,7 +145,7 @@ class FiniteFlag:
         if self._amax is not None:
             self._amax.zero_()
         if bad:
-            raise ValueError(f"NaN or Inf reached an NVFP4 quantiser during {where} (a weight or activation of the "
+            raise NonFiniteError(f"NaN or Inf reached an NVFP4 quantiser during {where} (a weight or activation of the "
                              "model is not finite)")
 
 

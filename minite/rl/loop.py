@@ -23,6 +23,7 @@ RNG, so a resumed run repeats an uninterrupted one exactly (checkpoint.py lists 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -36,9 +37,10 @@ import numpy as np
 import torch
 
 from minite.alignment.monitor import check_gap
-from minite.console import raise_if_interrupted
+from minite.console import one_line, raise_if_interrupted
 from minite.alignment.routing_replay import engine_recording, learner_replay
 from minite.learner.learner import Learner, ReferencePolicy, reference_policy
+from minite.nvfp4 import NonFiniteError
 from minite.rl import checkpoint as ckpt
 from minite.rl.grpo import GRPOParams, group_advantages, grpo_loss
 from minite.rl.metrics import WARMUP_RUN, MetricsLogger, check_finite, mismatch_metrics, rollout_metrics
@@ -84,12 +86,34 @@ def train(cfg) -> list[dict]:
     try:
         while run.step < cfg.rl.steps:
             raise_if_interrupted()  # a Ctrl-C swallowed during start-up (minite.console) stops the run here
-            rl_step(run)
+            with stop_if_diverged(cfg, f"RL step {run.step + 1} of {cfg.rl.steps}"):
+                rl_step(run)
     finally:
         if run.logger is not None:
             run.logger.close()
         shutdown_engines(run)
     return run.history
+
+
+class DivergedError(RuntimeError):
+    """NaN or Inf met during a step (a NonFiniteError: in a quantiser's input, the logits, the weights handed to the
+    engine or the step's metrics): the run diverged. One line for `minite train` (a user error, exit status 2)."""
+
+
+@contextlib.contextmanager
+def stop_if_diverged(cfg, where: str):
+    """A NonFiniteError raised inside becomes a DivergedError naming `where` and the way back: a lower learning rate,
+    then the same command, which resumes from the newest checkpoint. None is written from a step whose weights or
+    metrics are not finite (their checks come first), but the newest may hold weights already on their way there:
+    the message names the older ones' way too."""
+    try:
+        yield
+    except NonFiniteError as e:
+        newest = ckpt.latest_checkpoint(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
+        again = (f"it resumes from the newest checkpoint, {newest} (an older one: --set checkpoint.resume_from=DIR; "
+                 "start over: --fresh)" if newest is not None and cfg.checkpoint.resume else "it starts over")
+        raise DivergedError(f"the run diverged at {where}: {one_line(e)}. Lower optim.lr (optim.lr={cfg.optim.lr:g}, "
+                            f"optim.clip_grad={cfg.optim.clip_grad:g}) and run the same command again: {again}") from e
 
 
 def shutdown_engines(run: Run) -> None:
@@ -456,7 +480,9 @@ def warmup(run: Run) -> None:
             return nll, {"warmup/nll": nll.item()}
 
         n = cfg.rl.micro_batches  # gradient accumulation, as in train_on_batch
-        out = run.learner.train_step(batch.tokens, _per_chunk(torch.arange(len(rows)), n, chunk_nll), micro_batches=n)
-        log_warmup(run, i + 1, out)
+        with stop_if_diverged(cfg, f"warm-up step {i + 1} of {cfg.rl.warmup_steps}"):
+            out = run.learner.train_step(batch.tokens, _per_chunk(torch.arange(len(rows)), n, chunk_nll),
+                                         micro_batches=n)
+            log_warmup(run, i + 1, out)
         if i == 0 or i + 1 == cfg.rl.warmup_steps:
             log.info("warm-up step %d/%d: %s", i + 1, cfg.rl.warmup_steps, out)

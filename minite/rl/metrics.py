@@ -25,6 +25,7 @@ import math
 
 import torch
 
+from minite.nvfp4 import NonFiniteError
 from minite.rl.grpo import k3
 
 TAGS = (
@@ -83,7 +84,7 @@ def rollout_metrics(rewards: torch.Tensor, rollout_logp: torch.Tensor, mask: tor
 def check_finite(step: int, scalars: dict[str, float]) -> None:
     bad = [k for k, v in scalars.items() if not math.isfinite(v)]
     if bad:
-        raise FloatingPointError(f"step {step}: non-finite metrics {bad}: the run has diverged")
+        raise NonFiniteError(f"non-finite metrics {bad} at step {step}")
 
 
 WARMUP_RUN = "warmup"  # the TensorBoard run (a subdirectory of the log dir) of the warm-up scalars

@@ -57,6 +57,7 @@ from minite.megatron_patches.cpu import cpu_generate_shims
 from minite.megatron_patches.moe_dispatch import use_local_dispatch
 from minite.megatron_patches.nvfp4_layers import CacheLayoutError, quantize_weights_now
 from minite.megatron_patches.strict import controller_log_softmax
+from minite.nvfp4 import NonFiniteError
 from minite.ops import any_rank
 from minite.rollout.decode import StaticBatchDecoder
 from minite.rollout.base import (
@@ -243,15 +244,15 @@ class EmbeddedEngine(RolloutEngine):
 
 
 def _check_finite_logprobs(finite: bool, group=None) -> None:
-    """One-line ValueError unless every log-prob of the generate was finite (`Decoded.finite`), which finite logits
-    always give (log_softmax of finite values is finite): else the model's logits were not. With `group`, raised on
-    every rank if on any (a collective each rank calls once per generate)."""
+    """One-line NonFiniteError (a ValueError) unless every log-prob of the generate was finite (`Decoded.finite`),
+    which finite logits always give (log_softmax of finite values is finite): else the model's logits were not. With
+    `group`, raised on every rank if on any (a collective each rank calls once per generate)."""
     bad = not finite
     if group is not None:
         bad = any_rank(bad, group)
     if bad:
-        raise ValueError("NaN or Inf in the logits during generate (a weight or activation of the model is not "
-                         "finite)")
+        raise NonFiniteError("NaN or Inf in the logits during generate (a weight or activation of the model is not "
+                             "finite)")
 
 
 def _world_group():

@@ -139,6 +139,33 @@ def test_train_resume_policy_and_output(tmp_path):
                             r"^minite train: .*step_000001.* (corrupt|unreadable|checksum)")
 
 
+def test_a_diverged_run_is_one_line_naming_the_step_and_the_way_back(tmp_path):
+    """NaN or Inf during a run (a learning rate of 1e30 without clipping) is a user error, exit status 2: one line
+    naming the step and the checkpoint the same command resumes from, no traceback, and no checkpoint of the
+    non-finite step."""
+    tiny_config(tmp_path)
+    sets = [a for s in TINY for a in ("--set", s)]
+    first = minite("train", "tiny.yaml", *sets, "--set", "rl.steps=1", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    blow_up = ["--set", "optim.lr=1e30", "--set", "optim.clip_grad=0"]
+    out = minite("train", "tiny.yaml", *sets, *blow_up, "--set", "rl.steps=3", cwd=tmp_path)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr + out.stdout
+    resuming, failure = out.stderr.splitlines()
+    assert resuming.startswith("resuming from the checkpoint in run/ck at step 1")
+    step = re.fullmatch(r"minite train: the run diverged at RL step ([23]) of 3: .*(NaN or Inf|not a finite).*\. "
+                        r"Lower optim.lr \(optim.lr=1e\+30, optim.clip_grad=0\) and run the same command again: "
+                        r"it resumes from the newest checkpoint, run/ck/step_00000([12]) \(an older one: "
+                        r"--set checkpoint.resume_from=DIR; start over: --fresh\)", failure)
+    assert step and int(step[3]) == int(step[1]) - 1, failure  # the newest: the step before the one that failed
+    assert sorted(p.name for p in (tmp_path / "run" / "ck").iterdir())[-1] == f"step_00000{step[3]}"
+
+    warm = minite("train", "tiny.yaml", *sets, *blow_up, "--set", "rl.warmup_steps=3", "--set", "precision.mode=bf16",
+                  "--set", "checkpoint.dir=bf16/ck", "--set", "logging.dir=bf16", cwd=tmp_path)
+    assert_one_line_failure(warm, r"^minite train: the run diverged at warm-up step [23] of 3: .*\. Lower optim.lr "
+                                  r".* run the same command again: it starts over$")
+
+
 def test_train_with_micro_batches(tmp_path):
     """Gradient accumulation from the command line: the NVFP4 tiny job's rows in two chunks per train step."""
     tiny_config(tmp_path)
