@@ -1,11 +1,12 @@
 """The `minite` command: train, diagnose, convert, bench.
 
 Failures: a problem the user can fix (USER_ERRORS: a bad config, a missing or corrupt checkpoint, a conversion made
-for another layout, SGLang missing, the alignment monitor's stop, a run that diverged to NaN or Inf) is one line
-"minite CMD: <cause and fix>" on stderr and exit status 2; Ctrl-C is one line and status 130; anything else is one
-line naming the exception (status 1) and its traceback goes to the run's log file. `--debug` (or MINITE_DEBUG=1)
-prints the traceback as well. The classes are matched by name along the exception's MRO: they live in modules that
-import torch and Megatron-Core, which `minite --help` must not pay for, and the name is what the message shows anyway.
+for another layout, SGLang missing, the alignment monitor's stop, a run that diverged to NaN or Inf or ran out of
+memory) is one line "minite CMD: <cause and fix>" on stderr and exit status 2; Ctrl-C is one line and status 130;
+anything else is one line naming the exception (status 1) and its traceback goes to the run's log file. `--debug`
+(or MINITE_DEBUG=1) prints the traceback as well. The classes are matched by name along the exception's MRO: they
+live in modules that import torch and Megatron-Core, which `minite --help` must not pay for, and the name is what the
+message shows anyway.
 
 Output: quiet by default (minite.console); `-v` shows every log record on the terminal.
 
@@ -38,7 +39,7 @@ SUBCOMMANDS = {
 }
 PASSTHROUGH = {"bench"}  # subcommands whose unknown options go on to the program they run (args.args)
 USER_ERRORS = frozenset({"ConfigError", "CheckpointError", "ConversionError", "SGLangVersionError",
-                         "SGLangUnavailableError", "AlignmentError", "DivergedError"})
+                         "SGLangUnavailableError", "AlignmentError", "DivergedError", "OutOfMemoryRunError"})
 EXIT_USER, EXIT_INTERRUPTED = 2, 130
 
 

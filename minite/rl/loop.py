@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import random
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,14 +80,15 @@ class Run:
 
 def train(cfg) -> list[dict]:
     """Run cfg.rl.steps RL steps (resuming if a checkpoint exists); returns the per-step metrics."""
-    run = setup(cfg)
+    with stop_cleanly(cfg, "while building the run", memory_fix=MODEL_TOO_BIG):
+        run = setup(cfg)
     if run.step >= cfg.rl.steps:
         log.warning("checkpoint at step %d already reaches rl.steps=%d: nothing to do (raise rl.steps, or start "
                     "over with --fresh or another checkpoint.dir)", run.step, cfg.rl.steps)
     try:
         while run.step < cfg.rl.steps:
             raise_if_interrupted()  # a Ctrl-C swallowed during start-up (minite.console) stops the run here
-            with stop_if_diverged(cfg, f"RL step {run.step + 1} of {cfg.rl.steps}"):
+            with stop_cleanly(cfg, f"at RL step {run.step + 1} of {cfg.rl.steps}"):
                 rl_step(run)
     finally:
         if run.logger is not None:
@@ -100,20 +102,50 @@ class DivergedError(RuntimeError):
     engine or the step's metrics): the run diverged. One line for `minite train` (a user error, exit status 2)."""
 
 
+class OutOfMemoryRunError(RuntimeError):
+    """An allocation failed (torch's CPU allocator or CUDA out of memory) while building the run or in a step: the
+    model or a step's rows do not fit the device. One line for `minite train` (a user error, exit status 2)."""
+
+
+MODEL_TOO_BIG = "the model does not fit: shrink it (model.*) or spread it over more ranks (parallel.ep, parallel.tp)"
+ROWS_TOO_MANY = ("a step's rows do not fit: lower rl.prompts_per_step or rollout.group_size, or raise "
+                 "rl.micro_batches")
+
+
 @contextlib.contextmanager
-def stop_if_diverged(cfg, where: str):
-    """A NonFiniteError raised inside becomes a DivergedError naming `where` and the way back: a lower learning rate,
-    then the same command, which resumes from the newest checkpoint. None is written from a step whose weights or
-    metrics are not finite (their checks come first), but the newest may hold weights already on their way there:
-    the message names the older ones' way too."""
+def stop_cleanly(cfg, where: str, memory_fix: str = ROWS_TOO_MANY):
+    """Two failures the user fixes in the config end the run with one line naming `where` and what to change:
+    - NaN or Inf (NonFiniteError) -> DivergedError: a lower learning rate, then the same command, which resumes from
+      the newest checkpoint. None is written from a step whose weights or metrics are not finite (their checks come
+      first), but the newest may hold weights already on their way there: the message names the older ones' way too.
+    - a failed allocation -> OutOfMemoryRunError with `memory_fix`."""
     try:
         yield
     except NonFiniteError as e:
         newest = ckpt.latest_checkpoint(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
         again = (f"it resumes from the newest checkpoint, {newest} (an older one: --set checkpoint.resume_from=DIR; "
                  "start over: --fresh)" if newest is not None and cfg.checkpoint.resume else "it starts over")
-        raise DivergedError(f"the run diverged at {where}: {one_line(e)}. Lower optim.lr (optim.lr={cfg.optim.lr:g}, "
+        raise DivergedError(f"the run diverged {where}: {one_line(e)}. Lower optim.lr (optim.lr={cfg.optim.lr:g}, "
                             f"optim.clip_grad={cfg.optim.clip_grad:g}) and run the same command again: {again}") from e
+    except RuntimeError as e:
+        failed = failed_allocation(e)
+        if failed is None:
+            raise
+        raise OutOfMemoryRunError(f"out of memory {where} ({failed}): {memory_fix}") from e
+
+
+def failed_allocation(e: BaseException) -> str | None:
+    """What a failed allocation asked for ("an allocation of 64.0 GiB on the CPU"), or None if `e` is not one:
+    torch.OutOfMemoryError (CUDA), or the RuntimeError of torch's CPU allocator ("DefaultCPUAllocator: can't allocate
+    memory: you tried to allocate N bytes")."""
+    text = str(e)
+    if isinstance(e, getattr(torch, "OutOfMemoryError", ())):
+        asked = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", text)
+        return f"an allocation of {asked[1]} on the GPU" if asked else "CUDA out of memory"
+    if "can't allocate memory" in text:
+        asked = re.search(r"tried to allocate (\d+) bytes", text)
+        return f"an allocation of {int(asked[1]) / 2**30:.1f} GiB on the CPU" if asked else "the CPU allocator failed"
+    return None
 
 
 def shutdown_engines(run: Run) -> None:
@@ -480,7 +512,7 @@ def warmup(run: Run) -> None:
             return nll, {"warmup/nll": nll.item()}
 
         n = cfg.rl.micro_batches  # gradient accumulation, as in train_on_batch
-        with stop_if_diverged(cfg, f"warm-up step {i + 1} of {cfg.rl.warmup_steps}"):
+        with stop_cleanly(cfg, f"at warm-up step {i + 1} of {cfg.rl.warmup_steps}"):
             out = run.learner.train_step(batch.tokens, _per_chunk(torch.arange(len(rows)), n, chunk_nll),
                                          micro_batches=n)
             log_warmup(run, i + 1, out)

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from minite.bench_cli import DEFAULT_OUT, driver_arguments
@@ -164,6 +165,25 @@ def test_a_diverged_run_is_one_line_naming_the_step_and_the_way_back(tmp_path):
                   "--set", "checkpoint.dir=bf16/ck", "--set", "logging.dir=bf16", cwd=tmp_path)
     assert_one_line_failure(warm, r"^minite train: the run diverged at warm-up step [23] of 3: .*\. Lower optim.lr "
                                   r".* run the same command again: it starts over$")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the run would build on the GPU, whose driver reserves more "
+                    "address space than the limit (and an H200 holds 64 GiB)")
+def test_a_model_too_large_for_memory_is_one_line(tmp_path):
+    """A model whose experts alone ask for 64 GiB, under a 16 GiB address-space limit (so that the allocation fails
+    at once whatever the machine's overcommit policy): one line naming the size and the fix, exit status 2."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (16 * 2**30, 16 * 2**30))
+
+    sets = [a for s in TINY + ["model.hidden_size=65536", "model.moe_ffn_hidden_size=65536"] for a in ("--set", s)]
+    env = {k: v for k, v in os.environ.items() if k not in ("MINITE_DEBUG", "PYTHONWARNINGS")}
+    out = subprocess.run([MINITE, "train", str(tiny_config(tmp_path)), *sets], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300, preexec_fn=limit, env={**env, "OMP_NUM_THREADS": "1"})
+    assert_one_line_failure(out, r"^minite train: out of memory while building the run \(an allocation of 64\.0 GiB "
+                                 r"on the CPU\): the model does not fit: shrink it \(model\.\*\) or spread it over "
+                                 r"more ranks \(parallel\.ep, parallel\.tp\)$")
 
 
 def test_train_with_micro_batches(tmp_path):

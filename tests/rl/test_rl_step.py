@@ -264,3 +264,33 @@ def test_micro_batches_must_divide_the_rows():
     with pytest.raises(ValueError, match=r"the learner's forwards \(1 / 8 rows: .*\) must be multiples of the 2 "
                                          r"data-parallel ranks"):
         check_shapes(chunks_of_one, task, world_size=2)
+
+
+def test_failures_the_user_fixes_become_their_one_line_errors(tmp_path):
+    """stop_cleanly: NaN or Inf -> DivergedError, a failed allocation (CUDA's or the CPU allocator's) ->
+    OutOfMemoryRunError with the size asked for; anything else passes through unchanged."""
+    from minite.nvfp4 import NonFiniteError
+    from minite.rl.loop import DivergedError, MODEL_TOO_BIG, OutOfMemoryRunError, stop_cleanly
+
+    cfg = load_config(None, [f"checkpoint.dir={tmp_path / 'ck'}", f"logging.dir={tmp_path}"])
+    with pytest.raises(DivergedError, match=r"^the run diverged at RL step 4 of 9: quantize input contains NaN or "
+                                            r"Inf\. Lower optim.lr .* again: it starts over$"):
+        with stop_cleanly(cfg, "at RL step 4 of 9"):
+            raise NonFiniteError("quantize input contains NaN or Inf")
+    cuda = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+                                  "139.81 GiB of which 1.20 GiB is free.")
+    with pytest.raises(OutOfMemoryRunError, match=r"^out of memory at RL step 2 of 9 \(an allocation of 2\.00 GiB on "
+                                                  r"the GPU\): a step's rows do not fit: lower rl.prompts_per_step"):
+        with stop_cleanly(cfg, "at RL step 2 of 9"):
+            raise cuda
+    cpu = RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                       "you tried to allocate 68719476736 bytes. Error code 12 (Cannot allocate memory)")
+    with pytest.raises(OutOfMemoryRunError, match=r"^out of memory while building the run \(an allocation of 64\.0 "
+                                                  r"GiB on the CPU\): the model does not fit: shrink it"):
+        with stop_cleanly(cfg, "while building the run", memory_fix=MODEL_TOO_BIG):
+            raise cpu
+    for other in (RuntimeError("shape mismatch"), ValueError("bad value"), KeyError("x")):
+        with pytest.raises(type(other)) as caught:
+            with stop_cleanly(cfg, "at RL step 1 of 9"):
+                raise other
+        assert caught.value is other
