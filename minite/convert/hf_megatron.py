@@ -461,7 +461,8 @@ def load_into_model(model: torch.nn.Module, mg_dir, *, tp_rank: Optional[int] = 
                     ep_rank: Optional[int] = None) -> List[str]:
     """Copy this rank's tensors into `model` (ranks default to Megatron's parallel state); returns the names.
 
-    The checkpoint's tp/ep/pp must be the model's; every parameter must be covered (`_extra_state` aside).
+    The checkpoint's tp/ep/pp must be the model's; every parameter must be covered (`_extra_state` aside) and finite
+    (a NaN or Inf would reach the first step as a diverged run; one host read per tensor, once).
     Call it before building the optimizer (or reload the optimizer's fp32 master copies afterwards, e.g. Megatron's
     `optimizer.reload_model_params()`): a BF16 learner's optimizer steps from masters copied at its construction.
     """
@@ -488,6 +489,9 @@ def load_into_model(model: torch.nn.Module, mg_dir, *, tp_rank: Optional[int] = 
                                           f"is {list(state[name].shape)}")
                 with torch.no_grad():
                     state[name].copy_(reader.rows(entry, 0, entry.rows).view(entry.shape))
+                if state[name].is_floating_point() and not bool(torch.isfinite(state[name]).all()):
+                    raise ConversionError(f"tensor {name!r} in {entry.file} holds NaN or Inf: not weights to start "
+                                          "a run from (convert a finite checkpoint)")
                 loaded.append(name)
     finally:
         reader.close()

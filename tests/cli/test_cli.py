@@ -266,3 +266,14 @@ def test_train_from_a_converted_checkpoint(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith("minite train: Qwen3-MoE from hf/config.json | NVFP4 W4A4 |")
     assert out.stderr.splitlines() == ["initial weights loaded from mg"]
+
+    from safetensors.torch import load_file, save_file  # one NaN in the converted weights: named before any step
+    part = sorted((tmp_path / "mg").glob("*.safetensors"))[0]
+    tensors = load_file(part)
+    name = sorted(n for n, t in tensors.items() if t.is_floating_point())[0]
+    tensors[name].view(-1)[3] = float("nan")
+    save_file(tensors, part, metadata={"format": "pt"})
+    again = ["--set", "checkpoint.dir=nan/ck", "--set", "logging.dir=nan"]
+    assert_one_line_failure(minite("train", "tiny.yaml", *sets, *again, cwd=tmp_path),
+                            rf"^minite train: tensor '{re.escape(name)}' in .*{part.name} holds NaN or Inf: not "
+                            r"weights to start a run from")
