@@ -336,16 +336,12 @@ def check_model_shape(shape, cfg: "Config") -> None:
 
 
 def check_world_size(cfg: Config, world_size: int) -> None:
-    """ConfigError unless parallel.tp x parallel.pp and parallel.ep divide the number of processes, and unless the
-    SGLang backend runs in one process (two ranks' SGLang engines hung at their start on the CPU, 2026-12-05)."""
+    """ConfigError unless parallel.tp x parallel.pp and parallel.ep divide the number of processes."""
     par = cfg.parallel
     if world_size % (par.tp * par.pp) or world_size % par.ep:
         raise ConfigError(f"parallel.tp={par.tp} x parallel.pp={par.pp} and parallel.ep={par.ep} must divide the "
                           f"{world_size} process(es) started: launch a multiple of them (tools/launch/torchrun.sh) "
                           "or lower them with --set")
-    if cfg.rollout.backend == "sglang" and world_size > 1:
-        raise ConfigError(f"rollout.backend=sglang runs in one process for now ({world_size} started): launch one, "
-                          "or use rollout.backend=embedded, which runs on every rank's layout")
 
 
 def check_paths(cfg: Config) -> None:

@@ -108,12 +108,6 @@ def test_world_size_must_split_into_tp_and_ep():
         check_world_size(load_config(None, ["parallel.ep=2"]), 1)
 
 
-def test_sglang_backend_runs_in_one_process():
-    check_world_size(load_config(None, ["rollout.backend=sglang"]), 1)
-    with pytest.raises(ConfigError, match=r"rollout.backend=sglang runs in one process for now \(2 started\)"):
-        check_world_size(load_config(None, ["rollout.backend=sglang"]), 2)
-
-
 def test_a_directory_is_not_a_config(tmp_path):
     with pytest.raises(ConfigError, match=rf"^{tmp_path} is a directory: give a YAML file"):
         load_config(tmp_path)

@@ -41,6 +41,7 @@ import functools
 import json
 import logging
 import os
+import random
 import shutil
 import signal
 import tempfile
@@ -462,6 +463,16 @@ def _start_engine(model_dir: str, args: dict):
     before = _zmq_contexts()
     previous_sigquit = signal.getsignal(signal.SIGQUIT) if main else None
     common.FAILED_EARLY = False
+    # Under torchrun the engine hung at its start (docs/sglang.md, "Under torchrun"): its scheduler process, which
+    # inherits this environment, runs its own one-process torch.distributed group, and torch makes every rank a
+    # client of the launcher's store when TORCHELASTIC_USE_AGENT_STORE is set (torchrun sets it for its workers):
+    # the scheduler waited for a store server at its own port that nobody starts. So the variable is unset while the
+    # engine starts. SGLang picks that port with Python's global `random` (random.sample over 22000-29999), which
+    # every rank seeded alike (minite.rl.loop.setup), so two ranks of one machine would take the same port: the start
+    # draws from this process's own entropy, and the run's random state is put back after it.
+    agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    rng_state = random.getstate()
+    random.seed()
     try:
         eng = sglang.Engine(model_path=model_dir, **args)
     except BaseException:
@@ -473,6 +484,9 @@ def _start_engine(model_dir: str, args: dict):
         _restore_sigquit(previous_sigquit)
         raise
     finally:
+        random.setstate(rng_state)
+        if agent_store is not None:
+            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = agent_store
         sgl_log.removeFilter(quiet)
         if warnings_env is None:
             os.environ.pop("PYTHONWARNINGS", None)

@@ -50,3 +50,30 @@ def test_diagnose_with_sglang_shuts_the_engine_down(tmp_path):
                     "--prompts", "2", "--max-new-tokens", "2", "--set", f"logging.dir={tmp_path / 'run'}")
     _assert_clean(out, tmp)
     assert out.stdout.startswith("learner vs sglang")
+
+
+@pytest.mark.distributed
+def test_train_with_sglang_on_two_ranks(tmp_path):
+    """tools/launch/torchrun.sh with two data-parallel ranks, each with its own SGLang engine. Both engines hung at
+    their start before 2026-12-05: torchrun's TORCHELASTIC_USE_AGENT_STORE made each scheduler's one-process group a
+    client of a store nobody served, and with it unset, both ranks drew the same port from the alike-seeded `random`
+    (EADDRINUSE). The job runs its two steps, every step's gap is finite, and both engines are shut down."""
+    import json
+    import math
+
+    from tests.distributed_backend import run_ranks
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp), "NPROC_PER_NODE": "2", "LOG_DIR": str(tmp_path / "logs"),
+           "PYTHONPATH": os.pathsep.join(p for p in (STUBS, os.environ.get("PYTHONPATH", "")) if p)}
+    sets = [a for s in TINY + ["rl.steps=2", f"logging.dir={tmp_path / 'run'}", "checkpoint.dir=null"]
+            for a in ("--set", s)]
+    out = run_ranks(["bash", str(REPO / "tools/launch/torchrun.sh"), str(REPO / "examples/tiny/nvfp4.yaml"), *sets],
+                    cwd=tmp_path, env=env, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "| rollout sglang | CPU, 2 processes |" in out.stdout and "done, 2 RL steps" in out.stdout
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(math.isfinite(r["mismatch/logp_abs_max"]) for r in rows)
+    assert sorted(p.name for p in tmp.glob("minite-sglang-*")) == []
