@@ -67,3 +67,15 @@ def test_rl_steps_on_one_gpu_and_resume_bitwise(tmp_path, deterministic):
 def test_strict_gap_is_exactly_zero_on_every_step(tmp_path):
     history = train(_cfg(tmp_path, "s", 3, **{"alignment.strict": True}))
     assert [h["mismatch/logp_abs_max"] for h in history] == [0.0] * 3
+
+
+def test_cuda_out_of_memory_is_the_one_line_error(tmp_path):
+    """A CUDA allocation that cannot fit becomes OutOfMemoryRunError naming the size asked for (the CPU tests feed
+    stop_cleanly a constructed torch.OutOfMemoryError; this one is CUDA's own)."""
+    from minite.rl.loop import OutOfMemoryRunError, stop_cleanly
+
+    cfg = _cfg(tmp_path, "oom", 1)
+    with pytest.raises(OutOfMemoryRunError, match=r"^out of memory at RL step 1 of 1 \(an allocation of [\d.]+ [KMGTP]?i?B "
+                                                  r"on the GPU\): a step's rows do not fit"):
+        with stop_cleanly(cfg, "at RL step 1 of 1"):
+            torch.empty(2**50, dtype=torch.uint8, device="cuda")
