@@ -95,6 +95,7 @@ print(f"steps {len(rows)}  reward first5 {sum(r[:5]) / 5:.3f}  last5 {sum(r[-5:]
 EOF
 }
 gate() {  # each waiting name's GPU test; passed only on a GPU, where pytest's summary says passed (and warnings) alone
+  # (tools/pytest_verdict.py: the summary line wherever it is; a warning printed at exit once made a pass a failure)
   local name node out result passed=() failed=()
   python3 -c "from minite.strict import fused; print('\n'.join(f'{n} {t}' for n, t in sorted(fused.WAITS_FOR.items())))" \
     >"$LOGS/gate-nodes.txt" || return 1
@@ -103,7 +104,7 @@ gate() {  # each waiting name's GPU test; passed only on a GPU, where pytest's s
   while read -r name node; do
     echo "== $name: $node"
     out=$(python3 -m pytest -q -p no:cacheprovider -rA "$node" 2>&1); echo "$out"
-    if [ "$cuda" = 1 ] && [[ "$(tail -n 1 <<<"$out")" =~ ^[0-9]+\ passed(,\ [0-9]+\ warnings?)?\ in ]]; then
+    if [ "$cuda" = 1 ] && python3 tools/pytest_verdict.py <<<"$out"; then
       result=passed; passed+=("$name")
     else result=failed; failed+=("$name"); fi
     echo "$result $name" >>"$OUT/gate.txt"
