@@ -45,8 +45,9 @@ def swiglu(h: torch.Tensor, probs: torch.Tensor, *, strict: bool) -> torch.Tenso
 
 def swiglu_kernels_apply(h: torch.Tensor, probs: torch.Tensor) -> bool:
     """Whether default-mode `swiglu` runs on minite.kernels.expert_swiglu: a CUDA bf16 h [R, 2F] with fp32 probs [R]
-    on its device, the kernels loaded, and their GPU test (tests/kernels/test_expert_swiglu.py: the forward's bits
-    torch's, the backward's dh torch's autograd's) passed on the H200: "expert_swiglu" in `fused.PROVEN`. Not yet."""
+    on its device, the kernels loaded, and "expert_swiglu" in `fused.PROVEN` (its GPU test, tests/kernels/
+    test_expert_swiglu.py: the forward's bits torch's, the backward's dh torch's autograd's, passed on sm_90 on
+    2026-12-05)."""
     return ("expert_swiglu" in fused.PROVEN and fused._gpu(h) and h.dtype == torch.bfloat16 and h.dim() == 2
             and h.shape[1] % 2 == 0 and probs.dtype == torch.float32 and probs.shape == (h.shape[0],)
             and probs.device == h.device and has_kernel("expert_swiglu"))

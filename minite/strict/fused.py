@@ -74,7 +74,7 @@ LOG_ARGS = dict({f"A{i}": c for i, c in enumerate(_ATANH_COEFFS)}, SQRT2=_SQRT2,
 """The constexpr arguments of the strict log (`_log64`) for every kernel that computes it."""
 
 PROVEN = {"exp", "tree_sum", "rms_norm", "log", "attention", "rope", "sincos", "linear", "combine", "swiglu",
-          "log_softmax"}
+          "log_softmax", "expert_swiglu", "compact_with_graphs"}
 """The kernels whose bitwise GPU test has passed on the H200; `routes` sends only these. A new kernel joins after its
 test in tests/alignment/test_strict_alignment_gpu.py has passed there (`log` and `attention`: 2026-12-01, at
 5ea343c, 24 passed with tests/rollout/test_decode.py; `rope` and `sincos`: 2026-12-01, at 4f981a5, 16 passed with
@@ -82,13 +82,14 @@ tests/rollout/test_decode.py; `linear`, the kernel of `minite.strict.fused_linea
 the strict gap runs; `combine` and `swiglu`, `minite.strict.fused_combine` and `fused_swiglu`: 2026-12-04, session
 17's last device call; `log_softmax`, `minite.strict.fused_log_softmax` (`ops.token_log_softmax`): 2026-12-04,
 session 18's device call 2, tests/strict/test_fused_log_softmax.py at the 151,936-token vocabulary and the strict gap
-tests; see docs/benchmarks.md). Waiting: `combine_rows_dtype`, the default (not strict) combine's kernel
-(`fused_combine.combine_in_rows_dtype`, written 2026-12-04 in a session without a device): it joins once
-tests/strict/test_fused_combine.py has passed on the H200; `expert_swiglu`, default mode's expert SwiGLU with its
-backward (kernels/expert_swiglu.py, routed by `minite.ops.experts.swiglu_kernels_apply`, under autograd too; written
-2026-12-05 in a session without a device): it joins once tests/kernels/test_expert_swiglu.py's GPU test has passed;
-`compact_with_graphs`, not a kernel but the rollout's compacted batches under CUDA graphs (minite.rollout.decode,
-written the same day): it joins once tests/rollout/test_decode.py's GPU test of it has passed.
+tests; `expert_swiglu`, default mode's expert SwiGLU with its backward (kernels/expert_swiglu.py, routed by
+`minite.ops.experts.swiglu_kernels_apply`, under autograd too), and `compact_with_graphs`, not a kernel but the
+rollout's compacted batches under CUDA graphs (minite.rollout.decode): 2026-12-05, session 26's device call on an
+H100 (sm_90, the H200's architecture, Triton 3.6, torch 2.11), their tests below passed at 76deda3; see
+docs/benchmarks.md). Waiting: `combine_rows_dtype`, the default (not strict) combine's kernel
+(`fused_combine.combine_in_rows_dtype`): its bitwise test passed in that call too, and it joins once the default-mode
+learner/rollout gap with it is measured on the GPU not to grow (the rollout's combine then rounds once, where the
+learner's, torch's scatter_add under autograd, rounds after every addition in the GPU's order).
 
 MINITE_TRY_KERNELS (a comma-separated list of names, read at import) adds kernels that wait here, for a benchmark on
 the GPU that measures one before its test has passed (both ways in one device call); a warning names them. Not for
@@ -96,8 +97,6 @@ training runs: an unproven kernel may compute other bits than the ops it replace
 
 WAITS_FOR = {
     "combine_rows_dtype": "tests/strict/test_fused_combine.py::test_default_combine_is_bitwise_the_cpu_scatter_add",
-    "expert_swiglu": "tests/kernels/test_expert_swiglu.py::test_kernels_are_torchs_ops_and_autograd_on_the_gpu",
-    "compact_with_graphs": "tests/rollout/test_decode.py::test_compaction_under_cuda_graphs_gives_the_eager_bits",
 }
 """Each waiting name's GPU test (a pytest node id), which tools/gpu_acceptance.sh's `gate` stage runs on the H200."""
 WAITING = frozenset(WAITS_FOR)

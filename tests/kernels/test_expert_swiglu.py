@@ -149,7 +149,8 @@ def test_ops_swiglu_routes_to_the_kernels_once_proven(monkeypatch):
 
     h, probs, da = _inputs(9, 48, 3)
     monkeypatch.setattr(fused, "_gpu", lambda x: True)
-    monkeypatch.setattr(fused, "PROVEN", fused.PROVEN - {"expert_swiglu"})  # as shipped (MINITE_TRY_KERNELS aside)
+    assert "expert_swiglu" in fused.PROVEN  # as shipped since its GPU test passed (2026-12-05)
+    monkeypatch.setattr(fused, "PROVEN", fused.PROVEN - {"expert_swiglu"})
     assert not experts.swiglu_kernels_apply(h, probs)  # not proven
     monkeypatch.setattr(fused, "PROVEN", fused.PROVEN | {"expert_swiglu"})
     assert experts.swiglu_kernels_apply(h, probs)
@@ -168,8 +169,8 @@ def test_ops_swiglu_routes_to_the_kernels_once_proven(monkeypatch):
 @pytest.mark.gpu
 def test_kernels_are_torchs_ops_and_autograd_on_the_gpu():
     """On the GPU: the forward bitwise torch's ops (`minite.ops.swiglu`'s torch path), dh bitwise torch autograd's,
-    dprobs within the row sums' rounding; at a decode step's rows, a micro-batch's and odd sizes. When this passes on
-    the H200, "expert_swiglu" joins fused.PROVEN."""
+    dprobs within the row sums' rounding; at a decode step's rows, a micro-batch's and odd sizes. It passed on sm_90
+    (an H100, 2026-12-05), and "expert_swiglu" joined fused.PROVEN."""
     from minite.kernels.expert_swiglu import expert_swiglu_backward_triton, expert_swiglu_triton
     from minite.ops import experts
 

@@ -406,10 +406,10 @@ def test_stop_check_every_must_not_be_negative():
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
 def test_compaction_under_cuda_graphs_gives_the_eager_bits(precision, monkeypatch):
-    """What the compaction under CUDA graphs waits for (`decode.COMPACT_WITH_GRAPHS` into fused.PROVEN): strict
-    mode, looking for the stop token every step, the graphed engine compacts its batch (graphs of the compacted rows
-    captured in the first generate, replayed in the second) and gives the bits of the eager run that never looks,
-    cut at the stop token."""
+    """What put the compaction under CUDA graphs (`decode.COMPACT_WITH_GRAPHS`) into fused.PROVEN (it passed on
+    2026-12-05): strict mode, looking for the stop token every step, the graphed engine compacts its batch (graphs of
+    the compacted rows captured in the first generate, replayed in the second) and gives the bits of the eager run
+    that never looks, cut at the stop token."""
     from minite.rollout import decode
     from minite.strict import fused
 

@@ -11,10 +11,9 @@ the lengths are set: response i ends with the stop token after L_i tokens, L_i d
 timed whole (prefill, decode steps, read-back; synchronised), median of `--repeats` after one untimed generate, for:
 
     never      rollout.stop_check_every = 0: every response runs to new_tokens (the loop before 2026-12-05)
-    stop       stop_check_every = K: the loop ends when every response has (with CUDA graphs: also no compaction,
-               until "compact_with_graphs" is in minite.strict.fused.PROVEN)
-    compact    the same with the compaction under CUDA graphs routed (MINITE_TRY_KERNELS-style, for this row only:
-               measured before its GPU test has passed, the row says so); eager off the GPU
+    stop       stop_check_every = K: the loop ends when every response has (with CUDA graphs: no compaction, as
+               before "compact_with_graphs" joined minite.strict.fused.PROVEN on 2026-12-05)
+    compact    the same with the compaction under CUDA graphs (the shipped loop since then); eager off the GPU
 
 Rows: precision, strict, batch, new_tokens, lengths, variant, stop_check_every, generate_s, tokens (the responses'
 total length), tokens_per_s (tokens / generate_s), steps (decode steps run), min_step_rows (the fewest rows a step
