@@ -90,8 +90,8 @@ def test_fused_copy_changes_no_bit(monkeypatch):
     assert on[4] == [True] * 4 and off[4] == [False] * 4
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU machine's run: on a GPU machine the learner is on the GPU, "
-                    "whose fused copy test_fused_copy_on_the_gpu covers (this failed there, 2026-12-05)")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU machine's run: on a GPU machine the learner is on the "
+                    "GPU, whose fused copy test_fused_copy_on_the_gpu covers (this failed there, 2026-12-05)")
 def test_reference_cpu_run_keeps_megatrons_copy():
     """On the CPU with backend "auto" (the reference: `minite train` on a CPU) no weight takes the fused copy, so
     the main CPU job computes as before; the optimizer is patched all the same (it decides per step)."""
