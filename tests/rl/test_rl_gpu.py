@@ -72,7 +72,7 @@ def test_strict_gap_is_exactly_zero_on_every_step(tmp_path):
 def test_cuda_out_of_memory_is_the_one_line_error(tmp_path):
     """A CUDA allocation that cannot fit becomes OutOfMemoryRunError naming the size asked for (the CPU tests feed
     stop_cleanly a constructed torch.OutOfMemoryError; this one is CUDA's own)."""
-    from minite.rl.loop import OutOfMemoryRunError, stop_cleanly
+    from minite.rl.failures import OutOfMemoryRunError, stop_cleanly
 
     cfg = _cfg(tmp_path, "oom", 1)
     pattern = r"^out of memory at RL step 1 of 1 \(an allocation of [\d.]+ [KMGTP]?i?B on the GPU\): a step's rows"

@@ -270,7 +270,7 @@ def test_failures_the_user_fixes_become_their_one_line_errors(tmp_path):
     """stop_cleanly: NaN or Inf -> DivergedError, a failed allocation (CUDA's or the CPU allocator's) ->
     OutOfMemoryRunError with the size asked for; anything else passes through unchanged."""
     from minite.nvfp4 import NonFiniteError
-    from minite.rl.loop import DivergedError, MODEL_TOO_BIG, OutOfMemoryRunError, stop_cleanly
+    from minite.rl.failures import MODEL_TOO_BIG, DivergedError, OutOfMemoryRunError, stop_cleanly
 
     cfg = load_config(None, [f"checkpoint.dir={tmp_path / 'ck'}", f"logging.dir={tmp_path}"])
     with pytest.raises(DivergedError, match=r"^the run diverged at RL step 4 of 9: quantize input contains NaN or "
