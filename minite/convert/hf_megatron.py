@@ -56,6 +56,7 @@ import torch
 from tqdm import tqdm
 
 from minite.models.qwen3_moe import Qwen3MoeShape, qwen3_moe_fields
+from minite.ops import first_nonfinite
 from minite.convert.safetensors_stream import (
     DTYPES, ConversionError, RowReader, StreamWriter, TensorEntry, read_header, view2d,
 )
@@ -462,7 +463,7 @@ def load_into_model(model: torch.nn.Module, mg_dir, *, tp_rank: Optional[int] = 
     """Copy this rank's tensors into `model` (ranks default to Megatron's parallel state); returns the names.
 
     The checkpoint's tp/ep/pp must be the model's; every parameter must be covered (`_extra_state` aside) and finite
-    (a NaN or Inf would reach the first step as a diverged run; one host read per tensor, once).
+    (a NaN or Inf would reach the first step as a diverged run; `minite.ops.first_nonfinite`: one host read).
     Call it before building the optimizer (or reload the optimizer's fp32 master copies afterwards, e.g. Megatron's
     `optimizer.reload_model_params()`): a BF16 learner's optimizer steps from masters copied at its construction.
     """
@@ -478,7 +479,7 @@ def load_into_model(model: torch.nn.Module, mg_dir, *, tp_rank: Optional[int] = 
         tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
         ep_rank = ps.get_expert_model_parallel_rank()
     state = model.state_dict()
-    loaded, reader = [], RowReader()
+    loaded, reader = {}, RowReader()  # name -> the file it came from
     try:
         for file in rank_files(meta, tp_rank, pp_rank, ep_rank):
             for name, entry in read_header(mg_dir / file).items():
@@ -489,16 +490,17 @@ def load_into_model(model: torch.nn.Module, mg_dir, *, tp_rank: Optional[int] = 
                                           f"is {list(state[name].shape)}")
                 with torch.no_grad():
                     state[name].copy_(reader.rows(entry, 0, entry.rows).view(entry.shape))
-                if state[name].is_floating_point() and not bool(torch.isfinite(state[name]).all()):
-                    raise ConversionError(f"tensor {name!r} in {entry.file} holds NaN or Inf: not weights to start "
-                                          "a run from (convert a finite checkpoint)")
-                loaded.append(name)
+                loaded[name] = entry.file
     finally:
         reader.close()
+    bad = first_nonfinite({n: state[n] for n in loaded if state[n].is_floating_point()})
+    if bad is not None:
+        raise ConversionError(f"tensor {bad!r} in {loaded[bad]} holds NaN or Inf: not weights to start a run from "
+                              "(convert a finite checkpoint)")
     missing = [n for n, v in state.items() if torch.is_tensor(v) and n not in loaded and "_extra_state" not in n]
     if missing:
         raise ConversionError(f"{mg_dir}: missing tensors for this rank: {missing[:10]}")
-    return loaded
+    return list(loaded)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from typing import Iterable, Mapping
 import torch
 
 from minite.nvfp4 import NonFiniteError
+from minite.ops import first_nonfinite
 
 
 class WeightUpdateError(RuntimeError):
@@ -46,7 +47,7 @@ def check_weights(shapes: Mapping[str, tuple], named_tensors: Iterable[tuple[str
         if not t.is_floating_point():
             raise WeightUpdateError(f"weight {name!r} is not a finite floating-point tensor")
         incoming[bare], names[bare] = t.detach(), name
-    bad = _first_nonfinite(incoming)
+    bad = first_nonfinite(incoming)
     if bad is not None:
         raise NonFiniteWeightError(f"weight {names[bad]!r} is not a finite floating-point tensor")
     missing = sorted(set(shapes) - set(incoming))
@@ -66,27 +67,3 @@ def checked_weight_copy(params: dict[str, torch.Tensor], named_tensors: Iterable
         for bare, t in incoming.items():
             params[bare].copy_(t)
     return len(incoming)
-
-
-def _first_nonfinite(tensors: dict[str, torch.Tensor]) -> str | None:
-    """The first name (in order) whose tensor holds a NaN or Inf, or None. One reduction per tensor,
-    `torch.aminmax` (NaN propagates into both results, an Inf shows as the min or the max): a single read of the
-    tensor, where `isfinite(t).all()` is five kernels over it and three bool temporaries of its size (on the H200 the
-    check was 11.5 of a 31.5 ms weight sync, docs/benchmarks.md). The results stay on their device and are read back
-    once per device: one host synchronisation per update, not one per tensor."""
-    by_device: dict[torch.device, list[str]] = {}
-    for name, t in tensors.items():
-        by_device.setdefault(t.device, []).append(name)
-    finite: dict[str, bool] = {}
-    for names in by_device.values():
-        ends = torch.stack([end for n in names for end in _min_max(tensors[n])]).view(len(names), 2)
-        finite.update(zip(names, torch.isfinite(ends).all(dim=1).tolist()))
-    return next((n for n in tensors if not finite[n]), None)
-
-
-def _min_max(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(min, max) of t as 0-d tensors on its device, one kernel; zeros for an empty t (aminmax refuses it)."""
-    if t.numel() == 0:
-        zero = torch.zeros((), dtype=t.dtype, device=t.device)
-        return zero, zero
-    return torch.aminmax(t)

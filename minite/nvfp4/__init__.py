@@ -15,8 +15,8 @@ from .tensor import BLOCK_1D, BLOCK_2D, E2M1_MAGNITUDES, NVFP4Tensor, e2m1_table
 
 __all__ = [
     "BLOCK_1D", "BLOCK_2D", "E2M1_MAGNITUDES", "NVFP4Recipe", "NVFP4Segments", "NVFP4Stack", "NVFP4Tensor",
-    "NonFiniteError", "OperandRecipe", "RHT_SIGNS", "apply_rht", "decode_order", "decode_scales", "e2m1_table", "gemm",
-    "gemm_reference", "grouped_gemm", "grouped_gemm_reference", "pack_codes", "quantize",
+    "NonFiniteError", "OperandRecipe", "RHT_SIGNS", "apply_rht", "decode_order", "decode_scales", "e2m1_table",
+    "gemm", "gemm_reference", "grouped_gemm", "grouped_gemm_reference", "pack_codes", "quantize",
     "quantize_column_segments", "quantize_count_segments", "quantize_reference", "quantize_stack", "rht_matrix",
     "row_slice", "segmented_gemm", "segmented_gemm_passes", "uniform_u24", "unpack_codes",
 ]

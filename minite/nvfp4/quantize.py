@@ -28,14 +28,15 @@ import numpy as np
 import torch
 
 from .backend import kernel, resolve
+from .hadamard import apply_rht
+from .tensor import BLOCK_1D, BLOCK_2D, E2M1_MAGNITUDES, NVFP4Tensor, SIGN_BIT, pack_codes
 
 
 class NonFiniteError(ValueError, FloatingPointError):
     """NaN or Inf where a finite value is needed (NVFP4 has no code for either): a quantiser's input, and, raised
     elsewhere with this class, a model's logits, weights handed to an engine or a step's metrics. In a training run
     it means the run diverged (`minite.rl.failures` reports it so); a ValueError still, for callers that catch those."""
-from .hadamard import apply_rht
-from .tensor import BLOCK_1D, BLOCK_2D, E2M1_MAGNITUDES, NVFP4Tensor, SIGN_BIT, pack_codes
+
 
 FP32_MAX = torch.finfo(torch.float32).max
 E4M3_MAX = 448.0

@@ -15,8 +15,8 @@ try:  # Triton is an optional upstream: without it every op runs on the exact re
 except ImportError:
     pass
 
-from .common import (FiniteFlag, any_rank, collective_device, derive_seed, group_size, quantiser_checks_finite,
-                     refill_in_place)
+from .common import (FiniteFlag, any_rank, collective_device, derive_seed, first_nonfinite, group_size,
+                     quantiser_checks_finite, refill_in_place)
 from .experts import (combine_fixed_order, combine_scatter_add, grouped_linear_bf16, route, routed_experts, swiglu,
                       swiglu_experts)
 from .grouped import (nvfp4_grouped_linear, nvfp4_grouped_linear_forward, nvfp4_swiglu_fc2_forward,
@@ -24,7 +24,8 @@ from .grouped import (nvfp4_grouped_linear, nvfp4_grouped_linear_forward, nvfp4_
 from .linear import nvfp4_linear, nvfp4_linear_forward, quantize_weight
 
 
-__all__ = ["FiniteFlag", "any_rank", "collective_device", "refill_in_place", "derive_seed", "group_size", "quantiser_checks_finite", "nvfp4_linear",
+__all__ = ["FiniteFlag", "first_nonfinite", "any_rank", "collective_device", "refill_in_place", "derive_seed",
+           "group_size", "quantiser_checks_finite", "nvfp4_linear",
            "nvfp4_linear_forward", "quantize_weight", "nvfp4_grouped_linear", "nvfp4_grouped_linear_forward",
            "nvfp4_swiglu_fc2_forward",
            "quantize_expert_weights", "swiglu", "swiglu_experts", "grouped_linear_bf16", "route", "routed_experts",

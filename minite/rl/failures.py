@@ -62,7 +62,7 @@ def failed_allocation(e: BaseException) -> str | None:
     torch.OutOfMemoryError (CUDA), or the RuntimeError of torch's CPU allocator ("DefaultCPUAllocator: can't allocate
     memory: you tried to allocate N bytes")."""
     text = str(e)
-    if isinstance(e, getattr(torch, "OutOfMemoryError", ())):
+    if isinstance(e, torch.OutOfMemoryError):
         asked = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", text)
         return f"an allocation of {asked[1]} on the GPU" if asked else "CUDA out of memory"
     if "can't allocate memory" in text:

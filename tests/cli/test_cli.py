@@ -23,10 +23,11 @@ TINY = ["rl.prompts_per_step=2", "rollout.group_size=2", "rl.warmup_steps=0", "r
         "model.max_position_embeddings=16", "checkpoint.every=1"]
 
 
-def minite(*args, cwd, env=None, timeout=300):
+def minite(*args, cwd, env=None, timeout=300, preexec_fn=None):
     full_env = {k: v for k, v in os.environ.items() if k not in ("MINITE_DEBUG", "PYTHONWARNINGS")}
     full_env.update({"OMP_NUM_THREADS": "1", **(env or {})})
-    return subprocess.run([MINITE, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([MINITE, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=preexec_fn)
 
 
 def tiny_config(tmp_path, **sections) -> Path:
@@ -178,9 +179,7 @@ def test_a_model_too_large_for_memory_is_one_line(tmp_path):
         resource.setrlimit(resource.RLIMIT_AS, (16 * 2**30, 16 * 2**30))
 
     sets = [a for s in TINY + ["model.hidden_size=65536", "model.moe_ffn_hidden_size=65536"] for a in ("--set", s)]
-    env = {k: v for k, v in os.environ.items() if k not in ("MINITE_DEBUG", "PYTHONWARNINGS")}
-    out = subprocess.run([MINITE, "train", str(tiny_config(tmp_path)), *sets], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=300, preexec_fn=limit, env={**env, "OMP_NUM_THREADS": "1"})
+    out = minite("train", str(tiny_config(tmp_path)), *sets, cwd=tmp_path, preexec_fn=limit)
     assert_one_line_failure(out, r"^minite train: out of memory while building the run \(an allocation of 64\.0 GiB "
                                  r"on the CPU\): the model does not fit: shrink it \(model\.\*\) or spread it over "
                                  r"more ranks \(parallel\.ep, parallel\.tp\)$")

@@ -21,11 +21,16 @@ TINY = ["rollout.backend=sglang", "rl.steps=1", "rl.warmup_steps=0", "rl.prompts
         "rl.minibatches=1", "model.max_position_embeddings=16", "logging.progress_bar=false"]
 
 
-def _run(tmp_path, *args):
+def _env(tmp_path, **extra):
+    """(environment, its TMPDIR): SGLang's stand-ins first on PYTHONPATH, temporary files in a folder of the test."""
     tmp = tmp_path / "tmp"
     tmp.mkdir(exist_ok=True)
-    env = {**os.environ, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (STUBS, os.environ.get("PYTHONPATH", "")) if p)}
+    return {**os.environ, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(p for p in (STUBS, os.environ.get("PYTHONPATH", "")) if p), **extra}, tmp
+
+
+def _run(tmp_path, *args):
+    env, tmp = _env(tmp_path)
     out = subprocess.run([MINITE, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     return out, tmp
 
@@ -63,10 +68,7 @@ def test_train_with_sglang_on_two_ranks(tmp_path):
 
     from tests.distributed_backend import run_ranks
 
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    env = {**os.environ, "TMPDIR": str(tmp), "NPROC_PER_NODE": "2", "LOG_DIR": str(tmp_path / "logs"),
-           "PYTHONPATH": os.pathsep.join(p for p in (STUBS, os.environ.get("PYTHONPATH", "")) if p)}
+    env, tmp = _env(tmp_path, NPROC_PER_NODE="2", LOG_DIR=str(tmp_path / "logs"))
     sets = [a for s in TINY + ["rl.steps=2", f"logging.dir={tmp_path / 'run'}", "checkpoint.dir=null"]
             for a in ("--set", s)]
     out = run_ranks(["bash", str(REPO / "tools/launch/torchrun.sh"), str(REPO / "examples/tiny/nvfp4.yaml"), *sets],
