@@ -5,6 +5,11 @@ with int(array) when they bound a `range` loop; numpy >= 2.4 refuses int() of a 
 arrays can be converted to Python scalars"), so every kernel with a runtime loop bound fails there. The patch below
 converts through reshape(-1)[0] instead. It touches only the interpreter (never the compiled GPU path), is
 idempotent, and is applied by the launchers only when the interpreter is on.
+
+A second patch gives a `tl.reduce` whose combine function carries a `numpy_reduce` attribute (a numpy reduction
+computing the same values, e.g. kernels/nvfp4_quant.py `_nan_max_combine`: np.max) that reduction in one numpy call:
+the interpreter runs any other combine function element by element in Python (its `generic_reduce`), hundreds of
+times slower on a quantiser's tiles.
 """
 from __future__ import annotations
 
@@ -38,3 +43,14 @@ def ensure_interpreter_compat() -> None:
 
     ti._patch_lang_tensor = patched
     ti._minite_index_patched = True
+    reduce_ops = getattr(ti, "ReduceOps", None)
+    if reduce_ops is not None and hasattr(reduce_ops, "min_max"):
+        generic = reduce_ops.apply_impl
+
+        def apply_impl(self, input):
+            op = getattr(self.combine_fn, "numpy_reduce", None)
+            if op is None or len(input) != 1:
+                return generic(self, input)
+            return self.min_max(input[0], val_reduce_op=op, idx_reduce_op=None)
+
+        reduce_ops.apply_impl = apply_impl

@@ -159,7 +159,8 @@ def _lowbias32(x):
 
 @triton.jit
 def _e4m3_rne(v):
-    """E4M3 code (int32) and its fp32 value for 0 <= v <= 448, rounding to nearest even."""
+    """E4M3 code (int32) and its fp32 value for 0 <= v <= 448, rounding to nearest even; for a NaN v, E4M3's NaN
+    (code 0x7F) and a NaN value, as torch's cast of a NaN block scale (the reference's)."""
     bits = v.to(tl.int32, bitcast=True)
     r = bits + 0x7FFFF + ((bits >> 20) & 1)
     code_n = (((r >> 23) - 120) << 3) | ((r >> 20) & 7)
@@ -170,7 +171,8 @@ def _e4m3_rne(v):
     m = code & 7
     val_n = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
     val = tl.where(e == 0, m.to(tl.float32) * 0.001953125, val_n)
-    return code, val
+    nan = v != v
+    return tl.where(nan, 0x7F, code), tl.where(nan, v, val)
 
 
 @triton.jit

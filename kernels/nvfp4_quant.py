@@ -30,6 +30,15 @@ Memory passes: scale_scope="row" with rows of at most 8192 elements is one pass 
 plus 2 B/elem if block values are requested). scale_scope="tensor" needs the amax of the whole tensor first: one
 extra read pass (`_amax_kernel`, a few programs per SM, each looping over tiles), then the quantisation pass.
 
+NaN (an input the GPU path does not check: check_finite is off there): the amaxes are NaN-propagating maxima
+(`_nan_max`: max.NaN.f32, one instruction as tl.max's max.f32, which drops a NaN), so a NaN anywhere in the scope
+gives a NaN amax and global scale, as the reference's torch amax. A block whose scale is NaN (a NaN in the block, or
+a NaN global scale) gets E4M3's NaN code 0x7F, NaN block values and a multiplier of 0, so its codes are 0 as the
+reference's (whose multiplier is NaN and whose comparisons of NaN give code 0), except for the elements that are
+NaN or +-Inf themselves (with the RHT: every element of their 16-group), code 7 here (E2M1 min(|v|, 6) drops the NaN
+of v = x * 0): they decode to NaN either way, through the NaN scale. NaN bit patterns (payload, sign) are not
+specified: the GPU writes its canonical NaN.
+
 Batch invariance: with scale_scope="row", a row's codes, scales and decode scale depend on that row alone (the
 amax is a max, exact in any order), so a token quantises identically at M=1 and inside any batch.
 """
@@ -46,7 +55,7 @@ from minite.nvfp4.tensor import NVFP4Tensor
 
 from ._interpreter import ensure_interpreter_compat
 from ._launch import cdiv, launcher, next_power_of_2, sm_count
-from .nvfp4_encode import _e4m3_rne, _encode_pairs, _values_word
+from .nvfp4_encode import _PTX, _e4m3_rne, _encode_pairs, _values_word
 from .nvfp4_seeds import _as_int32_bits, seed_mix  # noqa: F401 (seed_mix: part of this module's API)
 
 FP32_MAX = float(np.finfo(np.float32).max)
@@ -60,10 +69,14 @@ _SATURATED_AMAX = tl.constexpr(SATURATED_AMAX)  # an fp32 value, exact as a Pyth
 @triton.jit
 def _round_to_input(y, in_ty: tl.constexpr):
     """fp32 y rounded to nearest even in the input dtype (bf16 / fp16) and back to fp32, as Transformer Engine rounds
-    its RHT output; fp32 inputs unchanged. bf16 in integer arithmetic (the interpreter's fp32 -> bf16 cast
-    truncates; finite values only, which quantize checks); fp16 with the cast (RNE in the interpreter and on the
-    GPU)."""
-    if in_ty == tl.bfloat16:
+    its RHT output; fp32 inputs unchanged. bf16: on the GPU the hardware's convert (cvt.rn.bf16x2.f32: a NaN stays
+    NaN, where the integer rounding's carry turns the GPU's NaN 0x7FFFFFFF into -0; sm_90, Triton 3.6: 1.5 fewer
+    instructions per element, and the amax pass takes its max in bf16 pairs), in the interpreter integer arithmetic
+    (its fp32 -> bf16 cast truncates; exact for finite values, and a NaN from a bf16 input keeps a NaN, its low 16
+    bits being 0); fp16 with the cast (RNE in the interpreter and on the GPU)."""
+    if in_ty == tl.bfloat16 and _PTX:
+        return y.to(tl.bfloat16).to(tl.float32)
+    elif in_ty == tl.bfloat16:
         bits = y.to(tl.uint32, bitcast=True)
         return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
     elif in_ty == tl.float16:
@@ -147,15 +160,31 @@ def _group_halves(t, BLOCK_R: tl.constexpr, G: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
+def _nan_max_combine(a, b):
+    """max(a, b), NaN when either is NaN: PTX max.NaN.f32, one instruction as max.f32 (sm_80+). tl.max combines with
+    max.f32 (maxnumf), which drops a NaN: one NaN among finite values would vanish from an amax."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+_nan_max_combine.numpy_reduce = np.max  # the interpreter's fast path (ensure_interpreter_compat): the same values
+
+
+@triton.jit
+def _nan_max(x, axis: tl.constexpr):
+    """The max of fp32 x along axis, NaN where any element is NaN, as torch's amax (exact in any order: a max)."""
+    return tl.reduce(x, axis, _nan_max_combine)
+
+
+@triton.jit
 def _block_amax(x):
-    """max |x| of each 16-group of a [BLOCK_R, G, 8, 2] tile: [BLOCK_R, G] (exact in any order)."""
-    return tl.max(tl.max(tl.abs(x), axis=3), axis=2)
+    """max |x| of each 16-group of a [BLOCK_R, G, 8, 2] tile: [BLOCK_R, G] (exact in any order; NaN if one is)."""
+    return _nan_max(_nan_max(tl.abs(x), 3), 2)
 
 
 @triton.jit
 def _row_amax(x):
-    """max |x| over the last three axes of a [BLOCK_R, G, 8, 2] tile (exact in any order)."""
-    return tl.max(_block_amax(x), axis=1)
+    """max |x| over the last three axes of a [BLOCK_R, G, 8, 2] tile (exact in any order; NaN if one is)."""
+    return _nan_max(_block_amax(x), 1)
 
 
 @triton.jit
@@ -190,10 +219,12 @@ def _quantize_tile(x, bamax, rows, c0, R, C, s_enc, s_dec, sixth, seed_mix,
     jj = tl.arange(0, 8)
     gmask = (c0 + g * 16) < C
     if BR == 16:
-        bamax = tl.max(bamax, axis=0)[None, :]  # one amax per 16x16 tile
-    sv = tl.minimum(bamax * (s_enc * sixth), 448.0)
+        bamax = _nan_max(bamax, 0)[None, :]  # one amax per 16x16 tile
+    # a NaN block amax or global scale (a NaN in x: check_finite is off on the GPU) gives a NaN scale, E4M3's NaN code
+    # and a multiplier of 0 where the reference's is NaN (codes 0 but where x is NaN or +-Inf; module docstring)
+    sv = tl.minimum(bamax * (s_enc * sixth), 448.0, propagate_nan=tl.PropagateNan.ALL)
     scode, sf = _e4m3_rne(sv)
-    mult = tl.minimum(tl.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf * s_dec), 3.4028234663852886e38)
+    mult = tl.clamp(tl.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf * s_dec), 0.0, 3.4028234663852886e38)
     v = x * mult[:, :, None, None]
     byte, re, ro = _encode_pairs(v, rows, c0, C, seed_mix, G, STOCHASTIC, WRITE_VALS)
     orows = (out_r0 + rows).to(tl.int64)
@@ -251,7 +282,7 @@ def _quant_kernel(x_ptr, stride_r, stride_c, R, C, data_ptr, scale_ptr, gs_ptr, 
             if GIVEN_AMAX:
                 amax = tl.load(amax_ptr + rows, mask=rows < R, other=0.0)
             else:
-                amax = tl.max(bamax, axis=1)
+                amax = _nan_max(bamax, 1)
             s_enc, s_dec = _global_scales(amax)
             tl.store(gs_ptr + rows, s_dec, mask=rows < R)
             tl.store(amax_out_ptr + rows, _decode_amax(amax, s_enc), mask=rows < R)
@@ -265,7 +296,7 @@ def _quant_kernel(x_ptr, stride_r, stride_c, R, C, data_ptr, scale_ptr, gs_ptr, 
                 amax = tl.zeros([BLOCK_R], tl.float32)
                 for c0 in range(0, C, BLOCK_C):
                     x = _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C, BLOCK_R, G, RHT, SIGN_MASK, VEC2D)
-                    amax = tl.maximum(amax, _row_amax(x))
+                    amax = tl.maximum(amax, _row_amax(x), propagate_nan=tl.PropagateNan.ALL)
             s_enc, s_dec = _global_scales(amax)
             tl.store(gs_ptr + rows, s_dec, mask=rows < R)
             tl.store(amax_out_ptr + rows, _decode_amax(amax, s_enc), mask=rows < R)
@@ -305,11 +336,11 @@ def _tiles_amax(x_ptr, stride_r, stride_c, R, C, tiles_c, n_tiles, BLOCK_R: tl.c
             cols = c0 + tl.arange(0, BLOCK_C)
             ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :].to(tl.int64) * stride_c
             x2 = tl.load(ptrs, mask=(rows < R)[:, None] & (cols < C)[None, :], other=0.0).to(tl.float32)
-            tm = tl.max(tl.max(tl.abs(x2), axis=1), axis=0)
+            tm = _nan_max(_nan_max(tl.abs(x2), 1), 0)
         else:
             x = _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C, BLOCK_R, BLOCK_C // 16, RHT, SIGN_MASK, VEC2D,
                            PARTIAL)
-            tm = tl.max(_row_amax(x), axis=0)
+            tm = _nan_max(_row_amax(x), 0)
         m = tl.maximum(m, tm.to(tl.int32, bitcast=True))
     return m
 

@@ -32,7 +32,7 @@ from ._launch import cdiv, launcher, next_power_of_2
 from .finite_max import _max_into_flag
 from .nvfp4_gemm import _load_f32
 from .nvfp4_quant import (SIXTH, _block_amax, _decode_amax, _global_scales, _group_halves, _load_groups,
-                          _quantize_tile)
+                          _nan_max, _quantize_tile)
 
 
 @triton.jit
@@ -60,7 +60,7 @@ def _quantize_rows(x, rows, R, F, sixth, data_ptr, scale_ptr, gs_ptr, amax_ptr, 
     """The activation recipe on a [BLOCK_R, G, 8, 2] tile of whole rows: per-row global scales (and the amaxes the
     tensor carries), 1x16 blocks, nearest-even."""
     bamax = _block_amax(x)
-    amax = tl.max(bamax, axis=1)
+    amax = _nan_max(bamax, 1)
     s_enc, s_dec = _global_scales(amax)
     tl.store(gs_ptr + rows, s_dec, mask=rows < R)
     tl.store(amax_ptr + rows, _decode_amax(amax, s_enc), mask=rows < R)

@@ -6,9 +6,10 @@ the codes just before. Each value is the product the quantisation kernel writes 
 (kernels/nvfp4_quant.py `_quantize_tile`: (+-e2m1) x e4m3 in fp32, exact, rounded to fp16 exactly), so the values
 are bitwise those the quantiser would have written, and `NVFP4Tensor.block_values(torch.float16)` of the reference up
 to the sign of zero. The E4M3 decoding is kernels/nvfp4_encode.py `_e4m3_rne`'s (normal: bits ((e + 120) << 23) |
-(m << 20); subnormal m x 2^-9); the E2M1 magnitude index i is i / 2 below 2 and bits ((i >> 1) + 126) << 23 |
-(i & 1) << 22 from 2 up; a set sign bit negates as 0 - x, so code 8 ("-0") gives +0, as the quantisers write it (the
-reference gives -0; docs/nvfp4.md, "Zero and -0"). Elementwise: batch invariant by construction.
+(m << 20); subnormal m x 2^-9; the NaN code 0x7F, which the quantisers write for a block of NaN scale, NaN); the
+E2M1 magnitude index i is i / 2 below 2 and bits ((i >> 1) + 126) << 23 | (i & 1) << 22 from 2 up; a set sign bit
+negates as 0 - x, so code 8 ("-0") gives +0, as the quantisers write it (the reference gives -0; docs/nvfp4.md,
+"Zero and -0"). Elementwise: batch invariant by construction.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ def _block_values_kernel(data_ptr, scale_ptr, vals_ptr, R, NB,
     e = s >> 3
     m = s & 7
     sf = tl.where(e == 0, m.to(tl.float32) * 0.001953125, (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True))
+    sf = tl.where((s & 0x7F) == 0x7F, float("nan"), sf)  # E4M3's NaN: the quantisers' scale of a NaN block
     lo = (_e2m1_value(byte & 15) * sf).to(tl.float16)
     hi = (_e2m1_value(byte >> 4) * sf).to(tl.float16)
     word = lo.to(tl.uint16, bitcast=True).to(tl.uint32) | (hi.to(tl.uint16, bitcast=True).to(tl.uint32) << 16)

@@ -225,8 +225,8 @@ def test_stack_with_per_row_global_scales():
 
 def test_stack_amax_is_the_amax_kernels_value():
     """quantize_stack's amax (one torch reduction, minite.nvfp4.grouped.stack_amax) is bitwise the segments amax
-    kernel's on finite inputs (random, all zero, -0 only, an Inf), and the reference's where a NaN is present (the
-    kernel's max skips a NaN; the reference and stack_amax propagate it)."""
+    kernel's on finite inputs (random, all zero, -0 only, an Inf), and NaN where a member holds a NaN, as the
+    kernel's (NaN-propagating: kernels/nvfp4_quant.py `_nan_max`) and the reference's."""
     from minite.kernels.nvfp4_segments import quantize_segments_triton
     from minite.nvfp4.grouped import stack_amax
 
@@ -241,6 +241,8 @@ def test_stack_amax_is_the_amax_kernels_value():
     assert stack_amax(w).view(torch.int32).equal(w.reshape(5, -1).abs().amax(dim=1).float().view(torch.int32))
     w[0, 1, 1] = float("nan")
     assert torch.isnan(stack_amax(w)[0]) and not torch.isnan(stack_amax(w)[1:]).any()
+    kernel_amax = quantize_segments_triton(w.reshape(-1, 48), segs, (160, 48), (16, 16))[3]
+    assert torch.equal(kernel_amax.isnan(), stack_amax(w).isnan())
     assert stack_amax(torch.empty(2, 0, 16, device=DEVICE)).tolist() == [0.0, 0.0]
 
 

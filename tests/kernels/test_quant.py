@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from minite.nvfp4 import apply_rht, quantize, quantize_reference
+from minite.nvfp4 import apply_rht, quantize, quantize_column_segments, quantize_reference, quantize_stack
 from minite.nvfp4.quantize import uniform_u24
 from minite.kernels import nvfp4_encode, nvfp4_quant
 from minite.kernels.nvfp4_quant import quantize_triton, quantize_with_values_triton
@@ -199,14 +199,132 @@ def test_empty_tensor_with_given_amax():
 
 @pytest.mark.parametrize("scope", ["tensor", "row"])
 def test_nan_amax_gives_nan_scales_as_the_reference(scope):
-    """A NaN amax (what a NaN input gives on the GPU, where the quantiser does not check) makes NaN global scales, as
-    the reference's clamp does; a min that drops NaN would saturate S_enc to FLT_MAX instead."""
+    """A NaN amax (what a NaN anywhere in the input gives, the kernels' amaxes being NaN-propagating maxima: see
+    test_one_nan_propagates_as_the_reference; or a caller's NaN global_amax) makes NaN global scales, as the
+    reference's clamp does; a min that drops NaN would saturate S_enc to FLT_MAX instead."""
     x = torch.randn(2, 32, device=DEVICE)
     nan = torch.tensor(float("nan")) if scope == "tensor" else torch.tensor([float("nan"), 1.0])
     ref = quantize(x, scale_scope=scope, global_amax=nan, backend="reference")
     tri = quantize(x, scale_scope=scope, global_amax=nan, backend="triton")
     assert torch.equal(torch.isnan(tri.global_scale.cpu()), torch.isnan(ref.global_scale.cpu()))
     assert bool(torch.isnan(tri.global_scale).any())
+
+
+def _assert_nan_like_reference(tri, ref, seen, br=1):
+    """tri, ref: (codes, scale, global scale, amax, block values) of a quantisation of `seen` (x, or its RHT) holding
+    a NaN, check_finite off (kernels/nvfp4_quant.py docstring, "NaN"): the NaN reaches the amax and the global scale,
+    NaN patterns compared as NaN, everything else bitwise (block values by value: code 8's zero), the codes too but
+    where an element is NaN or +-Inf in a block of NaN scale (the reference's code 0, the kernels' 7)."""
+    codes_t, scale_t, gs_t, amax_t, vals_t = tri
+    codes_r, scale_r, gs_r, amax_r, vals_r = ref
+
+    def same(a, b):
+        nan = a.isnan()
+        return torch.equal(nan, b.isnan()) and torch.equal(a.masked_fill(nan, 0).view(torch.int32),
+                                                           b.masked_fill(nan, 0).view(torch.int32))
+    assert same(gs_t.cpu(), gs_r.cpu()) and same(amax_t.cpu(), amax_r.cpu())
+    assert torch.equal(scale_t.view(torch.uint8).cpu(), scale_r.view(torch.uint8).cpu())
+    assert torch.equal(vals_t.isnan().cpu(), vals_r.isnan().cpu())
+    assert torch.equal(vals_t.nan_to_num().cpu(), vals_r.nan_to_num().cpu())
+    nan_block = scale_r.float().isnan().repeat_interleave(br, 0).repeat_interleave(16, 1).cpu()
+    lost = nan_block & ~torch.isfinite(seen).cpu()
+    assert bool(lost.any()) and bool((codes_t.cpu()[lost] == 7).all()) and bool((codes_r.cpu()[lost] == 0).all())
+    assert torch.equal(codes_t.cpu()[~lost], codes_r.cpu()[~lost])
+
+
+def _fields(q):
+    return q.codes(), q.scale, q.global_scale, q.amax, q.values
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("case", ["tensor", "tensor-stochastic", "tensor-rht", "row", "row-two-passes", "16x16",
+                                  "given-amax", "transposed-rht"])
+def test_one_nan_propagates_as_the_reference(case, dtype):
+    """One NaN inside an otherwise finite tensor (not a whole tile; with +-Inf elsewhere), check_finite=False as on
+    the GPU: the Triton quantiser gives a NaN amax and global scale for the NaN's scope (the tensor, its row; a given
+    finite global amax: its block's scale only), as the reference does, and the reference's other outputs (tl.max's
+    NaN-dropping max found the amax of the other elements, and the NaN was encoded with finite scales)."""
+    torch.manual_seed(5)
+    cols = 8208 if case == "row-two-passes" else 96
+    x = (torch.randn(48 if cols == 96 else 3, cols) * 3).to(dtype)
+    x[1, 37 if cols == 96 else 8200] = float("nan")  # row-two-passes: past the first tile of 8192 columns
+    x[2, 3], x[0, 50] = float("inf"), -float("inf")
+    kw = dict(scale_scope="row" if case.startswith("row") else "tensor", check_finite=False, values=True,
+              rounding="stochastic" if case in ("tensor-stochastic", "transposed-rht") else "nearest", seed=7,
+              rht=case.endswith("rht"), block=(16, 16) if case == "16x16" else (1, 16))
+    if case == "given-amax":
+        kw["global_amax"] = x.float().abs().nan_to_num(0.0, 0.0, 0.0).amax() * 2
+    x = x.to(DEVICE)
+    if case == "transposed-rht":  # the wgrad's dy^T: a transposed view, the amax pass over the quantisation's tiles
+        x = x.t()
+    ref = quantize(x.contiguous(), backend="reference", **kw)
+    tri = quantize(x, backend="triton", **kw)
+    seen = apply_rht(x.contiguous()) if kw["rht"] else x.float()
+    _assert_nan_like_reference(_fields(tri), _fields(ref), seen, kw["block"][0])
+    assert bool(tri.global_scale.isnan().any()) == (case != "given-amax")  # the given amax: the block scale's NaN
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's fast path of `_nan_max`")
+def test_nan_max_fast_path_is_the_generic_reduce(monkeypatch):
+    """The interpreter reduces `_nan_max` with np.max (kernels/_interpreter.py); without that attribute it runs the
+    combine function element by element: the same bits, NaN included."""
+    x = torch.randn(2, 32) * 3
+    x[1, 5], x[0, 9] = float("nan"), -0.0
+    kw = dict(scale_scope="row", check_finite=False, values=True, backend="triton")
+    fast = quantize(x, **kw)
+    monkeypatch.delattr(nvfp4_quant._nan_max_combine, "numpy_reduce")
+    slow = quantize(x, **kw)
+    assert fast.equal(slow) and torch.equal(fast.values.isnan(), slow.values.isnan())
+    assert torch.isnan(slow.amax[1]) and not torch.isnan(slow.amax[0])
+
+
+@pytest.mark.parametrize("kind", ["column-segments", "count-segments", "stack-rht", "stack-16x16"])
+def test_one_nan_in_a_segment_propagates_as_the_reference(kind):
+    """The segment quantisers (the MoE wgrad's column segments of x^T / dy^T, with the RHT; an expert-weight stack),
+    one NaN in one segment, an Inf in another, check_finite=False: the NaN's segment gets a NaN amax and global
+    scale, the others their own, each as the reference on that segment alone."""
+    from minite.nvfp4 import quantize_count_segments
+    torch.manual_seed(6)
+    x = (torch.randn(64, 48) * 3).to(torch.bfloat16)
+    x[15, 7], x[50, 20] = float("nan"), float("inf")  # tokens 15 and 50: experts 1 and 2 of counts 10, 30, 24
+    x = x.to(DEVICE)
+    counts, widths, seeds = [10, 30, 24], [16, 32, 32], [1, 2, 3]
+    if kind.startswith("stack"):
+        rht = kind == "stack-rht"
+        kw = dict(block=(1, 16) if rht else (16, 16), rht=rht, check_finite=False, values=True)
+        st = quantize_stack(x.view(4, 16, 48), backend="triton", **kw)
+        members = [(x.view(4, 16, 48)[e], st[e], st.values[e]) for e in range(4)]
+    else:
+        args = dict(rounding="stochastic", seeds=seeds, rht=True, check_finite=False, values=True)
+        if kind == "column-segments":
+            sg = quantize_column_segments(x.t(), widths, counts=counts, backend="triton", **args)
+        else:  # device counts: the segments found in the kernels
+            sg = quantize_count_segments(x.t(), torch.tensor(counts, device=DEVICE), backend="triton", **args)
+        members, start = [], 0
+        for e, (c, w) in enumerate(zip(counts, widths)):
+            padded = x.new_zeros(w, 48)
+            padded[:c] = x[start:start + c]
+            s0 = sum(widths[:e])
+            codes = torch.stack([sg.data[:, s0 // 2:(s0 + w) // 2] & 15, sg.data[:, s0 // 2:(s0 + w) // 2] >> 4],
+                                dim=-1).reshape(48, w)
+            members.append((padded.t().contiguous(), (codes, sg.scale[:, s0 // 16:(s0 + w) // 16],
+                                                      sg.global_scale[e], sg.amax[e]), sg.values[:, s0:s0 + w]))
+            start += c
+    for e, (m, q, vals) in enumerate(members):
+        fields = (*_fields(q)[:4], vals) if kind.startswith("stack") else (*q, vals)
+        kw = dict(block=(16, 16) if kind == "stack-16x16" else (1, 16), scale_scope="tensor",
+                  rounding="nearest" if kind.startswith("stack") else "stochastic",
+                  seed=None if kind.startswith("stack") else seeds[e], rht=kind != "stack-16x16")
+        ref = quantize_reference(m, **kw)
+        ref.values = ref.block_values(torch.float16)
+        if e == (0 if kind.startswith("stack") else 1):  # the NaN's member (token 15: member 0 of 16 rows each)
+            _assert_nan_like_reference(fields, _fields(ref), apply_rht(m) if kw["rht"] else m.float(), kw["block"][0])
+            assert bool(fields[2].isnan()) and bool(fields[3].isnan())
+        else:
+            assert torch.equal(fields[0].cpu(), ref.codes().cpu()) and torch.equal(fields[2].cpu(),
+                                                                                   ref.global_scale.cpu())
+            assert torch.equal(fields[1].view(torch.uint8).cpu(), ref.scale.view(torch.uint8).cpu())
+            assert torch.equal(fields[3].cpu(), ref.amax.cpu()) and torch.equal(fields[4].cpu(), ref.values.cpu())
 
 
 @pytest.mark.parametrize("scope,cols,rht", [("row", 64, False), ("row", 64, True), ("row", 8208, False),
