@@ -24,6 +24,12 @@ so the CPU tests compare with these formulas in torch with numpy's exp.
 
 The forward's bits are `expert_swiglu_quantize_triton`'s `a` (kernels/nvfp4_swiglu.py), which the rollout already
 computes in its decode steps. Rows are independent: batch invariant.
+
+The backward can also give max |dh| over the stored bf16 values (`amax=True`), the amax that FC1's dgrad operand
+(dh, quantised at tensor scope) would otherwise take in a pass of its own over dh: each program's max of the bits it
+stored, (bits & 0x7FFF) << 16 as int32 (the fp32 bits of |value|; for values >= 0 and NaN the integer order is the
+float order, NaN above +inf, so a NaN anywhere gives a NaN amax), then one int max over the programs' partials.
+Exact, in any order.
 """
 from __future__ import annotations
 
@@ -58,10 +64,20 @@ def _exp_neg_interpreted(g):
 @triton.jit
 def _store_bf16(ptr, offs, x, mask):
     """fp32 x stored as bf16 rounded to nearest even, by its bits (the interpreter's cast truncates, and mangles
-    subnormals); a NaN through the cast (on the GPU cvt.rn.bf16.f32's canonical NaN, as torch's CUDA cast)."""
+    subnormals); a NaN through the cast (on the GPU cvt.rn.bf16.f32's canonical NaN, as torch's CUDA cast). Returns
+    the bits stored (uint16)."""
     rounded = (_round_bf16(x).to(tl.uint32, bitcast=True) >> 16).to(tl.uint16)
     nan = x.to(tl.bfloat16).to(tl.uint16, bitcast=True)
-    tl.store(ptr.to(tl.pointer_type(tl.uint16)) + offs, tl.where(x == x, rounded, nan), mask=mask)
+    bits = tl.where(x == x, rounded, nan)
+    tl.store(ptr.to(tl.pointer_type(tl.uint16)) + offs, bits, mask=mask)
+    return bits
+
+
+@triton.jit
+def _abs_bits_max(bits, mask):
+    """max over a tile of the fp32 bits of |bf16 value| (int32; masked lanes +0) of stored bf16 bits (uint16)."""
+    mag = tl.where(mask, bits.to(tl.int32) & 0x7FFF, 0)
+    return tl.max(tl.max(mag, axis=1), axis=0) << 16  # the shift once: it keeps the order of the magnitudes
 
 
 @triton.jit
@@ -79,9 +95,10 @@ def _forward_kernel(h_ptr, p_ptr, a_ptr, R, F, BLOCK_R: tl.constexpr, BLOCK_C: t
 
 
 @triton.jit
-def _backward_kernel(h_ptr, p_ptr, da_ptr, dh_ptr, dp_ptr, R, F, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                     EXP_NEG: tl.constexpr):
-    """dh, and dp's partial sum over this program's BLOCK_C columns (dp_ptr: fp32 [R, cdiv(F, BLOCK_C)])."""
+def _backward_kernel(h_ptr, p_ptr, da_ptr, dh_ptr, dp_ptr, amax_ptr, R, F, BLOCK_R: tl.constexpr,
+                     BLOCK_C: tl.constexpr, EXP_NEG: tl.constexpr, AMAX: tl.constexpr):
+    """dh, and dp's partial sum over this program's BLOCK_C columns (dp_ptr: fp32 [R, cdiv(F, BLOCK_C)]); AMAX: the
+    program's max |dh| as fp32 bits into amax_ptr (int32, one per program, row-major over the grid)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows < R)[:, None] & (cols < F)[None, :]
@@ -97,9 +114,12 @@ def _backward_kernel(h_ptr, p_ptr, da_ptr, dh_ptr, dp_ptr, R, F, BLOCK_R: tl.con
     dgate = (t * up) * s * (1.0 + gate * (1.0 - s))
     dup = t * silu
     dp = tl.sum(tl.where(mask, da * (silu * up), 0.0), axis=1)
-    _store_bf16(dh_ptr, base, dgate, mask)
-    _store_bf16(dh_ptr, base + F, dup, mask)
+    gate_bits = _store_bf16(dh_ptr, base, dgate, mask)
+    up_bits = _store_bf16(dh_ptr, base + F, dup, mask)
     tl.store(dp_ptr + rows.to(tl.int64) * tl.num_programs(1) + tl.program_id(1), dp, mask=rows < R)
+    if AMAX:
+        m = tl.maximum(_abs_bits_max(gate_bits, mask), _abs_bits_max(up_bits, mask))
+        tl.store(amax_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), m)
 
 
 def _check(h: torch.Tensor, probs: torch.Tensor) -> int:
@@ -136,9 +156,9 @@ def expert_swiglu_triton(h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     return a
 
 
-def expert_swiglu_backward_triton(h: torch.Tensor, probs: torch.Tensor, da: torch.Tensor):
+def expert_swiglu_backward_triton(h: torch.Tensor, probs: torch.Tensor, da: torch.Tensor, *, amax: bool = False):
     """(dh bf16 [R, 2F], dprobs fp32 [R]) of `expert_swiglu_triton` for the gradient da (bf16 [R, F]) of its output
-    (module docstring)."""
+    (module docstring); amax: also max |dh| (fp32, 0-d, on dh's device; +0 for an empty dh), as a third element."""
     ensure_interpreter_compat()
     f = _check(h, probs)
     rows = h.shape[0]
@@ -147,14 +167,18 @@ def expert_swiglu_backward_triton(h: torch.Tensor, probs: torch.Tensor, da: torc
                          f"{(rows, f)} on {h.device}")
     dh = torch.empty_like(h, memory_format=torch.contiguous_format)
     if not (rows and f):
-        return dh, torch.zeros(rows, dtype=torch.float32, device=h.device)
+        dp = torch.zeros(rows, dtype=torch.float32, device=h.device)
+        return (dh, dp, torch.zeros((), dtype=torch.float32, device=h.device)) if amax else (dh, dp)
     block_r, block_c = tile(f, BACKWARD_ELEMS)
-    tiles = cdiv(f, block_c)
-    parts = torch.empty(rows, tiles, dtype=torch.float32, device=h.device)
-    launcher(_backward_kernel)[(cdiv(rows, block_r), tiles)](
-        h.contiguous(), probs.contiguous(), da.contiguous(), dh, parts, rows, f, BLOCK_R=block_r, BLOCK_C=block_c,
-        EXP_NEG=_exp_neg(), num_warps=4)
+    grid = (cdiv(rows, block_r), cdiv(f, block_c))
+    parts = torch.empty(rows, grid[1], dtype=torch.float32, device=h.device)
+    maxima = torch.empty(grid[0] * grid[1] if amax else 1, dtype=torch.int32, device=h.device)
+    launcher(_backward_kernel)[grid](
+        h.contiguous(), probs.contiguous(), da.contiguous(), dh, parts, maxima, rows, f, BLOCK_R=block_r,
+        BLOCK_C=block_c, EXP_NEG=_exp_neg(), AMAX=amax, num_warps=4)
     # the column tiles' partial sums added left to right (one tile: the sum itself): dprobs' order, fixed for a
     # given F whatever the rows (one add launch per tile after the first)
-    dp = parts[:, 0].clone() if tiles == 1 else functools.reduce(torch.add, parts.unbind(1))
+    dp = parts[:, 0].clone() if grid[1] == 1 else functools.reduce(torch.add, parts.unbind(1))
+    if amax:  # the programs' maxima: one exact int max, no host read
+        return dh, dp, maxima.amax().view(torch.float32)
     return dh, dp

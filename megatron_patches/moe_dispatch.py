@@ -32,7 +32,8 @@ Scope: installed by `use_local_dispatch(model)` on MoE layers whose dispatcher i
 with one EP and one expert-TP rank, no token dropping or padding, no fused permutation, no shared-expert overlap, no
 latent projection and no CUDA graphs; other layers keep their dispatcher. The embedded rollout engine and the
 Learner install it. Under autograd the rows are index_select's (backward: index_add, as upstream's permute) and
-the combine scatter_add's (backward: gather), so gradients are upstream's too (tests/learner). Checked against
+the combine scatter_add's (backward: gather; `minite.ops.combine_for_training`, whose gradient also carries its
+amax for FC2's dgrad), so gradients are upstream's too (tests/learner). Checked against
 Megatron-Core 0.16.1.
 """
 from __future__ import annotations
@@ -41,7 +42,7 @@ import logging
 
 import torch
 
-from minite.ops import combine_fixed_order, combine_scatter_add
+from minite.ops import combine_fixed_order, combine_for_training, combine_scatter_add
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,9 @@ class LocalTokenDispatcher:
         tokens = self.hidden_shape[:-1].numel()
         if getattr(self.config, "minite_strict", False):
             out = combine_fixed_order(rows, self.row_token, tokens).to(rows.dtype)
+        elif torch.is_grad_enabled() and rows.requires_grad:  # the rows' gradient carries its amax (FC2's dgrad)
+            out = combine_for_training(rows, self.row_token, tokens,
+                                       deterministic=torch.are_deterministic_algorithms_enabled())
         elif torch.are_deterministic_algorithms_enabled():  # as upstream's unpermute
             out = torch.zeros(tokens, rows.shape[1], dtype=rows.dtype, device=rows.device)
             out.index_add_(0, self.row_token, rows)

@@ -336,7 +336,7 @@ class GroupedExperts(MegatronModule):
                                            strict=self.strict)
             return out, None
         out = swiglu_experts(permuted_hidden, permuted_probs, lambda a, i: self._linear(a, weights[i], counts, i + 1),
-                             strict=self.strict)
+                             strict=self.strict, amax_hint=self.nvfp4 is not None)
         return out, None
 
 

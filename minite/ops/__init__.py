@@ -17,8 +17,8 @@ except ImportError:
 
 from .common import (FiniteFlag, any_rank, collective_device, derive_seed, first_nonfinite, group_size,
                      quantiser_checks_finite, refill_in_place)
-from .experts import (combine_fixed_order, combine_scatter_add, grouped_linear_bf16, route, routed_experts, swiglu,
-                      swiglu_experts)
+from .experts import (combine_fixed_order, combine_for_training, combine_scatter_add, grouped_linear_bf16, route,
+                      routed_experts, swiglu, swiglu_experts)
 from .grouped import (nvfp4_grouped_linear, nvfp4_grouped_linear_forward, nvfp4_swiglu_fc2_forward,
                       quantize_expert_weights)
 from .linear import nvfp4_linear, nvfp4_linear_forward, quantize_weight
@@ -29,4 +29,4 @@ __all__ = ["FiniteFlag", "first_nonfinite", "any_rank", "collective_device", "re
            "nvfp4_linear_forward", "quantize_weight", "nvfp4_grouped_linear", "nvfp4_grouped_linear_forward",
            "nvfp4_swiglu_fc2_forward",
            "quantize_expert_weights", "swiglu", "swiglu_experts", "grouped_linear_bf16", "route", "routed_experts",
-           "combine_scatter_add", "combine_fixed_order"]
+           "combine_scatter_add", "combine_for_training", "combine_fixed_order"]

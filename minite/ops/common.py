@@ -5,6 +5,11 @@ Stochastic-rounding seeds are *derived*, never drawn: the caller passes one inte
 hash(run seed, train step, layer index)) and each role gets `derive_seed(seed, ROLES[role])`. A run is then
 reproducible and a resumed run draws the same rounding as an uninterrupted one.
 
+A gradient's amax from the pass that wrote it: a tensor-scope quantisation needs max |x| over the whole tensor first,
+a pass of its own over x unless the kernel that wrote x took it on the way (`hint_amax`; the experts' SwiGLU backward
+for FC1's dgrad operand, the combine's backward for FC2's). The next quantisation of that same tensor takes the hint
+(`hinted_amax`, as `quantize(..., global_amax=)`), bitwise the amax it would have computed, and skips the pass.
+
 Tensor parallelism: a global scale is the amax over its scope; when that scope spans a TP-sharded dim, each rank sees
 only a slice. `quantize_scoped` all-reduces (MAX) the amax over the TP group and hands it to the quantiser
 (`quantize(..., global_amax=)`), so a shard quantises to exactly the values of the same slice of the unsharded
@@ -65,6 +70,44 @@ def group_amax(values: torch.Tensor, dim: Optional[int], group) -> torch.Tensor:
     amax = amax.float().contiguous()
     dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     return amax
+
+
+AMAX_HINT = "_minite_amax"
+"""The tensor attribute `hint_amax` sets: (max |t| fp32 0-d, the write's key)."""
+
+
+def _write_key(t: torch.Tensor) -> tuple:
+    """What identifies the write a hint was taken from: the storage, the version counter (bumped by every in-place op),
+    the shape and strides."""
+    return t.data_ptr(), t._version, tuple(t.shape), t.stride()
+
+
+def hint_amax(t: torch.Tensor, amax) -> torch.Tensor:
+    """Attach amax = max |t| (fp32 0-d, NaN where t holds a NaN: what the quantiser's own amax pass gives) to t, as
+    computed by the pass that wrote t, or a function that computes it from less than t (called once, when asked);
+    returns t. Autograd hands a backward's output to the next backward as the same object, so a gradient carries
+    its hint to the op that quantises it."""
+    setattr(t, AMAX_HINT, (amax, _write_key(t)))
+    return t
+
+
+def hinted_amax(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """The amax `hint_amax` attached to t, if nothing wrote t since (an in-place op, new storage, another view drop
+    it); None otherwise (the quantiser then computes it)."""
+    found = getattr(t, AMAX_HINT, None)
+    if found is None or found[1] != _write_key(t):
+        return None
+    amax = found[0]
+    if callable(amax):
+        amax = amax()
+        setattr(t, AMAX_HINT, (amax, found[1]))
+    return amax
+
+
+def abs_max(t: torch.Tensor) -> torch.Tensor:
+    """max |t| as fp32 0-d on t's device (+0 for an empty t; NaN if t holds a NaN), from one `aminmax` read."""
+    lo, hi = _min_max(t)
+    return torch.maximum(-lo, hi).abs().float()  # abs: +0 where max(+0, -0) gives -0
 
 
 def quantiser_checks_finite(t: torch.Tensor) -> bool:

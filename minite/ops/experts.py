@@ -28,16 +28,20 @@ from minite.nvfp4.backend import has_kernel, kernel
 from minite.nvfp4.device_copy import int32_to
 from minite.strict import fused, fused_combine, ops as S, triton_gemm
 
+from .common import abs_max, hint_amax
+
 GroupedLinear = Callable[[torch.Tensor, int], torch.Tensor]
 """fc(a, which): the grouped GEMM of fc1 (which=0) or fc2 (which=1) over rows grouped by expert."""
 
 
-def swiglu(h: torch.Tensor, probs: torch.Tensor, *, strict: bool) -> torch.Tensor:
+def swiglu(h: torch.Tensor, probs: torch.Tensor, *, strict: bool, amax_hint: bool = False) -> torch.Tensor:
     """silu(gate) * up * prob for h = [gate | up] [R, 2F] and probs [R]: fp32 products, rounded once to h's dtype.
     Default mode on a GPU, once proven there (`swiglu_kernels_apply`): the same bits in one Triton launch, and its
-    backward in one (`_SwiGLUKernels`)."""
+    backward in one (`_SwiGLUKernels`), which with amax_hint (and "expert_swiglu_amax" proven, `fused.WAITS_FOR`)
+    also takes max |dh| on the way for h's producer (an NVFP4 FC1, whose dgrad quantises dh at tensor scope:
+    `minite.ops.common.hint_amax`)."""
     if not strict and swiglu_kernels_apply(h, probs):
-        return _SwiGLUKernels.apply(h, probs)
+        return _SwiGLUKernels.apply(h, probs, amax_hint)
     gate, up = torch.chunk(h, 2, dim=-1)
     silu = S.silu(gate) if strict else F.silu(gate.float())
     return (silu * up.float() * probs.unsqueeze(-1).float()).to(h.dtype)
@@ -60,21 +64,28 @@ class _SwiGLUKernels(torch.autograd.Function):
     differentiable (the eager ops are): a double backward raises."""
 
     @staticmethod
-    def forward(ctx, h, probs):
+    def forward(ctx, h, probs, amax_hint):
         ctx.save_for_backward(h, probs)
+        ctx.amax_hint = amax_hint
         return kernel("expert_swiglu")(h, probs)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, da):
         h, probs = ctx.saved_tensors
-        dh, dprobs = kernel("expert_swiglu_backward")(h, probs, da)
-        return dh, (dprobs if ctx.needs_input_grad[1] else None)
+        if ctx.amax_hint and "expert_swiglu_amax" in fused.PROVEN:
+            dh, dprobs, amax = kernel("expert_swiglu_backward")(h, probs, da, amax=True)
+            hint_amax(dh, amax)
+        else:
+            dh, dprobs = kernel("expert_swiglu_backward")(h, probs, da)
+        return dh, (dprobs if ctx.needs_input_grad[1] else None), None
 
 
-def swiglu_experts(x: torch.Tensor, probs: torch.Tensor, fc: GroupedLinear, *, strict: bool) -> torch.Tensor:
-    """The experts on rows x [R, H] grouped by expert, with router probs [R]: fc2(swiglu(fc1(x), probs))."""
-    return fc(swiglu(fc(x, 0), probs, strict=strict), 1)
+def swiglu_experts(x: torch.Tensor, probs: torch.Tensor, fc: GroupedLinear, *, strict: bool,
+                   amax_hint: bool = False) -> torch.Tensor:
+    """The experts on rows x [R, H] grouped by expert, with router probs [R]: fc2(swiglu(fc1(x), probs)). amax_hint:
+    fc1's dgrad operand takes its amax from the SwiGLU's backward (`swiglu`; an NVFP4 fc1)."""
+    return fc(swiglu(fc(x, 0), probs, strict=strict, amax_hint=amax_hint), 1)
 
 
 def grouped_mm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -161,6 +172,34 @@ def combine_scatter_add(rows: torch.Tensor, row_token: torch.Tensor, tokens: int
         return fused_combine.combine_in_rows_dtype(rows, row_token, tokens)
     out = torch.zeros(tokens, rows.shape[1], dtype=rows.dtype, device=rows.device)
     return out.scatter_add_(0, row_token.unsqueeze(1).expand(-1, rows.shape[1]), rows)
+
+
+def combine_for_training(rows: torch.Tensor, row_token: torch.Tensor, tokens: int, *,
+                         deterministic: bool = False) -> torch.Tensor:
+    """Default combine under autograd, as Megatron's unpermute: the rows scatter_add'ed into zeros in their dtype
+    (deterministic: index_add_, as upstream under deterministic algorithms); the rows' gradient is the output
+    gradient's rows gathered (torch's backward of both), carrying max |d_out| as its amax hint (`hint_amax`; computed
+    only if asked: FC2's dgrad quantises it at tensor scope in NVFP4). Every row is a copy of a row of d_out and every
+    token has k >= 1 rows (`route`, the learner's dispatcher), so max |d_out| is max |rows' gradient|, read from 1/k
+    of its bytes."""
+    return _CombineRows.apply(rows, row_token, tokens, deterministic)
+
+
+class _CombineRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, row_token, tokens, deterministic):
+        ctx.save_for_backward(row_token)
+        out = torch.zeros(tokens, rows.shape[1], dtype=rows.dtype, device=rows.device)
+        if deterministic:
+            return out.index_add_(0, row_token, rows)
+        return out.scatter_add_(0, row_token.unsqueeze(1).expand(-1, rows.shape[1]), rows)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_out):
+        (row_token,) = ctx.saved_tensors
+        drows = d_out.index_select(0, row_token)
+        return hint_amax(drows, lambda: abs_max(d_out)), None, None, None
 
 
 def combine_fixed_order(rows: torch.Tensor, row_token: torch.Tensor, tokens: int) -> torch.Tensor:

@@ -32,7 +32,8 @@ from minite.nvfp4 import (NVFP4Recipe, NVFP4Segments, NVFP4Stack, grouped_gemm, 
 from minite.nvfp4.backend import has_kernel, kernel, resolve
 from minite.strict import fused as strict_fused, fused_swiglu
 
-from .common import ROLES, FiniteFlag, derive_seed, derive_seeds, quant_flags, quantiser_checks_finite
+from .common import (ROLES, FiniteFlag, derive_seed, derive_seeds, hinted_amax, quant_flags,
+                     quantiser_checks_finite)
 from .experts import swiglu
 from .linear import wgrad
 
@@ -230,6 +231,14 @@ def _main_grad(weight: torch.Tensor, recipe: NVFP4Recipe) -> Optional[torch.Tens
     return main
 
 
+def _gradient_amax(dy: torch.Tensor, recipe: NVFP4Recipe) -> Optional[torch.Tensor]:
+    """dy's amax from the pass that wrote it (`minite.ops.common.hint_amax`: the experts' SwiGLU backward, the
+    combine's backward), for the dgrad operand's tensor-scope quantisation without an amax pass of its own; None
+    where the recipe's scale is per row or taken after the RHT, or no hint holds."""
+    op = recipe.gradient
+    return hinted_amax(dy) if op.scale_scope == "tensor" and not op.rht else None
+
+
 class DeferredWgrads:
     """Pending MoE wgrads of one train step (module docstring): `add` (from a grouped linear's backward) keeps a
     micro-batch's packed dy^T and x^T segments for a weight's fp32 main_grad, and adds a weight's pending wgrads as
@@ -308,7 +317,7 @@ class _NVFP4GroupedLinear(torch.autograd.Function):
             dx = dy.new_zeros(ctx.x_shape, dtype=ctx.x_dtype)
         elif ctx.needs_input_grad[0]:
             gq = recipe.gradient.quantize(dy, seed=derive_seed(seed, ROLES["gradient"]), backend=backend,
-                                          **quant_flags(backend, dy))
+                                          global_amax=_gradient_amax(dy, recipe), **quant_flags(backend, dy))
             dx = grouped_gemm(gq, ctx.w_q, counts, out_dtype=ctx.x_dtype, backend=backend, transpose_weights=True)
             del gq  # freed before the wgrad quantises dy^T (the backward's own peak)
         if ctx.needs_input_grad[1]:

@@ -89,7 +89,10 @@ H100 (sm_90, the H200's architecture, Triton 3.6, torch 2.11), their tests below
 docs/benchmarks.md). Waiting: `combine_rows_dtype`, the default (not strict) combine's kernel
 (`fused_combine.combine_in_rows_dtype`): its bitwise test passed in that call too, and it joins once the default-mode
 learner/rollout gap with it is measured on the GPU not to grow (the rollout's combine then rounds once, where the
-learner's, torch's scatter_add under autograd, rounds after every addition in the GPU's order).
+learner's, torch's scatter_add under autograd, rounds after every addition in the GPU's order);
+`expert_swiglu_amax`, the expert SwiGLU backward's max |dh| for FC1's dgrad operand (`amax=True` of
+kernels/expert_swiglu.py, taken by `minite.ops.experts.swiglu` with amax_hint): dh's bits are the proven kernel's
+either way, and the amax waits for its GPU test, bitwise torch's max |dh|.
 
 MINITE_TRY_KERNELS (a comma-separated list of names, read at import) adds kernels that wait here, for a benchmark on
 the GPU that measures one before its test has passed (both ways in one device call); a warning names them. Not for
@@ -97,6 +100,7 @@ training runs: an unproven kernel may compute other bits than the ops it replace
 
 WAITS_FOR = {
     "combine_rows_dtype": "tests/strict/test_fused_combine.py::test_default_combine_is_bitwise_the_cpu_scatter_add",
+    "expert_swiglu_amax": "tests/kernels/test_expert_swiglu.py::test_kernels_are_torchs_ops_and_autograd_on_the_gpu",
 }
 """Each waiting name's GPU test (a pytest node id), which tools/gpu_acceptance.sh's `gate` stage runs on the H200."""
 WAITING = frozenset(WAITS_FOR)

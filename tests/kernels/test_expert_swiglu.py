@@ -128,6 +128,46 @@ def test_nan_and_inf_propagate():
     assert bool(torch.isfinite(dh[3]).all()) and float(dp[3]) == 0.0  # the all-zero row
 
 
+def _amax_bits(dh):
+    """max |dh| as fp32 bits (int32): torch's amax, NaN where dh holds one."""
+    return dh.float().abs().amax().view(torch.int32) if dh.numel() else torch.tensor(0, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("rows,f", SHAPES + ((40, 768),))
+def test_backward_amax_is_the_amax_of_dh(rows, f):
+    """amax=True: dh and dprobs bitwise those without it, and the amax bitwise max |dh| (the pass that FC1's dgrad
+    operand would otherwise take), at partial tiles, an empty dh, Inf, and -0 everywhere (+0: the quantiser's
+    abs)."""
+    from minite.kernels.expert_swiglu import expert_swiglu_backward_triton
+
+    h, probs, da = _inputs(rows, f, rows + f)
+    dh, dp = expert_swiglu_backward_triton(h, probs, da)
+    dh2, dp2, amax = expert_swiglu_backward_triton(h, probs, da, amax=True)
+    assert _bits_equal(dh2, dh) and torch.equal(dp2.view(torch.int32), dp.view(torch.int32))
+    assert amax.shape == () and amax.dtype == torch.float32 and amax.device == dh.device
+    assert torch.equal(amax.view(torch.int32).cpu(), _amax_bits(dh).cpu())
+    zero, minus = torch.zeros_like(da), -torch.zeros_like(probs)  # t = da * p = -0: dh = -0 or +0 everywhere
+    dh0, _, amax0 = expert_swiglu_backward_triton(h, minus, zero, amax=True)
+    assert int(amax0.view(torch.int32)) == 0 and torch.equal(amax0.view(torch.int32).cpu(), _amax_bits(dh0).cpu())
+    big = da.clone()
+    big[0, 0] = float("inf")
+    dhi, _, amaxi = expert_swiglu_backward_triton(h, probs, big, amax=True)
+    assert torch.equal(amaxi.view(torch.int32).cpu(), _amax_bits(dhi).cpu())
+    empty = expert_swiglu_backward_triton(h[:0], probs[:0], da[:0], amax=True)
+    assert empty[0].shape == (0, 2 * f) and int(empty[2].view(torch.int32)) == 0
+
+
+def test_backward_amax_is_nan_where_dh_holds_a_nan():
+    """One NaN in dh (not a whole tile of them) makes the amax NaN, as torch's amax and the reference quantiser's:
+    the NaN is not lost in the quantisation that takes this amax."""
+    from minite.kernels.expert_swiglu import expert_swiglu_backward_triton
+
+    h, probs, da = _inputs(40, 768, 9)
+    da[17, 300] = float("nan")
+    dh, _, amax = expert_swiglu_backward_triton(h, probs, da, amax=True)
+    assert int(dh.isnan().sum()) == 2 and bool(amax.isnan())
+
+
 def test_refuses_bad_input():
     from minite.kernels.expert_swiglu import expert_swiglu_backward_triton, expert_swiglu_triton
 
@@ -169,8 +209,9 @@ def test_ops_swiglu_routes_to_the_kernels_once_proven(monkeypatch):
 @pytest.mark.gpu
 def test_kernels_are_torchs_ops_and_autograd_on_the_gpu():
     """On the GPU: the forward bitwise torch's ops (`minite.ops.swiglu`'s torch path), dh bitwise torch autograd's,
-    dprobs within the row sums' rounding; at a decode step's rows, a micro-batch's and odd sizes. It passed on sm_90
-    (an H100, 2026-12-05), and "expert_swiglu" joined fused.PROVEN."""
+    dprobs within the row sums' rounding, the backward's amax bitwise torch's max |dh|; at a decode step's rows, a
+    micro-batch's and odd sizes. It passed on sm_90 (an H100, 2026-12-05; before the amax), and "expert_swiglu"
+    joined fused.PROVEN."""
     from minite.kernels.expert_swiglu import expert_swiglu_backward_triton, expert_swiglu_triton
     from minite.ops import experts
 
@@ -185,6 +226,8 @@ def test_kernels_are_torchs_ops_and_autograd_on_the_gpu():
         assert _bits_equal(expert_swiglu_triton(h, probs), a.detach()), (rows, f)
         dh, dp = expert_swiglu_backward_triton(h, probs, da)
         assert _bits_equal(dh, hr.grad), (rows, f, int((dh != hr.grad).sum()))
+        _, _, amax = expert_swiglu_backward_triton(h, probs, da, amax=True)  # the amax FC1's dgrad takes
+        assert torch.equal(amax.view(torch.int32), _amax_bits(hr.grad)), (rows, f)
         g, u = h[:, :f].float(), h[:, f:].float()
         terms = (da.float() * (torch.nn.functional.silu(g) * u)).abs().sum(dim=1)
         _row_sum_close(dp, terms, pr.grad)

@@ -68,13 +68,14 @@ def test_quant_kernels_census(tmp_path):
     addressing) with one conversion per two elements, so that bound is asserted on 3.6 only. The wgrad segments found
     from device counts too (their output columns are products by 16 the compiler can see: a hint on a reduction's
     result was lost, and their values left in 4-byte stores). The learner's SwiGLU with its fused quantisation too, and
-    the experts' SwiGLU of training (its bf16 outputs stored as 16-byte vectors, as bits through a uint16 pointer)."""
+    the experts' SwiGLU of training, its backward with and without the amax of dh (its bf16 outputs stored as 16-byte
+    vectors, as bits through a uint16 pointer)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "quant.json"
     subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench", "sass_census.py"), "--quant", "--json",
                     str(out)], env=env, check=True, capture_output=True, timeout=600)
     rows = {r["call"]: r for r in json.loads(out.read_text())["rows"]}
-    assert len(rows) == 12
+    assert len(rows) == 13
     for r in rows.values():
         assert "STG.E.U16" not in r["stores"], r["call"]
         if r["call"].startswith("expert swiglu"):  # the SwiGLU of training (no quantisation): bf16 out in vectors

@@ -30,10 +30,12 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
+from minite.kernels.expert_swiglu import expert_swiglu_backward_triton
 from minite.kernels.nvfp4_swiglu import SwiGLUFunction, swiglu_bwd_triton, swiglu_quant_triton
 from minite.kernels.nvfp4_gemm import ExpertWeights, GemmConfig, grouped_gemm_triton, stack_expert_weights
 from minite.kernels import nvfp4_quant as nq, nvfp4_segments as ns, nvfp4_wgrad as nw
 from minite.kernels.nvfp4_quant import quantize_triton, quantize_with_values_triton
+from minite.ops.common import abs_max
 from provenance import stamp  # tools/bench/, beside this script
 
 HIDDEN, FFN, EXPERTS, TOPK, TOKENS = 2048, 768, 128, 8, 16384
@@ -244,31 +246,29 @@ def section_block(res: dict, train_cfg: GemmConfig | None) -> None:
     qdyt, dytv = quantize_with_values_triton(dy.t(), (1, 16), "tensor", "stochastic", 3, True)
     qat, atv = quantize_with_values_triton(a_.t(), (1, 16), "tensor", "nearest", None, True)
 
-    def swiglu_bwd():
-        return swiglu_bwd_triton(h_, da)
-
     main_grad = torch.zeros(EXPERTS, dy.shape[1], a_.shape[1], dtype=torch.float32, device="cuda")
+    dy_amax, probs = abs_max(dy), torch.rand(rows, device="cuda")
 
     bwd_stages = {
         "quant_dy_sr": bench(lambda: quantize_with_values_triton(dy, (1, 16), "tensor", "stochastic", 1, False)),
         "dgrad_fc2": bench(lambda: grouped_gemm_triton(qd, w2t, counts, torch.bfloat16, a_values=dv, config=cfg)),
-        "swiglu_bwd_triton": bench(swiglu_bwd),
+        "swiglu_bwd_triton": bench(lambda: swiglu_bwd_triton(h_, da)),
         "quant_dyT_rht_sr": bench(lambda: quantize_with_values_triton(dy.t(), (1, 16), "tensor", "stochastic", 3,
                                                                       True)),
         "quant_aT_rht": bench(lambda: quantize_with_values_triton(a_.t(), (1, 16), "tensor", "nearest", None, True)),
         "wgrad_fc2": bench(lambda: nw.kgrouped_gemm_triton(qdyt, qat, counts, torch.bfloat16, a_values=dytv,
                                                         b_values=atv)),
-        "wgrad_fc2_128x128": bench(lambda: nw.kgrouped_gemm_triton(qdyt, qat, counts, torch.bfloat16, a_values=dytv,
-                                                                b_values=atv, config=GemmConfig(128, 128, 64, 8, 4))),
         "bf16_fc2_wgrad_equiv_grouped_mm": bench(lambda: torch._grouped_mm(dy.t(), a_, offs=offs)),
-        # the learner's wgrad adds into the fp32 main_grad (minite.ops.grouped._main_grad): the default 128 x 256 tile
-        # (90 registers spilled in the sm_90 census) vs 128 x 128 (none); BF16's is its grouped_mm then add_
+        # the learner's wgrad adds into the fp32 main_grad (minite.ops.grouped._main_grad); BF16's: grouped_mm, add_
         "wgrad_fc2_accumulate": bench(lambda: nw.kgrouped_gemm_triton(qdyt, qat, counts, a_values=dytv, b_values=atv,
                                                                    accumulate=main_grad)),
-        "wgrad_fc2_accumulate_128x128": bench(lambda: nw.kgrouped_gemm_triton(
-            qdyt, qat, counts, a_values=dytv, b_values=atv, accumulate=main_grad,
-            config=GemmConfig(128, 128, 64, 8, 3))),
         "bf16_fc2_wgrad_grouped_mm_then_add": bench(lambda: main_grad.add_(torch._grouped_mm(dy.t(), a_, offs=offs))),
+        # the learner's dgrad operands' amax from the pass before (ops.common.hint_amax; FC2's: the tokens' gradient)
+        "quant_dy_sr_given_amax": bench(lambda: quantize_with_values_triton(dy, (1, 16), "tensor", "stochastic", 1,
+                                                                            False, global_amax=dy_amax)),
+        "amax_dy_tokens": bench(lambda: abs_max(dy[:TOKENS])),
+        "expert_swiglu_bwd": bench(lambda: expert_swiglu_backward_triton(h_, probs, da)),
+        "expert_swiglu_bwd_amax": bench(lambda: expert_swiglu_backward_triton(h_, probs, da, amax=True)),
     }
     for k_, v in bwd_stages.items():
         log(f"  bwd stage {k_:26s} {v * 1e3:8.1f} us")

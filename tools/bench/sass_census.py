@@ -231,13 +231,17 @@ def quant_rows(rows: int = 131072, cols: int = 2048) -> list:
     out.append(_quant_row("swiglu + row quantisation, values", [block_r, block_c], sw.SWIGLU_WARPS, ops))
     # the experts' SwiGLU of training, forward and backward (kernels/expert_swiglu.py, F = 768), as launched
     from minite.kernels import expert_swiglu as es
-    for label, fn, elems, sig in (
+    backward = dict(h_ptr="*bf16", p_ptr="*fp32", da_ptr="*bf16", dh_ptr="*bf16", dp_ptr="*fp32", amax_ptr="*i32",
+                    R="i32", F="i32")
+    for label, fn, elems, sig, more in (
             ("expert swiglu forward (training)", es._forward_kernel, es.FORWARD_ELEMS,
-             dict(h_ptr="*bf16", p_ptr="*fp32", a_ptr="*bf16", R="i32", F="i32")),
-            ("expert swiglu backward (training)", es._backward_kernel, es.BACKWARD_ELEMS,
-             dict(h_ptr="*bf16", p_ptr="*fp32", da_ptr="*bf16", dh_ptr="*bf16", dp_ptr="*fp32", R="i32", F="i32"))):
+             dict(h_ptr="*bf16", p_ptr="*fp32", a_ptr="*bf16", R="i32", F="i32"), {}),
+            ("expert swiglu backward (training, BF16)", es._backward_kernel, es.BACKWARD_ELEMS, backward,
+             dict(AMAX=False)),
+            ("expert swiglu backward + amax (training, NVFP4)", es._backward_kernel, es.BACKWARD_ELEMS, backward,
+             dict(AMAX=True))):
         block_r, block_c = es.tile(768, elems)
-        sass = kernel_sass(fn, sig, dict(BLOCK_R=block_r, BLOCK_C=block_c, EXP_NEG=es._exp_neg_libdevice),
+        sass = kernel_sass(fn, sig, dict(BLOCK_R=block_r, BLOCK_C=block_c, EXP_NEG=es._exp_neg_libdevice, **more),
                            [k for k, t in sig.items() if t.startswith("*")] + ["F"], dict(num_warps=4))
         ops = collections.Counter(m.group(2) for m in map(_INSTR.match, sass.splitlines()) if m)
         out.append(_quant_row(label, [block_r, block_c], 4, ops))

@@ -1,0 +1,172 @@
+"""A gradient's amax taken by the pass that wrote it (minite.ops.common.hint_amax): the experts' SwiGLU backward for
+FC1's dgrad operand, the combine's backward for FC2's. The dgrad quantisation takes the hint instead of an amax pass
+of its own, and every gradient keeps its bits."""
+import pytest
+import torch
+
+from minite.nvfp4 import NVFP4Recipe, recipe as recipe_module
+from minite.ops import combine_for_training, nvfp4_grouped_linear
+from minite.ops.common import abs_max, hint_amax, hinted_amax
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class _Catch(torch.autograd.Function):
+    """Identity whose backward keeps the gradient object it receives (what the next op's backward would get)."""
+
+    seen: list = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        _Catch.seen.append(g)
+        return g
+
+
+def test_a_hint_holds_until_its_tensor_is_written():
+    t = torch.randn(4, 32, device=DEVICE)
+    assert hinted_amax(t) is None
+    hint_amax(t, abs_max(t))
+    assert torch.equal(hinted_amax(t), t.abs().amax())
+    t.mul_(2.0)  # an in-place write: the hint is stale
+    assert hinted_amax(t) is None
+    assert hinted_amax(t.t()) is None and hinted_amax(t.clone()) is None
+    calls = []
+    hint_amax(t, lambda: calls.append(1) or abs_max(t))  # computed once, when asked
+    assert not calls
+    assert torch.equal(hinted_amax(t), t.abs().amax()) and torch.equal(hinted_amax(t), t.abs().amax())
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("values", ["random", "negative zeros", "nan", "inf"])
+def test_abs_max_is_the_quantisers_amax(values):
+    """abs_max (one aminmax) gives max |t| bit for bit, +0 for -0 everywhere, NaN for a NaN, inf for -inf."""
+    t = torch.randn(33, 16, device=DEVICE).bfloat16()
+    if values == "negative zeros":
+        t = -torch.zeros_like(t)
+    elif values == "nan":
+        t[5, 3] = float("nan")
+    elif values == "inf":
+        t[7, 1] = float("-inf")
+    got = abs_max(t)
+    assert got.dtype == torch.float32 and got.shape == ()
+    if values == "nan":
+        assert bool(got.isnan())
+    else:
+        assert torch.equal(got.view(torch.int32), t.float().abs().amax().view(torch.int32))
+    assert int(abs_max(t[:0]).view(torch.int32)) == 0
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_combine_for_training_is_upstreams_combine(deterministic):
+    """Forward and the rows' gradient bitwise upstream's unpermute (scatter_add / index_add_ into zeros, autograd's
+    gather); the gradient carries max |gradient| as its hint (every token has k rows)."""
+    tokens, k, hidden = 11, 3, 32
+    g = torch.Generator().manual_seed(0)
+    row_token = torch.randperm(tokens * k, generator=g) % tokens
+    rows = torch.randn(tokens * k, hidden, generator=g).bfloat16().to(DEVICE)
+    row_token = row_token.to(DEVICE)
+    d_out = torch.randn(tokens, hidden, generator=g).bfloat16().to(DEVICE)
+
+    up = rows.clone().requires_grad_()
+    out = torch.zeros(tokens, hidden, dtype=rows.dtype, device=DEVICE)
+    if deterministic:
+        out = out.index_add(0, row_token, up)
+    else:
+        out = out.scatter_add(0, row_token.unsqueeze(1).expand(-1, hidden), up)
+    out.backward(d_out)
+
+    mine = rows.clone().requires_grad_()
+    _Catch.seen = []
+    got = combine_for_training(_Catch.apply(mine), row_token, tokens, deterministic=deterministic)
+    assert torch.equal(got.view(torch.int16), out.detach().view(torch.int16))
+    got.backward(d_out)
+    assert torch.equal(mine.grad.view(torch.int16), up.grad.view(torch.int16))
+    (grad,) = _Catch.seen
+    assert torch.equal(hinted_amax(grad).view(torch.int32), grad.float().abs().amax().view(torch.int32))
+
+
+def _spy_global_amax(monkeypatch):
+    seen = []
+    real = recipe_module.quantize
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("global_amax"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(recipe_module, "quantize", spy)
+    return seen
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_grouped_dgrad_takes_the_hint(monkeypatch, backend):
+    """The grouped linear's dgrad quantises its gradient with the hinted amax: the same dx as without a hint, and
+    a different dx with a wrong hint (the hint is what it used)."""
+    counts = [10, 0, 17, 21]
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(sum(counts), 64, generator=g).to(DEVICE)
+    w = torch.randn(4, 48, 64, generator=g).to(DEVICE)
+    dy = torch.randn(sum(counts), 48, generator=g).to(DEVICE)
+
+    def dx(hint):
+        xx = x.clone().requires_grad_()
+        y = _Catch.apply(nvfp4_grouped_linear(xx, w, counts, NVFP4Recipe(), seed=3, backend=backend))
+        grad = dy.clone()
+        if hint is not None:
+            hint_amax(grad, hint)
+        y.backward(grad)
+        return xx.grad
+
+    seen = _spy_global_amax(monkeypatch)
+    plain = dx(None)
+    assert seen and all(a is None for a in seen)
+    seen.clear()
+    hinted = dx(dy.abs().amax())
+    assert any(a is not None for a in seen)
+    assert torch.equal(hinted, plain)
+    assert not torch.equal(dx(dy.abs().amax() * 3), plain)  # (a power of two would give the same values)
+
+
+def test_experts_take_both_hints_with_the_same_gradients(monkeypatch):
+    """The SwiGLU experts and the combine on the kernels (the interpreter, routed as on a GPU), NVFP4 FC1 and FC2:
+    with the hints both dgrads take a given amax, and every gradient is bitwise that of the run without them."""
+    from minite.ops import swiglu_experts
+    from minite.strict import fused
+
+    monkeypatch.setattr(fused, "_gpu", lambda x: True)
+    monkeypatch.setattr(fused, "PROVEN", fused.PROVEN | {"expert_swiglu", "expert_swiglu_amax"})
+    tokens, k, hidden, ffn, experts = 12, 2, 32, 48, 4
+    g = torch.Generator().manual_seed(2)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+    from minite.ops import route
+    row_token, row_prob, counts = route(ids, torch.rand(tokens, k, generator=g), experts)
+    x = torch.randn(tokens, hidden, generator=g).bfloat16()
+    w1 = (torch.randn(experts, 2 * ffn, hidden, generator=g) / 4).bfloat16()
+    w2 = (torch.randn(experts, hidden, ffn, generator=g) / 4).bfloat16()
+    d_out = torch.randn(tokens, hidden, generator=g).bfloat16()
+    counts = counts.tolist()
+
+    def run(hints):
+        xx, a, b = (t.clone().requires_grad_() for t in (x, w1, w2))
+        fc = lambda h, i: nvfp4_grouped_linear(h, (a, b)[i], counts, NVFP4Recipe(), seed=5 + i,  # noqa: E731
+                                               backend="triton")
+        rows = swiglu_experts(xx.index_select(0, row_token), row_prob, fc, strict=False, amax_hint=hints)
+        if hints:
+            out = combine_for_training(rows, row_token, tokens)
+        else:
+            out = torch.zeros(tokens, hidden, dtype=rows.dtype).scatter_add(
+                0, row_token.unsqueeze(1).expand(-1, hidden), rows)
+        out.backward(d_out)
+        return xx.grad, a.grad, b.grad
+
+    seen = _spy_global_amax(monkeypatch)
+    plain = run(False)
+    assert all(a is None for a in seen)
+    seen.clear()
+    hinted = run(True)
+    assert sum(a is not None for a in seen) == 2  # FC2's dgrad and FC1's
+    for p, h in zip(plain, hinted):
+        assert torch.equal(p.view(torch.int16), h.view(torch.int16))
