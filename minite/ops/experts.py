@@ -37,7 +37,7 @@ GroupedLinear = Callable[[torch.Tensor, int], torch.Tensor]
 def swiglu(h: torch.Tensor, probs: torch.Tensor, *, strict: bool, amax_hint: bool = False) -> torch.Tensor:
     """silu(gate) * up * prob for h = [gate | up] [R, 2F] and probs [R]: fp32 products, rounded once to h's dtype.
     Default mode on a GPU, once proven there (`swiglu_kernels_apply`): the same bits in one Triton launch, and its
-    backward in one (`_SwiGLUKernels`), which with amax_hint (and "expert_swiglu_amax" proven, `fused.WAITS_FOR`)
+    backward in one (`_SwiGLUKernels`), which with amax_hint (and "expert_swiglu_amax" proven, `fused.PROVEN`)
     also takes max |dh| on the way for h's producer (an NVFP4 FC1, whose dgrad quantises dh at tensor scope:
     `minite.ops.common.hint_amax`)."""
     if not strict and swiglu_kernels_apply(h, probs):

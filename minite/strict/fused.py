@@ -74,7 +74,7 @@ LOG_ARGS = dict({f"A{i}": c for i, c in enumerate(_ATANH_COEFFS)}, SQRT2=_SQRT2,
 """The constexpr arguments of the strict log (`_log64`) for every kernel that computes it."""
 
 PROVEN = {"exp", "tree_sum", "rms_norm", "log", "attention", "rope", "sincos", "linear", "combine", "swiglu",
-          "log_softmax", "expert_swiglu", "compact_with_graphs"}
+          "log_softmax", "expert_swiglu", "compact_with_graphs", "combine_rows_dtype", "expert_swiglu_amax"}
 """The kernels whose bitwise GPU test has passed on the H200; `routes` sends only these. A new kernel joins after its
 test in tests/alignment/test_strict_alignment_gpu.py has passed there (`log` and `attention`: 2026-12-01, at
 5ea343c, 24 passed with tests/rollout/test_decode.py; `rope` and `sincos`: 2026-12-01, at 4f981a5, 16 passed with
@@ -86,29 +86,36 @@ tests; `expert_swiglu`, default mode's expert SwiGLU with its backward (kernels/
 `minite.ops.experts.swiglu_kernels_apply`, under autograd too), and `compact_with_graphs`, not a kernel but the
 rollout's compacted batches under CUDA graphs (minite.rollout.decode): 2026-12-05, session 26's device call on an
 H100 (sm_90, the H200's architecture, Triton 3.6, torch 2.11), their tests below passed at 76deda3; see
-docs/benchmarks.md). Waiting: `combine_rows_dtype`, the default (not strict) combine's kernel
-(`fused_combine.combine_in_rows_dtype`): its bitwise test passed in that call too, and it joins once the default-mode
-learner/rollout gap with it is measured on the GPU not to grow (the rollout's combine then rounds once, where the
-learner's, torch's scatter_add under autograd, rounds after every addition in the GPU's order);
-`expert_swiglu_amax`, the expert SwiGLU backward's max |dh| for FC1's dgrad operand (`amax=True` of
-kernels/expert_swiglu.py, taken by `minite.ops.experts.swiglu` with amax_hint): dh's bits are the proven kernel's
-either way, and the amax waits for its GPU test, bitwise torch's max |dh|.
+docs/benchmarks.md); `combine_rows_dtype`, the default (not strict) combine's kernel
+(`fused_combine.combine_in_rows_dtype`; its bitwise test passed in that call too), and `expert_swiglu_amax`, the
+expert SwiGLU backward's max |dh| for FC1's dgrad operand (`amax=True` of kernels/expert_swiglu.py, taken by
+`minite.ops.experts.swiglu` with amax_hint): 2026-12-05, session 27's device call 1 on an H100 at c2b5719, where the
+gate stage passed both, and the default-mode learner/rollout gap (`minite diagnose`, the medium model, NVFP4) was
+0.0 with the combine's kernel against 0.226 without it (the learner's log-probs, computed without autograd, take the
+same kernel; its training forward keeps torch's scatter_add).
 
 MINITE_TRY_KERNELS (a comma-separated list of names, read at import) adds kernels that wait here, for a benchmark on
 the GPU that measures one before its test has passed (both ways in one device call); a warning names them. Not for
 training runs: an unproven kernel may compute other bits than the ops it replaces."""
 
-WAITS_FOR = {
-    "combine_rows_dtype": "tests/strict/test_fused_combine.py::test_default_combine_is_bitwise_the_cpu_scatter_add",
-    "expert_swiglu_amax": "tests/kernels/test_expert_swiglu.py::test_kernels_are_torchs_ops_and_autograd_on_the_gpu",
-}
-"""Each waiting name's GPU test (a pytest node id), which tools/gpu_acceptance.sh's `gate` stage runs on the H200."""
+WAITS_FOR: dict[str, str] = {}
+"""Each waiting name's GPU test (a pytest node id), which tools/gpu_acceptance.sh's `gate` stage runs on the H200
+(none waits since 2026-12-05)."""
 WAITING = frozenset(WAITS_FOR)
 """The names above that wait for their GPU test: what MINITE_TRY_KERNELS may name."""
-TRIED = frozenset(n.strip() for n in os.environ.get("MINITE_TRY_KERNELS", "").split(",") if n.strip()) - PROVEN
-if TRIED - WAITING:
-    raise ValueError(f"MINITE_TRY_KERNELS names {', '.join(sorted(TRIED - WAITING))}: not a kernel waiting for its GPU "
-                     f"test (those are {', '.join(sorted(WAITING))})")
+
+
+def tried(value: str, waiting: frozenset = WAITING, proven: frozenset = frozenset(PROVEN)) -> frozenset:
+    """The waiting names of a MINITE_TRY_KERNELS value (comma-separated; proven names dropped); a ValueError names
+    any other."""
+    names = frozenset(n.strip() for n in value.split(",") if n.strip()) - proven
+    if names - waiting:
+        raise ValueError(f"MINITE_TRY_KERNELS names {', '.join(sorted(names - waiting))}: not a kernel waiting for its "
+                         f"GPU test (those are: {', '.join(sorted(waiting)) or 'none'})")
+    return names
+
+
+TRIED = tried(os.environ.get("MINITE_TRY_KERNELS", ""))
 if TRIED:
     PROVEN = PROVEN | TRIED
     logging.getLogger(__name__).warning("MINITE_TRY_KERNELS routes kernels whose GPU test has not passed: %s",

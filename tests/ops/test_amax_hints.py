@@ -67,7 +67,8 @@ def test_combine_for_training_is_upstreams_combine(deterministic):
     tokens, k, hidden = 11, 3, 32
     g = torch.Generator().manual_seed(0)
     row_token = torch.randperm(tokens * k, generator=g) % tokens
-    rows = torch.randn(tokens * k, hidden, generator=g).bfloat16().to(DEVICE)
+    # small integers: every order of the sums (a GPU's atomics) gives the same bits
+    rows = torch.randint(-8, 9, (tokens * k, hidden), generator=g).bfloat16().to(DEVICE)
     row_token = row_token.to(DEVICE)
     d_out = torch.randn(tokens, hidden, generator=g).bfloat16().to(DEVICE)
 
@@ -131,22 +132,33 @@ def test_grouped_dgrad_takes_the_hint(monkeypatch, backend):
 
 
 def test_experts_take_both_hints_with_the_same_gradients(monkeypatch):
-    """The SwiGLU experts and the combine on the kernels (the interpreter, routed as on a GPU), NVFP4 FC1 and FC2:
-    with the hints both dgrads take a given amax, and every gradient is bitwise that of the run without them."""
+    """The SwiGLU experts and the combine on the kernels (on the CPU the interpreter, routed as on a GPU), NVFP4 FC1
+    and FC2: with the hints both dgrads take a given amax, and every gradient is bitwise that of the run without
+    them (deterministic algorithms: on a GPU the index_add of x's gradient otherwise adds in the atomics' order)."""
     from minite.ops import swiglu_experts
     from minite.strict import fused
 
     monkeypatch.setattr(fused, "_gpu", lambda x: True)
     monkeypatch.setattr(fused, "PROVEN", fused.PROVEN | {"expert_swiglu", "expert_swiglu_amax"})
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        _experts_with_and_without_hints(monkeypatch, swiglu_experts)
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
+def _experts_with_and_without_hints(monkeypatch, swiglu_experts):
     tokens, k, hidden, ffn, experts = 12, 2, 32, 48, 4
     g = torch.Generator().manual_seed(2)
     ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
     from minite.ops import route
     row_token, row_prob, counts = route(ids, torch.rand(tokens, k, generator=g), experts)
-    x = torch.randn(tokens, hidden, generator=g).bfloat16()
-    w1 = (torch.randn(experts, 2 * ffn, hidden, generator=g) / 4).bfloat16()
-    w2 = (torch.randn(experts, hidden, ffn, generator=g) / 4).bfloat16()
-    d_out = torch.randn(tokens, hidden, generator=g).bfloat16()
+    row_token, row_prob = row_token.to(DEVICE), row_prob.to(DEVICE)
+    x = torch.randn(tokens, hidden, generator=g).bfloat16().to(DEVICE)
+    w1 = (torch.randn(experts, 2 * ffn, hidden, generator=g) / 4).bfloat16().to(DEVICE)
+    w2 = (torch.randn(experts, hidden, ffn, generator=g) / 4).bfloat16().to(DEVICE)
+    d_out = torch.randn(tokens, hidden, generator=g).bfloat16().to(DEVICE)
     counts = counts.tolist()
 
     def run(hints):
@@ -155,10 +167,9 @@ def test_experts_take_both_hints_with_the_same_gradients(monkeypatch):
                                                backend="triton")
         rows = swiglu_experts(xx.index_select(0, row_token), row_prob, fc, strict=False, amax_hint=hints)
         if hints:
-            out = combine_for_training(rows, row_token, tokens)
+            out = combine_for_training(rows, row_token, tokens, deterministic=True)
         else:
-            out = torch.zeros(tokens, hidden, dtype=rows.dtype).scatter_add(
-                0, row_token.unsqueeze(1).expand(-1, hidden), rows)
+            out = torch.zeros(tokens, hidden, dtype=rows.dtype, device=DEVICE).index_add(0, row_token, rows)
         out.backward(d_out)
         return xx.grad, a.grad, b.grad
 

@@ -388,23 +388,24 @@ def test_fused_sincos_is_bitwise_ops_sincos(monkeypatch):
         assert getattr(fused, name) == getattr(ops, name), name  # the kernel's constants are ops.sincos' own
 
 
-def test_try_kernels_routes_waiting_kernels_with_a_warning():
-    """MINITE_TRY_KERNELS adds waiting kernels to PROVEN (a benchmark's A/B before their GPU test), saying so; a
-    proven name in it (expert_swiglu since 2026-12-05) changes nothing."""
+def test_try_kernels_names_waiting_kernels_only():
+    """MINITE_TRY_KERNELS adds waiting kernels to PROVEN (a benchmark's A/B before their GPU test); a proven name in
+    it changes nothing, and any other name is refused, not ignored (none waits since 2026-12-05: the parsing is
+    `fused.tried`, the import's use of it runs in a subprocess)."""
     import os
     import subprocess
     import sys
 
+    assert fused.tried(" expert_swiglu,new_kernel,,", waiting=frozenset({"new_kernel"})) == {"new_kernel"}
+    assert fused.tried("combine_rows_dtype,expert_swiglu") == frozenset()  # proven
+    with pytest.raises(ValueError, match="MINITE_TRY_KERNELS names compact_with_graph: not a kernel waiting"):
+        fused.tried("combine_rows_dtype,compact_with_graph", waiting=frozenset({"new_kernel"}))
     code = ("import logging; logging.basicConfig(); from minite.strict import fused; "
             "print(sorted(fused.TRIED), 'combine_rows_dtype' in fused.PROVEN)")
     env = dict(os.environ, MINITE_TRY_KERNELS=" expert_swiglu,combine_rows_dtype,,")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "['combine_rows_dtype'] True"
-    assert "MINITE_TRY_KERNELS routes kernels whose GPU test has not passed: combine_rows_dtype\n" in out.stderr
-    env.pop("MINITE_TRY_KERNELS")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[] False" and "MINITE_TRY_KERNELS" not in out.stderr
-    env["MINITE_TRY_KERNELS"] = "combine_rows_dtype,compact_with_graph"  # a misspelt name: refused, not ignored
+    assert out.stdout.strip() == "[] True" and "MINITE_TRY_KERNELS" not in out.stderr
+    env["MINITE_TRY_KERNELS"] = "combine_rows_dtype,compact_with_graph"  # a misspelt name: refused at import
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode != 0 and ("ValueError: MINITE_TRY_KERNELS names compact_with_graph: not a kernel waiting for "
                                     "its GPU test") in out.stderr
