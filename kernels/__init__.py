@@ -30,7 +30,7 @@ from .expert_swiglu import expert_swiglu_backward_triton, expert_swiglu_triton
 from .finite_max import finite_max_into
 from .nvfp4_decode_order import decode_order_triton
 from .nvfp4_gemm import gemm_triton, grouped_gemm_triton
-from .nvfp4_quant import quantize_with_values_triton
+from .nvfp4_quant import amax_triton, quantize_with_values_triton
 from .nvfp4_segments import quantize_count_segments_triton, quantize_segments_triton
 from .nvfp4_swiglu import expert_swiglu_quantize_triton
 from .nvfp4_values import block_values_triton
@@ -43,4 +43,4 @@ register_kernels(quantize_with_values=quantize_with_values_triton, quantize_segm
                  finite_max=finite_max_into, block_values=block_values_triton,
                  expert_swiglu_quantize=expert_swiglu_quantize_triton, decode_order=decode_order_triton,
                  copy_amax=copy_amax_triton, expert_swiglu=expert_swiglu_triton,
-                 expert_swiglu_backward=expert_swiglu_backward_triton)
+                 expert_swiglu_backward=expert_swiglu_backward_triton, amax=amax_triton)

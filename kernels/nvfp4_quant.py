@@ -440,6 +440,20 @@ def _tile_shape(rows: int, cols: int, br: int, row_scope: bool, budget: int,
     return max(1, min(64, budget // block_c)), block_c, False
 
 
+def amax_triton(x: torch.Tensor) -> torch.Tensor:
+    """max |x| of a 2-D x (any strides) as fp32 0-d on its device: the tensor-scope quantisation's amax pass alone
+    (`_tensor_amax`; NaN if x holds a NaN, +0 for an empty x), for an amax taken from a smaller tensor than the one
+    quantised (minite.ops.common.abs_max)."""
+    ensure_interpreter_compat()
+    if x.dim() != 2:
+        raise ValueError(f"amax_triton takes a 2-D tensor, got {tuple(x.shape)}")
+    bits = torch.zeros((), dtype=torch.int32, device=x.device)
+    if x.numel():
+        block_r, block_c, _ = _tile_shape(x.shape[0], x.shape[1], 1, False, TUNING["amax"]["elems"])
+        _tensor_amax(x, False, block_r, block_c, True, TUNING["amax"]["warps"], bits)
+    return bits.view(torch.float32)
+
+
 def _tensor_amax(x: torch.Tensor, rht: bool, block_r: int, block_c: int, vec2d: bool, warps: int,
                  bits: torch.Tensor) -> None:
     """max |x| (after the RHT when rht) into bits (int32, zeroed): `_amax_kernel` over the quantisation's tiles, or,

@@ -105,7 +105,11 @@ def hinted_amax(t: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 def abs_max(t: torch.Tensor) -> torch.Tensor:
-    """max |t| as fp32 0-d on t's device (+0 for an empty t; NaN if t holds a NaN), from one `aminmax` read."""
+    """max |t| as fp32 0-d on t's device (+0 for an empty t; NaN if t holds a NaN): on a GPU with the kernels the
+    quantisers' amax pass (kernels/nvfp4_quant.py `amax_triton`; torch's aminmax read 64 MB at ~1.2 TB/s on an H100),
+    elsewhere one `aminmax` read."""
+    if t.is_cuda and t.dim() == 2 and has_kernel("amax"):
+        return kernel("amax")(t)
     lo, hi = _min_max(t)
     return torch.maximum(-lo, hi).abs().float()  # abs: +0 where max(+0, -0) gives -0
 

@@ -60,6 +60,35 @@ def test_abs_max_is_the_quantisers_amax(values):
     assert int(abs_max(t[:0]).view(torch.int32)) == 0
 
 
+@pytest.mark.parametrize("values", ["random", "negative zeros", "nan", "inf", "strided", "empty"])
+def test_the_amax_kernel_is_torchs_amax(values):
+    """kernels/nvfp4_quant.py `amax_triton` (what abs_max takes on a GPU): max |x| bit for bit, over a transposed
+    or a strided view too, +0 for -0 everywhere and for an empty x, NaN for one NaN among finite values."""
+    from minite.kernels.nvfp4_quant import amax_triton
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(300, 70, generator=g) * torch.logspace(-3, 3, 70)).bfloat16().to(DEVICE)
+    if values == "negative zeros":
+        x = -torch.zeros_like(x)
+    elif values == "nan":
+        x[123, 45] = float("nan")
+    elif values == "inf":
+        x[7, 1] = float("-inf")
+    elif values == "strided":
+        x = x[::3, 5:60].t()
+    elif values == "empty":
+        x = x[:0]
+    got = amax_triton(x)
+    assert got.shape == () and got.dtype == torch.float32
+    if values == "nan":
+        assert bool(got.isnan())
+    else:
+        want = x.float().abs().amax() if x.numel() else torch.zeros((), device=DEVICE)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    with pytest.raises(ValueError, match="2-D"):
+        amax_triton(x.reshape(-1))
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_combine_for_training_is_upstreams_combine(deterministic):
     """Forward and the rows' gradient bitwise upstream's unpermute (scatter_add / index_add_ into zeros, autograd's
