@@ -40,7 +40,7 @@ from minite.console import raise_if_interrupted
 from minite.alignment.routing_replay import engine_recording, learner_replay
 from minite.learner.learner import Learner, ReferencePolicy, reference_policy
 from minite.rl import checkpoint as ckpt
-from minite.rl.failures import MODEL_TOO_BIG, stop_cleanly
+from minite.rl.failures import CHECKPOINT_TOO_BIG, MODEL_TOO_BIG, stop_cleanly
 from minite.rl.grpo import GRPOParams, group_advantages, grpo_loss
 from minite.rl.metrics import WARMUP_RUN, MetricsLogger, check_finite, mismatch_metrics, rollout_metrics
 from minite.rl.ranks import rank0_rollouts
@@ -266,10 +266,13 @@ def maybe_checkpoint(run: Run) -> None:
     c = run.cfg.checkpoint
     if not c.dir:
         return
-    if (c.every and run.step % c.every == 0) or run.step == run.cfg.rl.steps:
+    if not ((c.every and run.step % c.every == 0) or run.step == run.cfg.rl.steps):
+        return
+    with stop_cleanly(run.cfg, f"saving the checkpoint of step {run.step}", memory_fix=CHECKPOINT_TOO_BIG):
         state = {
             "learner": run.learner.state_dict(),
-            "ref": None if run.ref is None else {n: t.detach().clone() for n, t in run.ref.named_weights()},
+            "ref": None if run.ref is None else {n: t.detach().to("cpu", copy=True)
+                                                 for n, t in run.ref.named_weights()},
             "rng": ckpt.capture_rng(),
             "data": run.stream.state_dict(),
             "config": config_for_checkpoint(run.cfg),  # the resume policy compares against it

@@ -134,7 +134,8 @@ def test_nvfp4_learner_step_kernels_vs_reference_backend():
 
 def test_adam_is_fused_on_cuda_and_resume_stays_exact():
     """On CUDA the learner's AdamW is torch's fused kernel, also after loading a state saved with another
-    implementation's flags; 2 steps + snapshot + 2 steps equal a fresh learner loading the snapshot (bitwise)."""
+    implementation's flags; 2 steps + snapshot (on the CPU) + 2 steps equal a fresh learner loading the snapshot
+    (bitwise)."""
     from minite.config import load_config
     from minite.learner.learner import Learner
     sets = ["model.num_layers=1", "model.hidden_size=128", "model.vocab_size=256", "model.num_experts=4",
@@ -148,6 +149,9 @@ def test_adam_is_fused_on_cuda_and_resume_stays_exact():
     for _ in range(2):
         a.train_step(tokens, loss)
     snap = a.state_dict()
+    leaves = []
+    torch.utils._pytree.tree_map(lambda t: leaves.append(t) if torch.is_tensor(t) else None, snap)
+    assert leaves and all(t.device.type == "cpu" for t in leaves)  # a checkpoint's snapshot takes no GPU memory
     for o in snap["optimizer"]:
         for g in o["optimizer"]["param_groups"]:
             g.update(fused=None, foreach=None)

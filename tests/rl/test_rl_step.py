@@ -266,6 +266,29 @@ def test_micro_batches_must_divide_the_rows():
         check_shapes(chunks_of_one, task, world_size=2)
 
 
+def test_a_checkpoint_out_of_memory_says_so(tmp_path):
+    """A failed allocation while the checkpoint is taken (its copy of the model and optimizer state) names the
+    checkpoint and its fix, also inside the RL step's own stop_cleanly (the H200 example's final checkpoint ran an
+    80 GB GPU out of memory, reported as the step's rows)."""
+    from types import SimpleNamespace
+
+    from minite.rl.failures import OutOfMemoryRunError, stop_cleanly
+    from minite.rl.loop import maybe_checkpoint
+
+    cfg = load_config(None, [f"checkpoint.dir={tmp_path / 'ck'}", "rl.steps=3"])
+
+    def state_dict():
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 34359738368 bytes.")
+
+    run = SimpleNamespace(cfg=cfg, step=3, learner=SimpleNamespace(state_dict=state_dict), ref=None)
+    with pytest.raises(OutOfMemoryRunError, match=r"^out of memory saving the checkpoint of step 3 \(an allocation of "
+                                                  r"32\.0 GiB on the CPU\): the checkpoint's copy of the model"):
+        with stop_cleanly(cfg, "at RL step 3 of 3"):
+            maybe_checkpoint(run)
+    run.step = 2  # not a step that saves: nothing is taken
+    maybe_checkpoint(run)
+
+
 def test_failures_the_user_fixes_become_their_one_line_errors(tmp_path):
     """stop_cleanly: NaN or Inf -> DivergedError, a failed allocation (CUDA's or the CPU allocator's) ->
     OutOfMemoryRunError with the size asked for; anything else passes through unchanged."""
