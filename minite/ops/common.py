@@ -84,8 +84,8 @@ def _write_key(t: torch.Tensor) -> tuple:
 
 def hint_amax(t: torch.Tensor, amax) -> torch.Tensor:
     """Attach amax = max |t| (fp32 0-d, NaN where t holds a NaN: what the quantiser's own amax pass gives) to t, as
-    computed by the pass that wrote t, or a function that computes it from less than t (called once, when asked);
-    returns t. Autograd hands a backward's output to the next backward as the same object, so a gradient carries
+    computed by the pass that wrote t, or a function that computes it from less than t (called once, when asked;
+    it returns None where it can no longer tell: `lazy_abs_max`); returns t. Autograd hands a backward's output to the next backward as the same object, so a gradient carries
     its hint to the op that quantises it."""
     setattr(t, AMAX_HINT, (amax, _write_key(t)))
     return t
@@ -98,10 +98,16 @@ def hinted_amax(t: torch.Tensor) -> Optional[torch.Tensor]:
     if found is None or found[1] != _write_key(t):
         return None
     amax = found[0]
-    if callable(amax):
+    if callable(amax):  # None from it: what it would read was written since (no hint)
         amax = amax()
         setattr(t, AMAX_HINT, (amax, found[1]))
     return amax
+
+
+def lazy_abs_max(source: torch.Tensor):
+    """A `hint_amax` function computing max |source| when asked (`abs_max`), or None if source was written since."""
+    key = _write_key(source)
+    return lambda: abs_max(source) if _write_key(source) == key else None
 
 
 def abs_max(t: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ from minite.nvfp4.backend import has_kernel, kernel
 from minite.nvfp4.device_copy import int32_to
 from minite.strict import fused, fused_combine, ops as S, triton_gemm
 
-from .common import abs_max, hint_amax
+from .common import hint_amax, lazy_abs_max
 
 GroupedLinear = Callable[[torch.Tensor, int], torch.Tensor]
 """fc(a, which): the grouped GEMM of fc1 (which=0) or fc2 (which=1) over rows grouped by expert."""
@@ -179,9 +179,10 @@ def combine_for_training(rows: torch.Tensor, row_token: torch.Tensor, tokens: in
     """Default combine under autograd, as Megatron's unpermute: the rows scatter_add'ed into zeros in their dtype
     (deterministic: index_add_, as upstream under deterministic algorithms); the rows' gradient is the output
     gradient's rows gathered (torch's backward of both), carrying max |d_out| as its amax hint (`hint_amax`; computed
-    only if asked: FC2's dgrad quantises it at tensor scope in NVFP4). Every row is a copy of a row of d_out and every
-    token has k >= 1 rows (`route`, the learner's dispatcher), so max |d_out| is max |rows' gradient|, read from 1/k
-    of its bytes."""
+    only if asked: FC2's dgrad quantises it at tensor scope in NVFP4; none if d_out was written since). Every row is
+    a copy of a row of d_out, and the caller guarantees that every token has k >= 1 rows (`route` and the learner's
+    dispatcher, which drops no token, make them so), so max |d_out| is max |rows' gradient|, read from 1/k of its
+    bytes; with a dropped token it could be larger, and the dgrad's bits would change."""
     return _CombineRows.apply(rows, row_token, tokens, deterministic)
 
 
@@ -199,7 +200,7 @@ class _CombineRows(torch.autograd.Function):
     def backward(ctx, d_out):
         (row_token,) = ctx.saved_tensors
         drows = d_out.index_select(0, row_token)
-        return hint_amax(drows, lambda: abs_max(d_out)), None, None, None
+        return hint_amax(drows, lazy_abs_max(d_out)), None, None, None
 
 
 def combine_fixed_order(rows: torch.Tensor, row_token: torch.Tensor, tokens: int) -> torch.Tensor:

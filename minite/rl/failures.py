@@ -33,8 +33,9 @@ class OutOfMemoryRunError(RuntimeError):
 MODEL_TOO_BIG = "the model does not fit: shrink it (model.*) or spread it over more ranks (parallel.ep, parallel.tp)"
 ROWS_TOO_MANY = ("a step's rows do not fit: lower rl.prompts_per_step or rollout.group_size, or raise "
                  "rl.micro_batches")
-CHECKPOINT_TOO_BIG = ("the checkpoint's copy of the model and optimizer state (~14 bytes per parameter, in host "
-                      "memory) does not fit: free host memory, or save no checkpoints (--set checkpoint.dir=null)")
+CHECKPOINT_TOO_BIG = ("taking the checkpoint (a copy of the model and optimizer state in host memory, ~14 bytes per "
+                      "parameter) needs more memory than is free: free some, or save no checkpoints "
+                      "(--set checkpoint.dir=null)")
 
 
 @contextlib.contextmanager

@@ -268,12 +268,19 @@ def test_one_nan_propagates_as_the_reference(case, dtype):
 def test_nan_max_fast_path_is_the_generic_reduce(monkeypatch):
     """The interpreter reduces `_nan_max` with np.max (kernels/_interpreter.py); without that attribute it runs the
     combine function element by element: the same bits, NaN included."""
+    from triton.runtime import interpreter
+
     x = torch.randn(2, 32) * 3
     x[1, 5], x[0, 9] = float("nan"), -0.0
     kw = dict(scale_scope="row", check_finite=False, values=True, backend="triton")
+    generic = []  # the element-by-element reductions run
+    real = interpreter.ReduceOps.generic_reduce
+    monkeypatch.setattr(interpreter.ReduceOps, "generic_reduce", lambda self, i: generic.append(1) or real(self, i))
     fast = quantize(x, **kw)
+    assert not generic  # the fast path was taken
     monkeypatch.delattr(nvfp4_quant._nan_max_combine, "numpy_reduce")
     slow = quantize(x, **kw)
+    assert generic
     assert fast.equal(slow) and torch.equal(fast.values.isnan(), slow.values.isnan())
     assert torch.isnan(slow.amax[1]) and not torch.isnan(slow.amax[0])
 

@@ -217,3 +217,31 @@ def test_first_wgrad_of_a_step_writes_main_grad_to_the_same_bits(tokens, micro, 
     assert out_on == out_off
     assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) if a.dtype == torch.bfloat16 else
                torch.equal(a, b) for a, b in zip(w_on, w_off))
+
+
+def test_the_moe_dgrads_take_their_amax_from_the_pass_before(tokens, monkeypatch):
+    """The Learner's MoE layer hands both dgrad operands their amax (`minite.ops.common.hint_amax`): FC2's from the
+    combine's backward, FC1's from the experts' SwiGLU backward (on the kernels: the interpreter here, routed as on a
+    GPU). With the hints off the step's losses and weights are bitwise the same."""
+    import minite.learner.learner as L
+    from minite.nvfp4 import recipe as recipe_module
+    from minite.ops import common
+    from minite.strict import fused
+
+    monkeypatch.setattr(fused, "_gpu", lambda x: True)  # the SwiGLU's kernels route as on a GPU (CPU tensors here)
+    given = []
+    real = recipe_module.quantize
+    monkeypatch.setattr(recipe_module, "quantize", lambda *a, **k: given.append(k.get("global_amax")) or real(*a, **k))
+    runs = []
+    for hints in (True, False):
+        if not hints:
+            monkeypatch.setattr(common, "hinted_amax", lambda t: None)
+            monkeypatch.setattr("minite.ops.grouped.hinted_amax", lambda t: None)
+        given.clear()
+        learner = L.Learner(cfg("precision.mode=nvfp4"))
+        out = learner.train_step(tokens, loss_fn)
+        runs.append((out, [w.clone() for _, w in learner.named_weights()], sum(a is not None for a in given)))
+        learner.close()
+    (out_on, w_on, n_on), (out_off, w_off, n_off) = runs
+    assert n_on == 2 and n_off == 0  # one layer: FC2's dgrad and FC1's
+    assert out_on == out_off and all(torch.equal(a, b) for a, b in zip(w_on, w_off))

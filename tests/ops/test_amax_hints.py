@@ -6,7 +6,7 @@ import torch
 
 from minite.nvfp4 import NVFP4Recipe, recipe as recipe_module
 from minite.ops import combine_for_training, nvfp4_grouped_linear
-from minite.ops.common import abs_max, hint_amax, hinted_amax
+from minite.ops.common import abs_max, hint_amax, hinted_amax, lazy_abs_max
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -31,14 +31,20 @@ def test_a_hint_holds_until_its_tensor_is_written():
     assert hinted_amax(t) is None
     hint_amax(t, abs_max(t))
     assert torch.equal(hinted_amax(t), t.abs().amax())
+    assert hinted_amax(t.t()) is None and hinted_amax(t.clone()) is None  # other tensors: no hint
     t.mul_(2.0)  # an in-place write: the hint is stale
     assert hinted_amax(t) is None
-    assert hinted_amax(t.t()) is None and hinted_amax(t.clone()) is None
     calls = []
     hint_amax(t, lambda: calls.append(1) or abs_max(t))  # computed once, when asked
     assert not calls
     assert torch.equal(hinted_amax(t), t.abs().amax()) and torch.equal(hinted_amax(t), t.abs().amax())
     assert calls == [1]
+    source, u = torch.randn(3, 32, device=DEVICE), torch.randn(5, 32, device=DEVICE)
+    hint_amax(u, lazy_abs_max(source))
+    source.add_(1.0)  # what the function would read was written: no hint
+    assert hinted_amax(u) is None
+    hint_amax(u, lazy_abs_max(source))
+    assert torch.equal(hinted_amax(u), source.abs().amax())
 
 
 @pytest.mark.parametrize("values", ["random", "negative zeros", "nan", "inf"])

@@ -282,7 +282,7 @@ def test_a_checkpoint_out_of_memory_says_so(tmp_path):
 
     run = SimpleNamespace(cfg=cfg, step=3, learner=SimpleNamespace(state_dict=state_dict), ref=None)
     with pytest.raises(OutOfMemoryRunError, match=r"^out of memory saving the checkpoint of step 3 \(an allocation of "
-                                                  r"32\.0 GiB on the CPU\): the checkpoint's copy of the model"):
+                                                  r"32\.0 GiB on the CPU\): taking the checkpoint \(a copy"):
         with stop_cleanly(cfg, "at RL step 3 of 3"):
             maybe_checkpoint(run)
     run.step = 2  # not a step that saves: nothing is taken
