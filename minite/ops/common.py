@@ -85,8 +85,8 @@ def _write_key(t: torch.Tensor) -> tuple:
 def hint_amax(t: torch.Tensor, amax) -> torch.Tensor:
     """Attach amax = max |t| (fp32 0-d, NaN where t holds a NaN: what the quantiser's own amax pass gives) to t, as
     computed by the pass that wrote t, or a function that computes it from less than t (called once, when asked;
-    it returns None where it can no longer tell: `lazy_abs_max`); returns t. Autograd hands a backward's output to the next backward as the same object, so a gradient carries
-    its hint to the op that quantises it."""
+    it returns None where it can no longer tell: `lazy_abs_max`); returns t. Autograd hands a backward's output to
+    the next backward as the same object, so a gradient carries its hint to the op that quantises it."""
     setattr(t, AMAX_HINT, (amax, _write_key(t)))
     return t
 
