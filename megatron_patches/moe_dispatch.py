@@ -95,14 +95,9 @@ class LocalTokenDispatcher:
         tokens = self.hidden_shape[:-1].numel()
         if getattr(self.config, "minite_strict", False):
             out = combine_fixed_order(rows, self.row_token, tokens).to(rows.dtype)
-        elif torch.is_grad_enabled() and rows.requires_grad:  # the rows' gradient carries its amax (FC2's dgrad)
-            out = combine_for_training(rows, self.row_token, tokens,
-                                       deterministic=torch.are_deterministic_algorithms_enabled())
-        elif torch.are_deterministic_algorithms_enabled():  # as upstream's unpermute
-            out = torch.zeros(tokens, rows.shape[1], dtype=rows.dtype, device=rows.device)
-            out.index_add_(0, self.row_token, rows)
-        else:
-            out = combine_scatter_add(rows, self.row_token, tokens)
+        else:  # as upstream's unpermute: index_add_ under deterministic algorithms
+            combine = combine_for_training if torch.is_grad_enabled() and rows.requires_grad else combine_scatter_add
+            out = combine(rows, self.row_token, tokens, deterministic=torch.are_deterministic_algorithms_enabled())
         return out.view(self.hidden_shape)
 
     def set_shared_experts(self, shared_experts):

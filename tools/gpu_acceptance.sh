@@ -97,7 +97,7 @@ EOF
 gate() {  # each waiting name's GPU test; passed only on a GPU, where pytest's summary says passed (and warnings) alone
   # (tools/pytest_verdict.py: the summary line wherever it is; a warning printed at exit once made a pass a failure)
   local name node out result passed=() failed=()
-  python3 -c "from minite.strict import fused; [print(n, t) for n, t in sorted(fused.WAITS_FOR.items())]" \
+  python3 -c "from minite.strict import fused; print('\n'.join(f'{n} {t}' for n, t in sorted(fused.WAITS_FOR.items())))" \
     >"$LOGS/gate-nodes.txt" || return 1
   : >"$OUT/gate.txt"
   local cuda=1; python3 -c "import torch, sys; sys.exit(not torch.cuda.is_available())" || { cuda=0; echo "no CUDA device"; }

@@ -162,15 +162,25 @@ def routed_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     return combine_scatter_add(out, row_token, x.shape[0])
 
 
-def combine_scatter_add(rows: torch.Tensor, row_token: torch.Tensor, tokens: int) -> torch.Tensor:
-    """Default combine: the rows scatter_add'ed into zeros in their dtype (Megatron's unpermute). On a
-    GPU without autograd, for decode-sized batches, once proven there ("combine_rows_dtype" in fused.PROVEN): the
-    CPU's bits (fp32 sums, one rounding) in one Triton launch, where torch's CUDA scatter_add adds with atomics in
-    no fixed order (`minite.strict.fused_combine.combine_in_rows_dtype`, which needs exactly k rows per token, as
-    `route` and the dispatcher make them)."""
-    if fused_combine.applies(rows, row_token, tokens) and fused.routes(rows, kernel="combine_rows_dtype"):
+def combine_scatter_add(rows: torch.Tensor, row_token: torch.Tensor, tokens: int, *,
+                        deterministic: bool = False) -> torch.Tensor:
+    """Default combine: the rows scatter_add'ed into zeros in their dtype (Megatron's unpermute; deterministic:
+    index_add_, as upstream under deterministic algorithms). Otherwise on a GPU without autograd, for decode-sized
+    batches, once proven there ("combine_rows_dtype" in fused.PROVEN): the CPU's bits (fp32 sums, one rounding) in
+    one Triton launch, where torch's CUDA scatter_add adds with atomics in no fixed order
+    (`minite.strict.fused_combine.combine_in_rows_dtype`, which needs exactly k rows per token, as `route` and the
+    dispatcher make them)."""
+    if (not deterministic and fused_combine.applies(rows, row_token, tokens)
+            and fused.routes(rows, kernel="combine_rows_dtype")):
         return fused_combine.combine_in_rows_dtype(rows, row_token, tokens)
+    return _sum_rows(rows, row_token, tokens, deterministic)
+
+
+def _sum_rows(rows: torch.Tensor, row_token: torch.Tensor, tokens: int, deterministic: bool) -> torch.Tensor:
+    """torch's default combine: zeros in the rows' dtype, then scatter_add_ (index_add_ when deterministic)."""
     out = torch.zeros(tokens, rows.shape[1], dtype=rows.dtype, device=rows.device)
+    if deterministic:
+        return out.index_add_(0, row_token, rows)
     return out.scatter_add_(0, row_token.unsqueeze(1).expand(-1, rows.shape[1]), rows)
 
 
@@ -190,10 +200,7 @@ class _CombineRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, row_token, tokens, deterministic):
         ctx.save_for_backward(row_token)
-        out = torch.zeros(tokens, rows.shape[1], dtype=rows.dtype, device=rows.device)
-        if deterministic:
-            return out.index_add_(0, row_token, rows)
-        return out.scatter_add_(0, row_token.unsqueeze(1).expand(-1, rows.shape[1]), rows)
+        return _sum_rows(rows, row_token, tokens, deterministic)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
