@@ -32,14 +32,14 @@ from ._launch import cdiv, launcher, next_power_of_2
 from .finite_max import _max_into_flag
 from .nvfp4_gemm import _load_f32
 from .nvfp4_quant import (SIXTH, _block_amax, _decode_amax, _global_scales, _group_halves, _load_groups,
-                          _nan_max, _quantize_tile)
+                          _nan_max, _quantize_tile, _round_to_input)
 
 
 @triton.jit
 def _round_bf16(x):
-    """fp32 -> the nearest-even bf16 value, still in fp32 (integer arithmetic: the interpreter's cast truncates)."""
-    bits = x.to(tl.uint32, bitcast=True)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    """fp32 -> the nearest-even bf16 value, still in fp32: nvfp4_quant's rounding to a bf16 input (on the GPU the
+    hardware's convert, so a NaN stays NaN; the integer rounding's carry turned the GPU's NaN 0x7FFFFFFF into -0)."""
+    return _round_to_input(x, tl.bfloat16)
 
 
 @triton.jit

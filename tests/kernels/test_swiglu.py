@@ -32,6 +32,27 @@ def test_backward_matches_autograd():
     torch.testing.assert_close(got, hr.grad, atol=atol, rtol=rtol)
 
 
+def test_a_nan_stays_nan_forward_and_backward():
+    """A NaN in h gives NaN where torch gives NaN, in a, in the quantised operand's block and in dh (on the GPU the
+    integer bf16 rounding's carry once turned the hardware's NaN 0x7FFFFFFF into -0: a NaN became a finite zero)."""
+    torch.manual_seed(2)
+    h = torch.randn(4, 64, device=DEVICE).bfloat16()
+    h[1, 3] = float("nan")  # a gate: a[1, 3]
+    h[2, 32 + 17] = float("nan")  # an up value: a[2, 17]
+    a, q, _ = swiglu_quant_triton(h)
+    expect = torch.nn.functional.silu(h[:, :32].float()).bfloat16().float() * h[:, 32:].float()
+    assert torch.equal(a.float().isnan(), expect.isnan()) and int(expect.isnan().sum()) == 2
+    assert torch.equal(q.dequantize().isnan(), quantize_reference(a, block=(1, 16), scale_scope="row",
+                                                                   rounding="nearest", seed=None,
+                                                                   rht=False).dequantize().isnan())
+    da = torch.randn(4, 32, device=DEVICE).bfloat16()
+    hr = h.float().requires_grad_()
+    (torch.nn.functional.silu(hr[:, :32]) * hr[:, 32:]).backward(da.float())
+    dh = swiglu_bwd_triton(h, da)
+    assert dh.dtype == torch.bfloat16 and torch.equal(dh.float().isnan(), hr.grad.isnan())
+    assert int(hr.grad.isnan().sum()) >= 2
+
+
 def _expert_inputs(rows, f, seed):
     g = torch.Generator().manual_seed(seed)
     h = (torch.randn(rows, 2 * f, generator=g) * 4).bfloat16()
