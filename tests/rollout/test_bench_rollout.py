@@ -36,6 +36,15 @@ def test_floor_of_the_full_width_slice():
         == (1.16, 0.39)
 
 
+def test_the_default_loop_is_what_ships_for_each_precision():
+    """`--variants ships` (the default) measures packed NVFP4 weights and BF16's graphs: a default of `graphs` for both
+    once timed NVFP4 on the fp16 block-value path that no longer ships (an H100 run, 2026-12-05)."""
+    assert bench_rollout.parse([]).variants == "ships"
+    assert bench_rollout.loops("ships", "nvfp4") == ["packed"] and bench_rollout.loops("ships", "bf16") == ["graphs"]
+    assert bench_rollout.loops("ships,graphs,eager", "bf16") == ["graphs", "eager"]
+    assert bench_rollout.loops("graphs,ships", "nvfp4") == ["graphs", "packed"]
+
+
 def test_cpu_smoke_run_writes_the_fixed_keys(tmp_path):
     out = tmp_path / "rollout.json"
     env = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1", MINITE_COMMIT="abc1234")

@@ -21,7 +21,9 @@ CUDA graphs); --repeats pairs, median. miniTE's loop on a GPU also times its dec
 CUDA event after the prefill's sample, one after the last step): there step_ms is that time of the N_long run over
 its N_long - 1 steps (`step_method` "events"; the difference stays in `step_ms_difference`), because the prefill's
 run-to-run noise (tens of ms for strict prefill at batch 1) exceeded the whole decode time of graph-replayed steps.
-Loops (--variants): `graphs` (BF16: what ships), `packed` (graphs with the experts' packed NVFP4 weights: what
+Loops (--variants): `ships` (the default: what ships for each precision, `graphs` for BF16 and `packed` for NVFP4;
+until 2026-12-05 the default was `graphs` for both, which for NVFP4 is the fp16 block-value path that no longer
+ships), `graphs` (BF16: what ships), `packed` (graphs with the experts' packed NVFP4 weights: what
 ships for NVFP4 since 2026-12-01), `sglang` (SGLang's engine with the minite_nvfp4 plugin, rollout.backend=sglang,
 its arguments from `--set rollout.sglang_args=...`; the row adds its start-up and one weight update's seconds),
 `eager` (miniTE's loop without graphs), `megatron` (Megatron's controller,
@@ -86,6 +88,7 @@ VARIANTS = {"graphs": {"loop": "minite", "cuda_graphs": True, "packed_weights": 
             "packed": {"loop": "minite", "cuda_graphs": True, "packed_weights": True},
             "megatron": {"loop": "megatron", "cuda_graphs": False},
             "sglang": {}}  # rollout.backend=sglang: SGLang's engine with the plugin on the same weights (below)
+SHIPS = {"bf16": "graphs", "nvfp4": "packed"}  # --variants ships: the loop each precision ships with
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -101,8 +104,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=40, help="N_long")
     p.add_argument("--short-tokens", type=int, default=8, help="N_short")
-    p.add_argument("--variants", default="graphs",
-                   help="the engine's loop, comma-separated: graphs (miniTE's loop, CUDA-graph decode steps, fp16 "
+    p.add_argument("--variants", default="ships",
+                   help="the engine's loop, comma-separated: ships (what ships: graphs for BF16, packed for NVFP4), "
+                        "graphs (miniTE's loop, CUDA-graph decode steps, fp16 "
                         "block-value weights: what shipped until 2026-12-01), eager (miniTE's loop without graphs), "
                         "megatron (Megatron-Core's controller), packed (graphs with rollout.packed_weights: the expert "
                         "GEMMs read packed weight codes; what ships since 2026-12-01, NVFP4 only), sglang (SGLang's "
@@ -122,14 +126,19 @@ def parse(argv=None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.new_tokens <= a.short_tokens or a.short_tokens < 1:
         p.error("--new-tokens must be larger than --short-tokens >= 1")
-    if set(a.variants.split(",")) - set(VARIANTS):
-        p.error(f"--variants takes {', '.join(VARIANTS)}")
+    if set(a.variants.split(",")) - set(VARIANTS) - {"ships"}:
+        p.error(f"--variants takes ships, {', '.join(VARIANTS)}")
     if set(a.modes.split(",")) - {"default", "strict"}:
         p.error("--modes takes default and/or strict")
     if not a.strict_fused and "sglang" in a.variants.split(",") and "strict" in a.modes.split(","):
         p.error("--no-strict-fused does not reach SGLang's scheduler process (it imports minite.strict.fused afresh, "
                 "on): measure strict sglang rows without it")
     return a
+
+
+def loops(variants: str, precision: str) -> list:
+    """--variants for one precision: `ships` resolved to that precision's loop (SHIPS), repeats dropped, in order."""
+    return list(dict.fromkeys(SHIPS[precision] if v == "ships" else v for v in variants.split(",")))
 
 
 def experts_touched(experts: int, topk: int, batch: int) -> float:
@@ -286,7 +295,7 @@ def run_engines(a: argparse.Namespace, shape: dict, doc: dict, out: Path) -> Non
     batches = [int(b) for b in a.batches.split(",")]
     for precision in a.precisions.split(","):
         model = build_embedded(engine_config(a, shape, precision)).model
-        for mode, variant in [(m, v) for m in ("default", "strict") for v in a.variants.split(",")]:
+        for mode, variant in [(m, v) for m in ("default", "strict") for v in loops(a.variants, precision)]:
             if mode not in a.modes.split(","):
                 continue
             if mode == "strict":
