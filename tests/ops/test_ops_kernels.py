@@ -281,6 +281,46 @@ def test_main_grad_marked_zeroed_is_written_by_the_first_wgrad(backend, passes):
     assert torch.equal(mains[0].view(torch.int32), mains[1].view(torch.int32))
 
 
+def test_deferred_wgrads_on_device_counts_flush_without_a_host_synchronisation():
+    """DeferredWgrads on device counts (the learner's micro-batches on the kernels): the flush builds its passes'
+    segment table without a host synchronisation (a pageable copy of the table's offsets was one per flush: 32 in an
+    8-micro-batch step of the 4-layer slice, H100 profile, 2026-12-05), and main_grad ends bitwise as with each wgrad
+    added at once. On a GPU the backward passes and the flush run under torch's sync debug mode, which raises on
+    one; on the CPU the bits are what is checked."""
+    from minite.ops.grouped import DeferredWgrads
+    torch.manual_seed(13)
+    counts = [torch.tensor(c, device=DEVICE) for c in ([10, 0, 17, 21], [16, 5, 0, 27], [3, 30, 9, 6])]
+    w = (torch.randn(4, 48, 64, device=DEVICE) * 0.1).to(torch.bfloat16)
+    xs = [torch.randn(48, 64, device=DEVICE).to(torch.bfloat16) for _ in counts]
+    dys = [torch.randn(48, 48, device=DEVICE).to(torch.bfloat16) for _ in counts]
+
+    def run(passes, debug=False):
+        param = torch.nn.Parameter(w.clone())
+        param.main_grad, param.grad_added_to_main_grad = torch.zeros(w.shape, device=DEVICE), False
+        sink = DeferredWgrads("triton", max_passes=passes) if passes > 1 else None
+        ys = [nvfp4_grouped_linear(x, param, c, NVFP4Recipe(), seed=50 + i, backend="triton", wgrad_sink=sink)
+              for i, (x, c) in enumerate(zip(xs, counts))]
+        if debug:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            for y, dy in zip(ys, dys):
+                y.backward(dy)
+                param.grad = None
+            if sink is not None:
+                sink.flush()
+        finally:
+            if debug:
+                torch.cuda.set_sync_debug_mode("default")
+        return param.main_grad
+
+    want = run(1)
+    run(2)  # compiled and warm: the sync debug mode sees the passes alone
+    got = run(2, debug=DEVICE == "cuda")
+    assert not torch.equal(want, torch.zeros_like(want))
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
 @pytest.mark.parametrize("strict", [False, True])
 @pytest.mark.parametrize("counts", [[5, 0, 11, 16], [1, 0, 0, 0]])
 def test_swiglu_fc2_in_one_launch_gives_the_three_steps_bits(counts, strict, monkeypatch):
