@@ -14,7 +14,7 @@
 #   train2    `tools/launch/torchrun.sh examples/h200/moe-ep2-nvfp4.yaml` on two GPUs (EP=2)
 #   killresume  the tiny job with EP=2 on two ranks: an uninterrupted run, and the same run killed (SIGKILL to every
 #             rank) after its 5th step and resumed; tools/compare_runs.py compares metrics and checkpoints bitwise
-#   bench     tools/bench/bench_rl_step.py rows into $OUT/rl-step-h200.json (one GPU and EP=2; BF16/NVFP4, strict)
+#   bench     tools/bench/bench_rl_step.py rows into $OUT/rl-step-$CARD.json (one GPU and EP=2; BF16/NVFP4, strict)
 #   slice     tools/bench/bench_learner_slice.py on one GPU: one sequence and the RL-sized 8-sequence step
 #   block     tools/bench/bench_nvfp4.py --sections block: the expert-block quantisation kernels and their ratios
 #             (not in the default STAGES)
@@ -45,6 +45,10 @@ fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
   NVSHMEM_DISABLE_NVLS=1 MINITE_COMMIT=${MINITE_COMMIT:-unknown}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$LOGS/device.txt"
+# the card's model names the benchmark files ($OUT/rollout-h200.json on an H200, -h100 on an H100): a lent machine may be
+# another card than asked for, and its numbers never go into an H200 file (docs/benchmarks.md)
+CARD=$(head -n 1 "$LOGS/device.txt" | grep -o 'H[0-9]\+' | head -n 1 | tr 'H' 'h'); CARD=${CARD:-gpu}
+export CARD; echo "benchmark files: *-$CARD.json"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" \
   | tee -a "$LOGS/device.txt"
 MEDIUM="--set model.vocab_size=8192 --set model.hidden_size=1024 --set model.num_layers=4 --set model.num_attention_heads=16
@@ -171,8 +175,8 @@ killresume() {
 stage killresume ${T_KILL:-240} killresume
 bench() {
   # rows merge into the committed file's (each row names its commit); BENCH_1GPU / BENCH_EP2: which rows to measure
-  cp docs/benchmarks/rl-step-h200.json "$OUT/rl-step-h200.json"
-  local few="--set rl.warmup_steps=1 --steps 3 --skip 1 --out $OUT/rl-step-h200.json" run
+  [ ! -e "docs/benchmarks/rl-step-$CARD.json" ] || cp "docs/benchmarks/rl-step-$CARD.json" "$OUT/rl-step-$CARD.json"
+  local few="--set rl.warmup_steps=1 --steps 3 --skip 1 --out $OUT/rl-step-$CARD.json" run
   for run in ${BENCH_1GPU-nvfp4 bf16 nvfp4,strict}; do
     python3 tools/bench/bench_rl_step.py examples/h200/moe-nvfp4.yaml --set precision.mode=${run%,strict} \
       $([ "${run#*,}" = strict ] && echo --set alignment.strict=true) $few || return 1
@@ -182,12 +186,12 @@ bench() {
       examples/h200/moe-ep2-nvfp4.yaml --set precision.mode=${run%,strict} \
       $([ "${run#*,}" = strict ] && echo --set alignment.strict=true) $few || return 1
   done
-  python3 tools/bench/bench_rl_step.py --render "$OUT/rl-step-h200.json"
+  python3 tools/bench/bench_rl_step.py --render "$OUT/rl-step-$CARD.json"
 }
 stage bench ${T_BENCH:-300} bench
 slice() {  # the learner slice on one GPU: one 4096-token sequence and the RL-sized 8 x 4096 step, BF16 and NVFP4
   TORCHDYNAMO_DISABLE=1 python3 tools/bench/bench_learner_slice.py --layers 4 --seq 4096 --steps 3 --warmup 1 \
-    --micro-batches 1,8 ${SLICE_ARGS:-} --out "$OUT/learner-slice-h200.json"
+    --micro-batches 1,8 ${SLICE_ARGS:-} --out "$OUT/learner-slice-$CARD.json"
 }
 stage slice ${T_SLICE:-200} slice
 block() {  # the expert-block section of the kernel benchmark (quant_dyT_rht_sr, quant_aT_rht and the block ratios)
@@ -198,7 +202,7 @@ scale() {  # EP over NPROC GPUs, one sequence per GPU, against the one-GPU rows 
   TORCHDYNAMO_DISABLE=1 python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
     tools/bench/bench_learner_slice.py --ep "$NPROC" --layers 4 --seq 4096 --steps 3 --warmup 1 ${SCALE_ARGS:-} \
     --out "$OUT/slice-ep$NPROC.json" &&
-  python3 - "$OUT/learner-slice-h200.json" "$OUT/slice-ep$NPROC.json" <<'EOF'
+  python3 - "$OUT/learner-slice-$CARD.json" "$OUT/slice-ep$NPROC.json" <<'EOF'
 import json, sys
 one, many = (json.load(open(f)) for f in sys.argv[1:3])
 one = {r["precision"]: r for r in one["rows"] if r.get("micro_batches", 1) == 1 and "error" not in r}
@@ -221,11 +225,11 @@ syncbench() {
 stage sync ${T_SYNC:-120} syncbench
 rollout() {  # issue 16's decode benchmark (the 4-layer full-width slice) and its deferred NaN/Inf check's GPU tests
   TORCHDYNAMO_DISABLE=1 python3 tools/bench/bench_rollout.py --batches "${BATCHES:-64,1,8,256}" ${ROLLOUT_ARGS:-} \
-    --out "$OUT/rollout-h200.json" && python3 tools/bench/bench_rollout.py --render "$OUT/rollout-h200.json"
+    --out "$OUT/rollout-$CARD.json" && python3 tools/bench/bench_rollout.py --render "$OUT/rollout-$CARD.json"
 }
 stage rollout ${T_ROLLOUT:-240} rollout
 lengths() {  # issue 16: a finished response stops costing (minite/rollout/decode.py's stop and compaction)
-  TORCHDYNAMO_DISABLE=1 python3 tools/bench/bench_rollout_lengths.py ${LENGTHS_ARGS:-} --out "$OUT/rollout-lengths-h200.json"
+  TORCHDYNAMO_DISABLE=1 python3 tools/bench/bench_rollout_lengths.py ${LENGTHS_ARGS:-} --out "$OUT/rollout-lengths-$CARD.json"
 }
 stage lengths ${T_LENGTHS:-240} lengths
 sglangprobe() {  # SGLang 0.5.23 with the plugin on the GPU, as far as it goes without sgl-kernel (docs/sglang.md)
