@@ -45,8 +45,8 @@ fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
   NVSHMEM_DISABLE_NVLS=1 MINITE_COMMIT=${MINITE_COMMIT:-unknown}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$LOGS/device.txt"
-# the card's model names the benchmark files ($OUT/rollout-h200.json on an H200, -h100 on an H100): a lent machine may be
-# another card than asked for, and its numbers never go into an H200 file (docs/benchmarks.md)
+# the card's model names the benchmark files ($OUT/rollout-h200.json on an H200, -h100 on an H100): a lent machine
+# may be another card than asked for, and its numbers never go into an H200 file (docs/benchmarks.md)
 CARD=$(head -n 1 "$LOGS/device.txt" | grep -o 'H[0-9]\+' | head -n 1 | tr 'H' 'h'); CARD=${CARD:-gpu}
 export CARD; echo "benchmark files: *-$CARD.json"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" \
@@ -229,7 +229,8 @@ rollout() {  # issue 16's decode benchmark (the 4-layer full-width slice) and it
 }
 stage rollout ${T_ROLLOUT:-240} rollout
 lengths() {  # issue 16: a finished response stops costing (minite/rollout/decode.py's stop and compaction)
-  TORCHDYNAMO_DISABLE=1 python3 tools/bench/bench_rollout_lengths.py ${LENGTHS_ARGS:-} --out "$OUT/rollout-lengths-$CARD.json"
+  TORCHDYNAMO_DISABLE=1 python3 tools/bench/bench_rollout_lengths.py ${LENGTHS_ARGS:-} \
+    --out "$OUT/rollout-lengths-$CARD.json"
 }
 stage lengths ${T_LENGTHS:-240} lengths
 sglangprobe() {  # SGLang 0.5.23 with the plugin on the GPU, as far as it goes without sgl-kernel (docs/sglang.md)

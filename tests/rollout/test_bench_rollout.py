@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "tools" / "bench" / "bench_rollout.py"
 sys.path.insert(0, str(BENCH.parent))
@@ -43,6 +45,14 @@ def test_the_default_loop_is_what_ships_for_each_precision():
     assert bench_rollout.loops("ships", "nvfp4") == ["packed"] and bench_rollout.loops("ships", "bf16") == ["graphs"]
     assert bench_rollout.loops("ships,graphs,eager", "bf16") == ["graphs", "eager"]
     assert bench_rollout.loops("graphs,ships", "nvfp4") == ["graphs", "packed"]
+    with pytest.raises(SystemExit):  # argparse's one-line error, not a KeyError later
+        bench_rollout.parse(["--precisions", "fp8"])
+    row = {"precision": "nvfp4", "strict": False, "batch": 64, "prompt_len": 32, "new_tokens": 40, "step_ms": 2.0,
+           "floor_ms": 0.4, "decode_tokens_per_s": 32000.0, "commit": "abc1234"}
+    rows = [dict(row, variant=v, cuda_graphs_replayed=False) for v in ("packed", "eager")]
+    table = bench_rollout.render({"commit": "abc1234", "device": "GPU", "date": "today", "command": "c",
+                                  "hbm_bytes_per_s": 4.8e12, "rows": rows})
+    assert "| packed (none captured) |" in table and "| eager |" in table  # a packed loop's graphs, like graphs'
 
 
 def test_cpu_smoke_run_writes_the_fixed_keys(tmp_path):

@@ -130,6 +130,8 @@ def parse(argv=None) -> argparse.Namespace:
         p.error(f"--variants takes ships, {', '.join(VARIANTS)}")
     if set(a.modes.split(",")) - {"default", "strict"}:
         p.error("--modes takes default and/or strict")
+    if set(a.precisions.split(",")) - set(SHIPS):
+        p.error(f"--precisions takes {', '.join(SHIPS)}")
     if not a.strict_fused and "sglang" in a.variants.split(",") and "strict" in a.modes.split(","):
         p.error("--no-strict-fused does not reach SGLang's scheduler process (it imports minite.strict.fused afresh, "
                 "on): measure strict sglang rows without it")
@@ -428,7 +430,8 @@ def render(doc: dict) -> str:
     for r in sorted(doc["rows"], key=lambda r: (r["precision"], r["strict"], r["batch"])):
         syncs = f"{r['host_syncs_per_step']:.1f}" if r.get("host_syncs_per_step") is not None else "-"
         loop = r.get("variant", "megatron")
-        loop += " (none captured)" if loop == "graphs" and not r.get("cuda_graphs_replayed") else ""
+        loop += " (none captured)" if VARIANTS.get(loop, {}).get("cuda_graphs") and not r.get("cuda_graphs_replayed") \
+            else ""
         if "strict_fused" in r:  # strict rows since minite.strict.fused exists: with or without its kernels
             loop += ", fused ops" if r["strict_fused"] else ", unfused ops"
         out.append(f"| {r['precision'].upper()} | {'strict' if r['strict'] else 'default'} | {loop} | {r['batch']} | "
