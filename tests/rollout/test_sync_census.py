@@ -26,3 +26,21 @@ def test_sites_are_found_by_their_text():
     assert sync_census.NVFP4_HOST_COUNTS.startswith("megatron_patches/nvfp4_layers.py:")
     with pytest.raises(RuntimeError, match="is on 0 lines of minite/nvfp4/quantize.py, expected one"):
         sync_census._line("minite/nvfp4/quantize.py", "no such text in the file")
+
+
+def test_the_nvfp4_learner_step_adds_no_gpu_synchronisation_to_bf16s():
+    """One Learner train step of 4 micro-batches (the NVFP4 expert wgrads through DeferredWgrads, two a launch, on the
+    kernels' host code under the interpreter): every site that would synchronise on a GPU in NVFP4 is one BF16 has
+    too. A pageable copy of the wgrad flush's offsets (kernels/nvfp4_wgrad.py `_segment_table`) was 32 synchronisations
+    of an 8-micro-batch step on an H100 (2026-12-05) that this census would have shown as such a site."""
+    import sync_census
+
+    def gpu_sites(precision):
+        counts = sync_census.learner_census(precision, micro_batches=4)
+        return {(kind, site[0]) for (kind, site), n in counts.items()
+                if n and not sync_census.cpu_only(site, precision, "default", True)}, counts
+
+    bf16, _ = gpu_sites("bf16")
+    nvfp4, counts = gpu_sites("nvfp4")
+    assert any(site and site[0].startswith("minite/nvfp4/device_copy.py:") for _, site in counts)  # the kernels' path
+    assert not nvfp4 - bf16, sorted(nvfp4 - bf16)

@@ -1,4 +1,5 @@
-"""Census of the host synchronisations of one embedded-engine decode step, counted on the CPU (issue 16).
+"""Census of the host synchronisations of one embedded-engine decode step, counted on the CPU (issue 16), and of one
+Learner train step (`learner_census`, issue 17).
 
 On the CPU nothing synchronises, so this counts the operations that would on a GPU, each with the innermost frames of
 its Python stack in minite/, megatron_patches/, kernels/ and megatron/core:
@@ -17,12 +18,14 @@ The counts per decode step are the difference of generate calls of 2 and 4 new t
 new maximum length costs the strict RoPE table one sincos per generate, which shows as 0.5.
 
     python tools/bench/sync_census.py [--precisions bf16,nvfp4] [--modes default,strict] [--layers 4] [--setup]
+    TRITON_INTERPRET=1 python tools/bench/sync_census.py --learner 4 --nvfp4-backend triton   (a learner step)
     TRITON_INTERPRET=1 python tools/bench/sync_census.py --precisions nvfp4 --nvfp4-backend triton   (kernel path)
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -77,6 +80,18 @@ CPU_ONLY = {
     _line("minite/nvfp4/quantize.py", "if check_finite and not bool(torch.isfinite(x).all()):"):
         "NaN/Inf check: CPU only (quantiser_checks_finite)",
     "minite/nvfp4/device_copy.py:": "a device-side cast of device counts, or a pinned non-blocking H2D copy",
+    _line("kernels/nvfp4_segments.py", "cnt = counts.to(device=dev, dtype=torch.int32).contiguous()"):
+        "a device-side cast of the device counts (the learner's wgrad segments)",
+    _line("kernels/nvfp4_segments.py", "amax = amax.to(device=dev, dtype=torch.float32).contiguous()"):
+        "a device-side cast of the caller's device amaxes",
+    _line("minite/nvfp4/grouped.py", "padded(counts.to(device=x.device, dtype=torch.int32))"):
+        "a device-side cast of the device counts (the learner's wgrad segments)",
+    _line("kernels/nvfp4_wgrad.py", "widths = torch.stack([p.widths.to(device=device, dtype=torch.int32) for p in"):
+        "a device-side cast of the segments' device widths (the wgrad flush)",
+    _line("minite/nvfp4/quantize.py", "global_amax = global_amax.to(device=x.device, dtype=torch.float32)"):
+        "a device-side cast of an amax on the device (the learner's amax hints)",
+    _line("kernels/nvfp4_quant.py", "given = global_amax.to(device=dev, dtype=torch.float32).contiguous()"):
+        "a device-side cast of an amax on the device (the learner's amax hints)",
     "minite/ops/grouped.py:": "host counts for the reference backend only (Triton reads the tensor)",
     "minite/ops/experts.py:": "host counts for the per-expert loop: CPU only",
 }
@@ -192,6 +207,61 @@ def census(engine, batch: int, prompt_len: int = 8):
     return {k: v for k, v in per_step.items() if v}, c2
 
 
+LEARNER_TINY = ["model.num_layers=1", "model.hidden_size=32", "model.vocab_size=48", "model.num_experts=4",
+                "model.moe_router_topk=2", "model.moe_ffn_hidden_size=16", "model.head_dim=8", "rl.seed=11"]
+
+
+def learner_census(precision: str, micro_batches: int = 4, backend: str = "triton") -> collections.Counter:
+    """Counts {(kind, site): n} of one Learner train step of `micro_batches` micro-batches (a tiny one-layer MoE; the
+    NVFP4 expert wgrads go through DeferredWgrads, two micro-batches a launch), after a warm-up step. NVFP4 on
+    `backend` ('triton': the kernels' host code, under TRITON_INTERPRET=1 on the CPU)."""
+    from minite.config import load_config
+    from minite.learner.learner import Learner
+
+    learner = Learner(load_config(None, LEARNER_TINY + [f"precision.mode={precision}"]))
+    if learner.nvfp4 is not None:
+        learner.nvfp4.backend = backend
+    tokens = torch.randint(0, 48, (micro_batches, 17), generator=torch.Generator().manual_seed(1))
+
+    def step():
+        learner.train_step(tokens, lambda lp: (-lp.mean() / micro_batches, {}), micro_batches=micro_batches)
+
+    step()  # warm-up: caches of quantised weights, lazy imports, compiled kernels
+    counts: collections.Counter = collections.Counter()
+    with _patched_methods(counts):  # the backward too: autograd runs it without the caller's TorchFunctionMode
+        step()
+    return counts
+
+
+@contextlib.contextmanager
+def _patched_methods(counts: collections.Counter):
+    """`Census`'s reads and device moves counted by wrapping the Tensor methods themselves for the duration (a
+    TorchFunctionMode does not reach the backward, where the MoE wgrads run)."""
+    saved = {}
+
+    def wrap(name, kind):
+        fn = getattr(torch.Tensor, name)
+        saved[name] = fn
+
+        def counted(self, *args, **kwargs):
+            k = kind
+            if name == "to":
+                dev = kwargs.get("device", next((a for a in args if isinstance(a, (str, torch.device))), None))
+                k = None if dev is None else f"to({torch.device(dev).type})"
+            if k is not None:
+                counts[(k, _site())] += 1
+            return fn(self, *args, **kwargs)
+        setattr(torch.Tensor, name, counted)
+
+    for name, kind in [("to", None)] + [(f.__name__, k) for f, k in READS.items()]:
+        wrap(name, kind)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--precisions", default="bf16,nvfp4")
@@ -202,8 +272,22 @@ def main(argv=None) -> int:
     p.add_argument("--nvfp4-backend", default="auto",
                    help="'triton' with TRITON_INTERPRET=1: the kernels' host code, as on a GPU (slow)")
     p.add_argument("--setup", action="store_true", help="also list the 2-token call's non-step sites")
+    p.add_argument("--learner", type=int, default=0, metavar="MICRO_BATCHES",
+                   help="instead: one Learner train step of that many micro-batches (a tiny one-layer MoE; NVFP4 on "
+                        "--nvfp4-backend, 'triton' with TRITON_INTERPRET=1)")
     a = p.parse_args(argv)
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    if a.learner:
+        for precision in a.precisions.split(","):
+            counts = learner_census(precision, a.learner, a.nvfp4_backend)
+            gpu = {k: n for k, n in counts.items() if not cpu_only(k[1], precision, "default", True)}
+            print(f"== learner {precision}, {a.learner} micro-batches: {sum(counts.values())} sync candidates per "
+                  f"step, {sum(gpu.values())} of them synchronise on a GPU")
+            for (kind, site), n in sorted(counts.items(), key=lambda kv: (kv[0] not in gpu, -kv[1], kv[0])):
+                why = cpu_only(site, precision, "default", True)
+                print(f"  {n:6g}  {kind:34s} {' <- '.join(site[:a.frames])}"
+                      + (f"   [not on a GPU: {why}]" if why else ""))
+        return 0
     for precision in a.precisions.split(","):
         for mode in a.modes.split(","):
             engine = engine_for(precision, mode == "strict", a.layers, a.nvfp4_backend)
