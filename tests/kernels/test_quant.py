@@ -279,8 +279,10 @@ def test_nan_max_fast_path_is_the_generic_reduce(monkeypatch):
     fast = quantize(x, **kw)
     assert not generic  # the fast path was taken
     monkeypatch.delattr(nvfp4_quant._nan_max_combine, "numpy_reduce")
-    slow = quantize(x, **kw)  # (whether it ran the generic reduce is not asserted: in the whole suite's order the
-    assert fast.equal(slow)   # spy above saw no call there, not understood; alone, and with the kernels' folder, it does) and torch.equal(fast.values.isnan(), slow.values.isnan())
+    # whether the slow run takes the generic reduce is not asserted: in the whole suite's order the spy above saw no
+    # call there (not understood); alone, and with the kernels' folder, it does
+    slow = quantize(x, **kw)
+    assert fast.equal(slow) and torch.equal(fast.values.isnan(), slow.values.isnan())
     assert torch.isnan(slow.amax[1]) and not torch.isnan(slow.amax[0])
 
 
