@@ -119,6 +119,13 @@ def _site(depth: int = 3) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _move_kind(args: tuple, kwargs: dict):
+    """The kind of a `Tensor.to(*args, **kwargs)` (self left out): "to(<device type>)" where it names a device, else
+    None (a dtype change alone)."""
+    dev = kwargs.get("device", next((a for a in args if isinstance(a, (str, torch.device))), None))
+    return None if dev is None else f"to({torch.device(dev).type})"
+
+
 class Census(TorchFunctionMode):
     """Function-level reads and host-data factories."""
 
@@ -129,11 +136,7 @@ class Census(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        kind = READS.get(func)
-        if func is torch.Tensor.to:
-            dev = kwargs.get("device", next((a for a in args[1:] if isinstance(a, (str, torch.device))), None))
-            if dev is not None:
-                kind = f"to({torch.device(dev).type})"
+        kind = _move_kind(args[1:], kwargs) if func is torch.Tensor.to else READS.get(func)
         if kind is None and func in FACTORIES and "device" in kwargs and not torch.is_tensor(args[0] if args else None):
             kind = f"{FACTORIES[func]}(host data, device=)"
         if kind is None:
@@ -244,10 +247,7 @@ def _patched_methods(counts: collections.Counter):
         saved[name] = fn
 
         def counted(self, *args, **kwargs):
-            k = kind
-            if name == "to":
-                dev = kwargs.get("device", next((a for a in args if isinstance(a, (str, torch.device))), None))
-                k = None if dev is None else f"to({torch.device(dev).type})"
+            k = _move_kind(args, kwargs) if name == "to" else kind
             if k is not None:
                 counts[(k, _site())] += 1
             return fn(self, *args, **kwargs)
