@@ -63,12 +63,10 @@ def _exp_neg_interpreted(g):
 
 @triton.jit
 def _store_bf16(ptr, offs, x, mask):
-    """fp32 x stored as bf16 rounded to nearest even, by its bits (the interpreter's cast truncates, and mangles
-    subnormals); a NaN through the cast (on the GPU cvt.rn.bf16.f32's canonical NaN, as torch's CUDA cast). Returns
-    the bits stored (uint16)."""
-    rounded = (_round_bf16(x).to(tl.uint32, bitcast=True) >> 16).to(tl.uint16)
-    nan = x.to(tl.bfloat16).to(tl.uint16, bitcast=True)
-    bits = tl.where(x == x, rounded, nan)
+    """fp32 x stored as bf16 rounded to nearest even (`_round_bf16`: on the GPU cvt.rn.bf16.f32, whose NaN is the
+    canonical one, as torch's CUDA cast; in the interpreter by the bits, its cast truncating and mangling subnormals).
+    Returns the bits stored (uint16)."""
+    bits = (_round_bf16(x).to(tl.uint32, bitcast=True) >> 16).to(tl.uint16)
     tl.store(ptr.to(tl.pointer_type(tl.uint16)) + offs, bits, mask=mask)
     return bits
 

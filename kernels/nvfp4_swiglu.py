@@ -123,7 +123,7 @@ def _expert_swiglu_quant_kernel(h_ptr, p_ptr, data_ptr, scale_ptr, gs_ptr, amax_
     prob = tl.load(p_ptr + rows, mask=rows < R, other=0.0).to(tl.float32)
     silu = SILU(gate)
     r = silu * up * prob[:, None, None, None]  # (silu * u) * p in fp32, then one rounding to bf16, as torch
-    x = tl.where(r == r, _round_bf16(r), r)  # a NaN stays NaN also where the integer rounding runs (interpreter)
+    x = _round_bf16(r)
     if FLAG:  # the NaN/Inf flag: max |a|, a NaN as +Inf
         _max_into_flag(flag_ptr, tl.reshape(tl.abs(x), [BLOCK_R * BLOCK_C]))
     _quantize_rows(x, rows, R, F, sixth, data_ptr, scale_ptr, gs_ptr, amax_ptr, vals_ptr, BLOCK_R, G, WRITE_VALS)
