@@ -55,6 +55,7 @@ from minite.megatron_patches.moe_dispatch import detach_dispatcher_graphs, use_l
 from minite.megatron_patches.nvfp4_layers import (expert_weights, release_quantised_weights, release_weight_caches,
                                                    restore_quantised_weights)
 from minite.megatron_patches.weight_copy import install_amax_copy
+from minite.nvfp4.device_copy import host_to
 from minite.ops.grouped import DeferredWgrads, mark_main_grads_zeroed
 from minite.strict import ops as strict_ops
 
@@ -81,13 +82,23 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, strict: bool =
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     logits = logits[:, :-1].to(torch.float32, copy=True)  # contiguous, and ours: the TP path works in place
-    target = tokens[:, 1:].to(logits.device)
+    target = host_to(tokens, logits.device)[:, 1:]  # no copy when the caller moved them (Learner._logits)
     if ps.get_tensor_model_parallel_world_size() == 1:
         if strict:  # the log-softmax at the targets only where no gradient is recorded (the same bits)
             return strict_ops.token_log_softmax(logits.view(-1, logits.shape[-1]), target.reshape(-1)).view(
                 target.shape)
         return torch.log_softmax(logits, dim=-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
     return -vocab_parallel_cross_entropy(logits, target)
+
+
+def _read_scalars(values: list) -> list:
+    """Python floats of scalars (floats, or tensors anywhere), the tensors read in one host copy (one wait for the
+    device instead of one a value). A tensor's float is its value in fp64, as float(tensor) gives it."""
+    tensors = [v for v in values if torch.is_tensor(v)]
+    if not tensors:
+        return [float(v) for v in values]
+    read = iter(torch.stack([t.reshape(()).to(tensors[0].device, torch.float64) for t in tensors]).tolist())
+    return [next(read) if torch.is_tensor(v) else float(v) for v in values]
 
 
 def _all_gather(t: torch.Tensor, size: int, group) -> list:
@@ -193,7 +204,7 @@ class Learner:
             raise ValueError(f"tokens must be a LongTensor [B, T], got {tokens.dtype} {tuple(tokens.shape)}")
         if tokens.shape[1] < 2:
             raise ValueError(f"tokens need at least 2 positions to score, got T={tokens.shape[1]}")
-        tokens = tokens.to(self.model.embedding.word_embeddings.weight.device)
+        tokens = host_to(tokens, self.model.embedding.word_embeddings.weight.device)  # without a synchronisation
         t = tokens.shape[1]
         padded, _, _ = self.sequence_shard(t)
         if padded > t:  # causal: the pads are inert
@@ -233,7 +244,7 @@ class Learner:
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be a LongTensor [B, T], got {tokens.dtype} {tuple(tokens.shape)}")
         rows = self.local_rows(tokens.shape[0])
-        mine = tokens[rows.start:rows.stop]
+        mine = host_to(tokens[rows.start:rows.stop], self.model.embedding.word_embeddings.weight.device)
         logp = token_logprobs(self._logits(mine), mine, strict=self.strict)
         size = ps.get_data_parallel_world_size()
         if size == 1:
@@ -287,8 +298,9 @@ class Learner:
                     raise ValueError("loss_fn must return (a scalar loss tensor, a metrics dict)")
                 loss.backward()
                 total = loss.detach() if total is None else total + loss.detach()
-                for k, v in (metrics or {}).items():
-                    sums[k] = sums.get(k, 0.0) + float(v)
+                for k, v in (metrics or {}).items():  # summed where they are: read once, after the step (below)
+                    v = v.detach().double() if torch.is_tensor(v) else float(v)
+                    sums[k] = v if k not in sums else sums[k] + v
                 del loss  # with the dispatchers' tensors, the last references to this chunk's graph (below)
             if sink is not None:
                 sink.flush()
@@ -328,8 +340,9 @@ class Learner:
         self.step += 1
         if self.nvfp4 is not None:
             self.nvfp4.step = self.step
-        out = {k: v / micro_batches for k, v in sums.items()}
-        out.update(loss=float(total), grad_norm=float(grad_norm if grad_norm is not None else 0.0),
+        read = _read_scalars(list(sums.values()) + [total])
+        out = {k: v / micro_batches for k, v in zip(sums, read)}
+        out.update(loss=read[-1], grad_norm=float(grad_norm if grad_norm is not None else 0.0),
                    step_ok=float(bool(ok)))
         return out
 

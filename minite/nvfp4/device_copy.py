@@ -14,8 +14,8 @@ import torch
 
 def host_to(t: torch.Tensor, device) -> torch.Tensor:
     """A host tensor (e.g. `torch.from_numpy` of a table) on `device`, copied without a sync."""
-    if torch.device(device).type != "cuda" or t.is_cuda:  # already there (or no GPU): an ordinary copy, if any
-        return t.to(device)
+    if torch.device(device).type != "cuda" or t.is_cuda or not torch.cuda.is_available():
+        return t.to(device)  # already there, or no GPU (tests' fake CUDA tensors): an ordinary copy, if any
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError("a host-to-device table copy under CUDA-graph capture: the graph would replay the captured "
                            "values; keep the table on the device")

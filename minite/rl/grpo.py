@@ -38,6 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
+from minite.nvfp4.device_copy import host_to
+
 IS_CORRECTIONS = ("none", "tis", "mis")
 
 
@@ -107,37 +109,40 @@ def grpo_loss(
     rollout_logp: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
     tokens: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Token-mean GRPO loss over `mask` (1 on response tokens). Tensors are [B, T-1]; advantages [B].
 
-    Returns (loss with grad, metrics): loss/policy, kl/ref, clip_frac, is_weight_mean, is_masked_frac.
+    Returns (loss with grad, metrics): loss/policy, kl/ref, clip_frac, is_weight_mean, is_masked_frac, each a
+    detached scalar tensor on logp's device (read on the host once per optimizer step, by Learner.train_step: a
+    read per micro-batch would make the host wait for the GPU each time). The host tensors it is given are copied
+    to that device without a synchronisation (`host_to`).
     tokens: the token count of the batch these rows are a chunk of (gradient accumulation): every mean is then this
     chunk's sum over it, its share, so the chunks' losses and metrics add up to the whole batch's.
     """
-    dev = logp.device  # the learner's device; the loop builds its batch tensors on the host
-    old_logp, mask = old_logp.to(dev), mask.to(dev, logp.dtype)
-    adv = advantages.to(dev, logp.dtype).unsqueeze(1)
+    dev = logp.device  # the learner's device; the loop builds its batch tensors on the host (copied without a sync)
+    old_logp, mask = host_to(old_logp, dev), host_to(mask, dev).to(logp.dtype)
+    adv = host_to(advantages, dev).to(logp.dtype).unsqueeze(1)
     ratio = torch.exp(logp - old_logp.detach())
     clipped = ratio.clamp(1 - params.clip_eps_low, 1 + params.clip_eps_high)
     pg = -torch.minimum(ratio * adv, clipped * adv)
     if rollout_logp is not None:
-        w = is_weights(old_logp.detach(), rollout_logp.to(dev), params)
+        w = is_weights(old_logp.detach(), host_to(rollout_logp, dev), params)
     else:
         w = torch.ones_like(pg)
     policy = _masked_mean(w * pg, mask, tokens)
     loss = policy
     kl = torch.zeros((), dtype=logp.dtype, device=dev)
     if ref_logp is not None:
-        kl = _masked_mean(k3(ref_logp.detach().to(dev) - logp), mask, tokens)
+        kl = _masked_mean(k3(host_to(ref_logp.detach(), dev) - logp), mask, tokens)
         if params.kl_coef > 0:
             loss = loss + params.kl_coef * kl
     with torch.no_grad():
         clip_active = (ratio * adv > clipped * adv).to(logp.dtype)
         metrics = {
-            "loss/policy": policy.item(),
-            "kl/ref": kl.item(),
-            "train/clip_frac": _masked_mean(clip_active, mask, tokens).item(),
-            "train/is_weight_mean": _masked_mean(w, mask, tokens).item(),
-            "train/is_masked_frac": _masked_mean((w == 0).to(logp.dtype), mask, tokens).item(),
+            "loss/policy": policy.detach(),
+            "kl/ref": kl.detach(),
+            "train/clip_frac": _masked_mean(clip_active, mask, tokens),
+            "train/is_weight_mean": _masked_mean(w, mask, tokens),
+            "train/is_masked_frac": _masked_mean((w == 0).to(logp.dtype), mask, tokens),
         }
     return loss, metrics

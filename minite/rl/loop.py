@@ -39,6 +39,7 @@ from minite.alignment.monitor import check_gap
 from minite.console import raise_if_interrupted
 from minite.alignment.routing_replay import engine_recording, learner_replay
 from minite.learner.learner import Learner, ReferencePolicy, reference_policy
+from minite.nvfp4.device_copy import host_to
 from minite.rl import checkpoint as ckpt
 from minite.rl.failures import CHECKPOINT_TOO_BIG, MODEL_TOO_BIG, stop_cleanly
 from minite.rl.grpo import GRPOParams, group_advantages, grpo_loss
@@ -187,9 +188,9 @@ def train_on_batch(run: Run, batch: Batch, advantages: torch.Tensor, routes=None
 
         def chunk_loss(logp, part, tokens=tokens):
             return grpo_loss(
-                logp, old_logp.index_select(0, part.to(old_logp.device)), advantages[part], batch.mask[part],
+                logp, old_logp.index_select(0, host_to(part, old_logp.device)), advantages[part], batch.mask[part],
                 run.grpo, rollout_logp=batch.rollout_logp[part],
-                ref_logp=None if ref_logp is None else ref_logp.index_select(0, part.to(ref_logp.device)),
+                ref_logp=None if ref_logp is None else ref_logp.index_select(0, host_to(part, ref_logp.device)),
                 tokens=tokens,
             )
         with _replay(run.learner, routes, seq_len, rows.tolist()):

@@ -44,3 +44,17 @@ def test_the_nvfp4_learner_step_adds_no_gpu_synchronisation_to_bf16s():
     nvfp4, counts = gpu_sites("nvfp4")
     assert any(site and site[0].startswith("minite/nvfp4/device_copy.py:") for _, site in counts)  # the kernels' path
     assert not nvfp4 - bf16, sorted(nvfp4 - bf16)
+
+
+def test_the_rl_loops_micro_batch_reads_nothing_back_from_the_gpu():
+    """The RL loop's training on a batch (minite.rl.loop.train_on_batch: the GRPO loss over host-side batch tensors,
+    the learner's gradient accumulation), BF16: one more micro-batch adds no site that would synchronise on a GPU.
+    Before 2026-12-05 it added eleven: five `.item()` of the GRPO metrics, four pageable copies of the loop's batch
+    tensors into the loss, two of the token ids into the learner (the census counted twelve: it cannot see that the
+    learner's old log-probs already live on the GPU, where their `.to` is no copy)."""
+    import sync_census
+
+    per = sync_census.rl_per_micro_batch("bf16")
+    on_gpu = {k: n for k, n in per.items() if not sync_census.cpu_only(k[1], "bf16", "default", True)}
+    assert any(site and site[0].startswith("minite/nvfp4/device_copy.py:") for _, site in per)  # the copies are seen
+    assert not on_gpu, on_gpu

@@ -1,5 +1,5 @@
-"""Census of the host synchronisations of one embedded-engine decode step, counted on the CPU (issue 16), and of one
-Learner train step (`learner_census`, issue 17).
+"""Census of the host synchronisations of one embedded-engine decode step, counted on the CPU (issue 16), of one
+Learner train step (`learner_census`, issue 17) and of the RL loop's training on a batch (`rl_census`).
 
 On the CPU nothing synchronises, so this counts the operations that would on a GPU, each with the innermost frames of
 its Python stack in minite/, megatron_patches/, kernels/ and megatron/core:
@@ -19,6 +19,7 @@ new maximum length costs the strict RoPE table one sincos per generate, which sh
 
     python tools/bench/sync_census.py [--precisions bf16,nvfp4] [--modes default,strict] [--layers 4] [--setup]
     TRITON_INTERPRET=1 python tools/bench/sync_census.py --learner 4 --nvfp4-backend triton   (a learner step)
+    TRITON_INTERPRET=1 python tools/bench/sync_census.py --rl --nvfp4-backend triton   (the RL loop's micro-batch)
     TRITON_INTERPRET=1 python tools/bench/sync_census.py --precisions nvfp4 --nvfp4-backend triton   (kernel path)
 """
 from __future__ import annotations
@@ -236,6 +237,47 @@ def learner_census(precision: str, micro_batches: int = 4, backend: str = "trito
     return counts
 
 
+def rl_census(precision: str, micro_batches: int = 4, backend: str = "triton") -> collections.Counter:
+    """Counts {(kind, site): n} of the RL loop's training on one batch (`minite.rl.loop.train_on_batch`: the
+    learner's log-probs before the update, then one GRPO optimizer step of `micro_batches` chunks), with the loop's
+    host-side batch (tokens, mask, the engine's log-probs, advantages), the same tiny MoE as `learner_census`, after a
+    warm-up call."""
+    from types import SimpleNamespace
+
+    from minite.config import load_config
+    from minite.learner.learner import Learner
+    from minite.rl.grpo import GRPOParams
+    from minite.rl.loop import Batch, train_on_batch
+
+    cfg = load_config(None, LEARNER_TINY + [f"precision.mode={precision}", f"rl.micro_batches={micro_batches}",
+                                            "rl.minibatches=1"])
+    learner = Learner(cfg)
+    if learner.nvfp4 is not None:
+        learner.nvfp4.backend = backend
+    g = torch.Generator().manual_seed(1)
+    rows, width = 2 * micro_batches, 17
+    mask = torch.zeros(rows, width - 1)
+    mask[:, 7:] = 1
+    batch = Batch(torch.randint(0, 48, (rows, width), generator=g), mask,
+                  -torch.rand(rows, width - 1, generator=g) * mask, rows * width)
+    run = SimpleNamespace(cfg=cfg, learner=learner, ref=None, step=0, grpo=GRPOParams(clip_eps_low=0.2,
+                                                                                      clip_eps_high=0.2))
+    advantages = torch.randn(rows, generator=g)
+    train_on_batch(run, batch, advantages)  # warm-up: caches of quantised weights, lazy imports, compiled kernels
+    counts: collections.Counter = collections.Counter()
+    with _patched_methods(counts):
+        train_on_batch(run, batch, advantages)
+    return counts
+
+
+def rl_per_micro_batch(precision: str, backend: str = "triton") -> dict:
+    """{(kind, site): n} that one more micro-batch adds to `rl_census` (4 micro-batches against 2, halved): what the
+    loop, its GRPO loss and the learner do once per micro-batch rather than once per optimizer step."""
+    c2, c4 = rl_census(precision, 2, backend), rl_census(precision, 4, backend)
+    per = {k: (c4[k] - c2.get(k, 0)) / 2 for k in set(c4) | set(c2)}
+    return {k: n for k, n in per.items() if n}
+
+
 @contextlib.contextmanager
 def _patched_methods(counts: collections.Counter):
     """`Census`'s reads and device moves counted by wrapping the Tensor methods themselves for the duration (a
@@ -275,8 +317,22 @@ def main(argv=None) -> int:
     p.add_argument("--learner", type=int, default=0, metavar="MICRO_BATCHES",
                    help="instead: one Learner train step of that many micro-batches (a tiny one-layer MoE; NVFP4 on "
                         "--nvfp4-backend, 'triton' with TRITON_INTERPRET=1)")
+    p.add_argument("--rl", action="store_true",
+                   help="instead: what one more micro-batch adds to the RL loop's training on a batch (the learner's "
+                        "log-probs, the GRPO loss over 4 against 2 micro-batches; the tiny one-layer MoE)")
     a = p.parse_args(argv)
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    if a.rl:
+        for precision in a.precisions.split(","):
+            per = rl_per_micro_batch(precision, a.nvfp4_backend)
+            gpu = {k: n for k, n in per.items() if not cpu_only(k[1], precision, "default", True)}
+            print(f"== RL training {precision}: {sum(per.values()):g} sync candidates per micro-batch, "
+                  f"{sum(gpu.values()):g} of them synchronise on a GPU")
+            for (kind, site), n in sorted(per.items(), key=lambda kv: (kv[0] not in gpu, -kv[1], kv[0])):
+                why = cpu_only(site, precision, "default", True)
+                print(f"  {n:6g}  {kind:34s} {' <- '.join(site[:a.frames])}"
+                      + (f"   [not on a GPU: {why}]" if why else ""))
+        return 0
     if a.learner:
         for precision in a.precisions.split(","):
             counts = learner_census(precision, a.learner, a.nvfp4_backend)
