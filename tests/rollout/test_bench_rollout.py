@@ -45,6 +45,9 @@ def test_the_default_loop_is_what_ships_for_each_precision():
     assert bench_rollout.loops("ships", "nvfp4") == ["packed"] and bench_rollout.loops("ships", "bf16") == ["graphs"]
     assert bench_rollout.loops("ships,graphs,eager", "bf16") == ["graphs", "eager"]
     assert bench_rollout.loops("graphs,ships", "nvfp4") == ["graphs", "packed"]
+    assert bench_rollout.loops("packed", "bf16") == ["graphs"]  # no NVFP4 weights to pack: the loop it runs
+    assert bench_rollout.loops("packed,graphs", "bf16") == ["graphs"]
+    assert bench_rollout.loops("packed", "nvfp4") == ["packed"]
     with pytest.raises(SystemExit):  # argparse's one-line error, not a KeyError later
         bench_rollout.parse(["--precisions", "fp8"])
     row = {"precision": "nvfp4", "strict": False, "batch": 64, "prompt_len": 32, "new_tokens": 40, "step_ms": 2.0,

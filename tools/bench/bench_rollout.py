@@ -139,8 +139,12 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 def loops(variants: str, precision: str) -> list:
-    """--variants for one precision: `ships` resolved to that precision's loop (SHIPS), repeats dropped, in order."""
-    return list(dict.fromkeys(SHIPS[precision] if v == "ships" else v for v in variants.split(",")))
+    """--variants for one precision: `ships` resolved to that precision's loop (SHIPS), `packed` to `graphs` for BF16
+    (whose engine has no NVFP4 weights to pack: the same loop, which its rows named `packed` before 2026-12-05),
+    repeats dropped, in order."""
+    resolved = (SHIPS[precision] if v == "ships" else "graphs" if (v, precision) == ("packed", "bf16") else v
+                for v in variants.split(","))
+    return list(dict.fromkeys(resolved))
 
 
 def experts_touched(experts: int, topk: int, batch: int) -> float:
