@@ -309,7 +309,8 @@ class GroupedExperts(MegatronModule):
         # synchronisation; so does the NVFP4 train step on the kernels (its wgrad's segments are found from device
         # counts), while a wgrad off them (the reference, a per-expert loop) reads them on the host once, below.
         # (BF16 on the per-expert loops, CPU or the strict learner, reads them on the host: once here, not once per
-        # GEMM; strict BF16 without autograd on a GPU reads them on the device: `strict_grouped_applies`.)
+        # GEMM; strict BF16 without autograd on a GPU reads them on the device: `strict_grouped_applies`; the strict
+        # learner's forward on a GPU is that launch too, on a copy of the host counts: `_StrictExperts`.)
         if permuted_hidden.shape[0] == 0:  # this rank's experts got no token (EP): no GEMM runs (torch._grouped_mm's
             out = permuted_hidden * 0        # backward rejects 0 rows on CUDA); zero gradients for the weights, and
             if torch.is_grad_enabled():      # the probs stay in the graph (their dispatch's backward is a collective)

@@ -96,8 +96,9 @@ def grouped_mm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def grouped_linear_bf16(x: torch.Tensor, weight: torch.Tensor, counts, *, strict: bool) -> torch.Tensor:
     """Per-expert x_e @ W_e^T for weight [E, N, K] in the input dtype, experts in order.
 
-    strict: `minite.strict.ops.linear` per expert (fixed-order sums, batch invariant); on a GPU without autograd all
-    experts in one launch with the same bits (`strict_grouped_applies`). Otherwise, on a GPU with bf16
+    strict: `minite.strict.ops.linear` per expert (fixed-order sums, batch invariant); on a GPU all experts in one
+    launch with the same bits (without autograd: `strict_grouped_applies`; with it: `_StrictExperts`, whose backward
+    writes one dx and one dW). Otherwise, on a GPU with bf16
     operands (`grouped_mm_applies`), one torch._grouped_mm (forward and both backward GEMMs grouped; a per-expert
     Python loop's weight-gradient selects would zero-fill and add a full [E, N, K] buffer per expert); elsewhere a
     loop of matmuls (fp32 accumulation inside matmul).
@@ -111,6 +112,8 @@ def grouped_linear_bf16(x: torch.Tensor, weight: torch.Tensor, counts, *, strict
         return torch._grouped_mm(x, weight.transpose(1, 2), offs=offs)
     if strict and strict_grouped_applies(x, weight, counts):
         return triton_gemm.grouped_matmul_fixed_k(x, weight, counts).to(x.dtype)
+    if strict and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _StrictExperts.apply(x, weight, counts)
     if torch.is_tensor(counts):
         counts = counts.tolist()
     if strict:
@@ -125,6 +128,47 @@ def strict_grouped_applies(x: torch.Tensor, weight: torch.Tensor, counts=None) -
     return (triton_gemm.available(x, weight[0]) and weight.dim() == 3
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
             and (counts is None or triton_gemm.grouped_available(x, weight, counts)))
+
+
+class _StrictExperts(torch.autograd.Function):
+    """Strict `grouped_linear_bf16` under autograd (the strict BF16 learner). Forward: the per-expert loop of
+    `minite.strict.ops.linear`, or on a GPU all experts in one launch with its bits
+    (`triton_gemm.grouped_matmul_fixed_k`, as the strict rollout computes them). Backward: ops.linear's own ordinary
+    matmuls per expert (fp32 products of the fp32 output gradient, rounded once to the operands' dtype), each written
+    into its rows of one dx and its slice of one dW. The same values as the loop under autograd, which wrote every
+    expert's dW into a zero-filled [E, N, K] buffer of its own (select's backward) and its dx into an [R, K] one, then
+    summed the E buffers of each: O(E) full passes over the weight a backward, most of the strict BF16 learner's time
+    with 64 experts. The sums only added zeros, so the values are the same up to the sign of a zero (-0.0 + 0.0 is
+    +0.0 there), which adding into Megatron's main_grad makes +0.0 in both."""
+
+    @staticmethod
+    def forward(ctx, x, weight, counts):
+        counts = [int(c) for c in (counts.tolist() if torch.is_tensor(counts) else counts)]
+        if len(counts) != weight.shape[0] or sum(counts) != x.shape[0] or min(counts, default=0) < 0:
+            raise ValueError(f"tokens_per_expert {counts} must have {weight.shape[0]} non-negative entries summing to "
+                             f"the {x.shape[0]} input rows")
+        ctx.counts = counts
+        ctx.save_for_backward(x, weight)
+        if triton_gemm.available(x, weight[0]):
+            return triton_gemm.grouped_matmul_fixed_k(x, weight, int32_to(counts, x.device)).to(x.dtype)
+        return _per_expert(x, weight, counts, lambda a, w: S.linear(a, w, out_dtype=a.dtype))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        dw = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        start = 0
+        for e, c in enumerate(ctx.counts):
+            if c:
+                g = dy[start:start + c].float()
+                if dx is not None:
+                    dx[start:start + c] = (g @ weight[e].float()).to(x.dtype)
+                if dw is not None:
+                    dw[e] = (g.t() @ x[start:start + c].float()).to(weight.dtype)
+            start += c
+        return dx, dw, None
 
 
 def _per_expert(x: torch.Tensor, weight: torch.Tensor, counts: list[int], mm) -> torch.Tensor:

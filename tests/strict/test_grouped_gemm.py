@@ -61,3 +61,64 @@ def test_strict_grouped_linear_is_the_loop_bitwise_on_cuda():
         captured = grouped_linear_bf16(x, w, counts, strict=True)
     graph.replay()
     assert torch.equal(captured, want)
+
+
+def _loop_under_autograd(x, w, counts):
+    """The strict experts as the learner ran them before _StrictExperts: ops.linear per expert on selects of w."""
+    from minite.strict import ops as S
+    outs, start = [], 0
+    for e, c in enumerate(counts):
+        outs.append(S.linear(x[start:start + c], w[e], out_dtype=x.dtype))
+        start += c
+    return torch.cat(outs)
+
+
+def _bits(t):
+    return t.detach().view(torch.int16) if t.dtype in (torch.bfloat16, torch.float16) else t.detach()
+
+
+@pytest.mark.parametrize("counts", [[0, 37, 3, 0, 10, 1], [5, 5, 5, 5, 5, 5], [0, 0, 0, 0, 0, 0]])
+def test_strict_experts_under_autograd_are_the_loop_with_one_gradient_buffer(counts):
+    """The strict BF16 learner's experts (`_StrictExperts`): forward bitwise the per-expert loop's, gradients its
+    values (the loop summed E zero-filled buffers per weight, which can turn a -0.0 into +0.0 and nothing else;
+    Megatron's main_grad adds them into zeros, where both are +0.0). On a GPU the forward is the grouped kernel (the
+    test below)."""
+    g = torch.Generator().manual_seed(len(counts) + sum(counts))
+    k, n = 40, 24
+    x0 = torch.randn(sum(counts), k, generator=g).bfloat16()
+    w0 = torch.randn(len(counts), n, k, generator=g).bfloat16()
+    dy = torch.randn(sum(counts), n, generator=g).bfloat16()
+    x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    y = grouped_linear_bf16(x, w, torch.tensor(counts), strict=True)
+    xl, wl = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    yl = _loop_under_autograd(xl, wl, counts) if sum(counts) else xl @ wl[0].t()
+    assert type(y.grad_fn).__name__.startswith("_StrictExperts")
+    assert torch.equal(_bits(y), _bits(yl))
+    y.backward(dy)
+    yl.backward(dy)
+    for got, want in ((x.grad, xl.grad), (w.grad, wl.grad)):
+        assert torch.equal(got, want)  # -0.0 == +0.0
+        assert torch.equal(_bits(torch.zeros(got.shape) + got.float()), _bits(torch.zeros(want.shape) + want.float()))
+    with pytest.raises(ValueError, match="must have 6 non-negative entries summing to the"):
+        grouped_linear_bf16(x, w, [1] * 6, strict=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_strict_experts_under_autograd_on_cuda_are_the_loop():
+    """The same on the GPU, where the forward is the grouped kernel (the strict rollout's) on the learner's counts."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    counts = torch.randint(0, 40, (64,), device="cuda", generator=g)
+    counts[::5] = 0
+    r, k, n = int(counts.sum()), 512, 384
+    x0 = torch.randn(r, k, device="cuda", generator=g).bfloat16()
+    w0 = (torch.randn(64, n, k, device="cuda", generator=g) * 0.05).bfloat16()
+    dy = torch.randn(r, n, device="cuda", generator=g).bfloat16()
+    x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    y = grouped_linear_bf16(x, w, counts.tolist(), strict=True)
+    xl, wl = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    yl = _loop_under_autograd(xl, wl, counts.tolist())
+    assert torch.equal(_bits(y), _bits(yl))
+    y.backward(dy)
+    yl.backward(dy)
+    assert torch.equal(x.grad, xl.grad) and torch.equal(w.grad, wl.grad)
