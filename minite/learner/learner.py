@@ -299,8 +299,7 @@ class Learner:
                 loss.backward()
                 total = loss.detach() if total is None else total + loss.detach()
                 for k, v in (metrics or {}).items():  # summed where they are: read once, after the step (below)
-                    v = v.detach().double() if torch.is_tensor(v) else float(v)
-                    sums[k] = v if k not in sums else sums[k] + v
+                    sums[k] = sums.get(k, 0.0) + (v.detach().double() if torch.is_tensor(v) else float(v))
                 del loss  # with the dispatchers' tensors, the last references to this chunk's graph (below)
             if sink is not None:
                 sink.flush()
