@@ -212,8 +212,8 @@ def _per_chunk(rows: torch.Tensor, n: int, chunk_loss):
         if logp.shape[0] != len(part):
             raise ValueError(f"the learner gave loss_fn log-probs of {logp.shape[0]} rows for a chunk of {len(part)} "
                              "(rl.micro_batches needs a learner that calls loss_fn once per chunk, in order)")
-        loss, metrics = chunk_loss(logp, part)
-        return loss, {k: v * n for k, v in metrics.items()}
+        loss, metrics = chunk_loss(logp, part)  # device scalars (read once a step: Learner.train_step), in fp64 here
+        return loss, {k: (v.double() if torch.is_tensor(v) else v) * n for k, v in metrics.items()}
     return loss_fn
 
 
@@ -459,8 +459,8 @@ def warmup(run: Run) -> None:
         def chunk_nll(logp, part, mask=batch.mask):
             # each chunk's token sum over the whole batch's tokens (an exact count: the same value as one chunk's
             # mask sum when it is the whole batch); built on the host, logp on the learner's device
-            nll = -(logp * mask[part].to(logp.device)).sum() / mask.sum().to(logp.device)
-            return nll, {"warmup/nll": nll.item()}
+            nll = -(logp * host_to(mask[part], logp.device)).sum() / host_to(mask.sum(), logp.device)
+            return nll, {"warmup/nll": nll.detach()}
 
         n = cfg.rl.micro_batches  # gradient accumulation, as in train_on_batch
         with stop_cleanly(cfg, f"at warm-up step {i + 1} of {cfg.rl.warmup_steps}"):

@@ -152,3 +152,18 @@ def test_chunk_shares_add_up_to_the_whole_batch():
     torch.testing.assert_close(grads, gw, atol=atol, rtol=rtol)
     for k, v in wm.items():
         assert math.isclose(metrics[k], v, rel_tol=rtol, abs_tol=atol), k
+
+
+def test_chunk_metrics_scale_in_fp64_as_the_host_floats_did():
+    """grpo_loss's metrics are fp32 device scalars (read once a step by the learner); the loop's `_per_chunk` scales
+    them by the chunk count in fp64, as `.item() * n` did when they were host floats: 0.1f x 3 rounds differently in
+    fp32, so a metric would change with rl.micro_batches = 3."""
+    from minite.rl.loop import _per_chunk
+
+    metric = torch.tensor(0.1)
+    loss_fn = _per_chunk(torch.arange(3), 3, lambda logp, part: (logp.sum(), {"m": metric, "host": 0.25}))
+    _, metrics = loss_fn(torch.zeros(1, 2))
+    assert float(metrics["m"]) == float(metric) * 3 and metrics["host"] == 0.75
+    assert float(metric * 3) != float(metric) * 3  # what the fp32 product would have reported
+    grpo_metrics = grpo_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2), torch.ones(2, 3), GRPOParams())[1]
+    assert all(torch.is_tensor(v) and v.dim() == 0 for v in grpo_metrics.values())
