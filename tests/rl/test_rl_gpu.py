@@ -79,3 +79,36 @@ def test_cuda_out_of_memory_is_the_one_line_error(tmp_path):
     with pytest.raises(OutOfMemoryRunError, match=pattern):
         with stop_cleanly(cfg, "at RL step 1 of 1"):
             torch.empty(2**50, dtype=torch.uint8, device="cuda")
+
+
+@pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
+def test_one_more_micro_batch_adds_no_host_synchronisation(precision):
+    """The RL loop's training on a batch (train_on_batch: the GRPO loss over the loop's host tensors, the learner's
+    gradient accumulation) with 4 micro-batches synchronises the host with the GPU as often as with 2: torch's sync
+    debug mode counts them (the step's own reads, the optimizer's gradient norm and the metrics, happen once in
+    both). What tools/bench/sync_census.py --rl counts on the CPU; eleven a micro-batch before 6c2086a."""
+    import sys
+    import warnings
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "bench"))
+    import sync_census
+    from minite.rl.loop import train_on_batch
+
+    def syncs(micro_batches):
+        run, batch, advantages = sync_census.rl_inputs(precision, micro_batches, backend="auto")
+        train_on_batch(run, batch, advantages)  # warm-up: quantised weights, compiled kernels, pinned buffers
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                train_on_batch(run, batch, advantages)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        run.learner.close()
+        return sum("synchroniz" in str(w.message) for w in caught)
+
+    two, four = syncs(2), syncs(4)
+    assert two > 0  # the counter works: the step's own reads are seen
+    assert four == two, (two, four)

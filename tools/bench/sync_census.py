@@ -237,17 +237,16 @@ def learner_census(precision: str, micro_batches: int = 4, backend: str = "trito
     return counts
 
 
-def rl_census(precision: str, micro_batches: int = 4, backend: str = "triton") -> collections.Counter:
-    """Counts {(kind, site): n} of the RL loop's training on one batch (`minite.rl.loop.train_on_batch`: the
-    learner's log-probs before the update, then one GRPO optimizer step of `micro_batches` chunks), with the loop's
-    host-side batch (tokens, mask, the engine's log-probs, advantages), the same tiny MoE as `learner_census`, after a
-    warm-up call."""
+def rl_inputs(precision: str, micro_batches: int, backend: str = "triton"):
+    """(run, batch, advantages) for `minite.rl.loop.train_on_batch`: the same tiny MoE as `learner_census` (on the
+    GPU where there is one), a stand-in Run with what train_on_batch reads, and the loop's host-side batch (tokens,
+    mask, the engine's log-probs, advantages) of 2 rows a micro-batch, one minibatch."""
     from types import SimpleNamespace
 
     from minite.config import load_config
     from minite.learner.learner import Learner
     from minite.rl.grpo import GRPOParams
-    from minite.rl.loop import Batch, train_on_batch
+    from minite.rl.loop import Batch
 
     cfg = load_config(None, LEARNER_TINY + [f"precision.mode={precision}", f"rl.micro_batches={micro_batches}",
                                             "rl.minibatches=1"])
@@ -262,7 +261,16 @@ def rl_census(precision: str, micro_batches: int = 4, backend: str = "triton") -
                   -torch.rand(rows, width - 1, generator=g) * mask, rows * width)
     run = SimpleNamespace(cfg=cfg, learner=learner, ref=None, step=0, grpo=GRPOParams(clip_eps_low=0.2,
                                                                                       clip_eps_high=0.2))
-    advantages = torch.randn(rows, generator=g)
+    return run, batch, torch.randn(rows, generator=g)
+
+
+def rl_census(precision: str, micro_batches: int = 4, backend: str = "triton") -> collections.Counter:
+    """Counts {(kind, site): n} of the RL loop's training on one batch (`minite.rl.loop.train_on_batch`: the
+    learner's log-probs before the update, then one GRPO optimizer step of `micro_batches` chunks) on `rl_inputs`,
+    after a warm-up call."""
+    from minite.rl.loop import train_on_batch
+
+    run, batch, advantages = rl_inputs(precision, micro_batches, backend)
     train_on_batch(run, batch, advantages)  # warm-up: caches of quantised weights, lazy imports, compiled kernels
     counts: collections.Counter = collections.Counter()
     with _patched_methods(counts):
