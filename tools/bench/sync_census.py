@@ -312,6 +312,16 @@ def _patched_methods(counts: collections.Counter):
             setattr(torch.Tensor, name, fn)
 
 
+def _print_sites(what: str, unit: str, counts: dict, precision: str, frames: int) -> None:
+    """The learner's and the RL loop's census, sites that synchronise on a GPU first (default mode, device counts)."""
+    gpu = {k: n for k, n in counts.items() if not cpu_only(k[1], precision, "default", True)}
+    print(f"== {what}: {sum(counts.values()):g} sync candidates per {unit}, {sum(gpu.values()):g} of them synchronise "
+          "on a GPU")
+    for (kind, site), n in sorted(counts.items(), key=lambda kv: (kv[0] not in gpu, -kv[1], kv[0])):
+        why = cpu_only(site, precision, "default", True)
+        print(f"  {n:6g}  {kind:34s} {' <- '.join(site[:frames])}" + (f"   [not on a GPU: {why}]" if why else ""))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--precisions", default="bf16,nvfp4")
@@ -330,27 +340,15 @@ def main(argv=None) -> int:
                         "log-probs, the GRPO loss over 4 against 2 micro-batches; the tiny one-layer MoE)")
     a = p.parse_args(argv)
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-    if a.rl:
+    if a.rl or a.learner:
         for precision in a.precisions.split(","):
-            per = rl_per_micro_batch(precision, a.nvfp4_backend)
-            gpu = {k: n for k, n in per.items() if not cpu_only(k[1], precision, "default", True)}
-            print(f"== RL training {precision}: {sum(per.values()):g} sync candidates per micro-batch, "
-                  f"{sum(gpu.values()):g} of them synchronise on a GPU")
-            for (kind, site), n in sorted(per.items(), key=lambda kv: (kv[0] not in gpu, -kv[1], kv[0])):
-                why = cpu_only(site, precision, "default", True)
-                print(f"  {n:6g}  {kind:34s} {' <- '.join(site[:a.frames])}"
-                      + (f"   [not on a GPU: {why}]" if why else ""))
-        return 0
-    if a.learner:
-        for precision in a.precisions.split(","):
-            counts = learner_census(precision, a.learner, a.nvfp4_backend)
-            gpu = {k: n for k, n in counts.items() if not cpu_only(k[1], precision, "default", True)}
-            print(f"== learner {precision}, {a.learner} micro-batches: {sum(counts.values())} sync candidates per "
-                  f"step, {sum(gpu.values())} of them synchronise on a GPU")
-            for (kind, site), n in sorted(counts.items(), key=lambda kv: (kv[0] not in gpu, -kv[1], kv[0])):
-                why = cpu_only(site, precision, "default", True)
-                print(f"  {n:6g}  {kind:34s} {' <- '.join(site[:a.frames])}"
-                      + (f"   [not on a GPU: {why}]" if why else ""))
+            if a.rl:
+                counts, what = rl_per_micro_batch(precision, a.nvfp4_backend), f"RL training {precision}"
+                unit = "micro-batch"
+            else:
+                counts = learner_census(precision, a.learner, a.nvfp4_backend)
+                what, unit = f"learner {precision}, {a.learner} micro-batches", "step"
+            _print_sites(what, unit, counts, precision, a.frames)
         return 0
     for precision in a.precisions.split(","):
         for mode in a.modes.split(","):
