@@ -61,6 +61,17 @@ def derive_seeds(*parts) -> np.ndarray:
     return np.asarray(h & np.uint64(_M32)).astype(np.int64)
 
 
+def host_counts(tokens_per_expert, experts: int, rows: int) -> list[int]:
+    """Tokens per expert (host integers: a tensor is read by the caller, where the census of host synchronisations,
+    tools/bench/sync_census.py, finds the read) as a checked list: `experts` non-negative entries summing to the
+    `rows` input rows, else one ValueError."""
+    counts = [int(c) for c in tokens_per_expert]
+    if len(counts) != experts or sum(counts) != rows or min(counts, default=0) < 0:
+        raise ValueError(f"tokens_per_expert {counts} must have {experts} non-negative entries "
+                         f"summing to the {rows} input rows")
+    return counts
+
+
 def group_size(group) -> int:
     return 1 if group is None or not dist.is_initialized() else dist.get_world_size(group)
 

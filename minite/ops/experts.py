@@ -28,7 +28,7 @@ from minite.nvfp4.backend import has_kernel, kernel
 from minite.nvfp4.device_copy import int32_to
 from minite.strict import fused, fused_combine, ops as S, triton_gemm
 
-from .common import hint_amax, lazy_abs_max
+from .common import hint_amax, host_counts, lazy_abs_max
 
 GroupedLinear = Callable[[torch.Tensor, int], torch.Tensor]
 """fc(a, which): the grouped GEMM of fc1 (which=0) or fc2 (which=1) over rows grouped by expert."""
@@ -117,7 +117,7 @@ def grouped_linear_bf16(x: torch.Tensor, weight: torch.Tensor, counts, *, strict
     if torch.is_tensor(counts):
         counts = counts.tolist()
     if strict:
-        return _per_expert(x, weight, counts, lambda a, w: S.linear(a, w, out_dtype=a.dtype))
+        return _per_expert(x, weight, counts, _strict_mm)
     return _per_expert(x, weight, counts, lambda a, w: a @ w.t())
 
 
@@ -143,15 +143,12 @@ class _StrictExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, counts):
-        counts = [int(c) for c in (counts.tolist() if torch.is_tensor(counts) else counts)]
-        if len(counts) != weight.shape[0] or sum(counts) != x.shape[0] or min(counts, default=0) < 0:
-            raise ValueError(f"tokens_per_expert {counts} must have {weight.shape[0]} non-negative entries summing to "
-                             f"the {x.shape[0]} input rows")
-        ctx.counts = counts
+        counts = counts.tolist() if torch.is_tensor(counts) else counts  # the learner passes host counts
+        ctx.counts = counts = host_counts(counts, weight.shape[0], x.shape[0])
         ctx.save_for_backward(x, weight)
         if triton_gemm.available(x, weight[0]):
             return triton_gemm.grouped_matmul_fixed_k(x, weight, int32_to(counts, x.device)).to(x.dtype)
-        return _per_expert(x, weight, counts, lambda a, w: S.linear(a, w, out_dtype=a.dtype))
+        return _per_expert(x, weight, counts, _strict_mm)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -169,6 +166,11 @@ class _StrictExperts(torch.autograd.Function):
                     dw[e] = (g.t() @ x[start:start + c].float()).to(weight.dtype)
             start += c
         return dx, dw, None
+
+
+def _strict_mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """One expert's strict GEMM in the rows' dtype (`minite.strict.ops.linear`)."""
+    return S.linear(a, w, out_dtype=a.dtype)
 
 
 def _per_expert(x: torch.Tensor, weight: torch.Tensor, counts: list[int], mm) -> torch.Tensor:

@@ -32,7 +32,7 @@ from minite.nvfp4 import (NVFP4Recipe, NVFP4Segments, NVFP4Stack, grouped_gemm, 
 from minite.nvfp4.backend import has_kernel, kernel, resolve
 from minite.strict import fused as strict_fused, fused_swiglu
 
-from .common import (ROLES, FiniteFlag, derive_seed, derive_seeds, hinted_amax, quant_flags,
+from .common import (ROLES, FiniteFlag, derive_seed, derive_seeds, hinted_amax, host_counts, quant_flags,
                      quantiser_checks_finite)
 from .experts import swiglu
 from .linear import wgrad
@@ -45,14 +45,10 @@ def _counts(tokens_per_expert, experts: int, rows: int, *, keep_tensor: bool = F
         if tokens_per_expert.dim() != 1 or tokens_per_expert.numel() != experts:
             raise ValueError(f"tokens_per_expert of shape {tuple(tokens_per_expert.shape)} must have {experts} entries")
         if not tokens_per_expert.is_cuda:  # checking host counts costs nothing
-            _counts(tokens_per_expert, experts, rows)
+            host_counts(tokens_per_expert.tolist(), experts, rows)
         return tokens_per_expert
-    counts = [int(c) for c in (tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert)
-                               else tokens_per_expert)]
-    if len(counts) != experts or sum(counts) != rows or min(counts, default=0) < 0:
-        raise ValueError(f"tokens_per_expert {counts} must have {experts} non-negative entries "
-                         f"summing to the {rows} input rows")
-    return counts
+    return host_counts(tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else tokens_per_expert,
+                       experts, rows)
 
 
 def backward_needs_host_counts(x: torch.Tensor, weight: torch.Tensor, recipe: NVFP4Recipe,

@@ -207,8 +207,13 @@ def census(engine, batch: int, prompt_len: int = 8):
     run = lambda n: engine.generate(prompts, SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=n, seed=0))
     run(2)  # warm-up (caches of quantised weights, lazy imports)
     c2, c4 = count(lambda: run(2)), count(lambda: run(4))
-    per_step = {k: (c4[k] - c2.get(k, 0)) / 2 for k in set(c4) | set(c2)}
-    return {k: v for k, v in per_step.items() if v}, c2
+    return _half_difference(c2, c4), c2
+
+
+def _half_difference(c2: dict, c4: dict) -> dict:
+    """{site: n} that two more units (decode steps, micro-batches) add, halved: (c4 - c2) / 2, zeros left out."""
+    per = {k: (c4.get(k, 0) - c2.get(k, 0)) / 2 for k in set(c4) | set(c2)}
+    return {k: n for k, n in per.items() if n}
 
 
 LEARNER_TINY = ["model.num_layers=1", "model.hidden_size=32", "model.vocab_size=48", "model.num_experts=4",
@@ -219,21 +224,32 @@ def learner_census(precision: str, micro_batches: int = 4, backend: str = "trito
     """Counts {(kind, site): n} of one Learner train step of `micro_batches` micro-batches (a tiny one-layer MoE; the
     NVFP4 expert wgrads go through DeferredWgrads, two micro-batches a launch), after a warm-up step. NVFP4 on
     `backend` ('triton': the kernels' host code, under TRITON_INTERPRET=1 on the CPU)."""
+    learner = _tiny_learner(precision, backend)[1]
+    tokens = torch.randint(0, 48, (micro_batches, 17), generator=torch.Generator().manual_seed(1))
+    return _warm_then_count(lambda: learner.train_step(tokens, lambda lp: (-lp.mean() / micro_batches, {}),
+                                                       micro_batches=micro_batches))
+
+
+def _tiny_learner(precision: str, backend: str, *sets: str):
+    """(config, Learner) of LEARNER_TINY in `precision` with `sets`, NVFP4 on `backend`."""
     from minite.config import load_config
     from minite.learner.learner import Learner
 
-    learner = Learner(load_config(None, LEARNER_TINY + [f"precision.mode={precision}"]))
+    cfg = load_config(None, LEARNER_TINY + [f"precision.mode={precision}", *sets])
+    learner = Learner(cfg)
     if learner.nvfp4 is not None:
         learner.nvfp4.backend = backend
-    tokens = torch.randint(0, 48, (micro_batches, 17), generator=torch.Generator().manual_seed(1))
+    return cfg, learner
 
-    def step():
-        learner.train_step(tokens, lambda lp: (-lp.mean() / micro_batches, {}), micro_batches=micro_batches)
 
-    step()  # warm-up: caches of quantised weights, lazy imports, compiled kernels
+def _warm_then_count(fn) -> collections.Counter:
+    """fn() once as a warm-up (caches of quantised weights, lazy imports, compiled kernels), then the counts of a
+    second call, with the Tensor methods wrapped (`_patched_methods`: the backward too, which autograd runs without
+    the caller's TorchFunctionMode)."""
+    fn()
     counts: collections.Counter = collections.Counter()
-    with _patched_methods(counts):  # the backward too: autograd runs it without the caller's TorchFunctionMode
-        step()
+    with _patched_methods(counts):
+        fn()
     return counts
 
 
@@ -243,16 +259,10 @@ def rl_inputs(precision: str, micro_batches: int, backend: str = "triton"):
     mask, the engine's log-probs, advantages) of 2 rows a micro-batch, one minibatch."""
     from types import SimpleNamespace
 
-    from minite.config import load_config
-    from minite.learner.learner import Learner
     from minite.rl.grpo import GRPOParams
     from minite.rl.loop import Batch
 
-    cfg = load_config(None, LEARNER_TINY + [f"precision.mode={precision}", f"rl.micro_batches={micro_batches}",
-                                            "rl.minibatches=1"])
-    learner = Learner(cfg)
-    if learner.nvfp4 is not None:
-        learner.nvfp4.backend = backend
+    cfg, learner = _tiny_learner(precision, backend, f"rl.micro_batches={micro_batches}", "rl.minibatches=1")
     g = torch.Generator().manual_seed(1)
     rows, width = 2 * micro_batches, 17
     mask = torch.zeros(rows, width - 1)
@@ -271,19 +281,13 @@ def rl_census(precision: str, micro_batches: int = 4, backend: str = "triton") -
     from minite.rl.loop import train_on_batch
 
     run, batch, advantages = rl_inputs(precision, micro_batches, backend)
-    train_on_batch(run, batch, advantages)  # warm-up: caches of quantised weights, lazy imports, compiled kernels
-    counts: collections.Counter = collections.Counter()
-    with _patched_methods(counts):
-        train_on_batch(run, batch, advantages)
-    return counts
+    return _warm_then_count(lambda: train_on_batch(run, batch, advantages))
 
 
 def rl_per_micro_batch(precision: str, backend: str = "triton") -> dict:
     """{(kind, site): n} that one more micro-batch adds to `rl_census` (4 micro-batches against 2, halved): what the
     loop, its GRPO loss and the learner do once per micro-batch rather than once per optimizer step."""
-    c2, c4 = rl_census(precision, 2, backend), rl_census(precision, 4, backend)
-    per = {k: (c4[k] - c2.get(k, 0)) / 2 for k in set(c4) | set(c2)}
-    return {k: n for k, n in per.items() if n}
+    return _half_difference(rl_census(precision, 2, backend), rl_census(precision, 4, backend))
 
 
 @contextlib.contextmanager
