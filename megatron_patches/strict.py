@@ -32,8 +32,9 @@ Scope: tensor parallelism must be 1 (a TP-sharded reduction would need a fixed c
 parallelism needs nothing more: the all-to-all moves whole rows and its chunk sorts are permutations, an expert's
 output row depends on that row alone, and the combine runs on the token's own rank over rows that come back in
 the local permutation's expert-major layout, so it sums each token's k outputs in ascending global expert order
-as with EP = 1 (tests/alignment/test_strict_ep.py: gap exactly 0, equal to the EP = 1 run). Training works
-(backward uses ordinary matmuls), at the cost of the strict forward.
+as with EP = 1 (tests/alignment/test_strict_ep.py: gap exactly 0, equal to the EP = 1 run). Training works: the
+backward is that of the same functions in ordinary torch ops (minite.strict.ops._StrictForward), so strict mode
+costs the learner its forward only.
 
 Upstream patch: RoPE is a module-level function in megatron.core.transformer.attention, called with the layer's
 TransformerConfig. `apply_strict` installs once (idempotent, logged) a dispatcher in its place that runs the strict

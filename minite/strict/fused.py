@@ -399,8 +399,8 @@ def routes(x: torch.Tensor, *others: torch.Tensor, width: int = 0, kernel: str =
     `MAX_WIDTH` (the whole padded row lives in one program: wider rows compile for minutes, so they stay on the torch
     ops, e.g. a whole log-softmax over a 151,936-token vocabulary; `fused_log_softmax` splits such rows into blocks
     for the log-softmax at one index per row) and no gradient to record (the kernels have no
-    backward; the learner's strict forward keeps the torch ops, which give the same bits); `kernel` names one that
-    must be in PROVEN."""
+    backward: under autograd `ops._StrictForward` computes an op's value with nothing recorded, which comes here,
+    and takes the gradient from the op's torch twin); `kernel` names one that must be in PROVEN."""
     if kernel and kernel not in PROVEN:
         return False
     if not (ENABLED and _gpu(x) and available(x) and width <= MAX_WIDTH):

@@ -44,7 +44,9 @@ strict versions never differ (tests/strict/test_strict_ops.py).
 
 Cost. The GEMM materialises x_i * w_j products [rows, cols, K] (chunked to bounded memory) and reduces them in
 log2(K) elementwise passes: K times the memory traffic of a GEMM, fine for the tiny CPU model and for decode-size
-M, not a training-throughput path. Backward (only forward values must agree) uses ordinary matmuls.
+M, not a training-throughput path. Backward (only forward values must agree): the linear's is ordinary matmuls,
+and every other op under autograd records one node (`_StrictForward`) whose gradient is the same function's in
+torch's ops, so the learner's backward never runs through the strict graphs.
 """
 from __future__ import annotations
 
@@ -86,6 +88,36 @@ def _horner(z: torch.Tensor, coeffs: list[float]) -> torch.Tensor:
 def _pow2(n: torch.Tensor) -> torch.Tensor:
     """2.0**n in float64 for integer-valued n in [-1022, 1023], from the exponent bits (exact)."""
     return ((n.to(torch.int64) + 1023) << 52).view(torch.float64)
+
+
+class _StrictForward(torch.autograd.Function):
+    """A strict op under autograd: its value computed with nothing recorded, its gradient that of `plain` (the same
+    function in ordinary torch ops), recomputed from the saved inputs in the backward. Only forward values have to
+    agree across engines (the learner's log-probs and the rollout's); the graph of the strict ops themselves, fp64
+    polynomials and pair trees of dozens of elementwise passes, cost the learner's backward as many launches and kept
+    every intermediate alive until then (attention: each chunk of its [queries, keys, dim] products). With nothing
+    recorded, `fused.routes` also sends the forward to the op's kernel on a GPU (the same bits)."""
+
+    @staticmethod
+    def forward(ctx, strict, plain, *inputs):
+        ctx.plain = plain
+        ctx.save_for_backward(*inputs)
+        return strict(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        need = ctx.needs_input_grad[2:]
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(n) for t, n in zip(ctx.saved_tensors, need)]
+            out = ctx.plain(*leaves)
+            grads = iter(torch.autograd.grad(out, [t for t, n in zip(leaves, need) if n], grad.to(out.dtype),
+                                             allow_unused=True))
+        return (None, None, *(next(grads) if n else None for n in need))
+
+
+def _records(*tensors: torch.Tensor) -> bool:
+    """Autograd would record an op on these inputs."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def exp(x: torch.Tensor) -> torch.Tensor:
@@ -159,7 +191,10 @@ def log(x: torch.Tensor) -> torch.Tensor:
 
 
 def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """x - max - log(tree_sum(exp(x - max))) in fp32 (rows of any batch give the same bits)."""
+    """x - max - log(tree_sum(exp(x - max))) in fp32 (rows of any batch give the same bits). Under autograd: the
+    gradient of torch.log_softmax (`_StrictForward`)."""
+    if _records(x):
+        return _StrictForward.apply(lambda a: log_softmax(a, dim), lambda a: torch.log_softmax(a.float(), dim), x)
     x = x.float()
     m = x.amax(dim=dim, keepdim=True).detach()
     z = x - m
@@ -170,10 +205,17 @@ def token_log_softmax(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """log_softmax(x, -1)[r, idx[r]] for x [R, V] and int64 idx [R]: fp32 [R], what a sampler keeps of the
     log-softmax. On CUDA with "log_softmax" in `fused.PROVEN` and no gradient to record: three launches
     (`fused_log_softmax`, the same bits) instead of the whole [R, V] log-softmax. idx must lie in [0, V) (the
-    torch ops raise otherwise, the kernels give NaN)."""
+    torch ops raise otherwise, the kernels give NaN). Under autograd: the gradient of torch.log_softmax's, gathered
+    (`_StrictForward`), the value as without (on a GPU the kernels' then too)."""
+    if _records(x):
+        return _StrictForward.apply(token_log_softmax, _plain_token_log_softmax, x, idx)
     if fused_log_softmax.applies(x, idx) and fused.routes(x, kernel="log_softmax"):
         return fused_log_softmax.token_log_softmax(x, idx)
     return log_softmax(x, -1).gather(-1, idx.unsqueeze(-1)).squeeze(-1)
+
+
+def _plain_token_log_softmax(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(x.float(), -1).gather(-1, idx.unsqueeze(-1)).squeeze(-1)
 
 
 def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -240,7 +282,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
 
 
 def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """softmax in fp32: exact max, strict exp, tree_sum denominator, one IEEE division per element."""
+    """softmax in fp32: exact max, strict exp, tree_sum denominator, one IEEE division per element. Under autograd:
+    the gradient of torch.softmax (`_StrictForward`)."""
+    if _records(x):
+        return _StrictForward.apply(lambda a: softmax(a, dim), lambda a: torch.softmax(a.float(), dim), x)
     x = x.float()
     m = x.amax(dim=dim, keepdim=True)
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # an all -inf row: every e is 0 (caller's problem)
@@ -249,14 +294,20 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
-    """x * sigmoid(x) = x / (1 + exp(-x)) in fp32."""
+    """x * sigmoid(x) = x / (1 + exp(-x)) in fp32. Under autograd: the gradient of torch's silu (`_StrictForward`)."""
+    if _records(x):
+        return _StrictForward.apply(silu, lambda a: torch.nn.functional.silu(a.float()), x)
     x = x.float()
     return x / (1.0 + exp(-x))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) * weight over the last dim, fp32 inside, output in x's dtype. On CUDA with
-    `fused.ENABLED`: one Triton kernel, the same operations (proven on the H200)."""
+    `fused.ENABLED`: one Triton kernel, the same operations (proven on the H200). Under autograd: the gradient of
+    the same formula in torch's ops (`_StrictForward`)."""
+    if _records(x, weight):
+        return _StrictForward.apply(lambda a, w: rms_norm(a, w, eps), lambda a, w: _plain_rms_norm(a, w, eps), x,
+                                    weight)
     if x.dim() and fused.routes(x, weight, width=x.shape[-1], kernel="rms_norm"):
         return fused.rms_norm(x, weight, eps)
     xf = x.float()
@@ -266,17 +317,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return ((xf * inv.unsqueeze(-1)) * weight.float()).to(x.dtype)
 
 
+def _plain_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention, q [sq, b, h, d], k/v [sk, b, g, d] with g dividing h (grouped-query attention: query head
     i reads KV head i // (h / g), as Megatron's repeat_interleave of the groups) -> [sq, b, h, d] fp32.
 
     Query i sits at absolute position sk - sq + i and sees keys 0..that position; keys past it get probability
     exactly 0. Scores are tree sums over d; the softmax denominator and the context are tree sums over keys at
-    absolute key positions, so a decode step (sq = 1) and a full forward give the same bits.
+    absolute key positions, so a decode step (sq = 1) and a full forward give the same bits. Under autograd: the
+    gradient of torch's scaled_dot_product_attention with the same mask (`_StrictForward`).
     """
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3] or \
             k.shape[2] == 0 or q.shape[2] % k.shape[2]:
         raise ValueError(f"strict attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if _records(q, k, v):
+        return _StrictForward.apply(lambda *t: attention(*t, scale), lambda *t: _plain_attention(*t, scale), q, k, v)
     if 0 < k.shape[0] <= fused_attention.ATTENTION_MAX_KEYS and q.shape[0] <= k.shape[0] and \
             fused.routes(q, k, v, kernel="attention"):
         return fused_attention.attention(q, k, v, scale)
@@ -301,6 +360,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
         p = e / tree_sum(e, -1).unsqueeze(-1)
         outs.append(tree_sum(p[:, :, :, None, :] * vt[None], -1))       # [c, b, h, d]
     return torch.cat(outs, dim=0)
+
+
+def _plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """`attention` in torch's ops (fp32): query i sees keys 0..sk - sq + i."""
+    sq, sk, rep = q.shape[0], k.shape[0], q.shape[2] // k.shape[2]
+    qf, kf, vf = (t.float().permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+    if rep > 1:
+        kf, vf = kf.repeat_interleave(rep, dim=1), vf.repeat_interleave(rep, dim=1)
+    pos = (sk - sq) + torch.arange(sq, device=q.device)
+    allowed = torch.arange(sk, device=q.device)[None, :] <= pos[:, None]
+    ctx = torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, attn_mask=allowed, scale=scale)
+    return ctx.permute(2, 0, 1, 3)
 
 
 def topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -356,11 +427,18 @@ def _rope_sincos(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def rope(t: torch.Tensor, freqs: torch.Tensor, mscale: float = 1.0) -> torch.Tensor:
     """Rotary embedding with strict sin/cos, non-interleaved halves (Megatron's and Qwen3's layout): the first
     freqs.shape[-1] channels of t are rotated by the angles `freqs`, the rest pass through."""
-    rot = freqs.shape[-1]
-    t_rot, t_pass = t[..., :rot], t[..., rot:]
+    if _records(t):  # the rotation's own torch ops give the gradient (`_StrictForward`); the angles take none
+        return _StrictForward.apply(lambda a: rope(a, freqs, mscale),
+                                    lambda a: _rotate(a, *_rope_sincos(freqs), mscale), t)
     sin, cos = _rope_sincos(freqs)
     if fused.routes(t, freqs, kernel="rope") and fused.rope_applies(t, freqs):
         return fused.rope(t, sin, cos, mscale)
+    return _rotate(t, sin, cos, mscale)
+
+
+def _rotate(t: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor, mscale: float) -> torch.Tensor:
+    rot = sin.shape[-1]
+    t_rot, t_pass = t[..., :rot], t[..., rot:]
     cos_, sin_ = (cos * mscale).to(t.dtype), (sin * mscale).to(t.dtype)
     x1, x2 = torch.chunk(t_rot, 2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)

@@ -157,3 +157,14 @@ def test_strict_rollout_and_learner_take_the_strict_log_softmax(strict_pair, mon
     calls.clear()
     learner.logprobs(torch.tensor([[1, 2, 3, 4]]))
     assert len(calls) == 1
+
+
+def test_strict_learner_logprobs_under_autograd_are_its_no_grad_ones(strict_pair):
+    """The RL loss's log-probs (recorded for the backward, train mode) are bit for bit the old log-probs (no grad,
+    eval mode): in strict mode the first minibatch's importance ratio is exactly 1 (minite.strict.ops._StrictForward
+    computes each op's value with nothing recorded)."""
+    cfg, learner, engine = strict_pair
+    tokens = torch.tensor([[1, 2, 3, 4, 5, 6, 7], [3, 1, 4, 1, 5, 9, 2]])
+    want = learner.logprobs(tokens)
+    got = learner._batch_logprobs(tokens)
+    assert got.requires_grad and torch.equal(got.detach(), want)

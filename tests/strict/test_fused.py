@@ -70,8 +70,8 @@ def test_ops_route_to_the_kernels_only_when_enabled_on_cuda(monkeypatch):
     w = torch.ones(4, requires_grad=True)
     ops.exp(x), ops.tree_sum(x)
     assert calls == []
-    ops.rms_norm(x.detach(), w, 1e-6)
-    assert calls == ["tree_sum"]  # the norm stays (w needs a gradient); its sum of squares needs none
+    y = ops.rms_norm(x.detach(), w, 1e-6)  # a whole op under autograd: its value with nothing recorded, the kernel's
+    assert calls == ["rms_norm"] and type(y.grad_fn).__name__ == "_StrictForwardBackward"  # (ops._StrictForward)
     calls.clear()
     with torch.no_grad():
         ops.exp(x), ops.rms_norm(x, w, 1e-6)

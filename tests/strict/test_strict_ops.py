@@ -154,3 +154,55 @@ def test_strict_rope_cache_reads_nothing_back_and_changes_nothing(inference):
     if not inference:
         table.mul_(2)  # an in-place write bumps the version counter: computed again
         assert torch.equal(S._rope_sincos(table[3:9])[0], S.sincos(table[3:9])[0]) and len(S._ROPE_CACHE) == 2
+
+
+def _autograd_cases(dtype):
+    """(name, strict op, its autograd twin, inputs): every op `_StrictForward` wraps, at learner-like shapes (fp32 or
+    bf16 inputs; attention over all keys and, as a decode chunk, 3 queries of 7 keys)."""
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(6, 40, generator=g) * 3).to(dtype)
+    w = (torch.rand(40, generator=g) + 0.5).to(dtype)
+    idx = torch.randint(0, 40, (6,), generator=g)
+    q, k, v = (torch.randn(7, 2, h, 8, generator=g).to(dtype) for h in (4, 2, 2))
+    t = torch.randn(7, 2, 4, 12, generator=g).to(dtype)
+    freqs = torch.rand(7, 1, 1, 8, generator=g) * 7
+    return [
+        ("rms_norm", lambda a, b: S.rms_norm(a, b, 1e-6), lambda a, b: S._plain_rms_norm(a, b, 1e-6), (x, w)),
+        ("softmax", S.softmax, lambda a: torch.softmax(a.float(), -1), (x,)),
+        ("silu", S.silu, lambda a: torch.nn.functional.silu(a.float()), (x,)),
+        ("log_softmax", S.log_softmax, lambda a: torch.log_softmax(a.float(), -1), (x,)),
+        ("token_log_softmax", lambda a: S.token_log_softmax(a, idx), lambda a: S._plain_token_log_softmax(a, idx),
+         (x,)),
+        ("attention", lambda *a: S.attention(*a, 0.35), lambda *a: S._plain_attention(*a, 0.35), (q, k, v)),
+        ("attention_chunk", lambda *a: S.attention(*a, 0.35), lambda *a: S._plain_attention(*a, 0.35), (q[4:], k, v)),
+        ("rope", lambda a: S.rope(a, freqs), lambda a: S._rotate(a, *S._rope_sincos(freqs), 1.0), (t,)),
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strict_ops_under_autograd_keep_their_value_and_take_their_twins_gradient(dtype):
+    """Under autograd a strict op records one node (`_StrictForward`): its value is the op's own, bit for bit what it
+    is without autograd, and its gradient is that of the same function in torch's ops (the learner's backward then
+    runs a few launches per op instead of the graph of fp64 polynomials and pair trees)."""
+    for name, op, twin, inputs in _autograd_cases(dtype):
+        with torch.no_grad():
+            want = op(*inputs)
+        leaves = [a.clone().requires_grad_(a.is_floating_point()) for a in inputs]
+        y = op(*leaves)
+        assert torch.equal(y.detach(), want) and y.dtype == want.dtype, name
+        assert type(y.grad_fn).__name__ == "_StrictForwardBackward", name
+        dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y.dtype)
+        got = torch.autograd.grad(y, leaves, dy)
+        twins = [a.clone().requires_grad_(True) for a in inputs]
+        ref = torch.autograd.grad(twin(*twins), twins, dy)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref)), name
+
+
+def test_the_autograd_twins_compute_the_strict_ops_functions():
+    """The twins give the gradients, so they must be the same functions: fp32 values within a few ulps (a wrong mask,
+    scale or formula is O(0.1))."""
+    atol, rtol = TOLERANCES["strict_op_vs_its_autograd_twin_fp32"]
+    for name, op, twin, inputs in _autograd_cases(torch.float32):
+        with torch.no_grad():
+            a, b = op(*inputs), twin(*inputs)
+        assert a.shape == b.shape and torch.allclose(a, b, atol=atol, rtol=rtol), (name, (a - b).abs().max())
