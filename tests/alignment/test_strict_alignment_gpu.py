@@ -225,3 +225,25 @@ def test_fused_linear_is_bitwise_the_torch_linear_on_cuda(monkeypatch):
         same = (got.view(torch.int32) == ref.view(torch.int32)) | (torch.isnan(got) & torch.isnan(ref))
         assert bool(same.all()), (m, n, k, dtype, int((~same).sum()))
         assert torch.equal(fused_linear.linear(x[5:6], w), got[5:6])
+
+
+@pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
+def test_strict_learner_under_autograd_gives_its_no_grad_logprobs_on_the_gpu(precision):
+    """On the GPU the no-grad forward takes the fused strict kernels; under autograd `ops._StrictForward` computes
+    each op's value with nothing recorded, so the kernels too: the RL loss's log-probs are bitwise the old ones (the
+    first minibatch's ratio exactly 1), and the backward through the ops' torch twins gives finite gradients."""
+    from minite.config import load_config
+    from minite.learner.learner import Learner
+    from minite.megatron_patches import cpu as cpu_patches
+
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    cpu_patches._patch_te_general_gemm()
+    cfg = load_config("examples/tiny/nvfp4.yaml", [f"precision.mode={precision}", "alignment.strict=true",
+                                                   "model.max_position_embeddings=64"])
+    learner = Learner(cfg)
+    tokens = torch.randint(0, cfg.model.vocab_size, (4, 24), generator=torch.Generator().manual_seed(0))
+    want = learner.logprobs(tokens)
+    got = learner._batch_logprobs(tokens)
+    assert got.is_cuda and got.requires_grad and torch.equal(got.detach(), want)
+    m = learner.train_step(tokens, lambda lp: (-lp.mean(), {}))
+    assert m["step_ok"] == 1.0 and m["grad_norm"] == m["grad_norm"] and m["grad_norm"] > 0
