@@ -105,6 +105,7 @@ class _StrictForward(torch.autograd.Function):
         return strict(*inputs)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         need = ctx.needs_input_grad[2:]
         with torch.enable_grad():
@@ -368,9 +369,12 @@ def _plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     qf, kf, vf = (t.float().permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
     if rep > 1:
         kf, vf = kf.repeat_interleave(rep, dim=1), vf.repeat_interleave(rep, dim=1)
-    pos = (sk - sq) + torch.arange(sq, device=q.device)
-    allowed = torch.arange(sk, device=q.device)[None, :] <= pos[:, None]
-    ctx = torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, attn_mask=allowed, scale=scale)
+    if sq == sk:  # the learner's whole sequences: the causal flag lets torch pick its memory-efficient kernel
+        ctx = torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, is_causal=True, scale=scale)
+    else:
+        pos = (sk - sq) + torch.arange(sq, device=q.device)
+        allowed = torch.arange(sk, device=q.device)[None, :] <= pos[:, None]
+        ctx = torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, attn_mask=allowed, scale=scale)
     return ctx.permute(2, 0, 1, 3)
 
 
