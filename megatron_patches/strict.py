@@ -33,8 +33,8 @@ parallelism needs nothing more: the all-to-all moves whole rows and its chunk so
 output row depends on that row alone, and the combine runs on the token's own rank over rows that come back in
 the local permutation's expert-major layout, so it sums each token's k outputs in ascending global expert order
 as with EP = 1 (tests/alignment/test_strict_ep.py: gap exactly 0, equal to the EP = 1 run). Training works: the
-backward is that of the same functions in ordinary torch ops (minite.strict.ops._StrictForward), so strict mode
-costs the learner its forward only.
+backward is that of the same functions in ordinary torch ops (minite.strict.ops._StrictForward, which recomputes
+each op's torch twin from its inputs; the BF16 experts' backward is per expert), not of the strict graphs.
 
 Upstream patch: RoPE is a module-level function in megatron.core.transformer.attention, called with the layer's
 TransformerConfig. `apply_strict` installs once (idempotent, logged) a dispatcher in its place that runs the strict
@@ -75,7 +75,7 @@ def _attention_forward(self, query, key, value, attention_mask=None, attn_mask_t
     if packed_seq_params is not None or attention_bias is not None:
         raise ValueError("strict attention: packed sequences and attention bias are not supported")
     ctx = S.attention(query, key, value, float(self.softmax_scale))  # the GQA groups as they are: the fused
-    # kernel reads them in place, the torch ops (a forward that records gradients) expand them
+    # kernel reads them in place (under autograd too: ops._StrictForward), the torch ops expand them
     return ctx.reshape(ctx.shape[0], ctx.shape[1], -1).to(query.dtype)
 
 

@@ -84,7 +84,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, strict: bool =
     logits = logits[:, :-1].to(torch.float32, copy=True)  # contiguous, and ours: the TP path works in place
     target = host_to(tokens, logits.device)[:, 1:]  # no copy when the caller moved them (Learner._logits)
     if ps.get_tensor_model_parallel_world_size() == 1:
-        if strict:  # the log-softmax at the targets only where no gradient is recorded (the same bits)
+        if strict:  # the log-softmax at the targets only (the same bits; under autograd too, ops._StrictForward)
             return strict_ops.token_log_softmax(logits.view(-1, logits.shape[-1]), target.reshape(-1)).view(
                 target.shape)
         return torch.log_softmax(logits, dim=-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)

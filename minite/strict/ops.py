@@ -365,16 +365,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
 
 def _plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """`attention` in torch's ops (fp32): query i sees keys 0..sk - sq + i."""
-    sq, sk, rep = q.shape[0], k.shape[0], q.shape[2] // k.shape[2]
-    qf, kf, vf = (t.float().permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
-    if rep > 1:
-        kf, vf = kf.repeat_interleave(rep, dim=1), vf.repeat_interleave(rep, dim=1)
+    sq, sk = q.shape[0], k.shape[0]
+    qf, kf, vf = (t.float().permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]; query head i reads KV
+    gqa = q.shape[2] != k.shape[2]  # head i // (heads / groups), as `attention`
     if sq == sk:  # the learner's whole sequences: the causal flag lets torch pick its memory-efficient kernel
-        ctx = torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, is_causal=True, scale=scale)
+        ctx = torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
         pos = (sk - sq) + torch.arange(sq, device=q.device)
         allowed = torch.arange(sk, device=q.device)[None, :] <= pos[:, None]
-        ctx = torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, attn_mask=allowed, scale=scale)
+        ctx = torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, attn_mask=allowed, scale=scale,
+                                                               enable_gqa=gqa)
     return ctx.permute(2, 0, 1, 3)
 
 
@@ -431,6 +431,8 @@ def _rope_sincos(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def rope(t: torch.Tensor, freqs: torch.Tensor, mscale: float = 1.0) -> torch.Tensor:
     """Rotary embedding with strict sin/cos, non-interleaved halves (Megatron's and Qwen3's layout): the first
     freqs.shape[-1] channels of t are rotated by the angles `freqs`, the rest pass through."""
+    if freqs.requires_grad:
+        raise ValueError("strict rope: the angles take no gradient (freqs.requires_grad is set)")
     if _records(t):  # the rotation's own torch ops give the gradient (`_StrictForward`); the angles take none
         return _StrictForward.apply(lambda a: rope(a, freqs, mscale),
                                     lambda a: _rotate(a, *_rope_sincos(freqs), mscale), t)

@@ -78,6 +78,30 @@ def test_ops_route_to_the_kernels_only_when_enabled_on_cuda(monkeypatch):
     assert calls == ["exp", "rms_norm"]
 
 
+
+def test_whole_ops_under_autograd_reach_their_kernels(monkeypatch):
+    """Attention, RoPE and the log-softmax at the targets take their kernels under autograd too (`ops._StrictForward`
+    computes the value with nothing recorded; before, a call that recorded a gradient stayed on the torch ops)."""
+    from minite.strict import fused_attention, fused_log_softmax
+
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(5, 1, h, 8, generator=g, requires_grad=True) for h in (4, 2, 2))
+    t = torch.randn(5, 1, 4, 8, generator=g, requires_grad=True)
+    freqs = torch.rand(5, 1, 1, 8, generator=g)
+    x, idx = torch.randn(3, 11, generator=g, requires_grad=True), torch.tensor([0, 4, 10])
+    ops.rope(t.detach(), freqs)  # the angles' sin/cos cached on the CPU's torch ops, before the GPU is faked
+    calls = []
+    monkeypatch.setattr(fused, "_gpu", lambda x: True)
+    monkeypatch.setattr(fused_attention, "attention",
+                        lambda *a: calls.append("attention") or ops._plain_attention(*a))
+    monkeypatch.setattr(fused, "rope", lambda a, sin, cos, m=1.0: calls.append("rope") or ops._rotate(a, sin, cos, m))
+    monkeypatch.setattr(fused_log_softmax, "token_log_softmax",
+                        lambda *a: calls.append("log_softmax") or ops._plain_token_log_softmax(*a))
+    outs = [ops.attention(q, k, v, 0.3), ops.rope(t, freqs), ops.token_log_softmax(x, idx)]
+    assert calls == ["attention", "rope", "log_softmax"]
+    assert all(type(y.grad_fn).__name__ == "_StrictForwardBackward" for y in outs)
+
+
 def _same_bits(a, b):
     """Bit for bit, any NaN matching any NaN (torch and the kernels may pick different NaN payloads)."""
     ai = a.view(torch.int16 if a.element_size() == 2 else torch.int32)
