@@ -78,7 +78,6 @@ def test_ops_route_to_the_kernels_only_when_enabled_on_cuda(monkeypatch):
     assert calls == ["exp", "rms_norm"]
 
 
-
 def test_whole_ops_under_autograd_reach_their_kernels(monkeypatch):
     """Attention, RoPE and the log-softmax at the targets take their kernels under autograd too (`ops._StrictForward`
     computes the value with nothing recorded; before, a call that recorded a gradient stayed on the torch ops)."""

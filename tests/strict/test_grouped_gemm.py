@@ -4,6 +4,7 @@ tests/alignment/test_strict_alignment_gpu.py proves the strict decode step captu
 import pytest
 import torch
 
+from minite.ops import experts
 from minite.ops.experts import grouped_linear_bf16, strict_grouped_applies
 from minite.strict import triton_gemm as TG
 
@@ -11,11 +12,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _per_expert(x, w, counts):
-    outs, start = [], 0
-    for e, c in enumerate(counts):
-        outs.append(TG._fixed_k(x[start:start + c], w[e]))
-        start += c
-    return torch.cat(outs)
+    return experts._per_expert(x, w, counts, TG._fixed_k)
 
 
 @pytest.mark.parametrize("counts", [[0, 70, 3, 0, 10], [1, 1, 1, 1, 1], [0, 0, 129, 0, 0], [0, 0, 0, 0, 0]])
@@ -65,12 +62,7 @@ def test_strict_grouped_linear_is_the_loop_bitwise_on_cuda():
 
 def _loop_under_autograd(x, w, counts):
     """The strict experts as the learner ran them before _StrictExperts: ops.linear per expert on selects of w."""
-    from minite.strict import ops as S
-    outs, start = [], 0
-    for e, c in enumerate(counts):
-        outs.append(S.linear(x[start:start + c], w[e], out_dtype=x.dtype))
-        start += c
-    return torch.cat(outs)
+    return experts._per_expert(x, w, counts, experts._strict_mm)
 
 
 def _bits(t):
