@@ -115,12 +115,19 @@ def section_copy_quant(res: dict) -> None:
         nq.TUNING["colmajor"] = best_cm[1]
     res["quant_tuning"] = {k: dict(v) for k, v in nq.TUNING.items()}
     log(f"quant tuning chosen: {res['quant_tuning']}")
+    x_amax = x.abs().amax().float()
     variants = {
         "row_rne": (lambda: quantize_triton(x, (1, 16), "row", "nearest", None, False), 2 * n + out_bytes + 4 * rows),
         "row_rne_values_fp16": (lambda: quantize_with_values_triton(x, (1, 16), "row", "nearest", None, False),
                                 2 * n + out_bytes + 4 * rows + 2 * n),
         "tensor_rne": (lambda: quantize_triton(x, (1, 16), "tensor", "nearest", None, False), 2 * n + out_bytes),
         "tensor_sr": (lambda: quantize_triton(x, (1, 16), "tensor", "stochastic", 7, False), 2 * n + out_bytes),
+        # the same with the amax given (`global_amax`): one pass, as the learner's dgrad operands run, their amax
+        # taken from the pass that wrote them (minite.ops.common.hint_amax)
+        "tensor_rne_amax_given": (lambda: quantize_triton(x, (1, 16), "tensor", "nearest", None, False,
+                                                          global_amax=x_amax), 2 * n + out_bytes),
+        "tensor_sr_amax_given": (lambda: quantize_triton(x, (1, 16), "tensor", "stochastic", 7, False,
+                                                         global_amax=x_amax), 2 * n + out_bytes),
         "2d_weightlike": (lambda: quantize_triton(x, (16, 16), "tensor", "nearest", None, False),
                           2 * n + n // 2 + n // 256),
         "colwise_rht_sr": (lambda: quantize_triton(x.t(), (1, 16), "tensor", "stochastic", 7, True),
