@@ -196,6 +196,14 @@ def _prune(root: Path, keep: int) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
+def step_of(path: str | Path) -> int:
+    """The step in a step_NNNNNN directory's name."""
+    m = STEP_DIR.match(Path(path).name)
+    if m is None:
+        raise CheckpointError(f"not a checkpoint directory name: {path} (expected step_NNNNNN)")
+    return int(m.group(1))
+
+
 def latest_checkpoint(root: str | Path) -> Path | None:
     """The newest checkpoint directory under root (complete by construction; not yet verified), or None."""
     steps = _complete_steps(Path(root))

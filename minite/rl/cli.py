@@ -7,8 +7,10 @@ goes), the progress bar, one summary line; every log record, upstream warnings i
 LOGGING_DIR/train.log (rank r > 0: train.rank<r>.log).
 
 Resume: the run continues from the newest checkpoint in checkpoint.dir when there is one (minite.rl.resume_policy
-decides what the command line may change). `--fresh` starts over instead and deletes what the earlier run left in
-these directories (checkpoints, metrics.jsonl, TensorBoard event files), so a later resume cannot pick them up.
+decides what the command line may change, and refuses a start that would mix two runs' checkpoints). `--fresh`
+starts over instead and deletes what the earlier run left in these directories (checkpoints, metrics.jsonl, the
+warm-up log, TensorBoard event files), so a later resume cannot pick them up. A run that starts from step 0 without
+--fresh moves an earlier run's logs aside (minite.rl.loop.start_logs): nothing is deleted unasked.
 
 Torch, Megatron-Core and the loop are imported inside run(): `minite --help` builds this parser and must stay fast.
 """
@@ -43,7 +45,10 @@ def run(args: argparse.Namespace) -> int:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     check_paths(cfg)
     check_world_size(cfg, world)
+    check_output_dirs(cfg)
     if args.fresh:
+        if cfg.checkpoint.resume_from and rank == 0:
+            log.warning("--fresh starts over: checkpoint.resume_from=%s is not read", cfg.checkpoint.resume_from)
         cfg.checkpoint.resume, cfg.checkpoint.resume_from = False, None
         if rank == 0:
             start_over(cfg)
@@ -78,18 +83,36 @@ def check_model(cfg, world_size: int = 1) -> None:
         raise ConfigError(f"{cfg.source or 'the config'}: {e}") from None
 
 
+def check_output_dirs(cfg) -> None:
+    """logging.dir and checkpoint.dir are directories this process can write (made if missing), checked before
+    anything is built: a run that cannot save would otherwise fail at its first checkpoint, after its steps."""
+    from minite.config import ConfigError
+
+    for key, d in (("logging.dir", cfg.logging.dir), ("checkpoint.dir", cfg.checkpoint.dir)):
+        if not d:
+            continue
+        try:
+            Path(d).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"{key}={d} cannot be a directory ({e.strerror or type(e).__name__}): choose another "
+                              f"(--set {key}=DIR)") from None
+        if not os.access(d, os.W_OK | os.X_OK):
+            raise ConfigError(f"{key}={d} is not writable by this process: choose another (--set {key}=DIR)")
+
+
 def start_over(cfg) -> None:
-    """--fresh: remove the earlier run's checkpoints, metrics.jsonl and event files (module docstring)."""
+    """--fresh: remove the earlier run's checkpoints, metrics.jsonl, warm-up log and event files (module docstring);
+    earlier runs' logs kept in previous_run_N/ (minite.rl.loop.start_logs) stay."""
+    from minite.rl.loop import earlier_logs
+
     gone = []
     if cfg.checkpoint.dir and Path(cfg.checkpoint.dir).is_dir():
         for p in sorted(Path(cfg.checkpoint.dir).glob("step_*")):
             shutil.rmtree(p)
             gone.append(p.name)
-    logdir = Path(cfg.logging.dir)
-    for p in [logdir / "metrics.jsonl", *logdir.glob("events.out.tfevents.*")]:
-        if p.is_file():
-            p.unlink()
-            gone.append(p.name)
+    for p in earlier_logs(cfg.logging.dir):
+        p.unlink()
+        gone.append(p.name)
     if gone:
         log.info("--fresh: removed %s from the earlier run", ", ".join(gone), extra=CONSOLE)
 

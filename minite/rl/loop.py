@@ -23,6 +23,7 @@ RNG, so a resumed run repeats an uninterrupted one exactly (checkpoint.py lists 
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -45,7 +46,7 @@ from minite.rl.failures import CHECKPOINT_TOO_BIG, MODEL_TOO_BIG, stop_cleanly
 from minite.rl.grpo import GRPOParams, group_advantages, grpo_loss
 from minite.rl.metrics import WARMUP_RUN, MetricsLogger, check_finite, mismatch_metrics, rollout_metrics
 from minite.rl.ranks import rank0_rollouts
-from minite.rl.resume_policy import check_resume, config_for_checkpoint
+from minite.rl.resume_policy import check_resume, config_for_checkpoint, refuse_mixed_runs
 from minite.rl.tasks import PAD, DigitTask, Problem, PromptStream, make_task, mix_seed
 from minite.rollout import make_engine
 from minite.rollout.base import RolloutEngine, RolloutResult, SamplingParams
@@ -302,6 +303,7 @@ def setup(cfg, *, learner_factory=None, engine_factory=None, reference_factory=N
     check_shapes(cfg, task)
     if cfg.checkpoint.resume_from:  # before building anything: a missing or incomplete checkpoint fails fast
         ckpt.read_manifest(cfg.checkpoint.resume_from)
+    refuse_mixed_runs(cfg)  # and so does a start that would put two runs' checkpoints in checkpoint.dir
     # Model init and everything after it is a function of the config; NumPy and Python are seeded too, so the
     # RNG states a checkpoint saves do not depend on the process that happened to start the run.
     torch.manual_seed(cfg.rl.seed)
@@ -341,22 +343,40 @@ def _metrics_path(cfg) -> Path | None:
 
 
 def start_logs(cfg, step: int) -> None:
-    """A fresh run (step 0) starts a fresh metrics.jsonl and warm-up log and drops old TensorBoard event files; a run
-    resumed at `step` keeps the rows of steps <= step and drops the later ones (written after the checkpoint
-    by the run that stopped), so the file never holds a step twice. TensorBoard: MetricsLogger's purge_step."""
+    """A run from step 0 starts a fresh metrics.jsonl, warm-up log and TensorBoard run: an earlier run's files there
+    (`earlier_logs`) move to logging.dir/previous_run_N/, named in a warning (--fresh deletes them first instead). A
+    run resumed at `step` keeps the rows of steps <= step and drops the later ones (written after the checkpoint by
+    the run that stopped), so the file never holds a step twice. TensorBoard: MetricsLogger's purge_step."""
     path = _metrics_path(cfg)
     if path is None:
         return
     if step == 0:
-        for old in [path, path.with_name(WARMUP_LOG), *path.parent.glob("events.out.tfevents.*"),
-                    *(path.parent / WARMUP_RUN).glob("events.out.tfevents.*")]:
-            old.unlink(missing_ok=True)
+        old = earlier_logs(path.parent)
+        if old:
+            keep = next(path.parent / f"previous_run_{i}" for i in itertools.count(1)
+                        if not (path.parent / f"previous_run_{i}").exists())
+            for p in old:
+                to = keep / p.relative_to(path.parent)
+                to.parent.mkdir(parents=True, exist_ok=True)
+                p.replace(to)
+            log.warning("logging.dir %s held an earlier run's logs (%s): moved to %s (--fresh deletes them instead)",
+                        path.parent, ", ".join(sorted({p.name if p.parent == path.parent else
+                                                       f"{WARMUP_RUN}/{p.name}" for p in old})), keep)
         return
     if path.exists():
         rows = [line for line in path.read_text().splitlines() if _row_step(line) <= step]
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(row + "\n" for row in rows))
         tmp.replace(path)
+
+
+def earlier_logs(logdir: str | Path) -> list[Path]:
+    """The files of logging.dir that a run writes and a run from step 0 must not append to: metrics.jsonl, the
+    warm-up log and the TensorBoard event files of the run and of its warm-up run."""
+    logdir = Path(logdir)
+    found = [logdir / "metrics.jsonl", logdir / WARMUP_LOG, *logdir.glob("events.out.tfevents.*"),
+             *(logdir / WARMUP_RUN).glob("events.out.tfevents.*")]
+    return [p for p in found if p.is_file()]
 
 
 def _row_step(line: str) -> float:

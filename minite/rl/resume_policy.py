@@ -4,8 +4,15 @@ The checkpoint holds the run's state (weights, optimizer moments, RNG, data posi
 with (`config_for_checkpoint`, stored under "config"). On resume the current config wins for everything that can
 change mid-run (learning rate and the other optimizer hyperparameters, rl.steps, clipping, the KL coefficient,
 logging, checkpointing, alignment thresholds), and the log names every value that differs from the checkpoint's.
-What the saved state cannot follow (FROZEN: the model's shape, the precision, the parallel layout) stops the run
-with a ConfigError naming the key, the two values and the way out.
+What the saved state cannot follow stops the run with a ConfigError naming the key, the two values and the way out
+(FROZEN): the model's shape, the precision, the parallel layout; the prompt stream's seed and batch size (its saved
+position counts batches of that stream); and a KL penalty raised from 0, since a run without one kept no reference
+policy to measure it against.
+
+A run starts from one step and saves its checkpoints into checkpoint.dir: one that starts before a checkpoint already
+there (resuming from an older one with checkpoint.resume_from, or from scratch with checkpoint.resume=false) would
+leave two runs' checkpoints side by side, and the next resume would pick the other run's newest. `refuse_mixed_runs`
+stops it before anything is built.
 
 The learner applies the optimizer hyperparameters after loading the optimizer state (Learner.load_state_dict), since
 the state's param groups carry the old learning rate.
@@ -17,10 +24,18 @@ from typing import Any
 
 from minite.config import Config, ConfigError, to_dict
 from minite.console import CONSOLE
+from minite.rl import checkpoint as ckpt
 
 log = logging.getLogger(__name__)
 
-FROZEN = ("model.", "precision.", "parallel.")
+FROZEN = {
+    "model.": "the model shape",
+    "precision.": "the precision",
+    "parallel.": "the parallel layout",
+    "rl.seed": "the prompt stream (its saved position counts the checkpoint's batches)",
+    "rl.prompts_per_step": "the prompt stream (its saved position counts the checkpoint's batches)",
+}
+"""Dotted keys (or section prefixes) a resumed run cannot change, each with what it would break."""
 IGNORED = ("source", "model.init_from", "model.hf_config", "checkpoint.resume", "checkpoint.resume_from",
            "checkpoint.dir", "logging.dir")
 """Neither saved nor compared: where the config came from, the initial weights and the shape file (the checkpoint's
@@ -78,13 +93,37 @@ def check_resume(state: dict, cfg: Config) -> dict[str, tuple[Any, Any]]:
         log.warning("the checkpoint %s carries no config: the current one is used as is", where)
         return {}
     changes = config_changes(saved, cfg)
-    frozen = {k: v for k, v in changes.items() if k.startswith(FROZEN)}
-    if frozen:
-        k, (a, b) = next(iter(frozen.items()))
-        raise ConfigError(f"{k} is {a!r} in the checkpoint {where} but {b!r} now: a resumed run cannot change the "
-                          "model shape, precision or parallel layout; put it back, or start over with --fresh "
-                          "(or another checkpoint.dir)")
+    for k, (a, b) in changes.items():
+        what = next((why for key, why in FROZEN.items() if k == key or (key.endswith(".") and k.startswith(key))),
+                    None)
+        if what is not None:
+            raise ConfigError(f"{k} is {a!r} in the checkpoint {where} but {b!r} now: a resumed run cannot change "
+                              f"{what}; put it back, or start over with --fresh (or another checkpoint.dir)")
+    if cfg.rl.kl_coef > 0 and state.get("ref") is None:
+        raise ConfigError(f"rl.kl_coef is {cfg.rl.kl_coef:g} but the checkpoint {where} was saved by a run without a "
+                          "KL penalty, which kept no reference policy: keep rl.kl_coef=0 for this run, or start over "
+                          "with --fresh (or another checkpoint.dir)")
     text = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
     log.info("resuming from the checkpoint %s at step %d%s", where, step,
              f"; changed since then: {text}" if text else "", extra=CONSOLE)
     return changes
+
+
+def refuse_mixed_runs(cfg: Config) -> None:
+    """ConfigError when checkpoint.dir holds a checkpoint newer than the step this run starts from (module
+    docstring). The step is checkpoint.resume_from's (its manifest), or 0 with checkpoint.resume=false; a run that
+    resumes from checkpoint.dir's newest intact checkpoint starts after everything there but corrupt ones, which it
+    names and replaces. Call before the run is built."""
+    c = cfg.checkpoint
+    if not c.dir or (c.resume and not c.resume_from):
+        return
+    start = int(ckpt.read_manifest(c.resume_from)["step"]) if c.resume_from else 0
+    newer = [p for p in ckpt.checkpoints_newest_first(c.dir) if ckpt.step_of(p) > start]
+    if not newer:
+        return
+    why, fresh = ((f"checkpoint.resume_from={c.resume_from} is at step {start}", "") if c.resume_from
+                  else ("checkpoint.resume=false starts at step 0", ", or delete them with --fresh"))
+    raise ConfigError(f"checkpoint.dir={c.dir} holds {len(newer)} checkpoint(s) after step {start} (the newest: "
+                      f"{newer[0].name}), and {why}: this run's checkpoints would mix with those, and a later resume "
+                      "would take their newest. Move them out of checkpoint.dir, or write this run elsewhere "
+                      f"(--set checkpoint.dir=ANOTHER_DIR){fresh}")

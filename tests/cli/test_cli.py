@@ -125,7 +125,7 @@ def test_train_resume_policy_and_output(tmp_path):
 
     assert_one_line_failure(minite("train", cfg, *sets, "--set", "precision.mode=bf16", cwd=tmp_path),
                             r"^minite train: precision.mode is 'nvfp4' in the checkpoint in run/ck but 'bf16' now: "
-                            r"a resumed run cannot change the model shape, precision or parallel layout")
+                            r"a resumed run cannot change the precision; put it back, or start over with --fresh")
     assert_one_line_failure(minite("train", cfg, *sets, "--set", "rl.steps=1", cwd=tmp_path),
                             r"^minite train: the checkpoint in run/ck is at step 2, past rl.steps=1: raise rl.steps "
                             r"to continue it, or start over with `minite train CONFIG --fresh`")
@@ -158,7 +158,8 @@ def test_a_diverged_run_is_one_line_naming_the_step_and_the_way_back(tmp_path):
     step = re.fullmatch(r"minite train: the run diverged at RL step ([23]) of 3: .*(NaN or Inf|not a finite).*\. "
                         r"Lower optim.lr \(optim.lr=1e\+30, optim.clip_grad=0\) and run the same command again: "
                         r"it resumes from the newest checkpoint, run/ck/step_00000([12]) \(an older one: "
-                        r"--set checkpoint.resume_from=DIR; start over: --fresh\)", failure)
+                        r"--set checkpoint.resume_from=DIR --set checkpoint.dir=ANOTHER_DIR; start over: --fresh\)",
+                        failure)
     assert step and int(step[3]) == int(step[1]) - 1, failure  # the newest: the step before the one that failed
     assert sorted(p.name for p in (tmp_path / "run" / "ck").iterdir())[-1] == f"step_00000{step[3]}"
 
@@ -276,3 +277,14 @@ def test_train_from_a_converted_checkpoint(tmp_path):
     assert_one_line_failure(minite("train", "tiny.yaml", *sets, *again, cwd=tmp_path),
                             rf"^minite train: tensor '{re.escape(name)}' in .*{part.name} holds NaN or Inf: not "
                             r"weights to start a run from")
+
+
+@pytest.mark.parametrize("key", ["checkpoint.dir", "logging.dir"])
+def test_an_output_directory_that_cannot_be_made_stops_before_the_run(tmp_path, key):
+    """Checked before the model is built: a checkpoint.dir under a file used to fail at the first save, after the
+    steps it would have kept."""
+    tiny_config(tmp_path)
+    (tmp_path / "a-file").write_text("")
+    for where in ("a-file/sub", "a-file"):
+        out = minite("train", "tiny.yaml", "--set", f"{key}={where}", cwd=tmp_path)
+        assert_one_line_failure(out, rf"^minite train: {key}={where} cannot be a directory \(.*\): choose another")

@@ -1,6 +1,7 @@
 """Resume as a user sees it: a corrupt newest checkpoint is named and skipped (or stops the run when asked for by
-name), metrics.jsonl and TensorBoard hold each step once after a resume, warm-up steps have their own tags, and a
-resumed run saves exactly the bytes-for-bytes state of an uninterrupted one (RNG states included).
+name), metrics.jsonl and TensorBoard hold each step once after a resume, warm-up steps have their own tags, a
+resumed run saves exactly the bytes-for-bytes state of an uninterrupted one (RNG states included), and nothing of an
+earlier run is mixed in or deleted unasked (checkpoints of two runs in one directory, logs, a changed seed or KL).
 
 The loop runs over the stand-in policy of test_checkpoint.py (seconds per run); tests/rl/test_rl_step.py and tests/rl/test_checkpoint_resume.py
 run the real Learner."""
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from minite.config import ConfigError
 from minite.rl import checkpoint as ckpt
 from minite.rl import loop
 from tests.rl.test_checkpoint import StandInEngine, StandInLearner, _cfg
@@ -88,7 +90,8 @@ def test_corrupt_newest_checkpoint_falls_back_with_a_warning(tmp_path, caplog):
                        match=r"no intact checkpoint in .*ck \(2 corrupt or incomplete; the newest: .*step_000002/state.pt "
                              r"is corrupt"):
         _train(_cfg(tmp_path / "c", 3, **ck))
-    explicit = {**ck, "checkpoint.resume_from": str(tmp_path / "ck" / "step_000001")}
+    explicit = {**ck, "checkpoint.dir": str(tmp_path / "ck-d"),
+                "checkpoint.resume_from": str(tmp_path / "ck" / "step_000001")}
     with pytest.raises(ckpt.CheckpointError, match="step_000001/state.pt is corrupt"):
         _train(_cfg(tmp_path / "d", 3, **explicit))
 
@@ -160,3 +163,53 @@ def test_a_key_added_since_the_checkpoint_counts_as_its_default():
     del saved["rl"]["micro_batches"]
     assert config_changes(saved, load_config(None, [])) == {}
     assert config_changes(saved, load_config(None, ["rl.micro_batches=2"])) == {"rl.micro_batches": (1, 2)}
+
+
+def test_a_start_before_checkpoints_already_there_is_refused(tmp_path):
+    """Branching from an older checkpoint into the directory of a newer one (or starting from scratch there) would
+    leave two runs' checkpoints side by side, and the next resume would take the other run's newest."""
+    ck = {"checkpoint.dir": str(tmp_path / "ck"), "checkpoint.every": 1, "checkpoint.keep": 0}
+    _train(_cfg(tmp_path / "a", 3, **ck))
+    before = sorted(p.name for p in (tmp_path / "ck").iterdir())
+    branch = {**ck, "checkpoint.resume_from": str(tmp_path / "ck" / "step_000001")}
+    with pytest.raises(ConfigError, match=r"holds 2 checkpoint\(s\) after step 1 \(the newest: step_000003\), and "
+                                          r"checkpoint.resume_from=.*step_000001 is at step 1: .* Move them out"):
+        _train(_cfg(tmp_path / "b", 3, **branch))
+    with pytest.raises(ConfigError, match=r"holds 3 checkpoint\(s\) after step 0 .*checkpoint.resume=false starts at "
+                                          r"step 0: .*delete them with --fresh"):
+        _train(_cfg(tmp_path / "b", 3, **ck, **{"checkpoint.resume": False}))
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == before
+    branched = _train(_cfg(tmp_path / "b", 3, **{**branch, "checkpoint.dir": str(tmp_path / "ck-b")}))
+    assert [h["step"] for h in branched.history] == [2, 3]
+    latest = _train(_cfg(tmp_path / "a", 3, **{**branch, "checkpoint.resume_from": str(tmp_path / "ck" /
+                                                                                      "step_000003")}))
+    assert latest.history == []  # the newest one itself: nothing newer, nothing to do
+
+
+def test_a_run_from_step_zero_moves_an_earlier_runs_logs_aside(tmp_path, caplog):
+    logs = {"logging.tensorboard": True, "rl.warmup_steps": 1}
+    _train(_cfg(tmp_path / "a", 2, **logs))
+    logdir = tmp_path / "a" / "logs"
+    first = (logdir / "metrics.jsonl").read_text()
+    with caplog.at_level(logging.WARNING, logger="minite.rl.loop"):
+        _train(_cfg(tmp_path / "a", 1, **logs))
+    assert "held an earlier run's logs" in caplog.text and "previous_run_1" in caplog.text
+    kept = logdir / "previous_run_1"
+    assert (kept / "metrics.jsonl").read_text() == first
+    assert (kept / "warmup.jsonl").is_file() and list((kept / "warmup").glob("events.out.tfevents.*"))
+    assert len(list(kept.glob("events.out.tfevents.*"))) == 1
+    assert [r["step"] for r in _rows(logdir)] == [1]
+    assert len(list(logdir.glob("events.out.tfevents.*"))) == 1
+    _train(_cfg(tmp_path / "a", 1, **logs))
+    assert (logdir / "previous_run_2" / "metrics.jsonl").is_file() and (kept / "metrics.jsonl").read_text() == first
+
+
+@pytest.mark.parametrize("change", ["rl.seed=7", "rl.prompts_per_step=2", "rl.kl_coef=0.1"])
+def test_a_resume_that_cannot_follow_the_saved_state_stops_with_one_line(tmp_path, change):
+    """The prompt stream's seed and batch size, and a KL penalty raised from 0 (no reference policy was kept), are
+    refused by the resume policy, naming the key, instead of failing inside the run."""
+    ck = {"checkpoint.dir": str(tmp_path / "ck"), "rl.kl_coef": 0.0}
+    _train(_cfg(tmp_path / "a", 1, **ck))
+    key, value = change.split("=")
+    with pytest.raises(ConfigError, match=rf"^{key} .* start over with --fresh"):
+        _train(_cfg(tmp_path / "a", 2, **{**ck, key: value}))
