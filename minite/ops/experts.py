@@ -137,8 +137,8 @@ class _StrictExperts(torch.autograd.Function):
     matmuls per expert (fp32 products of the fp32 output gradient, rounded once to the operands' dtype), each written
     into its rows of one dx and its slice of one dW. The same values as the loop under autograd, which wrote every
     expert's dW into a zero-filled [E, N, K] buffer of its own (select's backward) and its dx into an [R, K] one, then
-    summed the E buffers of each: O(E) full passes over the weight a backward (with 64 experts, read from the code as
-    the likeliest cause of the strict BF16 learner's 7x the default's time on the H200). The sums only added zeros,
+    summed the E buffers of each: O(E) full passes over the weight a backward (with 64 experts the strict BF16
+    learner took 7.7x the default's time on an H100, 1.7x with this; docs/benchmarks.md). The sums only added zeros,
     so the values are the same up to the sign of a zero (-0.0 + 0.0 is +0.0 there), which adding into Megatron's
     main_grad makes +0.0 in both."""
 
