@@ -70,8 +70,7 @@ def bench_graph(fn, iters: int) -> float:
 # ---------------------------------------------------------------- copy + quant
 def section_copy_quant(res: dict) -> None:
     rows, cols = TOKENS * TOPK, HIDDEN
-    x = torch.randn(rows, cols, device="cuda").bfloat16()
-    y = torch.empty_like(x)
+    x, y = torch.randn(2, rows, cols, device="cuda").bfloat16().unbind(0)  # y: the copy's destination
     t = bench(lambda: y.copy_(x))
     n = rows * cols
     copy_bps = 2 * n * 2 / (t * 1e-3)
@@ -115,23 +114,17 @@ def section_copy_quant(res: dict) -> None:
         nq.TUNING["colmajor"] = best_cm[1]
     res["quant_tuning"] = {k: dict(v) for k, v in nq.TUNING.items()}
     log(f"quant tuning chosen: {res['quant_tuning']}")
-    x_amax = x.abs().amax().float()
-    variants = {
-        "row_rne": (lambda: quantize_triton(x, (1, 16), "row", "nearest", None, False), 2 * n + out_bytes + 4 * rows),
+    q, amax, one = quantize_triton, x.abs().amax().float(), 2 * n + out_bytes  # one: bf16 read, codes + scales
+    variants = {  # amax_given: one pass, as the learner's dgrad operands run (their amax from the pass before them)
+        "row_rne": (lambda: q(x, (1, 16), "row", "nearest", None, False), one + 4 * rows),
         "row_rne_values_fp16": (lambda: quantize_with_values_triton(x, (1, 16), "row", "nearest", None, False),
-                                2 * n + out_bytes + 4 * rows + 2 * n),
-        "tensor_rne": (lambda: quantize_triton(x, (1, 16), "tensor", "nearest", None, False), 2 * n + out_bytes),
-        "tensor_sr": (lambda: quantize_triton(x, (1, 16), "tensor", "stochastic", 7, False), 2 * n + out_bytes),
-        # the same with the amax given (`global_amax`): one pass, as the learner's dgrad operands run, their amax
-        # taken from the pass that wrote them (minite.ops.common.hint_amax)
-        "tensor_rne_amax_given": (lambda: quantize_triton(x, (1, 16), "tensor", "nearest", None, False,
-                                                          global_amax=x_amax), 2 * n + out_bytes),
-        "tensor_sr_amax_given": (lambda: quantize_triton(x, (1, 16), "tensor", "stochastic", 7, False,
-                                                         global_amax=x_amax), 2 * n + out_bytes),
-        "2d_weightlike": (lambda: quantize_triton(x, (16, 16), "tensor", "nearest", None, False),
-                          2 * n + n // 2 + n // 256),
-        "colwise_rht_sr": (lambda: quantize_triton(x.t(), (1, 16), "tensor", "stochastic", 7, True),
-                           2 * n + out_bytes),
+                                one + 4 * rows + 2 * n),
+        "tensor_rne": (lambda: q(x, (1, 16), "tensor", "nearest", None, False), one),
+        "tensor_sr": (lambda: q(x, (1, 16), "tensor", "stochastic", 7, False), one),
+        "tensor_rne_amax_given": (lambda: q(x, (1, 16), "tensor", "nearest", None, False, amax), one),
+        "tensor_sr_amax_given": (lambda: q(x, (1, 16), "tensor", "stochastic", 7, False, amax), one),
+        "2d_weightlike": (lambda: q(x, (16, 16), "tensor", "nearest", None, False), 2 * n + n // 2 + n // 256),
+        "colwise_rht_sr": (lambda: q(x.t(), (1, 16), "tensor", "stochastic", 7, True), one),
     }
     res["quant_variants"] = {}
     for name, (fn, nbytes) in variants.items():
