@@ -1,9 +1,11 @@
 """Configuration: nested kw_only dataclasses that map one to one onto YAML files.
 
-A YAML file is a mapping of section -> mapping of field -> value, mirroring `Config`. Loading is strict: an unknown key
-or a value of the wrong type is a `ConfigError` naming the key and the file; each dataclass checks its own values in
-__post_init__. Command-line overrides (`--set rl.steps=5`) are parsed as YAML scalars and go through the same checks;
-an error in one names the `--set` item, not the file.
+A YAML file is a mapping of section -> mapping of field -> value, mirroring `Config`. Loading is strict
+(minite.typed_yaml, which also defines `ConfigError` and `from_dict`): an unknown key or a value of the wrong type is a
+`ConfigError` naming the file and the key (`FILE: section.key: ...`); each dataclass checks its own values in
+__post_init__ (`FILE: section: ...`, followed by the `--set` items of its section). Command-line overrides (`--set
+rl.steps=5`) are parsed as YAML scalars and go through the same checks; an error in one names the `--set` item, not the
+file.
 
 Paths (PATH_FIELDS), one rule: a relative path resolves from where it was written. Written in the YAML file, it is
 relative to that file's directory (a config and the files it names move together); given with --set, or left at its
@@ -16,26 +18,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
-
-import re
+from typing import Any, Literal
 
 import yaml
 
 from minite.nvfp4.recipe import NVFP4Recipe
+from minite.typed_yaml import ConfigError, check_key, from_dict
 
-
-_FLOAT_LITERAL = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 PATH_FIELDS = (("model", "hf_config"), ("model", "init_from"), ("checkpoint", "dir"), ("checkpoint", "resume_from"),
                ("logging", "dir"))
-
-
-class ConfigError(ValueError):
-    """A configuration file or override is invalid; the message names the key and the file."""
 
 
 @dataclass(kw_only=True)
@@ -293,8 +286,8 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     alignment: AlignmentConfig = field(default_factory=AlignmentConfig)
-    source: str | None = None
-    """The YAML file this was loaded from (set by load_config)."""
+    source: str | None = field(default=None, metadata={"internal": True})
+    """The YAML file this was loaded from (set by load_config); internal: not a key of the YAML file."""
 
     def __post_init__(self):
         if self.alignment.strict and self.parallel.tp != 1:
@@ -354,75 +347,6 @@ def check_paths(cfg: Config) -> None:
                               "file's directory, one given with --set to the current directory)")
 
 
-def _type_name(tp) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-def _convert(tp, value: Any, where: str):
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if dataclasses.is_dataclass(tp):
-        return from_dict(tp, value, where)
-    if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _convert(arg, value, where)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{where}: expected {_type_name(tp)}, got {value!r}")
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(f"{where}: expected one of {list(args)}, got {value!r}")
-        return value
-    if origin in (tuple, list):
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
-        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
-            if len(value) != len(args):
-                raise ConfigError(f"{where}: expected {len(args)} items, got {len(value)}")
-            return tuple(_convert(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
-        item = args[0] if args else Any
-        out = [_convert(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
-        return tuple(out) if origin is tuple else out
-    if tp is Any:
-        return value
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is float and isinstance(value, str) and _FLOAT_LITERAL.fullmatch(value.strip()):
-        return float(value)  # YAML 1.1 reads 3e-4 (no dot) as a string
-    if tp in (bool, int, float, str):
-        if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
-            raise ConfigError(f"{where}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
-        return value
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
-        return dict(value)
-    raise ConfigError(f"{where}: unsupported field type {tp}")
-
-
-def from_dict(cls, data: Any, where: str):
-    """Build dataclass `cls` from a mapping, strictly: unknown keys and wrong types raise ConfigError."""
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__} {data!r}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls) if f.init]
-    for key in data:
-        if key not in names:
-            raise ConfigError(f"{where}: unknown key {key!r} (known: {', '.join(names)})")
-    kwargs = {k: _convert(hints[k], v, f"{where}.{k}") for k, v in data.items()}
-    try:
-        return cls(**kwargs)
-    except (ValueError, TypeError) as e:
-        if isinstance(e, ConfigError):
-            raise
-        raise ConfigError(f"{where}: {e}") from e
-
-
 def apply_overrides(raw: dict, overrides: list[str], where: str) -> dict:
     """Apply `a.b.c=value` overrides (values parsed as YAML) to a raw nested mapping. Each is checked on its own
     against Config's fields and types first, so an error names the `--set` item rather than the file."""
@@ -435,7 +359,7 @@ def apply_overrides(raw: dict, overrides: list[str], where: str) -> dict:
             value = yaml.safe_load(text)
         except yaml.YAMLError:
             raise ConfigError(f"--set {item}: the value is not a valid YAML scalar") from None
-        _check_override(item, parts, value)
+        check_key(Config, item, parts, value)
         node = raw
         for part in parts[:-1]:
             node = node.setdefault(part, {})
@@ -443,24 +367,6 @@ def apply_overrides(raw: dict, overrides: list[str], where: str) -> dict:
                 raise ConfigError(f"--set {item}: {part!r} in {where} is not a section")
         node[parts[-1]] = value
     return raw
-
-
-def _check_override(item: str, parts: list[str], value) -> None:
-    """Walk Config's dataclasses along `parts`; ConfigError (naming the --set item) for an unknown key or a value of
-    the wrong type. A section given whole (a mapping) is checked by from_dict with the rest of the config."""
-    cls = Config
-    for i, part in enumerate(parts):
-        if not dataclasses.is_dataclass(cls):
-            raise ConfigError(f"--set {item}: {'.'.join(parts[:i])} is not a section")
-        names = [f.name for f in dataclasses.fields(cls) if f.init and f.name != "source"]
-        if part not in names:
-            raise ConfigError(f"--set {item}: unknown key {part!r} (known: {', '.join(names)})")
-        cls = typing.get_type_hints(cls)[part]
-    if not dataclasses.is_dataclass(cls):
-        _convert(cls, value, f"--set {item}")
-    elif not isinstance(value, dict):
-        raise ConfigError(f"--set {item}: {'.'.join(parts)} is a section: set one of its keys, e.g. "
-                          f"{'.'.join(parts)}.{dataclasses.fields(cls)[0].name}=...")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:

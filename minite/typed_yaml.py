@@ -1,0 +1,121 @@
+"""YAML read strictly onto typed dataclasses: the machinery under minite.config, free of its schema.
+
+- `from_dict(cls, data, where)`: a dataclass from a mapping: an unknown key or a value of the wrong type is a
+  ConfigError naming the file and the key (`FILE: section.key: ...`); the dataclass's own checks (__post_init__'s
+  ValueError) come back as `FILE: section: ...`.
+- `check_key(root, item, parts, value)`: a `--set a.b=value` override against `root`'s fields and types alone.
+Fields with `metadata={"internal": True}` are set by the program, not written in a file: they are not listed as keys.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from typing import Any, Literal, Union
+
+_FLOAT_LITERAL = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+class ConfigError(ValueError):
+    """A configuration file or override is invalid; the message names the key and the file."""
+
+
+def public_fields(cls) -> list[str]:
+    """The keys of dataclass `cls` that a file or --set may give (init fields that are not internal)."""
+    return [f.name for f in dataclasses.fields(cls) if f.init and not f.metadata.get("internal")]
+
+
+def _at(where: str, key: str) -> str:
+    """The location of `key` (dotted, inside file `where`) as messages name it."""
+    return f"{where}: {key}" if key else where
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _convert(tp, value: Any, where: str, key: str):
+    """`value` as type `tp`, for the field `key` (dotted) of file `where`."""
+    origin, args, here = typing.get_origin(tp), typing.get_args(tp), _at(where, key)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, where, key)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _convert(arg, value, where, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{here}: expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{here}: expected one of {list(args)}, got {value!r}")
+        return value
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{here}: expected a list, got {value!r}")
+        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
+            if len(value) != len(args):
+                raise ConfigError(f"{here}: expected {len(args)} items, got {len(value)}")
+            return tuple(_convert(a, v, where, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+        item = args[0] if args else Any
+        out = [_convert(item, v, where, f"{key}[{i}]") for i, v in enumerate(value)]
+        return tuple(out) if origin is tuple else out
+    if tp is Any:
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str) and _FLOAT_LITERAL.fullmatch(value.strip()):
+        return float(value)  # YAML 1.1 reads 3e-4 (no dot) as a string
+    if tp in (bool, int, float, str):
+        if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+            raise ConfigError(f"{here}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+        return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{here}: expected a mapping, got {value!r}")
+        return dict(value)
+    raise ConfigError(f"{here}: unsupported field type {tp}")
+
+
+def from_dict(cls, data: Any, where: str, key: str = ""):
+    """Build dataclass `cls` from a mapping, strictly: unknown keys and wrong types raise ConfigError. `where`: the
+    file (or what stands for it); `key`: the dotted path of this mapping in it ("" at the top)."""
+    here = _at(where, key)
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{here}: expected a mapping, got {type(data).__name__} {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    for k in data:
+        if k not in names:
+            raise ConfigError(f"{here}: unknown key {k!r} (known: {', '.join(public_fields(cls))})")
+    kwargs = {k: _convert(hints[k], v, where, f"{key}.{k}" if key else k) for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"{here}: {e}") from e
+
+
+def check_key(root, item: str, parts: list[str], value) -> None:
+    """Walk `root`'s dataclasses along `parts`; ConfigError (naming the --set item) for an unknown key or a value of
+    the wrong type. A section given whole (a mapping) is left to from_dict with the rest of the config."""
+    cls = root
+    for i, part in enumerate(parts):
+        if not dataclasses.is_dataclass(cls):
+            raise ConfigError(f"--set {item}: {'.'.join(parts[:i])} is not a section")
+        names = public_fields(cls)
+        if part not in names:
+            raise ConfigError(f"--set {item}: unknown key {part!r} (known: {', '.join(names)})")
+        cls = typing.get_type_hints(cls)[part]
+    if not dataclasses.is_dataclass(cls):
+        _convert(cls, value, f"--set {item}", "")
+    elif not isinstance(value, dict):
+        raise ConfigError(f"--set {item}: {'.'.join(parts)} is a section: set one of its keys, e.g. "
+                          f"{'.'.join(parts)}.{dataclasses.fields(cls)[0].name}=...")
