@@ -1,11 +1,11 @@
 """Configuration: nested kw_only dataclasses that map one to one onto YAML files.
 
 A YAML file is a mapping of section -> mapping of field -> value, mirroring `Config`. Loading is strict
-(minite.typed_yaml, which also defines `ConfigError` and `from_dict`): an unknown key or a value of the wrong type is a
-`ConfigError` naming the file and the key (`FILE: section.key: ...`); each dataclass checks its own values in
-__post_init__ (`FILE: section: ...`, followed by the `--set` items of its section). Command-line overrides (`--set
-rl.steps=5`) are parsed as YAML scalars and go through the same checks; an error in one names the `--set` item, not the
-file.
+(minite.typed_yaml, which also defines `ConfigError` and `from_dict`): an unknown key, a value of the wrong type or a
+NaN or Inf in a float field is a `ConfigError` naming the file and the key (`FILE: section.key: ...`); each dataclass
+checks its own values in __post_init__ (`FILE: section: ...`, followed by the `--set` items of its section).
+Command-line overrides (`--set rl.steps=5`) are parsed as YAML scalars and go through the same checks; an error in one
+names the `--set` item, not the file.
 
 Paths (PATH_FIELDS), one rule: a relative path resolves from where it was written. Written in the YAML file, it is
 relative to that file's directory (a config and the files it names move together); given with --set, or left at its

@@ -1,14 +1,15 @@
 """YAML read strictly onto typed dataclasses: the machinery under minite.config, free of its schema.
 
-- `from_dict(cls, data, where)`: a dataclass from a mapping: an unknown key or a value of the wrong type is a
-  ConfigError naming the file and the key (`FILE: section.key: ...`); the dataclass's own checks (__post_init__'s
-  ValueError) come back as `FILE: section: ...`.
+- `from_dict(cls, data, where)`: a dataclass from a mapping: an unknown key, a value of the wrong type, or a NaN or
+  Inf in a float field is a ConfigError naming the file and the key (`FILE: section.key: ...`); the dataclass's own
+  checks (__post_init__'s ValueError) come back as `FILE: section: ...`.
 - `check_key(root, item, parts, value)`: a `--set a.b=value` override against `root`'s fields and types alone.
 Fields with `metadata={"internal": True}` are set by the program, not written in a file: they are not listed as keys.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -33,6 +34,22 @@ def _at(where: str, key: str) -> str:
 
 def _type_name(tp) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _to_float(value: Any, where: str) -> float:
+    """A float field's value: an int, or YAML 1.1's dotless exponent string (3e-4), converted. NaN and Inf are
+    refused: no float field of the config gives them a meaning (a disabled limit is 0 or null, as each field says)."""
+    if isinstance(value, str) and _FLOAT_LITERAL.fullmatch(value.strip()):
+        value = float(value)  # YAML 1.1 reads 3e-4 (no dot) as a string
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{where}: expected float, got {type(value).__name__} {value!r}")
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond the float range
+        value = math.inf
+    if not math.isfinite(value):
+        raise ConfigError(f"{where}: expected a finite number, got {value}")
+    return value
 
 
 def _convert(tp, value: Any, where: str, key: str):
@@ -66,11 +83,9 @@ def _convert(tp, value: Any, where: str, key: str):
         return tuple(out) if origin is tuple else out
     if tp is Any:
         return value
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is float and isinstance(value, str) and _FLOAT_LITERAL.fullmatch(value.strip()):
-        return float(value)  # YAML 1.1 reads 3e-4 (no dot) as a string
-    if tp in (bool, int, float, str):
+    if tp is float:
+        return _to_float(value, here)
+    if tp in (bool, int, str):
         if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
             raise ConfigError(f"{here}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
         return value

@@ -68,6 +68,10 @@ def assert_one_line_failure(out, pattern: str, status: int = 2) -> None:
     (["--set", "model.hf_config=nope.json"], r"^minite train: model.hf_config: nope.json does not exist"),
     (["--set", "rollout.max_new_tokens=40"], r"^minite train: .*tiny.yaml: prompt .* exceeds model.max_position"),
     (["--set", "rl.micro_batches=3"], r"^minite train: .*rl.micro_batches=3 does not divide the rows of a train step"),
+    (["--set", "rl.is_threshold=.nan"],
+     r"^minite train: --set rl.is_threshold=.nan: expected a finite number, got nan$"),
+    (["--set", "model.rope_theta=.inf"],
+     r"^minite train: --set model.rope_theta=.inf: expected a finite number, got inf$"),
 ])
 def test_config_failures_are_one_line(tmp_path, args, pattern):
     assert_one_line_failure(minite("train", str(tiny_config(tmp_path)), *args, cwd=tmp_path), pattern)

@@ -1,6 +1,8 @@
 """Config loading (strict keys and types, overrides, round trip) and the minite command."""
+import dataclasses
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -93,6 +95,30 @@ def test_override_errors_blame_the_command_line(tmp_path):
             load_config(p, [item])
     with pytest.raises(ConfigError, match=rf"^{p}: rl: steps must be >= 0 .*\(with --set rl.steps=-1\)$"):
         load_config(p, ["rl.steps=-1", "optim.lr=1e-3"])
+
+
+def _float_keys(cls=Config, prefix=""):
+    """The dotted keys of every float field (float or float | None) of the config."""
+    for f in dataclasses.fields(cls):
+        tp = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(tp):
+            yield from _float_keys(tp, f"{prefix}{f.name}.")
+        elif tp is float or float in typing.get_args(tp):
+            yield f"{prefix}{f.name}"
+
+
+def test_nan_and_inf_are_refused_in_every_float_field(tmp_path):
+    keys = list(_float_keys())
+    assert {"rl.is_threshold", "rl.kl_coef", "rollout.temperature", "model.rope_theta", "model.rms_norm_eps",
+            "alignment.stop_above"} <= set(keys)
+    for key in keys:
+        for text, shown in ((".nan", "nan"), (".inf", "inf"), ("-.inf", "-inf"), ("1e999", "inf")):
+            with pytest.raises(ConfigError, match=rf"^--set {key}={text}: expected a finite number, got {shown}$"):
+                load_config(None, [f"{key}={text}"])
+        section, name = key.split(".")
+        p = _write(tmp_path, {section: {name: float("nan")}})
+        with pytest.raises(ConfigError, match=rf"^{p}: {key}: expected a finite number, got nan$"):
+            load_config(p)
 
 
 def test_shape_constraints_are_checked_at_load():
