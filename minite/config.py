@@ -3,9 +3,9 @@
 A YAML file is a mapping of section -> mapping of field -> value, mirroring `Config`. Loading is strict
 (minite.typed_yaml, which also defines `ConfigError` and `from_dict`): an unknown key, a value of the wrong type or a
 NaN or Inf in a float field is a `ConfigError` naming the file and the key (`FILE: section.key: ...`); each dataclass
-checks its own values in __post_init__ (`FILE: section: ...`, followed by the `--set` items of its section).
-Command-line overrides (`--set rl.steps=5`) are parsed as YAML scalars and go through the same checks; an error in one
-names the `--set` item, not the file.
+checks its own values in __post_init__ (`FILE: section: ...`, followed by the `--set` items of the keys the message
+names). Command-line overrides (`--set rl.steps=5`) are parsed as YAML scalars and go through the same checks; an error
+in one names the `--set` item, not the file.
 
 Paths (PATH_FIELDS), one rule: a relative path resolves from where it was written. Written in the YAML file, it is
 relative to that file's directory (a config and the files it names move together); given with --set, or left at its
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -29,6 +30,13 @@ from minite.typed_yaml import ConfigError, check_key, from_dict
 
 PATH_FIELDS = (("model", "hf_config"), ("model", "init_from"), ("checkpoint", "dir"), ("checkpoint", "resume_from"),
                ("logging", "dir"))
+
+
+def _at_least(obj, low: int, *names: str) -> None:
+    """ValueError naming the first of `names` whose value on `obj` is below `low`."""
+    for name in names:
+        if getattr(obj, name) < low:
+            raise ValueError(f"{name} must be >= {low}, got {getattr(obj, name)}")
 
 
 @dataclass(kw_only=True)
@@ -168,10 +176,11 @@ class RolloutConfig:
     `engine_args_for`), e.g. --set 'rollout.sglang_args={attention_backend: triton, mem_fraction_static: 0.3}'."""
 
     def __post_init__(self):
-        if self.temperature <= 0 or not 0 < self.top_p <= 1:
-            raise ValueError("temperature must be > 0 and top_p in (0, 1]")
-        if self.max_new_tokens < 1 or self.group_size < 1:
-            raise ValueError("max_new_tokens and group_size must be >= 1")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _at_least(self, 1, "max_new_tokens", "group_size")
         if self.stop_check_every < 0:
             raise ValueError(f"stop_check_every must be >= 0 (0: never look for stop tokens), got "
                              f"{self.stop_check_every}")
@@ -210,16 +219,18 @@ class RLConfig:
     """Denominator of the PPO ratio: the learner's log-probs before the update, or the rollout engine's."""
 
     def __post_init__(self):
-        if self.steps < 0 or self.prompts_per_step < 1:
-            raise ValueError("steps must be >= 0 and prompts_per_step >= 1")
+        _at_least(self, 0, "steps", "warmup_steps")
+        _at_least(self, 1, "prompts_per_step", "task_length", "minibatches", "micro_batches")
         if self.task not in ("copy", "reverse", "sort"):
             raise ValueError(f"task must be one of copy, reverse, sort; got {self.task!r}")
-        if self.task_length < 1 or not 2 <= self.task_digits <= 10:
-            raise ValueError("task_length must be >= 1 and task_digits in 2..10")
-        if self.warmup_steps < 0 or self.minibatches < 1 or self.micro_batches < 1:
-            raise ValueError("warmup_steps must be >= 0, minibatches >= 1 and micro_batches >= 1")
-        if not 0 < self.clip_eps < 1 or self.kl_coef < 0 or self.is_threshold <= 1:
-            raise ValueError("clip_eps must be in (0, 1), kl_coef >= 0 and is_threshold > 1")
+        if not 2 <= self.task_digits <= 10:
+            raise ValueError(f"task_digits must be in 2..10, got {self.task_digits}")
+        if not 0 < self.clip_eps < 1:
+            raise ValueError(f"clip_eps must be in (0, 1), got {self.clip_eps}")
+        if not self.kl_coef >= 0:
+            raise ValueError(f"kl_coef must be >= 0 (0 disables the KL term), got {self.kl_coef}")
+        if not self.is_threshold > 1:
+            raise ValueError(f"is_threshold must be > 1, got {self.is_threshold}")
 
 
 @dataclass(kw_only=True)
@@ -236,8 +247,7 @@ class CheckpointConfig:
     """How many of the newest checkpoints to keep in `dir` (0: all)."""
 
     def __post_init__(self):
-        if self.every < 0 or self.keep < 0:
-            raise ValueError("every and keep must be >= 0")
+        _at_least(self, 0, "every", "keep")
 
 
 @dataclass(kw_only=True)
@@ -389,12 +399,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     raw.pop("source", None)
     try:
         cfg = from_dict(Config, raw, where)
-    except ConfigError as e:  # a value check of a section: name the overrides that touched it
-        message = str(e)[len(where):]
-        touched = [o for o in overrides or [] if o.split(".", 1)[0] in message]
+    except ConfigError as e:  # a value check: name the overrides of the keys it names
+        touched = [o for o in overrides or [] if _names_key(str(e)[len(where):], o.split("=", 1)[0].strip())]
         raise ConfigError(f"{e} (with --set {' --set '.join(touched)})" if touched else str(e)) from None
     cfg.source = str(path) if path is not None else None
     return cfg
+
+
+def _names_key(message: str, key: str) -> bool:
+    """Whether an error message names `key` (a.b.c): whole, or its last part beside its section's name (`rl: steps
+    must be ...`, `model hidden_size = 40 ...`)."""
+    words = set(re.findall(r"[\w.]+", message))
+    section, _, name = key.rpartition(".")
+    return key in words or name in words and (not section or section in words)
 
 
 def _resolve_yaml_paths(raw: dict, base: Path) -> None:

@@ -93,8 +93,11 @@ def test_override_errors_blame_the_command_line(tmp_path):
                         ("rl.steps", r"^--set rl.steps: expected key=value")]:
         with pytest.raises(ConfigError, match=match):
             load_config(p, [item])
-    with pytest.raises(ConfigError, match=rf"^{p}: rl: steps must be >= 0 .*\(with --set rl.steps=-1\)$"):
-        load_config(p, ["rl.steps=-1", "optim.lr=1e-3"])
+    with pytest.raises(ConfigError, match=rf"^{p}: rl: steps must be >= 0, got -1 \(with --set rl.steps=-1\)$"):
+        load_config(p, ["rl.steps=-1", "optim.lr=1e-3", "rl.kl_coef=0.5"])  # only the key the message names
+    with pytest.raises(ConfigError, match=r"is not a multiple of 16, .* \(with --set model.head_dim=4 --set "
+                                          r"model.num_query_groups=1\)$"):
+        load_config(p, ["model.head_dim=4", "model.num_layers=3", "model.num_query_groups=1"])
 
 
 def _float_keys(cls=Config, prefix=""):
