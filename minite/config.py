@@ -73,6 +73,9 @@ class ModelConfig:
                      "head_dim", "moe_ffn_hidden_size", "num_experts", "moe_router_topk", "max_position_embeddings"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.shared_expert_intermediate_size < 0:
+            raise ValueError(f"shared_expert_intermediate_size must be >= 0 (0: no shared expert), got "
+                             f"{self.shared_expert_intermediate_size}")
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError("num_attention_heads must be a multiple of num_query_groups")
         if self.moe_router_topk > self.num_experts:
@@ -314,6 +317,10 @@ def check_model_shape(shape, cfg: "Config") -> None:
     """ValueError unless `shape` (ModelConfig fields, or a Qwen3MoeShape read from model.hf_config) fits cfg's
     precision and parallel layout: heads and query groups split over tp, experts over ep, and in NVFP4 every dimension
     of a quantised weight a multiple of 16 (its 16x16 blocks) on each tensor-parallel rank."""
+    if shape.moe_router_topk == 1 and shape.norm_topk_prob:  # Megatron-Core's TransformerConfig refuses it too
+        raise ValueError("model.moe_router_topk=1 with model.norm_topk_prob=true gives every token's one expert the "
+                         "weight 1 and the router no gradient: set model.norm_topk_prob=false (softmax before the "
+                         "top-1, the router's probability as the weight)")
     tp, ep = cfg.parallel.tp, cfg.parallel.ep
     for name, n, by, what in (("num_attention_heads", shape.num_attention_heads, tp, "parallel.tp"),
                               ("num_query_groups", shape.num_query_groups, tp, "parallel.tp"),

@@ -72,6 +72,12 @@ def assert_one_line_failure(out, pattern: str, status: int = 2) -> None:
      r"^minite train: --set rl.is_threshold=.nan: expected a finite number, got nan$"),
     (["--set", "model.rope_theta=.inf"],
      r"^minite train: --set model.rope_theta=.inf: expected a finite number, got inf$"),
+    (["--set", "model.moe_router_topk=1", "--set", "rl.steps=3"],
+     r"^minite train: .*tiny.yaml: model.moe_router_topk=1 with model.norm_topk_prob=true .*: set "
+     r"model.norm_topk_prob=false .*\(with --set model.moe_router_topk=1\)$"),
+    (["--set", "model.shared_expert_intermediate_size=-16"],
+     r"^minite train: .*tiny.yaml: model: shared_expert_intermediate_size must be >= 0 \(0: no shared expert\), got "
+     r"-16 \(with --set model.shared_expert_intermediate_size=-16\)$"),
 ])
 def test_config_failures_are_one_line(tmp_path, args, pattern):
     assert_one_line_failure(minite("train", str(tiny_config(tmp_path)), *args, cwd=tmp_path), pattern)

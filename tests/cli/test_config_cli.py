@@ -124,6 +124,15 @@ def test_nan_and_inf_are_refused_in_every_float_field(tmp_path):
             load_config(p)
 
 
+def test_model_values_that_megatron_would_refuse_later():
+    with pytest.raises(ConfigError, match=r"^<defaults>: model.moe_router_topk=1 with model.norm_topk_prob=true .*: "
+                                          r"set model.norm_topk_prob=false .*\(with --set model.moe_router_topk=1\)"):
+        load_config(None, ["model.moe_router_topk=1"])
+    assert load_config(None, ["model.moe_router_topk=1", "model.norm_topk_prob=false"]).model.moe_router_topk == 1
+    with pytest.raises(ConfigError, match=r"^<defaults>: model: shared_expert_intermediate_size must be >= 0 "):
+        load_config(None, ["model.shared_expert_intermediate_size=-16"])
+
+
 def test_shape_constraints_are_checked_at_load():
     for sets, match in [(["model.hidden_size=40"], "hidden_size = 40 is not a multiple of 16"),
                         (["model.head_dim=4", "model.num_query_groups=1"], r"num_query_groups\) x head_dim .* = 24 "),
