@@ -1,11 +1,11 @@
 """Configuration: nested kw_only dataclasses that map one to one onto YAML files.
 
 A YAML file is a mapping of section -> mapping of field -> value, mirroring `Config`. Loading is strict
-(minite.typed_yaml, which also defines `ConfigError` and `from_dict`): an unknown key, a value of the wrong type or a
-NaN or Inf in a float field is a `ConfigError` naming the file and the key (`FILE: section.key: ...`); each dataclass
-checks its own values in __post_init__ (`FILE: section: ...`, followed by the `--set` items of the keys the message
-names). Command-line overrides (`--set rl.steps=5`) are parsed as YAML scalars and go through the same checks; an error
-in one names the `--set` item, not the file.
+(minite.typed_yaml, which also defines `ConfigError` and `from_dict`): an unknown key, a key given twice, a value of the
+wrong type or a NaN or Inf in a float field is a `ConfigError` naming the file and the key (`FILE: section.key: ...`);
+each dataclass checks its own values in __post_init__ (`FILE: section: ...`, followed by the `--set` items of the keys
+the message names). Command-line overrides (`--set rl.steps=5`) are parsed as YAML scalars and go through the same
+checks; an error in one names the `--set` item, not the file.
 
 Paths (PATH_FIELDS), one rule: a relative path resolves from where it was written. Written in the YAML file, it is
 relative to that file's directory (a config and the files it names move together); given with --set, or left at its
@@ -26,7 +26,7 @@ from typing import Any, Literal
 import yaml
 
 from minite.nvfp4.recipe import NVFP4Recipe
-from minite.typed_yaml import ConfigError, check_key, from_dict
+from minite.typed_yaml import ConfigError, check_key, from_dict, load_yaml
 
 PATH_FIELDS = (("model", "hf_config"), ("model", "init_from"), ("checkpoint", "dir"), ("checkpoint", "resume_from"),
                ("logging", "dir"))
@@ -373,7 +373,7 @@ def apply_overrides(raw: dict, overrides: list[str], where: str) -> dict:
         key, text = item.split("=", 1)
         parts = key.strip().split(".")
         try:
-            value = yaml.safe_load(text)
+            value = load_yaml(text, f"--set {item}")
         except yaml.YAMLError:
             raise ConfigError(f"--set {item}: the value is not a valid YAML scalar") from None
         check_key(Config, item, parts, value)
@@ -392,11 +392,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     raw: dict = {}
     if path is not None:
         try:
-            raw = yaml.safe_load(Path(path).read_text()) or {}
+            raw = load_yaml(Path(path).read_text(encoding="utf-8"), str(path)) or {}
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
         except IsADirectoryError:
             raise ConfigError(f"{path} is a directory: give a YAML file, e.g. examples/tiny/nvfp4.yaml") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not a text file (byte {e.start} is not UTF-8): give a YAML file, e.g. "
+                              "examples/tiny/nvfp4.yaml") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {e}") from None
         if not isinstance(raw, dict):

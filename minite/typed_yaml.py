@@ -1,5 +1,7 @@
 """YAML read strictly onto typed dataclasses: the machinery under minite.config, free of its schema.
 
+- `load_yaml(text, where)`: yaml.safe_load that refuses a key given twice in one mapping (PyYAML keeps the last one
+  silently): a ConfigError naming the key, its lines and `where`.
 - `from_dict(cls, data, where)`: a dataclass from a mapping: an unknown key, a value of the wrong type, or a NaN or
   Inf in a float field is a ConfigError naming the file and the key (`FILE: section.key: ...`); the dataclass's own
   checks (__post_init__'s ValueError) come back as `FILE: section: ...`.
@@ -15,11 +17,52 @@ import types
 import typing
 from typing import Any, Literal, Union
 
+import yaml
+
 _FLOAT_LITERAL = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
 class ConfigError(ValueError):
     """A configuration file or override is invalid; the message names the key and the file."""
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader whose mappings refuse a key given twice (_DuplicateKey)."""
+
+
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key, lines: tuple[int, int]):
+        super().__init__(f"key {key!r} given twice")
+        self.key, self.lines = key, lines
+
+
+def _construct_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: its keys may be overridden, as YAML means
+            continue
+        key = loader.construct_object(key_node, deep=deep)
+        line = key_node.start_mark.line + 1
+        try:
+            if key in seen:
+                raise _DuplicateKey(key, (seen[key], line))
+            seen[key] = line
+        except TypeError:  # an unhashable key: construct_mapping refuses it in its own words
+            pass
+    return loader.construct_mapping(node, deep=deep)
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def load_yaml(text: str, where: str) -> Any:
+    """yaml.safe_load(text), and a ConfigError `WHERE: key 'k' is given twice (lines a and b): keep one` for a
+    duplicate key; other YAML errors propagate (yaml.YAMLError) for the caller to word."""
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except _DuplicateKey as e:
+        lines = f" (lines {e.lines[0]} and {e.lines[1]})" if e.lines[0] != e.lines[1] else ""
+        raise ConfigError(f"{where}: key {e.key!r} is given twice{lines}: keep one") from None
 
 
 def public_fields(cls) -> list[str]:

@@ -92,6 +92,15 @@ def test_a_directory_as_config_in_both_forms(tmp_path):
                             r"^minite diagnose: two configs given \(a.yaml and --config b.yaml\): give one$")
 
 
+def test_unreadable_config_files_are_one_line(tmp_path):
+    (tmp_path / "binary.yaml").write_bytes(bytes(range(256)))
+    assert_one_line_failure(minite("train", "binary.yaml", cwd=tmp_path),
+                            r"^minite train: binary.yaml: not a text file \(byte 128 is not UTF-8\): give a YAML file")
+    (tmp_path / "dup.yaml").write_text("rl:\n  steps: 3\n  steps: 4\n")
+    assert_one_line_failure(minite("train", "dup.yaml", cwd=tmp_path),
+                            r"^minite train: dup.yaml: key 'steps' is given twice \(lines 2 and 3\): keep one$")
+
+
 def test_debug_shows_the_traceback(tmp_path):
     for out in (minite("train", str(tmp_path), "--debug", cwd=tmp_path),
                 minite("--debug", "train", str(tmp_path), cwd=tmp_path),

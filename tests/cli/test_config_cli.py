@@ -57,9 +57,27 @@ def test_invalid_values_are_rejected(tmp_path):
             load_config(_write(tmp_path, data))
 
 
-def test_bad_files():
+def test_bad_files(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config("/nonexistent/cfg.yaml")
+    p = tmp_path / "binary.yaml"
+    p.write_bytes(bytes(range(256)))
+    with pytest.raises(ConfigError, match=rf"^{p}: not a text file \(byte 128 is not UTF-8\): give a YAML file"):
+        load_config(p)
+
+
+def test_a_key_given_twice_is_refused(tmp_path):
+    p = tmp_path / "dup.yaml"
+    p.write_text("rl:\n  steps: 3\n  kl_coef: 0.1\n  steps: 4\n")
+    with pytest.raises(ConfigError, match=rf"^{p}: key 'steps' is given twice \(lines 2 and 4\): keep one$"):
+        load_config(p)
+    p.write_text("rl: {}\nmodel: {}\nrl: {steps: 4}\n")
+    with pytest.raises(ConfigError, match=rf"^{p}: key 'rl' is given twice \(lines 1 and 3\)"):
+        load_config(p)
+    with pytest.raises(ConfigError, match=r"^--set rollout.sglang_args=\{a: 1, a: 2\}: key 'a' is given twice: "):
+        load_config(None, ["rollout.sglang_args={a: 1, a: 2}"])
+    p.write_text("rollout:\n  sglang_args:\n    <<: {a: 1, b: 2}\n    a: 3\n")  # a merged key overridden: fine
+    assert load_config(p).rollout.sglang_args == {"a": 3, "b": 2}
 
 
 def test_bad_yaml(tmp_path):
