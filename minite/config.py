@@ -355,13 +355,22 @@ def check_world_size(cfg: Config, world_size: int) -> None:
 
 
 def check_paths(cfg: Config) -> None:
-    """ConfigError when a file the config names as input does not exist (before anything is built)."""
+    """ConfigError when a file the config names as input does not exist, or a directory it writes to is a file or
+    lies under one (before anything is built)."""
     for key, value, want in (("model.hf_config", cfg.model.hf_config, Path.is_file),
                              ("model.init_from", cfg.model.init_from, Path.is_dir),
                              ("checkpoint.resume_from", cfg.checkpoint.resume_from, Path.exists)):
         if value and not want(Path(value)):
             raise ConfigError(f"{key}: {value} does not exist (a relative path in a YAML file is relative to that "
                               "file's directory, one given with --set to the current directory)")
+    for key, value in (("logging.dir", cfg.logging.dir), ("checkpoint.dir", cfg.checkpoint.dir)):
+        nearest = Path(value or ".")
+        while not nearest.exists() and nearest != nearest.parent:
+            nearest = nearest.parent
+        if not nearest.is_dir():
+            what = "is a file" if nearest == Path(value) else f"lies under the file {nearest}"
+            raise ConfigError(f"{key}: {value} {what}, not a directory: name a directory (one that does not exist "
+                              "yet is created)")
 
 
 def apply_overrides(raw: dict, overrides: list[str], where: str) -> dict:

@@ -78,6 +78,7 @@ def assert_one_line_failure(out, pattern: str, status: int = 2) -> None:
     (["--set", "model.shared_expert_intermediate_size=-16"],
      r"^minite train: .*tiny.yaml: model: shared_expert_intermediate_size must be >= 0 \(0: no shared expert\), got "
      r"-16 \(with --set model.shared_expert_intermediate_size=-16\)$"),
+    (["--set", "logging.dir=tiny.yaml"], r"^minite train: logging.dir: tiny.yaml is a file, not a directory"),
 ])
 def test_config_failures_are_one_line(tmp_path, args, pattern):
     assert_one_line_failure(minite("train", str(tiny_config(tmp_path)), *args, cwd=tmp_path), pattern)

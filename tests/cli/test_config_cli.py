@@ -195,6 +195,16 @@ def test_missing_input_paths_are_named(tmp_path):
             check_paths(load_config(None, [f"{key}={tmp_path}/nope"]))
 
 
+def test_output_directories_must_not_be_files(tmp_path):
+    (tmp_path / "f").write_text("")
+    check_paths(load_config(None, [f"logging.dir={tmp_path}/new/run", f"checkpoint.dir={tmp_path}/new/ck"]))
+    for key in ("logging.dir", "checkpoint.dir"):
+        with pytest.raises(ConfigError, match=rf"^{key}: {tmp_path}/f is a file, not a directory"):
+            check_paths(load_config(None, [f"{key}={tmp_path}/f"]))
+        with pytest.raises(ConfigError, match=rf"^{key}: {tmp_path}/f/run lies under the file {tmp_path}/f, not a "):
+            check_paths(load_config(None, [f"{key}={tmp_path}/f/run"]))
+
+
 def test_cli_help_lists_subcommands():
     out = subprocess.run([sys.executable, "-m", "minite.cli", "--help"], capture_output=True, text=True, check=True)
     for sub in ("train", "diagnose", "convert", "bench"):
