@@ -1,9 +1,11 @@
 """Configuration: nested kw_only dataclasses that map one to one onto YAML files.
 
-A YAML file is a mapping of section -> mapping of field -> value, mirroring `Config`. Loading is strict: an unknown key
-or a value of the wrong type is a `ConfigError` naming the key and the file; each dataclass checks its own values in
-__post_init__. Command-line overrides (`--set rl.steps=5`) are parsed as YAML scalars and go through the same checks;
-an error in one names the `--set` item, not the file.
+A YAML file is a mapping of section -> mapping of field -> value, mirroring `Config`. Loading is strict
+(minite.typed_yaml, which also defines `ConfigError` and `from_dict`): an unknown key, a key given twice, a value of the
+wrong type or a NaN or Inf in a float field is a `ConfigError` naming the file and the key (`FILE: section.key: ...`);
+each dataclass checks its own values in __post_init__ (`FILE: section: ...`, followed by the `--set` items of the keys
+the message names). Command-line overrides (`--set rl.steps=5`) are parsed as YAML scalars and go through the same
+checks; an error in one names the `--set` item, not the file.
 
 Paths (PATH_FIELDS), one rule: a relative path resolves from where it was written. Written in the YAML file, it is
 relative to that file's directory (a config and the files it names move together); given with --set, or left at its
@@ -16,26 +18,25 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import types
-import typing
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
-
-import re
+from typing import Any, Literal
 
 import yaml
 
 from minite.nvfp4.recipe import NVFP4Recipe
+from minite.typed_yaml import ConfigError, check_key, from_dict, load_yaml
 
-
-_FLOAT_LITERAL = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 PATH_FIELDS = (("model", "hf_config"), ("model", "init_from"), ("checkpoint", "dir"), ("checkpoint", "resume_from"),
                ("logging", "dir"))
 
 
-class ConfigError(ValueError):
-    """A configuration file or override is invalid; the message names the key and the file."""
+def _at_least(obj, low: int, *names: str) -> None:
+    """ValueError naming the first of `names` whose value on `obj` is below `low`."""
+    for name in names:
+        if getattr(obj, name) < low:
+            raise ValueError(f"{name} must be >= {low}, got {getattr(obj, name)}")
 
 
 @dataclass(kw_only=True)
@@ -72,6 +73,9 @@ class ModelConfig:
                      "head_dim", "moe_ffn_hidden_size", "num_experts", "moe_router_topk", "max_position_embeddings"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.shared_expert_intermediate_size < 0:
+            raise ValueError(f"shared_expert_intermediate_size must be >= 0 (0: no shared expert), got "
+                             f"{self.shared_expert_intermediate_size}")
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError("num_attention_heads must be a multiple of num_query_groups")
         if self.moe_router_topk > self.num_experts:
@@ -175,10 +179,11 @@ class RolloutConfig:
     `engine_args_for`), e.g. --set 'rollout.sglang_args={attention_backend: triton, mem_fraction_static: 0.3}'."""
 
     def __post_init__(self):
-        if self.temperature <= 0 or not 0 < self.top_p <= 1:
-            raise ValueError("temperature must be > 0 and top_p in (0, 1]")
-        if self.max_new_tokens < 1 or self.group_size < 1:
-            raise ValueError("max_new_tokens and group_size must be >= 1")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _at_least(self, 1, "max_new_tokens", "group_size")
         if self.stop_check_every < 0:
             raise ValueError(f"stop_check_every must be >= 0 (0: never look for stop tokens), got "
                              f"{self.stop_check_every}")
@@ -217,16 +222,18 @@ class RLConfig:
     """Denominator of the PPO ratio: the learner's log-probs before the update, or the rollout engine's."""
 
     def __post_init__(self):
-        if self.steps < 0 or self.prompts_per_step < 1:
-            raise ValueError("steps must be >= 0 and prompts_per_step >= 1")
+        _at_least(self, 0, "steps", "warmup_steps")
+        _at_least(self, 1, "prompts_per_step", "task_length", "minibatches", "micro_batches")
         if self.task not in ("copy", "reverse", "sort"):
             raise ValueError(f"task must be one of copy, reverse, sort; got {self.task!r}")
-        if self.task_length < 1 or not 2 <= self.task_digits <= 10:
-            raise ValueError("task_length must be >= 1 and task_digits in 2..10")
-        if self.warmup_steps < 0 or self.minibatches < 1 or self.micro_batches < 1:
-            raise ValueError("warmup_steps must be >= 0, minibatches >= 1 and micro_batches >= 1")
-        if not 0 < self.clip_eps < 1 or self.kl_coef < 0 or self.is_threshold <= 1:
-            raise ValueError("clip_eps must be in (0, 1), kl_coef >= 0 and is_threshold > 1")
+        if not 2 <= self.task_digits <= 10:
+            raise ValueError(f"task_digits must be in 2..10, got {self.task_digits}")
+        if not 0 < self.clip_eps < 1:
+            raise ValueError(f"clip_eps must be in (0, 1), got {self.clip_eps}")
+        if not self.kl_coef >= 0:
+            raise ValueError(f"kl_coef must be >= 0 (0 disables the KL term), got {self.kl_coef}")
+        if not self.is_threshold > 1:
+            raise ValueError(f"is_threshold must be > 1, got {self.is_threshold}")
 
 
 @dataclass(kw_only=True)
@@ -243,8 +250,7 @@ class CheckpointConfig:
     """How many of the newest checkpoints to keep in `dir` (0: all)."""
 
     def __post_init__(self):
-        if self.every < 0 or self.keep < 0:
-            raise ValueError("every and keep must be >= 0")
+        _at_least(self, 0, "every", "keep")
 
 
 @dataclass(kw_only=True)
@@ -293,8 +299,8 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     alignment: AlignmentConfig = field(default_factory=AlignmentConfig)
-    source: str | None = None
-    """The YAML file this was loaded from (set by load_config)."""
+    source: str | None = field(default=None, metadata={"internal": True})
+    """The YAML file this was loaded from (set by load_config); internal: not a key of the YAML file."""
 
     def __post_init__(self):
         if self.alignment.strict and self.parallel.tp != 1:
@@ -311,6 +317,10 @@ def check_model_shape(shape, cfg: "Config") -> None:
     """ValueError unless `shape` (ModelConfig fields, or a Qwen3MoeShape read from model.hf_config) fits cfg's
     precision and parallel layout: heads and query groups split over tp, experts over ep, and in NVFP4 every dimension
     of a quantised weight a multiple of 16 (its 16x16 blocks) on each tensor-parallel rank."""
+    if shape.moe_router_topk == 1 and shape.norm_topk_prob:  # Megatron-Core's TransformerConfig refuses it too
+        raise ValueError("model.moe_router_topk=1 with model.norm_topk_prob=true gives every token's one expert the "
+                         "weight 1 and the router no gradient: set model.norm_topk_prob=false (softmax before the "
+                         "top-1, the router's probability as the weight)")
     tp, ep = cfg.parallel.tp, cfg.parallel.ep
     for name, n, by, what in (("num_attention_heads", shape.num_attention_heads, tp, "parallel.tp"),
                               ("num_query_groups", shape.num_query_groups, tp, "parallel.tp"),
@@ -345,82 +355,22 @@ def check_world_size(cfg: Config, world_size: int) -> None:
 
 
 def check_paths(cfg: Config) -> None:
-    """ConfigError when a file the config names as input does not exist (before anything is built)."""
+    """ConfigError when a file the config names as input does not exist, or a directory it writes to is a file or
+    lies under one (before anything is built)."""
     for key, value, want in (("model.hf_config", cfg.model.hf_config, Path.is_file),
                              ("model.init_from", cfg.model.init_from, Path.is_dir),
                              ("checkpoint.resume_from", cfg.checkpoint.resume_from, Path.exists)):
         if value and not want(Path(value)):
             raise ConfigError(f"{key}: {value} does not exist (a relative path in a YAML file is relative to that "
                               "file's directory, one given with --set to the current directory)")
-
-
-def _type_name(tp) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-def _convert(tp, value: Any, where: str):
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if dataclasses.is_dataclass(tp):
-        return from_dict(tp, value, where)
-    if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _convert(arg, value, where)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{where}: expected {_type_name(tp)}, got {value!r}")
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(f"{where}: expected one of {list(args)}, got {value!r}")
-        return value
-    if origin in (tuple, list):
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
-        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
-            if len(value) != len(args):
-                raise ConfigError(f"{where}: expected {len(args)} items, got {len(value)}")
-            return tuple(_convert(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
-        item = args[0] if args else Any
-        out = [_convert(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
-        return tuple(out) if origin is tuple else out
-    if tp is Any:
-        return value
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is float and isinstance(value, str) and _FLOAT_LITERAL.fullmatch(value.strip()):
-        return float(value)  # YAML 1.1 reads 3e-4 (no dot) as a string
-    if tp in (bool, int, float, str):
-        if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
-            raise ConfigError(f"{where}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
-        return value
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
-        return dict(value)
-    raise ConfigError(f"{where}: unsupported field type {tp}")
-
-
-def from_dict(cls, data: Any, where: str):
-    """Build dataclass `cls` from a mapping, strictly: unknown keys and wrong types raise ConfigError."""
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__} {data!r}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls) if f.init]
-    for key in data:
-        if key not in names:
-            raise ConfigError(f"{where}: unknown key {key!r} (known: {', '.join(names)})")
-    kwargs = {k: _convert(hints[k], v, f"{where}.{k}") for k, v in data.items()}
-    try:
-        return cls(**kwargs)
-    except (ValueError, TypeError) as e:
-        if isinstance(e, ConfigError):
-            raise
-        raise ConfigError(f"{where}: {e}") from e
+    for key, value in (("logging.dir", cfg.logging.dir), ("checkpoint.dir", cfg.checkpoint.dir)):
+        nearest = Path(value or ".")
+        while not nearest.exists() and nearest != nearest.parent:
+            nearest = nearest.parent
+        if not nearest.is_dir():
+            what = "is a file" if nearest == Path(value) else f"lies under the file {nearest}"
+            raise ConfigError(f"{key}: {value} {what}, not a directory: name a directory (one that does not exist "
+                              "yet is created)")
 
 
 def apply_overrides(raw: dict, overrides: list[str], where: str) -> dict:
@@ -432,10 +382,10 @@ def apply_overrides(raw: dict, overrides: list[str], where: str) -> dict:
         key, text = item.split("=", 1)
         parts = key.strip().split(".")
         try:
-            value = yaml.safe_load(text)
+            value = load_yaml(text, f"--set {item}")
         except yaml.YAMLError:
             raise ConfigError(f"--set {item}: the value is not a valid YAML scalar") from None
-        _check_override(item, parts, value)
+        check_key(Config, item, parts, value)
         node = raw
         for part in parts[:-1]:
             node = node.setdefault(part, {})
@@ -445,35 +395,20 @@ def apply_overrides(raw: dict, overrides: list[str], where: str) -> dict:
     return raw
 
 
-def _check_override(item: str, parts: list[str], value) -> None:
-    """Walk Config's dataclasses along `parts`; ConfigError (naming the --set item) for an unknown key or a value of
-    the wrong type. A section given whole (a mapping) is checked by from_dict with the rest of the config."""
-    cls = Config
-    for i, part in enumerate(parts):
-        if not dataclasses.is_dataclass(cls):
-            raise ConfigError(f"--set {item}: {'.'.join(parts[:i])} is not a section")
-        names = [f.name for f in dataclasses.fields(cls) if f.init and f.name != "source"]
-        if part not in names:
-            raise ConfigError(f"--set {item}: unknown key {part!r} (known: {', '.join(names)})")
-        cls = typing.get_type_hints(cls)[part]
-    if not dataclasses.is_dataclass(cls):
-        _convert(cls, value, f"--set {item}")
-    elif not isinstance(value, dict):
-        raise ConfigError(f"--set {item}: {'.'.join(parts)} is a section: set one of its keys, e.g. "
-                          f"{'.'.join(parts)}.{dataclasses.fields(cls)[0].name}=...")
-
-
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Load a YAML file (None: defaults) and apply overrides; errors name the key and the file."""
     where = str(path) if path is not None else "<defaults>"
     raw: dict = {}
     if path is not None:
         try:
-            raw = yaml.safe_load(Path(path).read_text()) or {}
+            raw = load_yaml(Path(path).read_text(encoding="utf-8"), str(path)) or {}
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
         except IsADirectoryError:
             raise ConfigError(f"{path} is a directory: give a YAML file, e.g. examples/tiny/nvfp4.yaml") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not a text file (byte {e.start} is not UTF-8): give a YAML file, e.g. "
+                              "examples/tiny/nvfp4.yaml") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {e}") from None
         if not isinstance(raw, dict):
@@ -483,12 +418,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     raw.pop("source", None)
     try:
         cfg = from_dict(Config, raw, where)
-    except ConfigError as e:  # a value check of a section: name the overrides that touched it
-        message = str(e)[len(where):]
-        touched = [o for o in overrides or [] if o.split(".", 1)[0] in message]
+    except ConfigError as e:  # a value check: name the overrides of the keys it names
+        touched = [o for o in overrides or [] if _names_key(str(e)[len(where):], o.split("=", 1)[0].strip())]
         raise ConfigError(f"{e} (with --set {' --set '.join(touched)})" if touched else str(e)) from None
     cfg.source = str(path) if path is not None else None
     return cfg
+
+
+def _names_key(message: str, key: str) -> bool:
+    """Whether an error message names `key` (a.b.c): whole, or its last part beside its section's name (`rl: steps
+    must be ...`, `model hidden_size = 40 ...`)."""
+    words = set(re.findall(r"[\w.]+", message))
+    section, _, name = key.rpartition(".")
+    return key in words or name in words and (not section or section in words)
 
 
 def _resolve_yaml_paths(raw: dict, base: Path) -> None:

@@ -55,19 +55,30 @@ def assert_one_line_failure(out, pattern: str, status: int = 2) -> None:
     (["--set", "model.hidden_size=40"], r"^minite train: .*tiny.yaml: model hidden_size = 40 is not a multiple of 16"),
     (["--set", "parallel.ep=2"], r"^minite train: parallel.tp=1 x parallel.pp=1 and parallel.ep=2 must divide the 1 "),
     (["--set", "parallel.tp=2", "--set", "parallel.ep=2"],
-     r"^minite train: .*tiny.yaml.parallel: tp=2 with ep=2: tensor and expert parallelism together are not supported"),
+     r"^minite train: .*tiny.yaml: parallel: tp=2 with ep=2: tensor and expert parallelism together are not supported"),
     (["--set", "parallel.ep=2", "--set", "rollout.backend=sglang"],
      r"^minite train: .*tiny.yaml: rollout.backend=sglang takes weight updates from a learner with parallel.tp"),
-    (["--set", "optim.clip_grad=-1"], r"^minite train: .*tiny.yaml.optim: clip_grad must be >= 0"),
-    (["--set", "optim.adam_beta2=1.5"], r"^minite train: .*tiny.yaml.optim: adam_beta2 must be in \[0, 1\), got 1.5"),
-    (["--set", "optim.adam_eps=0"], r"^minite train: .*tiny.yaml.optim: adam_eps must be > 0, got 0"),
-    (["--set", "model.rope_theta=0"], r"^minite train: .*tiny.yaml.model: rope_theta must be > 0, got 0"),
+    (["--set", "optim.clip_grad=-1"], r"^minite train: .*tiny.yaml: optim: clip_grad must be >= 0"),
+    (["--set", "optim.adam_beta2=1.5"], r"^minite train: .*tiny.yaml: optim: adam_beta2 must be in \[0, 1\), got 1.5"),
+    (["--set", "optim.adam_eps=0"], r"^minite train: .*tiny.yaml: optim: adam_eps must be > 0, got 0"),
+    (["--set", "model.rope_theta=0"], r"^minite train: .*tiny.yaml: model: rope_theta must be > 0, got 0"),
     (["--set", "precision.params_dtype=bfloat16"],
-     r"^minite train: .*tiny.yaml.precision: params_dtype='bfloat16' is not"),
-    (["--set", "parallel.pp=2"], r"^minite train: .*tiny.yaml.parallel: pp=2: pipeline parallelism is not supported"),
+     r"^minite train: .*tiny.yaml: precision: params_dtype='bfloat16' is not"),
+    (["--set", "parallel.pp=2"], r"^minite train: .*tiny.yaml: parallel: pp=2: pipeline parallelism is not supported"),
     (["--set", "model.hf_config=nope.json"], r"^minite train: model.hf_config: nope.json does not exist"),
     (["--set", "rollout.max_new_tokens=40"], r"^minite train: .*tiny.yaml: prompt .* exceeds model.max_position"),
     (["--set", "rl.micro_batches=3"], r"^minite train: .*rl.micro_batches=3 does not divide the rows of a train step"),
+    (["--set", "rl.is_threshold=.nan"],
+     r"^minite train: --set rl.is_threshold=.nan: expected a finite number, got nan$"),
+    (["--set", "model.rope_theta=.inf"],
+     r"^minite train: --set model.rope_theta=.inf: expected a finite number, got inf$"),
+    (["--set", "model.moe_router_topk=1", "--set", "rl.steps=3"],
+     r"^minite train: .*tiny.yaml: model.moe_router_topk=1 with model.norm_topk_prob=true .*: set "
+     r"model.norm_topk_prob=false .*\(with --set model.moe_router_topk=1\)$"),
+    (["--set", "model.shared_expert_intermediate_size=-16"],
+     r"^minite train: .*tiny.yaml: model: shared_expert_intermediate_size must be >= 0 \(0: no shared expert\), got "
+     r"-16 \(with --set model.shared_expert_intermediate_size=-16\)$"),
+    (["--set", "logging.dir=tiny.yaml"], r"^minite train: logging.dir: tiny.yaml is a file, not a directory"),
 ])
 def test_config_failures_are_one_line(tmp_path, args, pattern):
     assert_one_line_failure(minite("train", str(tiny_config(tmp_path)), *args, cwd=tmp_path), pattern)
@@ -80,6 +91,15 @@ def test_a_directory_as_config_in_both_forms(tmp_path):
                             rf"^minite diagnose: {tmp_path} is a directory")
     assert_one_line_failure(minite("diagnose", "a.yaml", "--config", "b.yaml", cwd=tmp_path),
                             r"^minite diagnose: two configs given \(a.yaml and --config b.yaml\): give one$")
+
+
+def test_unreadable_config_files_are_one_line(tmp_path):
+    (tmp_path / "binary.yaml").write_bytes(bytes(range(256)))
+    assert_one_line_failure(minite("train", "binary.yaml", cwd=tmp_path),
+                            r"^minite train: binary.yaml: not a text file \(byte 128 is not UTF-8\): give a YAML file")
+    (tmp_path / "dup.yaml").write_text("rl:\n  steps: 3\n  steps: 4\n")
+    assert_one_line_failure(minite("train", "dup.yaml", cwd=tmp_path),
+                            r"^minite train: dup.yaml: key 'steps' is given twice \(lines 2 and 3\): keep one$")
 
 
 def test_debug_shows_the_traceback(tmp_path):

@@ -1,6 +1,8 @@
 """Config loading (strict keys and types, overrides, round trip) and the minite command."""
+import dataclasses
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -26,13 +28,19 @@ def test_defaults_and_overrides():
 
 def test_unknown_key_names_key_and_file(tmp_path):
     p = _write(tmp_path, {"rl": {"stepz": 3}})
-    with pytest.raises(ConfigError, match=rf"{p}.*rl.*'stepz'"):
+    with pytest.raises(ConfigError, match=rf"^{p}: rl: unknown key 'stepz' \(known: steps, "):
         load_config(p)
+    p = _write(tmp_path, {"rlz": {"steps": 3}})
+    with pytest.raises(ConfigError, match=rf"^{p}: unknown key 'rlz' \(known: model, .*alignment\)$") as e:
+        load_config(p)
+    assert "source" not in str(e.value)  # set by load_config, not a key of the file
+    with pytest.raises(ConfigError, match=r"^--set source=x: unknown key 'source' \(known: model, .*alignment\)$"):
+        load_config(None, ["source=x"])
 
 
 def test_wrong_type_names_key_and_file(tmp_path):
     p = _write(tmp_path, {"model": {"hidden_size": "big"}})
-    with pytest.raises(ConfigError, match=rf"{p}.*model.hidden_size.*expected int"):
+    with pytest.raises(ConfigError, match=rf"^{p}: model.hidden_size: expected int"):
         load_config(p)
     p = _write(tmp_path, {"rl": {"steps": True}})
     with pytest.raises(ConfigError, match="rl.steps"):
@@ -49,9 +57,27 @@ def test_invalid_values_are_rejected(tmp_path):
             load_config(_write(tmp_path, data))
 
 
-def test_bad_files():
+def test_bad_files(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config("/nonexistent/cfg.yaml")
+    p = tmp_path / "binary.yaml"
+    p.write_bytes(bytes(range(256)))
+    with pytest.raises(ConfigError, match=rf"^{p}: not a text file \(byte 128 is not UTF-8\): give a YAML file"):
+        load_config(p)
+
+
+def test_a_key_given_twice_is_refused(tmp_path):
+    p = tmp_path / "dup.yaml"
+    p.write_text("rl:\n  steps: 3\n  kl_coef: 0.1\n  steps: 4\n")
+    with pytest.raises(ConfigError, match=rf"^{p}: key 'steps' is given twice \(lines 2 and 4\): keep one$"):
+        load_config(p)
+    p.write_text("rl: {}\nmodel: {}\nrl: {steps: 4}\n")
+    with pytest.raises(ConfigError, match=rf"^{p}: key 'rl' is given twice \(lines 1 and 3\)"):
+        load_config(p)
+    with pytest.raises(ConfigError, match=r"^--set rollout.sglang_args=\{a: 1, a: 2\}: key 'a' is given twice: "):
+        load_config(None, ["rollout.sglang_args={a: 1, a: 2}"])
+    p.write_text("rollout:\n  sglang_args:\n    <<: {a: 1, b: 2}\n    a: 3\n")  # a merged key overridden: fine
+    assert load_config(p).rollout.sglang_args == {"a": 3, "b": 2}
 
 
 def test_bad_yaml(tmp_path):
@@ -85,8 +111,44 @@ def test_override_errors_blame_the_command_line(tmp_path):
                         ("rl.steps", r"^--set rl.steps: expected key=value")]:
         with pytest.raises(ConfigError, match=match):
             load_config(p, [item])
-    with pytest.raises(ConfigError, match=r"steps must be >= 0.*\(with --set rl.steps=-1\)$"):
-        load_config(p, ["rl.steps=-1", "optim.lr=1e-3"])
+    with pytest.raises(ConfigError, match=rf"^{p}: rl: steps must be >= 0, got -1 \(with --set rl.steps=-1\)$"):
+        load_config(p, ["rl.steps=-1", "optim.lr=1e-3", "rl.kl_coef=0.5"])  # only the key the message names
+    with pytest.raises(ConfigError, match=r"is not a multiple of 16, .* \(with --set model.head_dim=4 --set "
+                                          r"model.num_query_groups=1\)$"):
+        load_config(p, ["model.head_dim=4", "model.num_layers=3", "model.num_query_groups=1"])
+
+
+def _float_keys(cls=Config, prefix=""):
+    """The dotted keys of every float field (float or float | None) of the config."""
+    for f in dataclasses.fields(cls):
+        tp = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(tp):
+            yield from _float_keys(tp, f"{prefix}{f.name}.")
+        elif tp is float or float in typing.get_args(tp):
+            yield f"{prefix}{f.name}"
+
+
+def test_nan_and_inf_are_refused_in_every_float_field(tmp_path):
+    keys = list(_float_keys())
+    assert {"rl.is_threshold", "rl.kl_coef", "rollout.temperature", "model.rope_theta", "model.rms_norm_eps",
+            "alignment.stop_above"} <= set(keys)
+    for key in keys:
+        for text, shown in ((".nan", "nan"), (".inf", "inf"), ("-.inf", "-inf"), ("1e999", "inf")):
+            with pytest.raises(ConfigError, match=rf"^--set {key}={text}: expected a finite number, got {shown}$"):
+                load_config(None, [f"{key}={text}"])
+        section, name = key.split(".")
+        p = _write(tmp_path, {section: {name: float("nan")}})
+        with pytest.raises(ConfigError, match=rf"^{p}: {key}: expected a finite number, got nan$"):
+            load_config(p)
+
+
+def test_model_values_that_megatron_would_refuse_later():
+    with pytest.raises(ConfigError, match=r"^<defaults>: model.moe_router_topk=1 with model.norm_topk_prob=true .*: "
+                                          r"set model.norm_topk_prob=false .*\(with --set model.moe_router_topk=1\)"):
+        load_config(None, ["model.moe_router_topk=1"])
+    assert load_config(None, ["model.moe_router_topk=1", "model.norm_topk_prob=false"]).model.moe_router_topk == 1
+    with pytest.raises(ConfigError, match=r"^<defaults>: model: shared_expert_intermediate_size must be >= 0 "):
+        load_config(None, ["model.shared_expert_intermediate_size=-16"])
 
 
 def test_shape_constraints_are_checked_at_load():
@@ -131,6 +193,16 @@ def test_missing_input_paths_are_named(tmp_path):
     for key in ("model.hf_config", "model.init_from", "checkpoint.resume_from"):
         with pytest.raises(ConfigError, match=rf"^{key}: {tmp_path}/nope does not exist"):
             check_paths(load_config(None, [f"{key}={tmp_path}/nope"]))
+
+
+def test_output_directories_must_not_be_files(tmp_path):
+    (tmp_path / "f").write_text("")
+    check_paths(load_config(None, [f"logging.dir={tmp_path}/new/run", f"checkpoint.dir={tmp_path}/new/ck"]))
+    for key in ("logging.dir", "checkpoint.dir"):
+        with pytest.raises(ConfigError, match=rf"^{key}: {tmp_path}/f is a file, not a directory"):
+            check_paths(load_config(None, [f"{key}={tmp_path}/f"]))
+        with pytest.raises(ConfigError, match=rf"^{key}: {tmp_path}/f/run lies under the file {tmp_path}/f, not a "):
+            check_paths(load_config(None, [f"{key}={tmp_path}/f/run"]))
 
 
 def test_cli_help_lists_subcommands():
