@@ -45,7 +45,6 @@ def run(args: argparse.Namespace) -> int:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     check_paths(cfg)
     check_world_size(cfg, world)
-    check_output_dirs(cfg)
     if args.fresh:
         if cfg.checkpoint.resume_from and rank == 0:
             log.warning("--fresh starts over: checkpoint.resume_from=%s is not read", cfg.checkpoint.resume_from)
@@ -81,23 +80,6 @@ def check_model(cfg, world_size: int = 1) -> None:
                      world_size)
     except ValueError as e:
         raise ConfigError(f"{cfg.source or 'the config'}: {e}") from None
-
-
-def check_output_dirs(cfg) -> None:
-    """logging.dir and checkpoint.dir are directories this process can write (made if missing), checked before
-    anything is built: a run that cannot save would otherwise fail at its first checkpoint, after its steps."""
-    from minite.config import ConfigError
-
-    for key, d in (("logging.dir", cfg.logging.dir), ("checkpoint.dir", cfg.checkpoint.dir)):
-        if not d:
-            continue
-        try:
-            Path(d).mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ConfigError(f"{key}={d} cannot be a directory ({e.strerror or type(e).__name__}): choose another "
-                              f"(--set {key}=DIR)") from None
-        if not os.access(d, os.W_OK | os.X_OK):
-            raise ConfigError(f"{key}={d} is not writable by this process: choose another (--set {key}=DIR)")
 
 
 def start_over(cfg) -> None:

@@ -298,13 +298,3 @@ def test_train_from_a_converted_checkpoint(tmp_path):
                             rf"^minite train: tensor '{re.escape(name)}' in .*{part.name} holds NaN or Inf: not "
                             r"weights to start a run from")
 
-
-@pytest.mark.parametrize("key", ["checkpoint.dir", "logging.dir"])
-def test_an_output_directory_that_cannot_be_made_stops_before_the_run(tmp_path, key):
-    """Checked before the model is built: a checkpoint.dir under a file used to fail at the first save, after the
-    steps it would have kept."""
-    tiny_config(tmp_path)
-    (tmp_path / "a-file").write_text("")
-    for where in ("a-file/sub", "a-file"):
-        out = minite("train", "tiny.yaml", "--set", f"{key}={where}", cwd=tmp_path)
-        assert_one_line_failure(out, rf"^minite train: {key}={where} cannot be a directory \(.*\): choose another")
