@@ -3,7 +3,8 @@
 CONVERTERS maps a name to (help, add_arguments, run). add_arguments(parser) and run(args) -> exit code are callables
 or "module:function" strings, imported only when used, so `minite --help` does not import torch. To add a
 conversion, add one entry. A module that is not importable yet leaves its command listed but answering
-"not available".
+"not available". A run raises ConversionError (safetensors_stream; export_nvfp4.ExportError is one) for whatever the
+user can fix: minite/cli.py reports it as one line with exit status 2, any other exception as an unexpected one (1).
 """
 from __future__ import annotations
 

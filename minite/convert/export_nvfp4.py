@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
@@ -38,16 +37,17 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 import torch
 
 from minite.convert.hf_megatron import megatron_to_hf
+from minite.convert.safetensors_stream import ConversionError
 from minite.nvfp4 import NVFP4Recipe
 from minite.nvfp4.modelopt import quant_config_dict, scale_grid_1x16
-from minite.ops import quantize_weight
+from minite.ops import first_nonfinite, quantize_weight
 
 INDEX_FILE = "model.safetensors.index.json"
 SHARD_BYTES = 2 * 1024 ** 3
 
 
-class ExportError(ValueError):
-    """The source checkpoint cannot be exported (names the tensor or file)."""
+class ExportError(ConversionError):
+    """The source checkpoint cannot be exported (names the tensor or file); a user error, as every ConversionError."""
 
 
 def quantize_module(weight: torch.Tensor, recipe: NVFP4Recipe, backend: str = "auto"):
@@ -170,9 +170,10 @@ def exclude_modules(hf_cfg: dict) -> List[str]:
 # Reading a Hugging Face checkpoint as the learner's fused tensors, one layer at a time
 # ---------------------------------------------------------------------------------------------------------------
 class _HFReader:
-    """Lazy tensor access over a HF directory (model.safetensors or an index of shards)."""
+    """Lazy tensor access over a HF directory (model.safetensors or an index of shards); with check_finite, a
+    floating-point tensor holding NaN or Inf raises an ExportError naming it (weights no engine can run)."""
 
-    def __init__(self, hf_dir: Path):
+    def __init__(self, hf_dir: Path, check_finite: bool = False):
         from safetensors import safe_open
 
         index = hf_dir / INDEX_FILE
@@ -182,6 +183,7 @@ class _HFReader:
             files = sorted(p.name for p in hf_dir.glob("*.safetensors"))
         if not files:
             raise ExportError(f"{hf_dir}: no *.safetensors files")
+        self.hf_dir, self.check_finite = hf_dir, check_finite
         self.handles = [safe_open(str(hf_dir / f), framework="pt") for f in files]
         self.where = {k: h for h in self.handles for k in h.keys()}
 
@@ -191,7 +193,10 @@ class _HFReader:
     def get(self, name: str) -> torch.Tensor:
         if name not in self.where:
             raise ExportError(f"missing tensor {name!r} in the Hugging Face checkpoint")
-        return self.where[name].get_tensor(name)
+        t = self.where[name].get_tensor(name)
+        if self.check_finite and t.is_floating_point() and first_nonfinite({name: t}) is not None:
+            raise ExportError(f"tensor {name!r} in {self.hf_dir} holds NaN or Inf: not weights to export")
+        return t
 
 
 def _hf_experts(r: _HFReader, p: str, n_experts: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -287,7 +292,7 @@ def export_nvfp4(*, out_dir, hf_dir=None, megatron_dir=None, recipe: Optional[NV
     if hf_cfg.get("model_type") != "qwen3_moe":
         raise ExportError(f"{cfg_path}: model_type {hf_cfg.get('model_type')!r}; only qwen3_moe is exported")
     out_dir.mkdir(parents=True, exist_ok=True)
-    reader = _HFReader(hf_dir)
+    reader = _HFReader(hf_dir, check_finite=True)
     packed = pack_megatron_weights(megatron_view_of_hf(reader, hf_cfg), hf_cfg, recipe, backend=backend,
                                    input_scale=input_scale)
     write_sharded(out_dir, packed)
@@ -308,11 +313,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    try:
-        out = export_nvfp4(out_dir=args.out, hf_dir=args.hf, megatron_dir=args.megatron,
-                           input_scale=args.input_scale)
-    except (ExportError, ValueError) as e:
-        print(f"minite convert export-nvfp4: error: {e}", file=sys.stderr)
-        return 1
+    """`minite convert export-nvfp4`; an ExportError goes on to minite/cli.py (one line, status 2)."""
+    out = export_nvfp4(out_dir=args.out, hf_dir=args.hf, megatron_dir=args.megatron, input_scale=args.input_scale)
     print(f"wrote {out}")
     return 0
