@@ -18,7 +18,7 @@ Fn = Union[Callable, str]
 
 def _add_hf_to_megatron(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf", required=True, help="Hugging Face checkpoint directory (config.json, *.safetensors)")
-    p.add_argument("--out", required=True, help="output directory (must not hold a checkpoint)")
+    p.add_argument("--out", required=True, help="output directory (created; must not exist or be empty)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (splits KV groups and vocabulary)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (splits experts)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (splits layers)")
@@ -27,7 +27,7 @@ def _add_hf_to_megatron(p: argparse.ArgumentParser) -> None:
 
 def _add_megatron_to_hf(p: argparse.ArgumentParser) -> None:
     p.add_argument("--megatron", required=True, help="a directory written by `minite convert hf-to-megatron`")
-    p.add_argument("--out", required=True, help="output directory (must not hold a checkpoint)")
+    p.add_argument("--out", required=True, help="output directory (created; must not exist or be empty)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

@@ -36,6 +36,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
+from minite.convert.files import check_out, staged_output
 from minite.convert.hf_megatron import megatron_to_hf
 from minite.convert.safetensors_stream import ConversionError
 from minite.nvfp4 import NVFP4Recipe
@@ -276,9 +277,7 @@ def export_nvfp4(*, out_dir, hf_dir=None, megatron_dir=None, recipe: Optional[NV
     """Write the ModelOpt-named NVFP4 checkpoint (module docstring) from a HF or a Megatron checkpoint."""
     if (hf_dir is None) == (megatron_dir is None):
         raise ExportError("give exactly one of --hf DIR or --megatron DIR")
-    out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise ExportError(f"{out_dir} exists and is not empty")
+    out_dir = check_out(out_dir)
     if megatron_dir is not None:
         with tempfile.TemporaryDirectory(prefix="minite-export-") as tmp:
             megatron_to_hf(megatron_dir, Path(tmp) / "hf", progress=False)
@@ -291,14 +290,14 @@ def export_nvfp4(*, out_dir, hf_dir=None, megatron_dir=None, recipe: Optional[NV
     hf_cfg = json.loads(cfg_path.read_text())
     if hf_cfg.get("model_type") != "qwen3_moe":
         raise ExportError(f"{cfg_path}: model_type {hf_cfg.get('model_type')!r}; only qwen3_moe is exported")
-    out_dir.mkdir(parents=True, exist_ok=True)
     reader = _HFReader(hf_dir, check_finite=True)
-    packed = pack_megatron_weights(megatron_view_of_hf(reader, hf_cfg), hf_cfg, recipe, backend=backend,
-                                   input_scale=input_scale)
-    write_sharded(out_dir, packed)
-    _copy_small_files(hf_dir, out_dir)
-    qcfg = quant_config_dict(recipe, exclude_modules(hf_cfg))
-    (out_dir / "hf_quant_config.json").write_text(json.dumps(qcfg, indent=2) + "\n")
+    with staged_output(out_dir) as stage:
+        packed = pack_megatron_weights(megatron_view_of_hf(reader, hf_cfg), hf_cfg, recipe, backend=backend,
+                                       input_scale=input_scale)
+        write_sharded(stage, packed)
+        _copy_small_files(hf_dir, stage)
+        qcfg = quant_config_dict(recipe, exclude_modules(hf_cfg))
+        (stage / "hf_quant_config.json").write_text(json.dumps(qcfg, indent=2) + "\n")
     return out_dir
 
 
@@ -306,7 +305,7 @@ def add_arguments(p) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--hf", help="Hugging Face Qwen3-MoE checkpoint directory (config.json, *.safetensors)")
     src.add_argument("--megatron", help="a directory written by `minite convert hf-to-megatron`")
-    p.add_argument("--out", required=True, help="output directory (created; must be empty)")
+    p.add_argument("--out", required=True, help="output directory (created; must not exist or be empty)")
     p.add_argument("--input-scale", type=float, default=1.0,
                    help="static activation decode scale written as input_scale for engines that need one "
                         "(docs/sglang.md; the minite_nvfp4 plugin ignores it). Default 1.0")

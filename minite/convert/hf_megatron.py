@@ -40,8 +40,10 @@ Streaming: a destination tensor is assembled CHUNK_BYTES of rows at a time from 
 interpreter, whatever the model size. Measured (tools/convert_memory.py, under an RLIMIT_AS cap of 128 MiB above the
 interpreter): a 3.0 GiB random model, tp=2 ep=4, converted both ways with 32 / 39 MiB of peak-RSS growth (256 / 263
 MiB peak RSS in all), round trip bitwise.
-Checks before anything is written: missing, extra and misshapen tensors (named with their file), an index that
-names a tensor its file lacks, truncated files (a tensor's bytes past the end of its file).
+Checks before anything is written: --out absent or empty, missing, extra and misshapen tensors (named with their
+file), an index that names a tensor its file lacks, truncated files (a tensor's bytes past the end of its file), the
+small files a Megatron checkpoint lists. The output is written into a staging directory beside --out and renamed
+into place at the end (minite/convert/files.py): a failed or interrupted conversion leaves no partial --out.
 """
 from __future__ import annotations
 
@@ -56,6 +58,7 @@ from tqdm import tqdm
 
 from minite.models.qwen3_moe import Qwen3MoeShape, qwen3_moe_fields
 from minite.ops import first_nonfinite
+from minite.convert.files import check_out, staged_output
 from minite.convert.safetensors_stream import (
     DTYPES, ConversionError, RowReader, StreamWriter, TensorEntry, read_header, view2d,
 )
@@ -375,15 +378,6 @@ def write_plan(out_dir: Path, plan: Dict[str, List[Target]], sources: Dict[str, 
     return sizes
 
 
-def _prepare_out(out_dir: Path) -> Path:
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for name in (META_FILE, INDEX_FILE):
-        if (out_dir / name).exists():
-            raise ConversionError(f"{out_dir / name} exists: refusing to overwrite a checkpoint (use a new --out)")
-    return out_dir
-
-
 def _copy_small_files(src: Path, dst: Path) -> List[str]:
     """config.json, tokenizer and generation files: every regular file that is not a weight file or index."""
     copied = []
@@ -399,20 +393,21 @@ def _copy_small_files(src: Path, dst: Path) -> List[str]:
 # ---------------------------------------------------------------------------------------------------------------
 def hf_to_megatron(hf_dir, out_dir, *, tp: int = 1, ep: int = 1, pp: int = 1, progress: bool = True) -> Path:
     """Convert a HF Qwen3-MoE checkpoint into the per-rank Megatron layout for (tp, ep, pp); returns out_dir."""
+    check_out(out_dir)
     hf_dir = Path(hf_dir)
     shape, found, hf_layout, index_meta = scan_hf(hf_dir)
     lay = Layout(tp, ep, pp)
     plan = plan_hf_to_megatron(shape, lay)
-    out_dir = _prepare_out(out_dir)
-    sizes = write_plan(out_dir, plan, found, progress, desc="hf-to-megatron")
-    meta = {
-        "format": FORMAT, "tp": tp, "ep": ep, "pp": pp, "hf_config": _read_config(hf_dir),
-        "files": {f: [tg.name for tg in tgs] for f, tgs in plan.items()}, "bytes": sum(sizes.values()),
-        "hf_layout": hf_layout, "hf_index_metadata": index_meta,
-        "hf_files": _copy_small_files(hf_dir, out_dir),
-    }
-    (out_dir / META_FILE).write_text(json.dumps(meta, indent=1))  # last: its presence means "complete"
-    return out_dir
+    with staged_output(out_dir) as stage:
+        sizes = write_plan(stage, plan, found, progress, desc="hf-to-megatron")
+        meta = {
+            "format": FORMAT, "tp": tp, "ep": ep, "pp": pp, "hf_config": _read_config(hf_dir),
+            "files": {f: [tg.name for tg in tgs] for f, tgs in plan.items()}, "bytes": sum(sizes.values()),
+            "hf_layout": hf_layout, "hf_index_metadata": index_meta,
+            "hf_files": _copy_small_files(hf_dir, stage),
+        }
+        (stage / META_FILE).write_text(json.dumps(meta, indent=1))  # last: its presence means "complete"
+    return Path(out_dir)
 
 
 def default_hf_layout(shape: Qwen3MoeShape, shard_bytes: int = HF_SHARD_BYTES, itemsize: int = 2) -> Dict[str, List[str]]:
@@ -432,6 +427,7 @@ def default_hf_layout(shape: Qwen3MoeShape, shard_bytes: int = HF_SHARD_BYTES, i
 
 def megatron_to_hf(mg_dir, out_dir, *, progress: bool = True) -> Path:
     """Convert a checkpoint written by hf_to_megatron back to HF sharded safetensors with an index."""
+    check_out(out_dir)
     mg_dir = Path(mg_dir)
     meta, shape, plan, found = scan_megatron(mg_dir)
     layout = meta.get("hf_layout") or default_hf_layout(shape)
@@ -440,16 +436,21 @@ def megatron_to_hf(mg_dir, out_dir, *, progress: bool = True) -> Path:
     if sorted(listed) != sorted(shapes):
         raise ConversionError(f"{mg_dir / META_FILE}: hf_layout does not list each Qwen3-MoE tensor exactly once")
     hf_plan = invert_plan(plan, shapes, layout)
-    out_dir = _prepare_out(out_dir)
-    sizes = write_plan(out_dir, hf_plan, found, progress, desc="megatron-to-hf")
-    for name in meta.get("hf_files") or []:
-        shutil.copyfile(mg_dir / name, out_dir / name)
-    if not (out_dir / "config.json").exists():
-        (out_dir / "config.json").write_text(json.dumps(meta["hf_config"], indent=2))
-    index = {"metadata": {**(meta.get("hf_index_metadata") or {}), "total_size": sum(sizes.values())},
-             "weight_map": {n: f for f, names in layout.items() for n in names}}
-    (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    return out_dir
+    small = meta.get("hf_files") or []
+    for name in small:
+        if not (mg_dir / name).is_file():
+            raise ConversionError(f"{mg_dir / name}: not found ({mg_dir / META_FILE} lists it among the Hugging Face "
+                                  "files to copy back)")
+    with staged_output(out_dir) as stage:
+        sizes = write_plan(stage, hf_plan, found, progress, desc="megatron-to-hf")
+        for name in small:
+            shutil.copyfile(mg_dir / name, stage / name)
+        if not (stage / "config.json").exists():
+            (stage / "config.json").write_text(json.dumps(meta["hf_config"], indent=2))
+        index = {"metadata": {**(meta.get("hf_index_metadata") or {}), "total_size": sum(sizes.values())},
+                 "weight_map": {n: f for f, names in layout.items() for n in names}}
+        (stage / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return Path(out_dir)
 
 
 def rank_files(meta: dict, tp_rank: int, pp_rank: int, ep_rank: int) -> List[str]:

@@ -40,6 +40,13 @@ def _tree(d: Path) -> dict:
     return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
 
 
+COMMANDS = [  # each conversion's arguments but --out, from the fixture's checkpoint
+    lambda ckpt: ["megatron-to-hf", "--megatron", str(ckpt / "mg"), "--no-progress"],
+    lambda ckpt: ["hf-to-megatron", "--hf", str(ckpt / "hf"), "--no-progress"],
+    lambda ckpt: ["export-nvfp4", "--hf", str(ckpt / "hf")],
+]
+
+
 def test_user_errors_exit_2_in_one_line(ckpt, tmp_path):
     assert_one_line_failure(minite("convert", "hf-to-megatron", "--hf", "nope", "--out", "o", cwd=tmp_path),
                             r"^minite convert: nope.*: not found")
@@ -56,3 +63,62 @@ def test_export_names_a_tensor_holding_nan(ckpt, tmp_path):
     out = minite("convert", "export-nvfp4", "--hf", "hf", "--out", "o", cwd=tmp_path)
     assert_one_line_failure(out, r"^minite convert: tensor 'model\.layers\.1\.mlp\.experts\.2\.up_proj\.weight' in hf "
                                  r"holds NaN or Inf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no --out, no staging directory
+
+
+def test_out_holding_anything_is_refused_and_left_as_it_was(ckpt, tmp_path):
+    """A single-file HF checkpoint (no index) as megatron-to-hf's --out; any config.json as hf-to-megatron's."""
+    taken = _copy(ckpt, "hf", tmp_path)
+    before = _tree(taken)
+    for args in COMMANDS:
+        out = minite("convert", *args(ckpt), "--out", "hf", cwd=tmp_path)
+        assert_one_line_failure(out, r"^minite convert: --out hf: directory not empty, refusing to write over it")
+    (tmp_path / "lone").mkdir()
+    (tmp_path / "lone" / "config.json").write_text("{}")
+    out = minite("convert", "hf-to-megatron", "--hf", str(ckpt / "hf"), "--out", "lone", cwd=tmp_path)
+    assert_one_line_failure(out, r"^minite convert: --out lone: directory not empty")
+    assert _tree(taken) == before and (tmp_path / "lone" / "config.json").read_text() == "{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "lone"]
+
+
+def test_out_naming_a_file_is_refused(ckpt, tmp_path):
+    (tmp_path / "f").write_text("x")
+    for args in COMMANDS:
+        assert_one_line_failure(minite("convert", *args(ckpt), "--out", "f", cwd=tmp_path),
+                                r"^minite convert: --out f: exists and is not a directory")
+    assert (tmp_path / "f").read_text() == "x"
+
+
+def test_an_empty_out_directory_receives_the_conversion(ckpt, tmp_path):
+    (tmp_path / "o").mkdir()
+    out = minite("convert", "megatron-to-hf", "--megatron", str(ckpt / "mg"), "--out", "o", "--no-progress",
+                 cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert _tree(tmp_path / "o")["model.safetensors"] == (ckpt / "hf" / "model.safetensors").read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]
+
+
+def test_a_missing_small_file_fails_before_anything_is_written(ckpt, tmp_path):
+    mg = _copy(ckpt, "mg", tmp_path)
+    (mg / "config.json").unlink()
+    out = minite("convert", "megatron-to-hf", "--megatron", "mg", "--out", "o", "--no-progress", cwd=tmp_path)
+    assert_one_line_failure(out, r"^minite convert: mg/config\.json: not found \(mg/minite_checkpoint\.json lists it")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mg"]
+
+
+@pytest.mark.parametrize("direction", ["hf_to_megatron", "megatron_to_hf"])
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, OSError])
+def test_a_run_stopped_midway_leaves_no_out_and_no_staging(ckpt, tmp_path, monkeypatch, direction, stop):
+    """Ctrl-C or a failure after the weight files are written: --out never appears, the staging directory goes."""
+    from minite.convert import hf_megatron
+
+    def interrupted(*args, **kwargs):
+        assert any(tmp_path.glob(".o.tmp-*/*.safetensors"))  # stopped with the weights written
+        raise stop("stopped")
+
+    monkeypatch.setattr(hf_megatron, "_copy_small_files", interrupted)
+    monkeypatch.setattr(hf_megatron.shutil, "copyfile", interrupted)
+    src = ckpt / ("hf" if direction == "hf_to_megatron" else "mg")
+    with pytest.raises(stop):
+        getattr(hf_megatron, direction)(src, tmp_path / "o", progress=False)
+    assert list(tmp_path.iterdir()) == []
