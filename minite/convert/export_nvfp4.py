@@ -36,8 +36,8 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
-from minite.convert.files import check_out, staged_output
-from minite.convert.hf_megatron import megatron_to_hf
+from minite.convert.files import check_out, input_dir, read_json_object, staged_output
+from minite.convert.hf_megatron import megatron_to_hf, scan_hf
 from minite.convert.safetensors_stream import ConversionError
 from minite.nvfp4 import NVFP4Recipe
 from minite.nvfp4.modelopt import quant_config_dict, scale_grid_1x16
@@ -283,13 +283,14 @@ def export_nvfp4(*, out_dir, hf_dir=None, megatron_dir=None, recipe: Optional[NV
             megatron_to_hf(megatron_dir, Path(tmp) / "hf", progress=False)
             return export_nvfp4(out_dir=out_dir, hf_dir=Path(tmp) / "hf", recipe=recipe, input_scale=input_scale,
                                 backend=backend)
-    hf_dir, recipe = Path(hf_dir), recipe or NVFP4Recipe()
+    hf_dir, recipe = input_dir(hf_dir, "--hf"), recipe or NVFP4Recipe()
     cfg_path = hf_dir / "config.json"
     if not cfg_path.exists():
         raise ExportError(f"{hf_dir}: no config.json")
-    hf_cfg = json.loads(cfg_path.read_text())
+    hf_cfg = read_json_object(cfg_path)
     if hf_cfg.get("model_type") != "qwen3_moe":
         raise ExportError(f"{cfg_path}: model_type {hf_cfg.get('model_type')!r}; only qwen3_moe is exported")
+    scan_hf(hf_dir, fused_experts=True)  # the config's numbers, the index, every header, each tensor's name and shape
     reader = _HFReader(hf_dir, check_finite=True)
     with staged_output(out_dir) as stage:
         packed = pack_megatron_weights(megatron_view_of_hf(reader, hf_cfg), hf_cfg, recipe, backend=backend,

@@ -60,6 +60,20 @@ def plain_name(name: object, where: str) -> str:
     return name
 
 
+def read_index(path) -> dict:
+    """A safetensors index (model.safetensors.index.json): {"weight_map": {tensor: file name}, "metadata": {..}},
+    its weight_map non-empty and naming plain files."""
+    index = read_json_object(path)
+    weight_map, metadata = index.get("weight_map"), index.get("metadata")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ConversionError(f"{path}: no weight_map (expected {{tensor name: file name}})")
+    for name, file in weight_map.items():
+        plain_name(file, f"{path}: weight_map[{name!r}]")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise ConversionError(f"{path}: metadata is a {type(metadata).__name__}, expected a JSON object")
+    return index
+
+
 def check_out(out) -> Path:
     """`out` as a Path when it may receive a conversion: absent, or an empty directory (module docstring)."""
     out = Path(out)

@@ -40,9 +40,10 @@ Streaming: a destination tensor is assembled CHUNK_BYTES of rows at a time from 
 interpreter, whatever the model size. Measured (tools/convert_memory.py, under an RLIMIT_AS cap of 128 MiB above the
 interpreter): a 3.0 GiB random model, tp=2 ep=4, converted both ways with 32 / 39 MiB of peak-RSS growth (256 / 263
 MiB peak RSS in all), round trip bitwise.
-Checks before anything is written: --out absent or empty, missing, extra and misshapen tensors (named with their
-file), an index that names a tensor its file lacks, truncated files (a tensor's bytes past the end of its file), the
-small files a Megatron checkpoint lists. The output is written into a staging directory beside --out and renamed
+Checks before anything is written: --out absent or empty, config.json (a Qwen3-MoE model_type, sizes that are
+positive integers), an index or minite_checkpoint.json that is not the JSON expected, malformed safetensors headers,
+missing, extra and misshapen tensors (named with their file), an index that names a tensor its file lacks,
+truncated files (a tensor's bytes past the end of its file), the small files a Megatron checkpoint lists. The output is written into a staging directory beside --out and renamed
 into place at the end (minite/convert/files.py): a failed or interrupted conversion leaves no partial --out.
 """
 from __future__ import annotations
@@ -58,7 +59,7 @@ from tqdm import tqdm
 
 from minite.models.qwen3_moe import Qwen3MoeShape, qwen3_moe_fields
 from minite.ops import first_nonfinite
-from minite.convert.files import check_out, staged_output
+from minite.convert.files import check_out, input_dir, plain_name, read_index, read_json_object, staged_output
 from minite.convert.safetensors_stream import (
     DTYPES, ConversionError, RowReader, StreamWriter, TensorEntry, read_header, view2d,
 )
@@ -70,14 +71,31 @@ CHUNK_BYTES = 16 * 1024 * 1024  # rows of one target assembled at a time; peak ~
 HF_SHARD_BYTES = 4 * 1024 ** 3  # default HF shard size when the checkpoint carries no HF layout
 
 
+_HF_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+             "head_dim", "moe_intermediate_size", "num_experts", "num_local_experts", "num_experts_per_tok")
+
+
 def read_shape(hf: dict, where: str = "config.json") -> Qwen3MoeShape:
-    """The shape of a Hugging Face Qwen3-MoE config.json; ConversionError naming `where` for what is not converted."""
+    """The shape of a Hugging Face Qwen3-MoE config.json; ConversionError naming `where` for what is not converted:
+    another model_type, a size that is not a positive integer, shared experts."""
+    if not isinstance(hf, dict):
+        raise ConversionError(f"{where}: expected a JSON object, found {type(hf).__name__}")
+    if hf.get("model_type") != "qwen3_moe":
+        raise ConversionError(f"{where}: model_type {hf.get('model_type')!r}; only Qwen3-MoE (qwen3_moe) is converted")
+    for key in _HF_SIZES:
+        if hf.get(key) is not None and (type(hf[key]) is not int or hf[key] < 1):
+            raise ConversionError(f"{where}: {key} = {hf[key]!r}, expected an integer >= 1")
     try:
         shape = Qwen3MoeShape(**qwen3_moe_fields(hf, where))
     except ValueError as e:
         raise ConversionError(str(e)) from None
+    except TypeError as e:
+        raise ConversionError(f"{where}: {e}") from None
     if shape.shared_expert_intermediate_size:
         raise ConversionError(f"{where}: shared experts are not part of Qwen3-MoE and not converted")
+    if shape.num_attention_heads % shape.num_query_groups:
+        raise ConversionError(f"{where}: num_key_value_heads {shape.num_query_groups} does not divide "
+                              f"num_attention_heads {shape.num_attention_heads}")
     return shape
 
 
@@ -260,18 +278,22 @@ def _read_config(directory: Path) -> dict:
     path = directory / "config.json"
     if not path.is_file():
         raise ConversionError(f"{path}: not found (a Hugging Face checkpoint directory needs its config.json)")
-    return json.loads(path.read_text())
+    return read_json_object(path)
 
 
-def scan_hf(hf_dir: Path) -> Tuple[Qwen3MoeShape, Dict[str, TensorEntry], Dict[str, List[str]], dict]:
-    """(shape, entries by tensor name, {file: names in byte order}, index metadata) of a HF checkpoint."""
-    hf_dir = Path(hf_dir)
+def scan_hf(hf_dir: Path, *, fused_experts: bool = False
+            ) -> Tuple[Qwen3MoeShape, Dict[str, TensorEntry], Dict[str, List[str]], dict]:
+    """(shape, entries by tensor name, {file: names in byte order}, index metadata) of a HF checkpoint.
+
+    fused_experts: the experts may also be transformers 5's fused tensors, each layer's mlp.experts.gate_up_proj
+    [E, 2F, H] and down_proj [E, H, F] (what the NVFP4 export reads; hf-to-megatron reads per-expert tensors)."""
+    hf_dir = input_dir(hf_dir, "--hf")
     config = _read_config(hf_dir)
     shape = read_shape(config, str(hf_dir / "config.json"))
     index_path = hf_dir / INDEX_FILE
     if index_path.is_file():
-        index = json.loads(index_path.read_text())
-        weight_map: Dict[str, str] = index.get("weight_map") or {}
+        index = read_index(index_path)
+        weight_map: Optional[Dict[str, str]] = index["weight_map"]
         files = sorted(set(weight_map.values()))
     elif (hf_dir / "model.safetensors").is_file():
         index, weight_map, files = {}, None, ["model.safetensors"]
@@ -291,23 +313,46 @@ def scan_hf(hf_dir: Path) -> Tuple[Qwen3MoeShape, Dict[str, TensorEntry], Dict[s
         if name not in found:
             raise ConversionError(f"missing tensor {name!r}: {index_path} maps it to {hf_dir / file}, "
                                   "which does not hold it")
-    _check_tensors(hf_shapes(shape), found, str(hf_dir))
+    expected = hf_shapes(shape)
+    if fused_experts and any(name.endswith(".mlp.experts.gate_up_proj") for name in found):
+        expected = {n: s for n, s in expected.items() if ".mlp.experts." not in n}
+        e, f, h = shape.num_experts, shape.moe_ffn_hidden_size, shape.hidden_size
+        for layer in range(shape.num_layers):
+            expected[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = (e, 2 * f, h)
+            expected[f"model.layers.{layer}.mlp.experts.down_proj"] = (e, h, f)
+    _check_tensors(expected, found, str(hf_dir))
     return shape, found, layout, index.get("metadata") or {}
 
 
 def read_meta(mg_dir: Path) -> dict:
+    """minite_checkpoint.json, its format and every field the conversions read checked (ConversionError)."""
     path = Path(mg_dir) / META_FILE
     if not path.is_file():
         raise ConversionError(f"{path}: not found (not a checkpoint written by `minite convert hf-to-megatron`)")
-    meta = json.loads(path.read_text())
+    meta = read_json_object(path)
     if meta.get("format") != FORMAT:
         raise ConversionError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    for key in ("tp", "ep", "pp"):
+        if type(meta.get(key)) is not int or meta[key] < 1:
+            raise ConversionError(f"{path}: {key} = {meta.get(key)!r}, expected an integer >= 1")
+    if not isinstance(meta.get("hf_config"), dict):
+        raise ConversionError(f"{path}: hf_config is {type(meta.get('hf_config')).__name__}, expected a JSON object")
+    for key, kind, what in (("hf_layout", dict, "object"), ("hf_index_metadata", dict, "object"),
+                            ("hf_files", list, "list")):
+        if meta.get(key) is not None and not isinstance(meta[key], kind):
+            raise ConversionError(f"{path}: {key} is {type(meta[key]).__name__}, expected a JSON {what}")
+    for file, names in (meta.get("hf_layout") or {}).items():
+        plain_name(file, f"{path}: hf_layout")
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ConversionError(f"{path}: hf_layout[{file!r}] is not a list of tensor names")
+    for file in meta.get("hf_files") or []:
+        plain_name(file, f"{path}: hf_files")
     return meta
 
 
 def scan_megatron(mg_dir: Path) -> Tuple[dict, Qwen3MoeShape, Dict[str, List[Target]], Dict[str, TensorEntry]]:
     """(metadata, shape, the forward plan, entries keyed "file::tensor") of a converted Megatron checkpoint."""
-    mg_dir = Path(mg_dir)
+    mg_dir = input_dir(mg_dir, "--megatron")
     meta = read_meta(mg_dir)
     shape = read_shape(meta["hf_config"], str(mg_dir / META_FILE))
     plan = plan_hf_to_megatron(shape, Layout(meta["tp"], meta["ep"], meta["pp"]))

@@ -49,7 +49,7 @@ COMMANDS = [  # each conversion's arguments but --out, from the fixture's checkp
 
 def test_user_errors_exit_2_in_one_line(ckpt, tmp_path):
     assert_one_line_failure(minite("convert", "hf-to-megatron", "--hf", "nope", "--out", "o", cwd=tmp_path),
-                            r"^minite convert: nope.*: not found")
+                            r"^minite convert: --hf nope: does not exist$")
     assert not (tmp_path / "o").exists()
 
 
@@ -121,4 +121,90 @@ def test_a_run_stopped_midway_leaves_no_out_and_no_staging(ckpt, tmp_path, monke
     src = ckpt / ("hf" if direction == "hf_to_megatron" else "mg")
     with pytest.raises(stop):
         getattr(hf_megatron, direction)(src, tmp_path / "o", progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def _edit_json(path: Path, fn) -> None:
+    path.write_text(json.dumps(fn(json.loads(path.read_text()))))
+
+
+def _edit_header(path: Path, fn) -> None:
+    """Rewrite a safetensors file's JSON header through fn, the tensor bytes unchanged."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    head = json.dumps(fn(json.loads(raw[8:8 + n]))).encode()
+    head += b" " * (-len(head) % 8)
+    path.write_bytes(len(head).to_bytes(8, "little") + head + raw[8 + n:])
+
+
+def _drop_offsets(header: dict) -> dict:
+    del header["model.norm.weight"]["data_offsets"]
+    return header
+
+
+def _index(hf: Path, text: str) -> None:
+    (hf / "model.safetensors.index.json").write_text(text)
+
+
+HF_CASES = {  # damage to a copy of hf/, the command, the one line expected after "minite convert: "
+    "config not JSON": (lambda hf: (hf / "config.json").write_text("{"), "hf-to-megatron",
+                        r"hf/config\.json: not readable as JSON \(Expecting property name"),
+    "config a list": (lambda hf: (hf / "config.json").write_text("[]"), "hf-to-megatron",
+                      r"hf/config\.json: expected a JSON object, found list$"),
+    "config a string size": (lambda hf: _edit_json(hf / "config.json", lambda c: {**c, "hidden_size": "64"}),
+                             "hf-to-megatron", r"hf/config\.json: hidden_size = '64', expected an integer >= 1$"),
+    "config of another model": (lambda hf: _edit_json(hf / "config.json", lambda c: {**c, "model_type": "llama"}),
+                                "hf-to-megatron", r"hf/config\.json: model_type 'llama'; only Qwen3-MoE \(qwen3_moe\)"),
+    "index not JSON": (lambda hf: _index(hf, "{"), "hf-to-megatron",
+                       r"hf/model\.safetensors\.index\.json: not readable as JSON"),
+    "index a list": (lambda hf: _index(hf, "[]"), "hf-to-megatron",
+                     r"hf/model\.safetensors\.index\.json: expected a JSON object, found list$"),
+    "index without weight_map": (lambda hf: _index(hf, '{"metadata": {}}'), "hf-to-megatron",
+                                 r"hf/model\.safetensors\.index\.json: no weight_map"),
+    "header entry without offsets": (lambda hf: _edit_header(hf / "model.safetensors", _drop_offsets),
+                                     "hf-to-megatron", r"hf/model\.safetensors: tensor 'model\.norm\.weight': "
+                                                       r"data_offsets None is not \[begin, end\]$"),
+    "export: truncated shard": (lambda hf: (hf / "model.safetensors").write_bytes(
+        (hf / "model.safetensors").read_bytes()[:-10]), "export-nvfp4", r"hf/model\.safetensors: truncated file: "),
+    "export: config not JSON": (lambda hf: (hf / "config.json").write_text("{"), "export-nvfp4",
+                                r"hf/config\.json: not readable as JSON"),
+}
+
+
+@pytest.mark.parametrize("case", HF_CASES)
+def test_a_malformed_hugging_face_input_is_one_line(ckpt, tmp_path, case):
+    damage, command, pattern = HF_CASES[case]
+    damage(_copy(ckpt, "hf", tmp_path))
+    out = minite("convert", command, "--hf", "hf", "--out", "o", cwd=tmp_path)
+    assert_one_line_failure(out, "^minite convert: " + pattern)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+MG_CASES = {  # damage to a copy of mg/, the one line expected after "minite convert: "
+    "metadata not JSON": (lambda mg: (mg / "minite_checkpoint.json").write_text("{"),
+                          r"mg/minite_checkpoint\.json: not readable as JSON"),
+    "metadata without tp": (lambda mg: _edit_json(mg / "minite_checkpoint.json", lambda m: {**m, "tp": None}),
+                            r"mg/minite_checkpoint\.json: tp = None, expected an integer >= 1$"),
+    "metadata naming a path": (lambda mg: _edit_json(mg / "minite_checkpoint.json",
+                                                     lambda m: {**m, "hf_files": ["../config.json"]}),
+                               r"mg/minite_checkpoint\.json: hf_files: '\.\./config\.json' is not a file name$"),
+    "header not an object": (lambda mg: _edit_header(mg / "experts_pp000_ep000.safetensors", lambda h: [h]),
+                             r"mg/experts_pp000_ep000\.safetensors: unreadable safetensors header: a JSON list"),
+}
+
+
+@pytest.mark.parametrize("case", MG_CASES)
+def test_a_malformed_megatron_input_is_one_line(ckpt, tmp_path, case):
+    damage, pattern = MG_CASES[case]
+    damage(_copy(ckpt, "mg", tmp_path))
+    out = minite("convert", "megatron-to-hf", "--megatron", "mg", "--out", "o", cwd=tmp_path)
+    assert_one_line_failure(out, "^minite convert: " + pattern)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mg"]
+
+
+def test_an_input_that_is_not_a_directory_is_one_line(ckpt, tmp_path):
+    config = re.escape(str(ckpt / "hf" / "config.json"))
+    for command, option in (("hf-to-megatron", "--hf"), ("export-nvfp4", "--hf"), ("megatron-to-hf", "--megatron")):
+        out = minite("convert", command, option, str(ckpt / "hf" / "config.json"), "--out", "o", cwd=tmp_path)
+        assert_one_line_failure(out, rf"^minite convert: {option} {config}: not a directory \({option} names a ")
     assert list(tmp_path.iterdir()) == []
