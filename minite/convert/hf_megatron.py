@@ -106,9 +106,12 @@ class Layout:
     pp: int = 1
 
     def check(self, s: Qwen3MoeShape) -> None:
+        for name, n in (("tp", self.tp), ("ep", self.ep), ("pp", self.pp)):
+            if n < 1:
+                raise ConversionError(f"--{name} {n}: must be >= 1")
         for name, n, what in (("tp", self.tp, s.num_query_groups), ("tp", self.tp, s.vocab_size), ("ep", self.ep, s.num_experts),
                               ("pp", self.pp, s.num_layers)):
-            if n < 1 or what % n:
+            if what % n:
                 raise ConversionError(f"--{name} {n} does not divide {what} (heads groups/vocab/experts/layers)")
         if s.tie_word_embeddings and self.pp > 1:
             raise ConversionError("tied embeddings with --pp > 1 are not supported")

@@ -202,6 +202,16 @@ def test_a_malformed_megatron_input_is_one_line(ckpt, tmp_path, case):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mg"]
 
 
+@pytest.mark.parametrize("args,pattern", [
+    (["--ep", "0"], r"--ep 0: must be >= 1$"),
+    (["--tp", "-1"], r"--tp -1: must be >= 1$"),
+])
+def test_a_parallel_size_below_1_is_one_line(ckpt, tmp_path, args, pattern):
+    out = minite("convert", "hf-to-megatron", "--hf", str(ckpt / "hf"), "--out", "o", *args, cwd=tmp_path)
+    assert_one_line_failure(out, "^minite convert: " + pattern)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_an_input_that_is_not_a_directory_is_one_line(ckpt, tmp_path):
     config = re.escape(str(ckpt / "hf" / "config.json"))
     for command, option in (("hf-to-megatron", "--hf"), ("export-nvfp4", "--hf"), ("megatron-to-hf", "--megatron")):
