@@ -29,6 +29,7 @@ Static input_scale vs per-row activation scales: see docs/sglang.md. The minite_
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import tempfile
 from pathlib import Path
@@ -272,11 +273,23 @@ def _copy_small_files(src: Path, dst: Path) -> None:
                 shutil.copyfile(p, dst / p.name)
 
 
+def check_input_scale(input_scale: Optional[float]) -> None:
+    """ExportError unless input_scale is None (not written) or, as the float32 written, finite and > 0: a decode
+    scale, which an engine divides each activation block's amax by (times 6; docs/sglang.md)."""
+    if input_scale is None:
+        return
+    written = torch.tensor(float(input_scale), dtype=torch.float32).item()
+    if not (math.isfinite(written) and written > 0):
+        raise ExportError(f"--input-scale {input_scale}: must be a finite number > 0 in float32 (a static activation "
+                          "decode scale, which engines divide by)")
+
+
 def export_nvfp4(*, out_dir, hf_dir=None, megatron_dir=None, recipe: Optional[NVFP4Recipe] = None,
                  input_scale: float = 1.0, backend: str = "auto") -> Path:
     """Write the ModelOpt-named NVFP4 checkpoint (module docstring) from a HF or a Megatron checkpoint."""
     if (hf_dir is None) == (megatron_dir is None):
         raise ExportError("give exactly one of --hf DIR or --megatron DIR")
+    check_input_scale(input_scale)
     out_dir = check_out(out_dir)
     if megatron_dir is not None:
         with tempfile.TemporaryDirectory(prefix="minite-export-") as tmp:
@@ -308,8 +321,8 @@ def add_arguments(p) -> None:
     src.add_argument("--megatron", help="a directory written by `minite convert hf-to-megatron`")
     p.add_argument("--out", required=True, help="output directory (created; must not exist or be empty)")
     p.add_argument("--input-scale", type=float, default=1.0,
-                   help="static activation decode scale written as input_scale for engines that need one "
-                        "(docs/sglang.md; the minite_nvfp4 plugin ignores it). Default 1.0")
+                   help="static activation decode scale written as input_scale for engines that need one, finite "
+                        "and > 0 (docs/sglang.md; the minite_nvfp4 plugin ignores it). Default 1.0")
 
 
 def run(args) -> int:

@@ -218,3 +218,13 @@ def test_an_input_that_is_not_a_directory_is_one_line(ckpt, tmp_path):
         out = minite("convert", command, option, str(ckpt / "hf" / "config.json"), "--out", "o", cwd=tmp_path)
         assert_one_line_failure(out, rf"^minite convert: {option} {config}: not a directory \({option} names a ")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_export_refuses_an_input_scale_that_is_no_decode_scale(ckpt, tmp_path):
+    """input_scale divides the activations' block amax in an engine: NaN, 0, negative or inf in float32 are refused."""
+    for value in ("nan", "0", "-1", "1e39"):
+        out = minite("convert", "export-nvfp4", "--hf", str(ckpt / "hf"), "--out", "o", "--input-scale", value,
+                     cwd=tmp_path)
+        shown = re.escape(str(float(value)))
+        assert_one_line_failure(out, rf"^minite convert: --input-scale {shown}: must be a finite number > 0")
+    assert list(tmp_path.iterdir()) == []
