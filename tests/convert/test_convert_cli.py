@@ -228,3 +228,22 @@ def test_export_refuses_an_input_scale_that_is_no_decode_scale(ckpt, tmp_path):
         shown = re.escape(str(float(value)))
         assert_one_line_failure(out, rf"^minite convert: --input-scale {shown}: must be a finite number > 0")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_export_reads_transformers5_fused_experts(ckpt, tmp_path):
+    """The export's input check accepts each layer's experts as gate_up_proj [E, 2F, H] and down_proj [E, H, F]:
+    the same export as from the per-expert tensors."""
+    from safetensors.torch import load_file, save_file
+
+    from minite.convert.export_nvfp4 import export_nvfp4
+
+    hf = _copy(ckpt, "hf", tmp_path)
+    tensors = load_file(hf / "model.safetensors")
+    for layer in range(2):
+        p = f"model.layers.{layer}.mlp.experts."
+        per = [[tensors.pop(f"{p}{e}.{n}_proj.weight") for n in ("gate", "up", "down")] for e in range(4)]
+        tensors[p + "gate_up_proj"] = torch.stack([torch.cat([gate, up]) for gate, up, _ in per])
+        tensors[p + "down_proj"] = torch.stack([down for _, _, down in per])
+    save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
+    fused = _tree(export_nvfp4(hf_dir=hf, out_dir=tmp_path / "fused"))
+    assert fused == _tree(export_nvfp4(hf_dir=ckpt / "hf", out_dir=tmp_path / "per-expert"))
