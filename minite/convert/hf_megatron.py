@@ -329,7 +329,8 @@ def scan_hf(hf_dir: Path, *, fused_experts: bool = False
 
 
 def read_meta(mg_dir: Path) -> dict:
-    """minite_checkpoint.json, its format and every field the conversions read checked (ConversionError)."""
+    """minite_checkpoint.json with its format, tp/ep/pp and HF file lists checked (ConversionError); hf_config is
+    checked where a conversion reads it (scan_megatron), since loading into a model does not need it."""
     path = Path(mg_dir) / META_FILE
     if not path.is_file():
         raise ConversionError(f"{path}: not found (not a checkpoint written by `minite convert hf-to-megatron`)")
@@ -339,8 +340,6 @@ def read_meta(mg_dir: Path) -> dict:
     for key in ("tp", "ep", "pp"):
         if type(meta.get(key)) is not int or meta[key] < 1:
             raise ConversionError(f"{path}: {key} = {meta.get(key)!r}, expected an integer >= 1")
-    if not isinstance(meta.get("hf_config"), dict):
-        raise ConversionError(f"{path}: hf_config is {type(meta.get('hf_config')).__name__}, expected a JSON object")
     for key, kind, what in (("hf_layout", dict, "object"), ("hf_index_metadata", dict, "object"),
                             ("hf_files", list, "list")):
         if meta.get(key) is not None and not isinstance(meta[key], kind):
@@ -358,7 +357,7 @@ def scan_megatron(mg_dir: Path) -> Tuple[dict, Qwen3MoeShape, Dict[str, List[Tar
     """(metadata, shape, the forward plan, entries keyed "file::tensor") of a converted Megatron checkpoint."""
     mg_dir = input_dir(mg_dir, "--megatron")
     meta = read_meta(mg_dir)
-    shape = read_shape(meta["hf_config"], str(mg_dir / META_FILE))
+    shape = read_shape(meta.get("hf_config"), f"{mg_dir / META_FILE}: hf_config")
     plan = plan_hf_to_megatron(shape, Layout(meta["tp"], meta["ep"], meta["pp"]))
     expected, found = {}, {}
     for file, targets in plan.items():
