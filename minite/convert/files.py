@@ -4,10 +4,11 @@ Every problem is a `ConversionError` naming the path and what is wrong: a user e
 as one line with exit status 2 (minite/cli.py).
 
 Output: `--out` must not exist or be an empty directory (a conversion never mixes its files with other files, and
-never replaces a checkpoint). The conversion writes into a staging directory beside it, `.NAME.tmp-PID-XXXXXXXX` on
-the same filesystem, and renames that to --out once every file is written: --out appears complete or not at all.
-A failure or Ctrl-C removes the staging directory; a process killed outright (SIGKILL) cannot, and leaves it behind,
-to be deleted by hand.
+never replaces a checkpoint). The conversion writes into a staging directory and moves its files to --out once every
+file is written (`staged_output`): an absent --out appears complete or not at all, an empty one stays empty until
+the end. A failure or Ctrl-C removes the staging directory; a process killed outright (SIGKILL) cannot, and leaves a
+`.NAME.tmp-PID-XXXXXXXX` directory beside --out (or `.minite-convert.tmp-...` inside an empty one), to be deleted by
+hand.
 """
 from __future__ import annotations
 
@@ -87,25 +88,48 @@ def check_out(out) -> Path:
 
 @contextmanager
 def staged_output(out) -> Iterator[Path]:
-    """A staging directory beside `out` to write into; renamed to `out` when the block ends without an exception,
-    removed when it raises (KeyboardInterrupt included)."""
-    out = check_out(out)
-    if out.is_symlink():  # an empty directory named through a link: stage beside the directory itself
-        out = out.resolve()
-    stage = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    """A staging directory to write into, its files moved to `out` when the block ends without an exception, removed
+    when it raises (KeyboardInterrupt included). Absent, `out` is created by renaming the staging directory beside it
+    (atomic); an empty directory (perhaps a mount point, a link or the current directory) stays the directory it is:
+    the staging directory is made inside it and its files are renamed into it at the end."""
+    shown = check_out(out)
+    existing = shown.is_dir()
+    target = Path(os.path.abspath(shown))  # normalised: "." or "a/.." has no name to stage beside
+    parent = target if existing else target.parent
+    stage = parent / f".{'minite-convert' if existing else target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
+        parent.mkdir(parents=True, exist_ok=True)
         stage.mkdir()
     except OSError as e:
-        raise ConversionError(f"--out {out}: cannot create a directory beside it: {e.strerror or e}") from None
+        raise ConversionError(f"--out {shown}: cannot create a directory there: {e.strerror or e}") from None
     try:
         yield stage
-        check_out(out)  # nothing appeared there while the conversion ran
-        try:
-            os.replace(stage, out)  # replaces an empty directory; atomic on one filesystem
-        except OSError as e:
-            raise ConversionError(f"--out {out}: cannot move the converted files into place: {e.strerror or e}"
-                                  ) from None
+        if existing:
+            _move_into(stage, target, shown)
+        else:
+            try:
+                os.replace(stage, target)  # fails if a file or a non-empty directory appeared there meanwhile
+            except OSError as e:
+                raise ConversionError(f"--out {shown}: cannot move the converted files into place: "
+                                      f"{e.strerror or e}") from None
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
+        raise
+
+
+def _move_into(stage: Path, target: Path, shown: Path) -> None:
+    """Rename every file of `stage` into `target` (which must hold nothing else), then remove `stage`; the files
+    already moved are removed again if this fails or is interrupted."""
+    others = [p.name for p in target.iterdir() if p != stage]
+    if others:
+        raise ConversionError(f"--out {shown}: {others[0]!r} appeared there while converting ({_OUT_HINT})")
+    moved = []
+    try:
+        for f in sorted(stage.iterdir()):
+            os.replace(f, target / f.name)
+            moved.append(target / f.name)
+        stage.rmdir()
+    except BaseException:
+        for f in moved:
+            f.unlink(missing_ok=True)
         raise

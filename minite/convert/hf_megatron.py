@@ -44,8 +44,8 @@ Checks before anything is written: --out absent or empty, config.json (a Qwen3-M
 positive integers), an index or minite_checkpoint.json that is not the JSON expected, malformed safetensors headers,
 missing, extra and misshapen tensors (named with their file), an index that names a tensor its file lacks,
 truncated files (a tensor's bytes past the end of its file), the small files a Megatron checkpoint lists. The
-output is written into a staging directory beside --out and renamed into place at the end (minite/convert/files.py):
-a failed or interrupted conversion leaves no partial --out.
+output is written into a staging directory and moved into --out at the end (minite/convert/files.py): a failed or
+interrupted conversion leaves no partial --out.
 """
 from __future__ import annotations
 

@@ -89,12 +89,19 @@ def test_out_naming_a_file_is_refused(ckpt, tmp_path):
     assert (tmp_path / "f").read_text() == "x"
 
 
-def test_an_empty_out_directory_receives_the_conversion(ckpt, tmp_path):
+def test_an_empty_out_directory_receives_the_conversion_and_stays_itself(ckpt, tmp_path):
+    """`--out .` from an empty directory: the files land in that directory (same inode: the shell's current
+    directory, or a mount point, is not replaced)."""
     (tmp_path / "o").mkdir()
-    out = minite("convert", "megatron-to-hf", "--megatron", str(ckpt / "mg"), "--out", "o", "--no-progress",
-                 cwd=tmp_path)
+    inode = (tmp_path / "o").stat().st_ino
+    out = minite("convert", "megatron-to-hf", "--megatron", str(ckpt / "mg"), "--out", ".", "--no-progress",
+                 cwd=tmp_path / "o")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert _tree(tmp_path / "o")["model.safetensors"] == (ckpt / "hf" / "model.safetensors").read_bytes()
+    assert (tmp_path / "o").stat().st_ino == inode
+    files = _tree(tmp_path / "o")
+    assert files["model.safetensors"] == (ckpt / "hf" / "model.safetensors").read_bytes()
+    assert sorted(files) == ["config.json", "generation_config.json", "model.safetensors",
+                             "model.safetensors.index.json"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]
 
 
@@ -108,20 +115,45 @@ def test_a_missing_small_file_fails_before_anything_is_written(ckpt, tmp_path):
 
 @pytest.mark.parametrize("direction", ["hf_to_megatron", "megatron_to_hf"])
 @pytest.mark.parametrize("stop", [KeyboardInterrupt, OSError])
-def test_a_run_stopped_midway_leaves_no_out_and_no_staging(ckpt, tmp_path, monkeypatch, direction, stop):
-    """Ctrl-C or a failure after the weight files are written: --out never appears, the staging directory goes."""
+@pytest.mark.parametrize("exists", [False, True])
+def test_a_run_stopped_midway_leaves_no_out_and_no_staging(ckpt, tmp_path, monkeypatch, direction, stop, exists):
+    """Ctrl-C or a failure after the weight files are written: --out never appears (or stays empty), and the
+    staging directory goes."""
     from minite.convert import hf_megatron
 
     def interrupted(*args, **kwargs):
-        assert any(tmp_path.glob(".o.tmp-*/*.safetensors"))  # stopped with the weights written
+        assert any(tmp_path.glob("o/.minite-convert.tmp-*/*.safetensors" if exists else ".o.tmp-*/*.safetensors"))
         raise stop("stopped")
 
+    if exists:
+        (tmp_path / "o").mkdir()
     monkeypatch.setattr(hf_megatron, "_copy_small_files", interrupted)
     monkeypatch.setattr(hf_megatron.shutil, "copyfile", interrupted)
     src = ckpt / ("hf" if direction == "hf_to_megatron" else "mg")
     with pytest.raises(stop):
         getattr(hf_megatron, direction)(src, tmp_path / "o", progress=False)
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == (["o"] if exists else [])
+    assert not exists or list((tmp_path / "o").iterdir()) == []
+
+
+def test_an_interrupted_move_into_an_empty_out_takes_back_the_files_moved(tmp_path, monkeypatch):
+    from minite.convert import files
+
+    (tmp_path / "o").mkdir()
+    real_replace, calls = files.os.replace, []
+
+    def replace_then_stop(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        real_replace(src, dst)
+
+    monkeypatch.setattr(files.os, "replace", replace_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        with files.staged_output(tmp_path / "o") as stage:
+            for name in ("a", "b", "c"):
+                (stage / name).write_text(name)
+    assert len(calls) == 2 and list((tmp_path / "o").iterdir()) == []
 
 
 def _edit_json(path: Path, fn) -> None:
