@@ -110,10 +110,12 @@ class Layout:
         for name, n in (("tp", self.tp), ("ep", self.ep), ("pp", self.pp)):
             if n < 1:
                 raise ConversionError(f"--{name} {n}: must be >= 1")
-        for name, n, what in (("tp", self.tp, s.num_query_groups), ("tp", self.tp, s.vocab_size), ("ep", self.ep, s.num_experts),
-                              ("pp", self.pp, s.num_layers)):
+        for name, n, field, what in (("tp", self.tp, "num_key_value_heads", s.num_query_groups),
+                                     ("tp", self.tp, "vocab_size", s.vocab_size),
+                                     ("ep", self.ep, "num_experts", s.num_experts),
+                                     ("pp", self.pp, "num_hidden_layers", s.num_layers)):
             if what % n:
-                raise ConversionError(f"--{name} {n} does not divide {what} (heads groups/vocab/experts/layers)")
+                raise ConversionError(f"--{name} {n} does not divide the model's {field} {what}")
         if s.tie_word_embeddings and self.pp > 1:
             raise ConversionError("tied embeddings with --pp > 1 are not supported")
 

@@ -240,8 +240,9 @@ def test_a_malformed_megatron_input_is_one_line(ckpt, tmp_path, case):
 @pytest.mark.parametrize("args,pattern", [
     (["--ep", "0"], r"--ep 0: must be >= 1$"),
     (["--tp", "-1"], r"--tp -1: must be >= 1$"),
+    (["--tp", "3"], r"--tp 3 does not divide the model's num_key_value_heads 2$"),
 ])
-def test_a_parallel_size_below_1_is_one_line(ckpt, tmp_path, args, pattern):
+def test_a_bad_parallel_size_is_one_line(ckpt, tmp_path, args, pattern):
     out = minite("convert", "hf-to-megatron", "--hf", str(ckpt / "hf"), "--out", "o", *args, cwd=tmp_path)
     assert_one_line_failure(out, "^minite convert: " + pattern)
     assert list(tmp_path.iterdir()) == []
