@@ -3,7 +3,8 @@
 CONVERTERS maps a name to (help, add_arguments, run). add_arguments(parser) and run(args) -> exit code are callables
 or "module:function" strings, imported only when used, so `minite --help` does not import torch. To add a
 conversion, add one entry. A module that is not importable yet leaves its command listed but answering
-"not available".
+"not available". A run raises ConversionError (safetensors_stream; export_nvfp4.ExportError is one) for whatever the
+user can fix: minite/cli.py reports it as one line with exit status 2, any other exception as an unexpected one (1).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ Fn = Union[Callable, str]
 
 def _add_hf_to_megatron(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf", required=True, help="Hugging Face checkpoint directory (config.json, *.safetensors)")
-    p.add_argument("--out", required=True, help="output directory (must not hold a checkpoint)")
+    p.add_argument("--out", required=True, help="output directory (created; must not exist or be empty)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (splits KV groups and vocabulary)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (splits experts)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (splits layers)")
@@ -26,7 +27,7 @@ def _add_hf_to_megatron(p: argparse.ArgumentParser) -> None:
 
 def _add_megatron_to_hf(p: argparse.ArgumentParser) -> None:
     p.add_argument("--megatron", required=True, help="a directory written by `minite convert hf-to-megatron`")
-    p.add_argument("--out", required=True, help="output directory (must not hold a checkpoint)")
+    p.add_argument("--out", required=True, help="output directory (created; must not exist or be empty)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

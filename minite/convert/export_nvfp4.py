@@ -29,25 +29,27 @@ Static input_scale vs per-row activation scales: see docs/sglang.md. The minite_
 from __future__ import annotations
 
 import json
+import math
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
-from minite.convert.hf_megatron import megatron_to_hf
+from minite.convert.files import check_out, input_dir, read_json_object, staged_output
+from minite.convert.hf_megatron import megatron_to_hf, scan_hf
+from minite.convert.safetensors_stream import ConversionError
 from minite.nvfp4 import NVFP4Recipe
 from minite.nvfp4.modelopt import quant_config_dict, scale_grid_1x16
-from minite.ops import quantize_weight
+from minite.ops import first_nonfinite, quantize_weight
 
 INDEX_FILE = "model.safetensors.index.json"
 SHARD_BYTES = 2 * 1024 ** 3
 
 
-class ExportError(ValueError):
-    """The source checkpoint cannot be exported (names the tensor or file)."""
+class ExportError(ConversionError):
+    """The source checkpoint cannot be exported (names the tensor or file); a user error, as every ConversionError."""
 
 
 def quantize_module(weight: torch.Tensor, recipe: NVFP4Recipe, backend: str = "auto"):
@@ -170,9 +172,10 @@ def exclude_modules(hf_cfg: dict) -> List[str]:
 # Reading a Hugging Face checkpoint as the learner's fused tensors, one layer at a time
 # ---------------------------------------------------------------------------------------------------------------
 class _HFReader:
-    """Lazy tensor access over a HF directory (model.safetensors or an index of shards)."""
+    """Lazy tensor access over a HF directory (model.safetensors or an index of shards); with check_finite, a
+    floating-point tensor holding NaN or Inf raises an ExportError naming it (weights no engine can run)."""
 
-    def __init__(self, hf_dir: Path):
+    def __init__(self, hf_dir: Path, check_finite: bool = False):
         from safetensors import safe_open
 
         index = hf_dir / INDEX_FILE
@@ -182,6 +185,7 @@ class _HFReader:
             files = sorted(p.name for p in hf_dir.glob("*.safetensors"))
         if not files:
             raise ExportError(f"{hf_dir}: no *.safetensors files")
+        self.hf_dir, self.check_finite = hf_dir, check_finite
         self.handles = [safe_open(str(hf_dir / f), framework="pt") for f in files]
         self.where = {k: h for h in self.handles for k in h.keys()}
 
@@ -191,7 +195,10 @@ class _HFReader:
     def get(self, name: str) -> torch.Tensor:
         if name not in self.where:
             raise ExportError(f"missing tensor {name!r} in the Hugging Face checkpoint")
-        return self.where[name].get_tensor(name)
+        t = self.where[name].get_tensor(name)
+        if self.check_finite and t.is_floating_point() and first_nonfinite({name: t}) is not None:
+            raise ExportError(f"tensor {name!r} in {self.hf_dir} holds NaN or Inf: not weights to export")
+        return t
 
 
 def _hf_experts(r: _HFReader, p: str, n_experts: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -266,34 +273,45 @@ def _copy_small_files(src: Path, dst: Path) -> None:
                 shutil.copyfile(p, dst / p.name)
 
 
+def check_input_scale(input_scale: Optional[float]) -> None:
+    """ExportError unless input_scale is None (not written) or, as the float32 written, finite and > 0: a decode
+    scale, which an engine divides each activation block's amax by (times 6; docs/sglang.md)."""
+    if input_scale is None:
+        return
+    written = torch.tensor(float(input_scale), dtype=torch.float32).item()
+    if not (math.isfinite(written) and written > 0):
+        raise ExportError(f"--input-scale {input_scale}: must be a finite number > 0 in float32 (a static activation "
+                          "decode scale, which engines divide by)")
+
+
 def export_nvfp4(*, out_dir, hf_dir=None, megatron_dir=None, recipe: Optional[NVFP4Recipe] = None,
                  input_scale: float = 1.0, backend: str = "auto") -> Path:
     """Write the ModelOpt-named NVFP4 checkpoint (module docstring) from a HF or a Megatron checkpoint."""
     if (hf_dir is None) == (megatron_dir is None):
         raise ExportError("give exactly one of --hf DIR or --megatron DIR")
-    out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise ExportError(f"{out_dir} exists and is not empty")
+    check_input_scale(input_scale)
+    out_dir = check_out(out_dir)
     if megatron_dir is not None:
         with tempfile.TemporaryDirectory(prefix="minite-export-") as tmp:
             megatron_to_hf(megatron_dir, Path(tmp) / "hf", progress=False)
             return export_nvfp4(out_dir=out_dir, hf_dir=Path(tmp) / "hf", recipe=recipe, input_scale=input_scale,
                                 backend=backend)
-    hf_dir, recipe = Path(hf_dir), recipe or NVFP4Recipe()
+    hf_dir, recipe = input_dir(hf_dir, "--hf"), recipe or NVFP4Recipe()
     cfg_path = hf_dir / "config.json"
     if not cfg_path.exists():
         raise ExportError(f"{hf_dir}: no config.json")
-    hf_cfg = json.loads(cfg_path.read_text())
+    hf_cfg = read_json_object(cfg_path)
     if hf_cfg.get("model_type") != "qwen3_moe":
         raise ExportError(f"{cfg_path}: model_type {hf_cfg.get('model_type')!r}; only qwen3_moe is exported")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    reader = _HFReader(hf_dir)
-    packed = pack_megatron_weights(megatron_view_of_hf(reader, hf_cfg), hf_cfg, recipe, backend=backend,
-                                   input_scale=input_scale)
-    write_sharded(out_dir, packed)
-    _copy_small_files(hf_dir, out_dir)
-    qcfg = quant_config_dict(recipe, exclude_modules(hf_cfg))
-    (out_dir / "hf_quant_config.json").write_text(json.dumps(qcfg, indent=2) + "\n")
+    scan_hf(hf_dir, fused_experts=True)  # the config's numbers, the index, every header, each tensor's name and shape
+    reader = _HFReader(hf_dir, check_finite=True)
+    with staged_output(out_dir) as stage:
+        packed = pack_megatron_weights(megatron_view_of_hf(reader, hf_cfg), hf_cfg, recipe, backend=backend,
+                                       input_scale=input_scale)
+        write_sharded(stage, packed)
+        _copy_small_files(hf_dir, stage)
+        qcfg = quant_config_dict(recipe, exclude_modules(hf_cfg))
+        (stage / "hf_quant_config.json").write_text(json.dumps(qcfg, indent=2) + "\n")
     return out_dir
 
 
@@ -301,18 +319,14 @@ def add_arguments(p) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--hf", help="Hugging Face Qwen3-MoE checkpoint directory (config.json, *.safetensors)")
     src.add_argument("--megatron", help="a directory written by `minite convert hf-to-megatron`")
-    p.add_argument("--out", required=True, help="output directory (created; must be empty)")
+    p.add_argument("--out", required=True, help="output directory (created; must not exist or be empty)")
     p.add_argument("--input-scale", type=float, default=1.0,
-                   help="static activation decode scale written as input_scale for engines that need one "
-                        "(docs/sglang.md; the minite_nvfp4 plugin ignores it). Default 1.0")
+                   help="static activation decode scale written as input_scale for engines that need one, finite "
+                        "and > 0 (docs/sglang.md; the minite_nvfp4 plugin ignores it). Default 1.0")
 
 
 def run(args) -> int:
-    try:
-        out = export_nvfp4(out_dir=args.out, hf_dir=args.hf, megatron_dir=args.megatron,
-                           input_scale=args.input_scale)
-    except (ExportError, ValueError) as e:
-        print(f"minite convert export-nvfp4: error: {e}", file=sys.stderr)
-        return 1
+    """`minite convert export-nvfp4`; an ExportError goes on to minite/cli.py (one line, status 2)."""
+    out = export_nvfp4(out_dir=args.out, hf_dir=args.hf, megatron_dir=args.megatron, input_scale=args.input_scale)
     print(f"wrote {out}")
     return 0

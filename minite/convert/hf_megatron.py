@@ -40,14 +40,17 @@ Streaming: a destination tensor is assembled CHUNK_BYTES of rows at a time from 
 interpreter, whatever the model size. Measured (tools/convert_memory.py, under an RLIMIT_AS cap of 128 MiB above the
 interpreter): a 3.0 GiB random model, tp=2 ep=4, converted both ways with 32 / 39 MiB of peak-RSS growth (256 / 263
 MiB peak RSS in all), round trip bitwise.
-Checks before anything is written: missing, extra and misshapen tensors (named with their file), an index that
-names a tensor its file lacks, truncated files (a tensor's bytes past the end of its file).
+Checks before anything is written: --out absent or empty, config.json (a Qwen3-MoE model_type, sizes that are
+positive integers), an index or minite_checkpoint.json that is not the JSON expected, malformed safetensors headers,
+missing, extra and misshapen tensors (named with their file), an index that names a tensor its file lacks,
+truncated files (a tensor's bytes past the end of its file), the small files a Megatron checkpoint lists. The
+output is written into a staging directory and moved into --out at the end (minite/convert/files.py): a failed or
+interrupted conversion leaves no partial --out.
 """
 from __future__ import annotations
 
 import json
 import shutil
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -57,6 +60,7 @@ from tqdm import tqdm
 
 from minite.models.qwen3_moe import Qwen3MoeShape, qwen3_moe_fields
 from minite.ops import first_nonfinite
+from minite.convert.files import check_out, input_dir, plain_name, read_index, read_json_object, staged_output
 from minite.convert.safetensors_stream import (
     DTYPES, ConversionError, RowReader, StreamWriter, TensorEntry, read_header, view2d,
 )
@@ -68,14 +72,31 @@ CHUNK_BYTES = 16 * 1024 * 1024  # rows of one target assembled at a time; peak ~
 HF_SHARD_BYTES = 4 * 1024 ** 3  # default HF shard size when the checkpoint carries no HF layout
 
 
+_HF_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+             "head_dim", "moe_intermediate_size", "num_experts", "num_local_experts", "num_experts_per_tok")
+
+
 def read_shape(hf: dict, where: str = "config.json") -> Qwen3MoeShape:
-    """The shape of a Hugging Face Qwen3-MoE config.json; ConversionError naming `where` for what is not converted."""
+    """The shape of a Hugging Face Qwen3-MoE config.json; ConversionError naming `where` for what is not converted:
+    another model_type, a size that is not a positive integer, shared experts."""
+    if not isinstance(hf, dict):
+        raise ConversionError(f"{where}: expected a JSON object, found {type(hf).__name__}")
+    if hf.get("model_type") != "qwen3_moe":
+        raise ConversionError(f"{where}: model_type {hf.get('model_type')!r}; only Qwen3-MoE (qwen3_moe) is converted")
+    for key in _HF_SIZES:
+        if hf.get(key) is not None and (type(hf[key]) is not int or hf[key] < 1):
+            raise ConversionError(f"{where}: {key} = {hf[key]!r}, expected an integer >= 1")
     try:
         shape = Qwen3MoeShape(**qwen3_moe_fields(hf, where))
     except ValueError as e:
         raise ConversionError(str(e)) from None
+    except TypeError as e:
+        raise ConversionError(f"{where}: {e}") from None
     if shape.shared_expert_intermediate_size:
         raise ConversionError(f"{where}: shared experts are not part of Qwen3-MoE and not converted")
+    if shape.num_attention_heads % shape.num_query_groups:
+        raise ConversionError(f"{where}: num_key_value_heads {shape.num_query_groups} does not divide "
+                              f"num_attention_heads {shape.num_attention_heads}")
     return shape
 
 
@@ -86,10 +107,15 @@ class Layout:
     pp: int = 1
 
     def check(self, s: Qwen3MoeShape) -> None:
-        for name, n, what in (("tp", self.tp, s.num_query_groups), ("tp", self.tp, s.vocab_size), ("ep", self.ep, s.num_experts),
-                              ("pp", self.pp, s.num_layers)):
-            if n < 1 or what % n:
-                raise ConversionError(f"--{name} {n} does not divide {what} (heads groups/vocab/experts/layers)")
+        for name, n in (("tp", self.tp), ("ep", self.ep), ("pp", self.pp)):
+            if n < 1:
+                raise ConversionError(f"--{name} {n}: must be >= 1")
+        for name, n, field, what in (("tp", self.tp, "num_key_value_heads", s.num_query_groups),
+                                     ("tp", self.tp, "vocab_size", s.vocab_size),
+                                     ("ep", self.ep, "num_experts", s.num_experts),
+                                     ("pp", self.pp, "num_hidden_layers", s.num_layers)):
+            if what % n:
+                raise ConversionError(f"--{name} {n} does not divide the model's {field} {what}")
         if s.tie_word_embeddings and self.pp > 1:
             raise ConversionError("tied embeddings with --pp > 1 are not supported")
 
@@ -258,18 +284,22 @@ def _read_config(directory: Path) -> dict:
     path = directory / "config.json"
     if not path.is_file():
         raise ConversionError(f"{path}: not found (a Hugging Face checkpoint directory needs its config.json)")
-    return json.loads(path.read_text())
+    return read_json_object(path)
 
 
-def scan_hf(hf_dir: Path) -> Tuple[Qwen3MoeShape, Dict[str, TensorEntry], Dict[str, List[str]], dict]:
-    """(shape, entries by tensor name, {file: names in byte order}, index metadata) of a HF checkpoint."""
-    hf_dir = Path(hf_dir)
+def scan_hf(hf_dir: Path, *, fused_experts: bool = False
+            ) -> Tuple[Qwen3MoeShape, Dict[str, TensorEntry], Dict[str, List[str]], dict]:
+    """(shape, entries by tensor name, {file: names in byte order}, index metadata) of a HF checkpoint.
+
+    fused_experts: the experts may also be transformers 5's fused tensors, each layer's mlp.experts.gate_up_proj
+    [E, 2F, H] and down_proj [E, H, F] (what the NVFP4 export reads; hf-to-megatron reads per-expert tensors)."""
+    hf_dir = input_dir(hf_dir, "--hf")
     config = _read_config(hf_dir)
     shape = read_shape(config, str(hf_dir / "config.json"))
     index_path = hf_dir / INDEX_FILE
     if index_path.is_file():
-        index = json.loads(index_path.read_text())
-        weight_map: Dict[str, str] = index.get("weight_map") or {}
+        index = read_index(index_path)
+        weight_map: Optional[Dict[str, str]] = index["weight_map"]
         files = sorted(set(weight_map.values()))
     elif (hf_dir / "model.safetensors").is_file():
         index, weight_map, files = {}, None, ["model.safetensors"]
@@ -289,25 +319,47 @@ def scan_hf(hf_dir: Path) -> Tuple[Qwen3MoeShape, Dict[str, TensorEntry], Dict[s
         if name not in found:
             raise ConversionError(f"missing tensor {name!r}: {index_path} maps it to {hf_dir / file}, "
                                   "which does not hold it")
-    _check_tensors(hf_shapes(shape), found, str(hf_dir))
+    expected = hf_shapes(shape)
+    if fused_experts and any(name.endswith(".mlp.experts.gate_up_proj") for name in found):
+        expected = {n: s for n, s in expected.items() if ".mlp.experts." not in n}
+        e, f, h = shape.num_experts, shape.moe_ffn_hidden_size, shape.hidden_size
+        for layer in range(shape.num_layers):
+            expected[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = (e, 2 * f, h)
+            expected[f"model.layers.{layer}.mlp.experts.down_proj"] = (e, h, f)
+    _check_tensors(expected, found, str(hf_dir))
     return shape, found, layout, index.get("metadata") or {}
 
 
 def read_meta(mg_dir: Path) -> dict:
+    """minite_checkpoint.json with its format, tp/ep/pp and HF file lists checked (ConversionError); hf_config is
+    checked where a conversion reads it (scan_megatron), since loading into a model does not need it."""
     path = Path(mg_dir) / META_FILE
     if not path.is_file():
         raise ConversionError(f"{path}: not found (not a checkpoint written by `minite convert hf-to-megatron`)")
-    meta = json.loads(path.read_text())
+    meta = read_json_object(path)
     if meta.get("format") != FORMAT:
         raise ConversionError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    for key in ("tp", "ep", "pp"):
+        if type(meta.get(key)) is not int or meta[key] < 1:
+            raise ConversionError(f"{path}: {key} = {meta.get(key)!r}, expected an integer >= 1")
+    for key, kind, what in (("hf_layout", dict, "object"), ("hf_index_metadata", dict, "object"),
+                            ("hf_files", list, "list")):
+        if meta.get(key) is not None and not isinstance(meta[key], kind):
+            raise ConversionError(f"{path}: {key} is {type(meta[key]).__name__}, expected a JSON {what}")
+    for file, names in (meta.get("hf_layout") or {}).items():
+        plain_name(file, f"{path}: hf_layout")
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ConversionError(f"{path}: hf_layout[{file!r}] is not a list of tensor names")
+    for file in meta.get("hf_files") or []:
+        plain_name(file, f"{path}: hf_files")
     return meta
 
 
 def scan_megatron(mg_dir: Path) -> Tuple[dict, Qwen3MoeShape, Dict[str, List[Target]], Dict[str, TensorEntry]]:
     """(metadata, shape, the forward plan, entries keyed "file::tensor") of a converted Megatron checkpoint."""
-    mg_dir = Path(mg_dir)
+    mg_dir = input_dir(mg_dir, "--megatron")
     meta = read_meta(mg_dir)
-    shape = read_shape(meta["hf_config"], str(mg_dir / META_FILE))
+    shape = read_shape(meta.get("hf_config"), f"{mg_dir / META_FILE}: hf_config")
     plan = plan_hf_to_megatron(shape, Layout(meta["tp"], meta["ep"], meta["pp"]))
     expected, found = {}, {}
     for file, targets in plan.items():
@@ -376,15 +428,6 @@ def write_plan(out_dir: Path, plan: Dict[str, List[Target]], sources: Dict[str, 
     return sizes
 
 
-def _prepare_out(out_dir: Path) -> Path:
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for name in (META_FILE, INDEX_FILE):
-        if (out_dir / name).exists():
-            raise ConversionError(f"{out_dir / name} exists: refusing to overwrite a checkpoint (use a new --out)")
-    return out_dir
-
-
 def _copy_small_files(src: Path, dst: Path) -> List[str]:
     """config.json, tokenizer and generation files: every regular file that is not a weight file or index."""
     copied = []
@@ -400,20 +443,21 @@ def _copy_small_files(src: Path, dst: Path) -> List[str]:
 # ---------------------------------------------------------------------------------------------------------------
 def hf_to_megatron(hf_dir, out_dir, *, tp: int = 1, ep: int = 1, pp: int = 1, progress: bool = True) -> Path:
     """Convert a HF Qwen3-MoE checkpoint into the per-rank Megatron layout for (tp, ep, pp); returns out_dir."""
+    check_out(out_dir)
     hf_dir = Path(hf_dir)
     shape, found, hf_layout, index_meta = scan_hf(hf_dir)
     lay = Layout(tp, ep, pp)
     plan = plan_hf_to_megatron(shape, lay)
-    out_dir = _prepare_out(out_dir)
-    sizes = write_plan(out_dir, plan, found, progress, desc="hf-to-megatron")
-    meta = {
-        "format": FORMAT, "tp": tp, "ep": ep, "pp": pp, "hf_config": _read_config(hf_dir),
-        "files": {f: [tg.name for tg in tgs] for f, tgs in plan.items()}, "bytes": sum(sizes.values()),
-        "hf_layout": hf_layout, "hf_index_metadata": index_meta,
-        "hf_files": _copy_small_files(hf_dir, out_dir),
-    }
-    (out_dir / META_FILE).write_text(json.dumps(meta, indent=1))  # last: its presence means "complete"
-    return out_dir
+    with staged_output(out_dir) as stage:
+        sizes = write_plan(stage, plan, found, progress, desc="hf-to-megatron")
+        meta = {
+            "format": FORMAT, "tp": tp, "ep": ep, "pp": pp, "hf_config": _read_config(hf_dir),
+            "files": {f: [tg.name for tg in tgs] for f, tgs in plan.items()}, "bytes": sum(sizes.values()),
+            "hf_layout": hf_layout, "hf_index_metadata": index_meta,
+            "hf_files": _copy_small_files(hf_dir, stage),
+        }
+        (stage / META_FILE).write_text(json.dumps(meta, indent=1))  # last: its presence means "complete"
+    return Path(out_dir)
 
 
 def default_hf_layout(shape: Qwen3MoeShape, shard_bytes: int = HF_SHARD_BYTES, itemsize: int = 2) -> Dict[str, List[str]]:
@@ -433,6 +477,7 @@ def default_hf_layout(shape: Qwen3MoeShape, shard_bytes: int = HF_SHARD_BYTES, i
 
 def megatron_to_hf(mg_dir, out_dir, *, progress: bool = True) -> Path:
     """Convert a checkpoint written by hf_to_megatron back to HF sharded safetensors with an index."""
+    check_out(out_dir)
     mg_dir = Path(mg_dir)
     meta, shape, plan, found = scan_megatron(mg_dir)
     layout = meta.get("hf_layout") or default_hf_layout(shape)
@@ -441,16 +486,21 @@ def megatron_to_hf(mg_dir, out_dir, *, progress: bool = True) -> Path:
     if sorted(listed) != sorted(shapes):
         raise ConversionError(f"{mg_dir / META_FILE}: hf_layout does not list each Qwen3-MoE tensor exactly once")
     hf_plan = invert_plan(plan, shapes, layout)
-    out_dir = _prepare_out(out_dir)
-    sizes = write_plan(out_dir, hf_plan, found, progress, desc="megatron-to-hf")
-    for name in meta.get("hf_files") or []:
-        shutil.copyfile(mg_dir / name, out_dir / name)
-    if not (out_dir / "config.json").exists():
-        (out_dir / "config.json").write_text(json.dumps(meta["hf_config"], indent=2))
-    index = {"metadata": {**(meta.get("hf_index_metadata") or {}), "total_size": sum(sizes.values())},
-             "weight_map": {n: f for f, names in layout.items() for n in names}}
-    (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    return out_dir
+    small = meta.get("hf_files") or []
+    for name in small:
+        if not (mg_dir / name).is_file():
+            raise ConversionError(f"{mg_dir / name}: not found ({mg_dir / META_FILE} lists it among the Hugging Face "
+                                  "files to copy back)")
+    with staged_output(out_dir) as stage:
+        sizes = write_plan(stage, hf_plan, found, progress, desc="megatron-to-hf")
+        for name in small:
+            shutil.copyfile(mg_dir / name, stage / name)
+        if not (stage / "config.json").exists():
+            (stage / "config.json").write_text(json.dumps(meta["hf_config"], indent=2))
+        index = {"metadata": {**(meta.get("hf_index_metadata") or {}), "total_size": sum(sizes.values())},
+                 "weight_map": {n: f for f, names in layout.items() for n in names}}
+        (stage / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return Path(out_dir)
 
 
 def rank_files(meta: dict, tp_rank: int, pp_rank: int, ep_rank: int) -> List[str]:
@@ -507,12 +557,8 @@ def load_into_model(model: torch.nn.Module, mg_dir, *, tp_rank: Optional[int] = 
 # entry points of `minite convert hf-to-megatron` / `megatron-to-hf` (arguments: minite/convert/cli.py)
 # ---------------------------------------------------------------------------------------------------------------
 def _cli(fn, *args, **kwargs) -> int:
-    try:
-        out = fn(*args, **kwargs)
-    except ConversionError as e:
-        print(f"minite convert: error: {e}", file=sys.stderr)
-        return 1
-    print(f"wrote {out}")
+    """Run one direction and name what it wrote; a ConversionError goes on to minite/cli.py (one line, status 2)."""
+    print(f"wrote {fn(*args, **kwargs)}")
     return 0
 
 

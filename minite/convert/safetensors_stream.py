@@ -74,6 +74,21 @@ class TensorEntry:
         return torch.empty(0, dtype=DTYPES[self.dtype]).element_size()
 
 
+def _check_entry(path: Path, name: str, info: object) -> Tuple[int, int, Tuple[int, ...]]:
+    """(begin, end, shape) of one header entry, each field checked: a dtype of DTYPES, sizes and offsets >= 0."""
+    if not isinstance(info, dict):
+        raise ConversionError(f"{path}: tensor {name!r}: header entry {info!r} is not an object")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise ConversionError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
+        raise ConversionError(f"{path}: tensor {name!r}: shape {shape!r} is not a list of sizes")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int and o >= 0 for o in offsets)
+            or offsets[0] > offsets[1]):
+        raise ConversionError(f"{path}: tensor {name!r}: data_offsets {offsets!r} is not [begin, end]")
+    return offsets[0], offsets[1], tuple(shape)
+
+
 def read_header(path: Path) -> Dict[str, TensorEntry]:
     """Parse and check a safetensors header; a file shorter than its header says is reported as truncated."""
     path = Path(path)
@@ -91,15 +106,15 @@ def read_header(path: Path) -> Dict[str, TensorEntry]:
             meta = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConversionError(f"{path}: unreadable safetensors header: {e}") from None
+    if not isinstance(meta, dict):
+        raise ConversionError(f"{path}: unreadable safetensors header: a JSON {type(meta).__name__}, not an object")
     base = 8 + n
     entries: Dict[str, TensorEntry] = {}
     for name, info in meta.items():
         if name == "__metadata__":
             continue
-        if info.get("dtype") not in DTYPES:
-            raise ConversionError(f"{path}: tensor {name!r} has unsupported dtype {info.get('dtype')!r}")
-        b, e = info["data_offsets"]
-        entry = TensorEntry(name, path, info["dtype"], tuple(info["shape"]), base + b, base + e)
+        b, e, shape = _check_entry(path, name, info)
+        entry = TensorEntry(name, path, info["dtype"], shape, base + b, base + e)
         numel = entry.rows * entry.row_elems
         if e - b != numel * entry.itemsize:
             raise ConversionError(f"{path}: tensor {name!r}: {e - b} bytes for shape {list(entry.shape)} "

@@ -202,7 +202,7 @@ def test_cli_round_trip(tiny_hf, tmp_path):
                  "--no-progress"]) == 0
     assert _safetensors_files(tiny_hf) == _safetensors_files(tmp_path / "hf")
     assert main(["convert", "hf-to-megatron", "--hf", str(tiny_hf), "--out", str(tmp_path / "mg"),
-                 "--no-progress"]) == 1  # refuses to overwrite
+                 "--no-progress"]) == 2  # refuses to overwrite: a user error
 
 
 @pytest.mark.slow
