@@ -318,9 +318,11 @@ def check_model_shape(shape, cfg: "Config") -> None:
     precision and parallel layout: heads and query groups split over tp, experts over ep, and in NVFP4 every dimension
     of a quantised weight a multiple of 16 (its 16x16 blocks) on each tensor-parallel rank."""
     if shape.moe_router_topk == 1 and shape.norm_topk_prob:  # Megatron-Core's TransformerConfig refuses it too
+        fix = (f"set norm_topk_prob to false in {cfg.model.hf_config}" if cfg.model.hf_config
+               else "set model.norm_topk_prob=false")
         raise ValueError("model.moe_router_topk=1 with model.norm_topk_prob=true gives every token's one expert the "
-                         "weight 1 and the router no gradient: set model.norm_topk_prob=false (softmax before the "
-                         "top-1, the router's probability as the weight)")
+                         f"weight 1 and the router no gradient: {fix} (softmax before the top-1, the router's "
+                         "probability as the weight)")
     tp, ep = cfg.parallel.tp, cfg.parallel.ep
     for name, n, by, what in (("num_attention_heads", shape.num_attention_heads, tp, "parallel.tp"),
                               ("num_query_groups", shape.num_query_groups, tp, "parallel.tp"),
@@ -355,8 +357,8 @@ def check_world_size(cfg: Config, world_size: int) -> None:
 
 
 def check_paths(cfg: Config) -> None:
-    """ConfigError when a file the config names as input does not exist, or a directory it writes to is a file or
-    lies under one (before anything is built)."""
+    """ConfigError when a file the config names as input does not exist, or a directory it writes to is a file, lies
+    under one or cannot be written (before anything is built)."""
     for key, value, want in (("model.hf_config", cfg.model.hf_config, Path.is_file),
                              ("model.init_from", cfg.model.init_from, Path.is_dir),
                              ("checkpoint.resume_from", cfg.checkpoint.resume_from, Path.exists)):
@@ -365,12 +367,19 @@ def check_paths(cfg: Config) -> None:
                               "file's directory, one given with --set to the current directory)")
     for key, value in (("logging.dir", cfg.logging.dir), ("checkpoint.dir", cfg.checkpoint.dir)):
         nearest = Path(value or ".")
-        while not nearest.exists() and nearest != nearest.parent:
-            nearest = nearest.parent
+        try:
+            while not nearest.exists() and nearest != nearest.parent:
+                nearest = nearest.parent
+        except OSError as e:  # e.g. a parent this process may not search
+            raise ConfigError(f"{key}: {value} cannot be reached ({e.strerror or type(e).__name__}): name another "
+                              "directory") from None
         if not nearest.is_dir():
             what = "is a file" if nearest == Path(value) else f"lies under the file {nearest}"
             raise ConfigError(f"{key}: {value} {what}, not a directory: name a directory (one that does not exist "
                               "yet is created)")
+        if not os.access(nearest, os.W_OK | os.X_OK):  # else the first checkpoint fails, after the steps it keeps
+            raise ConfigError(f"{key}: {value} cannot be written by this process ({nearest} is not writable): name "
+                              "another directory")
 
 
 def apply_overrides(raw: dict, overrides: list[str], where: str) -> dict:
@@ -414,8 +423,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
         _resolve_yaml_paths(raw, Path(path).parent)
+    if "source" in raw:  # Config.source is where the config came from, set below, not a key of the file
+        raise ConfigError(f"{where}: source: unknown section or key (the config's file is named on the command line)")
     raw = apply_overrides(raw, overrides or [], where)
-    raw.pop("source", None)
     try:
         cfg = from_dict(Config, raw, where)
     except ConfigError as e:  # a value check: name the overrides of the keys it names

@@ -13,11 +13,22 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 
+HF_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "moe_intermediate_size", "num_experts", "num_local_experts", "num_experts_per_tok")
+"""config.json's sizes: each, where present, an integer >= 1."""
+
+
 def qwen3_moe_fields(hf: dict, where: str = "config.json") -> dict:
     """The architecture numbers under the learner's names (minite.config.ModelConfig / Qwen3MoeShape).
 
-    ValueError naming `where` and the field for a missing field or a layout we do not support (dense layers).
+    ValueError naming `where` and the field for what is not a Qwen3-MoE config: not a JSON object, a missing field, a
+    size that is not a positive integer, a layout we do not support (dense layers).
     """
+    if not isinstance(hf, dict):
+        raise ValueError(f"{where}: expected a JSON object, found {type(hf).__name__}")
+    for key in HF_SIZES:
+        if hf.get(key) is not None and (type(hf[key]) is not int or hf[key] < 1):
+            raise ValueError(f"{where}: {key} = {hf[key]!r}, expected an integer >= 1")
     if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
         raise ValueError(f"{where}: dense (mlp_only) layers are not supported; every layer must be MoE")
     try:
@@ -64,7 +75,11 @@ class Qwen3MoeShape:
     def from_any(cls, src) -> "Qwen3MoeShape":
         """From a config.json path, a HF dict / PretrainedConfig, or an object with our field names."""
         if isinstance(src, (str, Path)):
-            src = json.loads(Path(src).read_text())
+            try:
+                hf = json.loads(Path(src).read_text())
+            except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+                raise ValueError(f"{src}: not a JSON file ({e})") from None
+            return cls(**qwen3_moe_fields(hf, str(src)))
         if not isinstance(src, dict) and hasattr(src, "to_dict") and hasattr(src, "num_hidden_layers"):
             src = src.to_dict()
         if isinstance(src, dict) and "num_hidden_layers" in src:

@@ -34,8 +34,8 @@ SUMMARY_WINDOW = 5  # steps averaged at each end of the run for the reward in th
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
     parser.add_argument("--fresh", action="store_true",
-                        help="start over: delete this run's checkpoints, metrics.jsonl and TensorBoard files first "
-                             "(default: resume from the newest checkpoint in checkpoint.dir)")
+                        help="start over: delete this run's checkpoints, metrics.jsonl, warm-up log and TensorBoard "
+                             "files first (default: resume from the newest checkpoint in checkpoint.dir)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,21 +45,21 @@ def run(args: argparse.Namespace) -> int:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     check_paths(cfg)
     check_world_size(cfg, world)
-    if args.fresh:
+    # before Megatron-Core is imported: its import-time warnings belong in the log file
+    log_path = attach_log_file(Path(cfg.logging.dir) / ("train.log" if rank == 0 else f"train.rank{rank}.log"))
+    check_model(cfg, world)
+    if args.fresh:  # after every check: a run refused for its config deletes nothing
         if cfg.checkpoint.resume_from and rank == 0:
             log.warning("--fresh starts over: checkpoint.resume_from=%s is not read", cfg.checkpoint.resume_from)
         cfg.checkpoint.resume, cfg.checkpoint.resume_from = False, None
         if rank == 0:
             start_over(cfg)
-    # before Megatron-Core is imported: its import-time warnings belong in the log file
-    log_path = attach_log_file(Path(cfg.logging.dir) / ("train.log" if rank == 0 else f"train.rank{rank}.log"))
-    check_model(cfg, world)
     if rank == 0:
         print(header(cfg, world, log_path), flush=True)
     from minite.rl.loop import train
 
     t0 = time.perf_counter()
-    history = train(cfg)
+    history = train(cfg, fresh=args.fresh)
     if rank == 0:
         print(summary(cfg, history, time.perf_counter() - t0, log_path), flush=True)
     return 0

@@ -50,7 +50,7 @@ def stop_cleanly(cfg, where: str, memory_fix: str = ROWS_TOO_MANY):
     except NonFiniteError as e:
         newest = ckpt.latest_checkpoint(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
         again = (f"it resumes from the newest checkpoint, {newest} (an older one: --set checkpoint.resume_from=DIR "
-                 "--set checkpoint.dir=ANOTHER_DIR; start over: --fresh)"
+                 "--set checkpoint.dir=ANOTHER_DIR --set logging.dir=ANOTHER_DIR; start over: --fresh)"
                  if newest is not None and cfg.checkpoint.resume else "it starts over")
         raise DivergedError(f"the run diverged {where}: {one_line(e)}. Lower optim.lr (optim.lr={cfg.optim.lr:g}, "
                             f"optim.clip_grad={cfg.optim.clip_grad:g}) and run the same command again: {again}") from e

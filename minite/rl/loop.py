@@ -23,11 +23,11 @@ RNG, so a resumed run repeats an uninterrupted one exactly (checkpoint.py lists 
 """
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import os
 import random
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,10 +78,11 @@ class Run:
     logger: MetricsLogger | None = None
 
 
-def train(cfg) -> list[dict]:
-    """Run cfg.rl.steps RL steps (resuming if a checkpoint exists); returns the per-step metrics."""
+def train(cfg, *, fresh: bool = False) -> list[dict]:
+    """Run cfg.rl.steps RL steps (resuming if a checkpoint exists); returns the per-step metrics. fresh: `minite
+    train --fresh`, whose rank 0 empties checkpoint.dir while the other ranks start (`setup`)."""
     with stop_cleanly(cfg, "while building the run", memory_fix=MODEL_TOO_BIG):
-        run = setup(cfg)
+        run = setup(cfg, fresh=fresh)
     if run.step >= cfg.rl.steps:
         log.warning("checkpoint at step %d already reaches rl.steps=%d: nothing to do (raise rl.steps, or start "
                     "over with --fresh or another checkpoint.dir)", run.step, cfg.rl.steps)
@@ -296,14 +297,15 @@ def is_writer() -> bool:
 # --------------------------------------------------------------------------------------------
 # setup: build everything, then resume or warm up
 # --------------------------------------------------------------------------------------------
-def setup(cfg, *, learner_factory=None, engine_factory=None, reference_factory=None) -> Run:
+def setup(cfg, *, learner_factory=None, engine_factory=None, reference_factory=None, fresh: bool = False) -> Run:
     """Build the run. `learner_factory(cfg)` / `engine_factory(cfg)` / `reference_factory(cfg)` may be injected
-    (tests); defaults are the real ones."""
+    (tests); defaults are the real ones. fresh: checkpoint.dir is being emptied (by rank 0), nothing there to mix."""
     task = make_task(cfg.rl.task, length=cfg.rl.task_length, num_digits=cfg.rl.task_digits)
     check_shapes(cfg, task)
     if cfg.checkpoint.resume_from:  # before building anything: a missing or incomplete checkpoint fails fast
         ckpt.read_manifest(cfg.checkpoint.resume_from)
-    refuse_mixed_runs(cfg)  # and so does a start that would put two runs' checkpoints in checkpoint.dir
+    if not fresh:
+        refuse_mixed_runs(cfg)  # and so does a start that would put two runs' checkpoints in checkpoint.dir
     # Model init and everything after it is a function of the config; NumPy and Python are seeded too, so the
     # RNG states a checkpoint saves do not depend on the process that happened to start the run.
     torch.manual_seed(cfg.rl.seed)
@@ -344,17 +346,22 @@ def _metrics_path(cfg) -> Path | None:
 
 def start_logs(cfg, step: int) -> None:
     """A run from step 0 starts a fresh metrics.jsonl, warm-up log and TensorBoard run: an earlier run's files there
-    (`earlier_logs`) move to logging.dir/previous_run_N/, named in a warning (--fresh deletes them first instead). A
-    run resumed at `step` keeps the rows of steps <= step and drops the later ones (written after the checkpoint by
-    the run that stopped), so the file never holds a step twice. TensorBoard: MetricsLogger's purge_step."""
+    (`earlier_logs`) move to logging.dir/previous_run_N/ (N one above the highest there), named in a warning (--fresh
+    deletes them first instead). So does a branch (checkpoint.resume_from) from a step the logs are past: their later
+    rows are another run's. A run resumed at `step` from checkpoint.dir keeps the rows of steps <= step and drops the
+    later ones (written after the checkpoint by the run that stopped), so the file never holds a step twice.
+    TensorBoard: MetricsLogger's purge_step."""
     path = _metrics_path(cfg)
     if path is None:
         return
-    if step == 0:
+    rows = path.read_text().splitlines() if path.is_file() else []
+    branch = bool(cfg.checkpoint.resume_from) and any(_row_step(line) > step for line in rows)
+    if step == 0 or branch:
         old = earlier_logs(path.parent)
         if old:
-            keep = next(path.parent / f"previous_run_{i}" for i in itertools.count(1)
-                        if not (path.parent / f"previous_run_{i}").exists())
+            done = [int(m.group(1)) for p in path.parent.glob("previous_run_*")
+                    if (m := re.fullmatch(r"previous_run_(\d+)", p.name))]
+            keep = path.parent / f"previous_run_{max(done, default=0) + 1}"
             for p in old:
                 to = keep / p.relative_to(path.parent)
                 to.parent.mkdir(parents=True, exist_ok=True)
@@ -364,7 +371,7 @@ def start_logs(cfg, step: int) -> None:
                                                        f"{WARMUP_RUN}/{p.name}" for p in old})), keep)
         return
     if path.exists():
-        rows = [line for line in path.read_text().splitlines() if _row_step(line) <= step]
+        rows = [line for line in rows if _row_step(line) <= step]
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(row + "\n" for row in rows))
         tmp.replace(path)

@@ -117,13 +117,21 @@ def refuse_mixed_runs(cfg: Config) -> None:
     c = cfg.checkpoint
     if not c.dir or (c.resume and not c.resume_from):
         return
-    start = int(ckpt.read_manifest(c.resume_from)["step"]) if c.resume_from else 0
+    start = 0
+    if c.resume_from:
+        manifest = ckpt.read_manifest(c.resume_from)
+        if not isinstance(manifest.get("step"), int):
+            raise ckpt.CheckpointError(f"checkpoint {c.resume_from}: its {ckpt.MANIFEST} names no step")
+        start = manifest["step"]
     newer = [p for p in ckpt.checkpoints_newest_first(c.dir) if ckpt.step_of(p) > start]
     if not newer:
         return
-    why, fresh = ((f"checkpoint.resume_from={c.resume_from} is at step {start}", "") if c.resume_from
-                  else ("checkpoint.resume=false starts at step 0", ", or delete them with --fresh"))
+    if c.resume_from:
+        why = f"checkpoint.resume_from={c.resume_from} is at step {start}"
+        other = "; to continue the run they belong to, drop checkpoint.resume_from (--set checkpoint.resume_from=null)"
+    else:
+        why, other = "checkpoint.resume=false starts at step 0", ", or delete them with --fresh"
     raise ConfigError(f"checkpoint.dir={c.dir} holds {len(newer)} checkpoint(s) after step {start} (the newest: "
                       f"{newer[0].name}), and {why}: this run's checkpoints would mix with those, and a later resume "
                       "would take their newest. Move them out of checkpoint.dir, or write this run elsewhere "
-                      f"(--set checkpoint.dir=ANOTHER_DIR){fresh}")
+                      f"(--set checkpoint.dir=ANOTHER_DIR --set logging.dir=ANOTHER_DIR){other}")

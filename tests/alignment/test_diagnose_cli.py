@@ -40,4 +40,11 @@ def test_the_shape_of_model_hf_config_is_checked(tmp_path):
     shape.moe_router_topk = 1
     (tmp_path / "config.json").write_text(json.dumps(shape.to_hf()))
     out = minite("diagnose", TINY, "--set", "model.hf_config=config.json", cwd=tmp_path)
-    assert_one_line_failure(out, r"^minite diagnose: .*nvfp4.yaml: model.moe_router_topk=1 with model.norm_topk_prob")
+    assert_one_line_failure(out, r"^minite diagnose: .*nvfp4.yaml: model.moe_router_topk=1 with model.norm_topk_prob"
+                                 r".*: set norm_topk_prob to false in config.json ")
+    (tmp_path / "config.json").write_text(json.dumps({**shape.to_hf(), "hidden_size": "64"}))
+    out = minite("diagnose", TINY, "--set", "model.hf_config=config.json", cwd=tmp_path)
+    assert_one_line_failure(out, r"^minite diagnose: .*config.json: hidden_size = '64', expected an integer >= 1$")
+    (tmp_path / "config.json").write_text("{not json")
+    out = minite("diagnose", TINY, "--set", "model.hf_config=config.json", cwd=tmp_path)
+    assert_one_line_failure(out, r"^minite diagnose: .*config.json: not a JSON file \(")

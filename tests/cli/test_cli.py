@@ -143,6 +143,10 @@ def test_train_resume_policy_and_output(tmp_path):
         f"rl.steps 1 -> 2"]
     assert "done, 1 RL steps" in resumed.stdout
 
+    refused = minite("train", cfg, *sets, "--fresh", "--set", "rl.micro_batches=3", cwd=tmp_path)
+    assert_one_line_failure(refused, r"^minite train: .*rl.micro_batches=3 does not divide")
+    assert (tmp_path / "run" / "ck" / "step_000002").is_dir()  # --fresh deletes nothing for a run it refuses
+    assert (tmp_path / "run" / "metrics.jsonl").is_file()
     assert_one_line_failure(minite("train", cfg, *sets, "--set", "precision.mode=bf16", cwd=tmp_path),
                             r"^minite train: precision.mode is 'nvfp4' in the checkpoint in run/ck but 'bf16' now: "
                             r"a resumed run cannot change the precision; put it back, or start over with --fresh")
@@ -178,7 +182,8 @@ def test_a_diverged_run_is_one_line_naming_the_step_and_the_way_back(tmp_path):
     step = re.fullmatch(r"minite train: the run diverged at RL step ([23]) of 3: .*(NaN or Inf|not a finite).*\. "
                         r"Lower optim.lr \(optim.lr=1e\+30, optim.clip_grad=0\) and run the same command again: "
                         r"it resumes from the newest checkpoint, run/ck/step_00000([12]) \(an older one: "
-                        r"--set checkpoint.resume_from=DIR --set checkpoint.dir=ANOTHER_DIR; start over: --fresh\)",
+                        r"--set checkpoint.resume_from=DIR --set checkpoint.dir=ANOTHER_DIR --set "
+                        r"logging.dir=ANOTHER_DIR; start over: --fresh\)",
                         failure)
     assert step and int(step[3]) == int(step[1]) - 1, failure  # the newest: the step before the one that failed
     assert sorted(p.name for p in (tmp_path / "run" / "ck").iterdir())[-1] == f"step_00000{step[3]}"

@@ -1,5 +1,6 @@
 """Config loading (strict keys and types, overrides, round trip) and the minite command."""
 import dataclasses
+import os
 import subprocess
 import sys
 import typing
@@ -203,6 +204,24 @@ def test_output_directories_must_not_be_files(tmp_path):
             check_paths(load_config(None, [f"{key}={tmp_path}/f"]))
         with pytest.raises(ConfigError, match=rf"^{key}: {tmp_path}/f/run lies under the file {tmp_path}/f, not a "):
             check_paths(load_config(None, [f"{key}={tmp_path}/f/run"]))
+
+
+def test_output_directories_must_be_writable(tmp_path, monkeypatch):
+    """Checked at the nearest existing directory (root writes anywhere, so the refusal is simulated)."""
+    (tmp_path / "ro").mkdir()
+    cfg = load_config(None, [f"logging.dir={tmp_path}/ok", f"checkpoint.dir={tmp_path}/ro/a/b"])
+    check_paths(cfg)
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != tmp_path / "ro" and real(p, mode))
+    with pytest.raises(ConfigError, match=rf"^checkpoint.dir: {tmp_path}/ro/a/b cannot be written by this process "
+                                          rf"\({tmp_path}/ro is not writable\)"):
+        check_paths(cfg)
+
+
+def test_source_is_not_a_key_of_the_file(tmp_path):
+    (tmp_path / "c.yaml").write_text("source: elsewhere.yaml\n")
+    with pytest.raises(ConfigError, match=r"c.yaml: source: unknown section or key"):
+        load_config(tmp_path / "c.yaml", [])
 
 
 def test_cli_help_lists_subcommands():

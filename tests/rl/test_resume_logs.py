@@ -179,8 +179,13 @@ def test_a_start_before_checkpoints_already_there_is_refused(tmp_path):
                                           r"step 0: .*delete them with --fresh"):
         _train(_cfg(tmp_path / "b", 3, **ck, **{"checkpoint.resume": False}))
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == before
+    with pytest.raises(ConfigError, match=r"to continue the run they belong to, drop checkpoint.resume_from"):
+        _train(_cfg(tmp_path / "b", 3, **branch))
     branched = _train(_cfg(tmp_path / "b", 3, **{**branch, "checkpoint.dir": str(tmp_path / "ck-b")}))
     assert [h["step"] for h in branched.history] == [2, 3]
+    run = loop.setup(_cfg(tmp_path / "f", 3, **ck, **{"checkpoint.resume": False}), fresh=True,
+                     learner_factory=StandInLearner, engine_factory=StandInEngine, reference_factory=StandInLearner)
+    assert run.step == 0  # --fresh: rank 0 empties checkpoint.dir, no rank refuses what it is deleting
     latest = _train(_cfg(tmp_path / "a", 3, **{**branch, "checkpoint.resume_from": str(tmp_path / "ck" /
                                                                                       "step_000003")}))
     assert latest.history == []  # the newest one itself: nothing newer, nothing to do
@@ -207,9 +212,24 @@ def test_a_run_from_step_zero_moves_an_earlier_runs_logs_aside(tmp_path, caplog)
 @pytest.mark.parametrize("change", ["rl.seed=7", "rl.prompts_per_step=2", "rl.kl_coef=0.1"])
 def test_a_resume_that_cannot_follow_the_saved_state_stops_with_one_line(tmp_path, change):
     """The prompt stream's seed and batch size, and a KL penalty raised from 0 (no reference policy was kept), are
-    refused by the resume policy, naming the key, instead of failing inside the run."""
+    refused by the resume policy in one line naming the key."""
     ck = {"checkpoint.dir": str(tmp_path / "ck"), "rl.kl_coef": 0.0}
     _train(_cfg(tmp_path / "a", 1, **ck))
     key, value = change.split("=")
     with pytest.raises(ConfigError, match=rf"^{key} .* start over with --fresh"):
         _train(_cfg(tmp_path / "a", 2, **{**ck, key: value}))
+
+
+def test_a_branch_into_the_same_logging_dir_moves_the_later_logs_aside(tmp_path):
+    """Branching from step 1 of a run logged to step 3: the main run's rows 2-3 are another run's, not to be cut."""
+    ck = {"checkpoint.dir": str(tmp_path / "ck"), "checkpoint.every": 1, "checkpoint.keep": 0}
+    _train(_cfg(tmp_path / "a", 3, **ck))
+    logdir = tmp_path / "a" / "logs"
+    main = (logdir / "metrics.jsonl").read_text()
+    branch = {"checkpoint.dir": str(tmp_path / "ck-b"), "checkpoint.resume_from": str(tmp_path / "ck" / "step_000001")}
+    _train(_cfg(tmp_path / "a", 3, **branch))
+    assert (logdir / "previous_run_1" / "metrics.jsonl").read_text() == main
+    assert [r["step"] for r in _rows(logdir)] == [2, 3]
+    (logdir / "previous_run_1").rename(logdir / "previous_run_7")
+    _train(_cfg(tmp_path / "a", 3, **{**branch, "checkpoint.dir": str(tmp_path / "ck-c")}))  # past step 1 again
+    assert (logdir / "previous_run_8" / "metrics.jsonl").is_file()
