@@ -423,8 +423,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
         _resolve_yaml_paths(raw, Path(path).parent)
-    if "source" in raw:  # Config.source is where the config came from, set below, not a key of the file
-        raise ConfigError(f"{where}: source: unknown section or key (the config's file is named on the command line)")
     raw = apply_overrides(raw, overrides or [], where)
     try:
         cfg = from_dict(Config, raw, where)

@@ -6,7 +6,8 @@
   Inf in a float field is a ConfigError naming the file and the key (`FILE: section.key: ...`); the dataclass's own
   checks (__post_init__'s ValueError) come back as `FILE: section: ...`.
 - `check_key(root, item, parts, value)`: a `--set a.b=value` override against `root`'s fields and types alone.
-Fields with `metadata={"internal": True}` are set by the program, not written in a file: they are not listed as keys.
+Fields with `metadata={"internal": True}` are set by the program, not written in a file: they are not keys (an unknown
+key where given, and not listed as known).
 """
 from __future__ import annotations
 
@@ -148,10 +149,10 @@ def from_dict(cls, data: Any, where: str, key: str = ""):
     if not isinstance(data, dict):
         raise ConfigError(f"{here}: expected a mapping, got {type(data).__name__} {data!r}")
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    names = public_fields(cls)
     for k in data:
         if k not in names:
-            raise ConfigError(f"{here}: unknown key {k!r} (known: {', '.join(public_fields(cls))})")
+            raise ConfigError(f"{here}: unknown key {k!r} (known: {', '.join(names)})")
     kwargs = {k: _convert(hints[k], v, where, f"{key}.{k}" if key else k) for k, v in data.items()}
     try:
         return cls(**kwargs)

@@ -237,6 +237,8 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {d} is not a {FORMAT} checkpoint (manifest format "
                               f"{manifest.get('format')!r})")
+    if type(manifest.get("step")) is not int:
+        raise CheckpointError(f"checkpoint file {file} is corrupt (no step)")
     manifest["by_file"] = shards
     return manifest
 

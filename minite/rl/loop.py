@@ -302,10 +302,8 @@ def setup(cfg, *, learner_factory=None, engine_factory=None, reference_factory=N
     (tests); defaults are the real ones. fresh: checkpoint.dir is being emptied (by rank 0), nothing there to mix."""
     task = make_task(cfg.rl.task, length=cfg.rl.task_length, num_digits=cfg.rl.task_digits)
     check_shapes(cfg, task)
-    if cfg.checkpoint.resume_from:  # before building anything: a missing or incomplete checkpoint fails fast
-        ckpt.read_manifest(cfg.checkpoint.resume_from)
-    if not fresh:
-        refuse_mixed_runs(cfg)  # and so does a start that would put two runs' checkpoints in checkpoint.dir
+    if not fresh:  # before building anything: a missing or incomplete checkpoint.resume_from fails fast, and so
+        refuse_mixed_runs(cfg)  # does a start that would put two runs' checkpoints in checkpoint.dir
     # Model init and everything after it is a function of the config; NumPy and Python are seeded too, so the
     # RNG states a checkpoint saves do not depend on the process that happened to start the run.
     torch.manual_seed(cfg.rl.seed)

@@ -111,18 +111,14 @@ def check_resume(state: dict, cfg: Config) -> dict[str, tuple[Any, Any]]:
 
 def refuse_mixed_runs(cfg: Config) -> None:
     """ConfigError when checkpoint.dir holds a checkpoint newer than the step this run starts from (module
-    docstring). The step is checkpoint.resume_from's (its manifest), or 0 with checkpoint.resume=false; a run that
-    resumes from checkpoint.dir's newest intact checkpoint starts after everything there but corrupt ones, which it
-    names and replaces. Call before the run is built."""
+    docstring). The step is checkpoint.resume_from's (its manifest, read first: a missing or incomplete one is a
+    CheckpointError), or 0 with checkpoint.resume=false; a run that resumes from checkpoint.dir's newest intact
+    checkpoint starts after everything there but corrupt ones, which it names and replaces. Call before the run is
+    built."""
     c = cfg.checkpoint
+    start = ckpt.read_manifest(c.resume_from)["step"] if c.resume_from else 0
     if not c.dir or (c.resume and not c.resume_from):
         return
-    start = 0
-    if c.resume_from:
-        manifest = ckpt.read_manifest(c.resume_from)
-        if not isinstance(manifest.get("step"), int):
-            raise ckpt.CheckpointError(f"checkpoint {c.resume_from}: its {ckpt.MANIFEST} names no step")
-        start = manifest["step"]
     newer = [p for p in ckpt.checkpoints_newest_first(c.dir) if ckpt.step_of(p) > start]
     if not newer:
         return

@@ -220,7 +220,7 @@ def test_output_directories_must_be_writable(tmp_path, monkeypatch):
 
 def test_source_is_not_a_key_of_the_file(tmp_path):
     (tmp_path / "c.yaml").write_text("source: elsewhere.yaml\n")
-    with pytest.raises(ConfigError, match=r"c.yaml: source: unknown section or key"):
+    with pytest.raises(ConfigError, match=r"c.yaml: unknown key 'source' \(known: model, "):
         load_config(tmp_path / "c.yaml", [])
 
 
