@@ -2,6 +2,9 @@
 
     minite convert export-nvfp4 --hf DIR --out DIR          (a Hugging Face Qwen3-MoE BF16/FP32 checkpoint)
     minite convert export-nvfp4 --megatron DIR --out DIR    (a checkpoint of `minite convert hf-to-megatron`)
+A Megatron checkpoint is read as its Hugging Face tensors, each assembled from its TP/EP pieces when the export reads
+it (`_MegatronReader`, the plan megatron-to-hf writes by): no Hugging Face copy is written anywhere. Either source
+is read a layer at a time; a tensor holding NaN or Inf stops the export, named, before --out exists.
 
 What is written (the names stock SGLang/vLLM load as `modelopt_fp4`; minite.nvfp4.modelopt):
     <linear>.weight          uint8 [N, K/2]           E2M1 codes, even element in the low nibble
@@ -31,15 +34,14 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
 from minite.convert.files import check_out, input_dir, read_json_object, staged_output
-from minite.convert.hf_megatron import megatron_to_hf, scan_hf
-from minite.convert.safetensors_stream import ConversionError
+from minite.convert.hf_megatron import META_FILE, Target, assemble_rows, hf_plan_of_megatron, scan_hf, target_dtype
+from minite.convert.safetensors_stream import ConversionError, RowReader, TensorEntry, view2d
 from minite.nvfp4 import NVFP4Recipe
 from minite.nvfp4.modelopt import quant_config_dict, scale_grid_1x16
 from minite.ops import first_nonfinite, quantize_weight
@@ -189,6 +191,9 @@ class _HFReader:
         self.handles = [safe_open(str(hf_dir / f), framework="pt") for f in files]
         self.where = {k: h for h in self.handles for k in h.keys()}
 
+    def close(self) -> None:
+        self.handles, self.where = [], {}
+
     def has(self, name: str) -> bool:
         return name in self.where
 
@@ -199,6 +204,32 @@ class _HFReader:
         if self.check_finite and t.is_floating_point() and first_nonfinite({name: t}) is not None:
             raise ExportError(f"tensor {name!r} in {self.hf_dir} holds NaN or Inf: not weights to export")
         return t
+
+
+class _MegatronReader:
+    """`_HFReader`'s access over a checkpoint of `minite convert hf-to-megatron`: each Hugging Face tensor assembled
+    from its TP/EP pieces when asked for (hf_plan_of_megatron), so no Hugging Face copy is written; NaN or Inf
+    raises an ExportError naming the tensor, as `_HFReader(check_finite=True)`."""
+
+    def __init__(self, mg_dir: Path, hf_plan: Dict[str, List[Target]], found: Dict[str, TensorEntry]):
+        self.mg_dir, self.found, self.rows = mg_dir, found, RowReader()
+        self.targets = {tg.name: tg for tgs in hf_plan.values() for tg in tgs}
+        self.dtypes = {name: target_dtype(tg, found) for name, tg in self.targets.items()}  # mixed: refused here
+
+    def has(self, name: str) -> bool:
+        return name in self.targets
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.targets:
+            raise ExportError(f"missing tensor {name!r} in the Megatron checkpoint {self.mg_dir}")
+        tg = self.targets[name]
+        t = assemble_rows(tg, self.dtypes[name], self.found, self.rows, 0, view2d(tg.shape)[0]).reshape(tg.shape)
+        if t.is_floating_point() and first_nonfinite({name: t}) is not None:
+            raise ExportError(f"tensor {name!r} of {self.mg_dir} holds NaN or Inf: not weights to export")
+        return t
+
+    def close(self) -> None:
+        self.rows.close()
 
 
 def _hf_experts(r: _HFReader, p: str, n_experts: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -266,11 +297,10 @@ def write_sharded(out_dir: Path, tensors: Iterable[Tuple[str, torch.Tensor]], sh
     return len(weight_map)
 
 
-def _copy_small_files(src: Path, dst: Path) -> None:
-    for p in src.iterdir():
-        if p.is_file() and not p.name.endswith(".safetensors") and p.name not in (INDEX_FILE, "hf_quant_config.json"):
-            if p.stat().st_size < 64 * 1024 ** 2:
-                shutil.copyfile(p, dst / p.name)
+def _small_files(src: Path) -> List[Path]:
+    """The files of a HF directory to copy beside the export: config, tokenizer, generation config (under 64 MiB)."""
+    return [p for p in sorted(src.iterdir()) if p.is_file() and not p.name.endswith(".safetensors")
+            and p.name not in (INDEX_FILE, "hf_quant_config.json") and p.stat().st_size < 64 * 1024 ** 2]
 
 
 def check_input_scale(input_scale: Optional[float]) -> None:
@@ -292,27 +322,40 @@ def export_nvfp4(*, out_dir, hf_dir=None, megatron_dir=None, recipe: Optional[NV
     check_input_scale(input_scale)
     out_dir = check_out(out_dir)
     if megatron_dir is not None:
-        with tempfile.TemporaryDirectory(prefix="minite-export-") as tmp:
-            megatron_to_hf(megatron_dir, Path(tmp) / "hf", progress=False)
-            return export_nvfp4(out_dir=out_dir, hf_dir=Path(tmp) / "hf", recipe=recipe, input_scale=input_scale,
-                                backend=backend)
-    hf_dir, recipe = input_dir(hf_dir, "--hf"), recipe or NVFP4Recipe()
-    cfg_path = hf_dir / "config.json"
-    if not cfg_path.exists():
-        raise ExportError(f"{hf_dir}: no config.json")
-    hf_cfg = read_json_object(cfg_path)
-    if hf_cfg.get("model_type") != "qwen3_moe":
-        raise ExportError(f"{cfg_path}: model_type {hf_cfg.get('model_type')!r}; only qwen3_moe is exported")
-    scan_hf(hf_dir, fused_experts=True)  # the config's numbers, the index, every header, each tensor's name and shape
-    reader = _HFReader(hf_dir, check_finite=True)
-    with staged_output(out_dir) as stage:
-        packed = pack_megatron_weights(megatron_view_of_hf(reader, hf_cfg), hf_cfg, recipe, backend=backend,
-                                       input_scale=input_scale)
-        write_sharded(stage, packed)
-        _copy_small_files(hf_dir, stage)
-        qcfg = quant_config_dict(recipe, exclude_modules(hf_cfg))
-        (stage / "hf_quant_config.json").write_text(json.dumps(qcfg, indent=2) + "\n")
+        mg_dir = input_dir(megatron_dir, "--megatron")
+        meta, hf_plan, found, small = hf_plan_of_megatron(mg_dir)
+        hf_cfg, reader = meta["hf_config"], _MegatronReader(mg_dir, hf_plan, found)
+        _check_model_type(hf_cfg, mg_dir / META_FILE)
+        small_files = [mg_dir / name for name in small]
+    else:
+        hf_dir = input_dir(hf_dir, "--hf")
+        cfg_path = hf_dir / "config.json"
+        if not cfg_path.exists():
+            raise ExportError(f"{hf_dir}: no config.json")
+        hf_cfg = read_json_object(cfg_path)
+        _check_model_type(hf_cfg, cfg_path)
+        scan_hf(hf_dir, fused_experts=True)  # the config's numbers, the index, every header, each name and shape
+        reader, small_files = _HFReader(hf_dir, check_finite=True), _small_files(hf_dir)
+    recipe = recipe or NVFP4Recipe()
+    try:
+        with staged_output(out_dir) as stage:
+            packed = pack_megatron_weights(megatron_view_of_hf(reader, hf_cfg), hf_cfg, recipe, backend=backend,
+                                           input_scale=input_scale)
+            write_sharded(stage, packed)
+            for f in small_files:
+                shutil.copyfile(f, stage / f.name)
+            if not (stage / "config.json").exists():  # a Megatron checkpoint keeps the config in its metadata
+                (stage / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
+            qcfg = quant_config_dict(recipe, exclude_modules(hf_cfg))
+            (stage / "hf_quant_config.json").write_text(json.dumps(qcfg, indent=2) + "\n")
+    finally:
+        reader.close()
     return out_dir
+
+
+def _check_model_type(hf_cfg: dict, where: Path) -> None:
+    if hf_cfg.get("model_type") != "qwen3_moe":
+        raise ExportError(f"{where}: model_type {hf_cfg.get('model_type')!r}; only qwen3_moe is exported")
 
 
 def add_arguments(p) -> None:

@@ -43,9 +43,10 @@ MiB peak RSS in all), round trip bitwise.
 Checks before anything is written: --out absent or empty, config.json (a Qwen3-MoE model_type, sizes that are
 positive integers), an index or minite_checkpoint.json that is not the JSON expected, malformed safetensors headers,
 missing, extra and misshapen tensors (named with their file), an index that names a tensor its file lacks,
-truncated files (a tensor's bytes past the end of its file), the small files a Megatron checkpoint lists. The
-output is written into a staging directory and moved into --out at the end (minite/convert/files.py): a failed or
-interrupted conversion leaves no partial --out.
+truncated files (a tensor's bytes past the end of its file), the small files a Megatron checkpoint lists. A
+tensor holding NaN or Inf stops the conversion when its rows are read (named, with its source file): such weights
+would only surface as a diverged first step. The output is written into a staging directory and moved into --out
+at the end (minite/convert/files.py): a failed or interrupted conversion leaves no partial --out.
 """
 from __future__ import annotations
 
@@ -364,12 +365,31 @@ def scan_megatron(mg_dir: Path) -> Tuple[dict, Qwen3MoeShape, Dict[str, List[Tar
 # ---------------------------------------------------------------------------------------------------------------
 # writing: each target assembled CHUNK_BYTES of rows at a time
 # ---------------------------------------------------------------------------------------------------------------
-def _target_dtype(tg: Target, sources: Dict[str, TensorEntry]) -> str:
+def target_dtype(tg: Target, sources: Dict[str, TensorEntry]) -> str:
     dtypes = {sources[pc.src].dtype for pc in tg.pieces}
     if len(dtypes) != 1:
         names = sorted({f"{pc.src} ({sources[pc.src].file}: {sources[pc.src].dtype})" for pc in tg.pieces})
         raise ConversionError(f"tensor {tg.name!r} would mix dtypes from {names}")
     return dtypes.pop()
+
+
+def assemble_rows(tg: Target, dtype: str, sources: Dict[str, TensorEntry], reader: RowReader, a: int, b: int
+                  ) -> torch.Tensor:
+    """Rows [a, b) of target `tg`'s 2-D view, read from its pieces' sources."""
+    cols = view2d(tg.shape)[1]
+    buf = torch.empty(b - a, cols, dtype=DTYPES[dtype])
+    filled = 0
+    for pc in tg.pieces:
+        lo, hi = max(a, pc.dst_row), min(b, pc.dst_row + pc.r1 - pc.r0)
+        if lo >= hi:
+            continue
+        got = reader.rows(sources[pc.src], pc.r0 + lo - pc.dst_row, pc.r0 + hi - pc.dst_row)
+        buf[lo - a:hi - a, pc.dst_col:pc.dst_col + pc.c1 - pc.c0] = got[:, pc.c0:pc.c1]
+        filled += (hi - lo) * (pc.c1 - pc.c0)
+        del got  # one source slab alive at a time
+    if filled != buf.numel():
+        raise ConversionError(f"internal error: the pieces of {tg.name!r} do not tile rows {a}..{b}")
+    return buf
 
 
 def _write_target(w: StreamWriter, tg: Target, dtype: str, sources: Dict[str, TensorEntry], reader: RowReader,
@@ -379,27 +399,20 @@ def _write_target(w: StreamWriter, tg: Target, dtype: str, sources: Dict[str, Te
     widest = max([cols] + [sources[pc.src].row_elems for pc in tg.pieces])  # a column slice reads whole rows
     step = max(1, CHUNK_BYTES // (widest * itemsize))
     for a in range(0, rows, step):
-        b = min(rows, a + step)
-        buf = torch.empty(b - a, cols, dtype=DTYPES[dtype])
-        filled, got = 0, None
-        for pc in tg.pieces:
-            lo, hi = max(a, pc.dst_row), min(b, pc.dst_row + pc.r1 - pc.r0)
-            if lo >= hi:
-                continue
-            got = reader.rows(sources[pc.src], pc.r0 + lo - pc.dst_row, pc.r0 + hi - pc.dst_row)
-            buf[lo - a:hi - a, pc.dst_col:pc.dst_col + pc.c1 - pc.c0] = got[:, pc.c0:pc.c1]
-            filled += (hi - lo) * (pc.c1 - pc.c0)
-        if filled != buf.numel():
-            raise ConversionError(f"internal error: the pieces of {tg.name!r} do not tile rows {a}..{b}")
+        buf = assemble_rows(tg, dtype, sources, reader, a, min(rows, a + step))
+        if buf.is_floating_point() and first_nonfinite({tg.name: buf}) is not None:
+            files = sorted({str(sources[pc.src].file) for pc in tg.pieces})
+            raise ConversionError(f"tensor {tg.name!r} holds NaN or Inf (read from {', '.join(files)}): not weights "
+                                  "a run can start from; nothing was written")
         w.write(tg.name, buf)
         bar.update(buf.numel() * itemsize)
-        del buf, got  # free before the next chunk's allocation (else two chunks live at once)
+        del buf  # free before the next chunk's allocation (else two chunks live at once)
 
 
 def write_plan(out_dir: Path, plan: Dict[str, List[Target]], sources: Dict[str, TensorEntry],
                progress: bool = True, desc: str = "convert") -> Dict[str, int]:
     """Write every file of `plan`; returns {file: tensor bytes}. Dtypes are checked for all files first."""
-    dtypes = {f: [_target_dtype(tg, sources) for tg in tgs] for f, tgs in plan.items()}
+    dtypes = {f: [target_dtype(tg, sources) for tg in tgs] for f, tgs in plan.items()}
     sizes = {f: sum(view2d(tg.shape)[0] * view2d(tg.shape)[1] * torch.empty(0, dtype=DTYPES[dt]).element_size()
                     for tg, dt in zip(tgs, dtypes[f])) for f, tgs in plan.items()}
     reader = RowReader()
@@ -467,9 +480,9 @@ def default_hf_layout(shape: Qwen3MoeShape, shard_bytes: int = HF_SHARD_BYTES, i
     return {f"model-{i + 1:05d}-of-{total:05d}.safetensors": names for i, names in enumerate(shards)}
 
 
-def megatron_to_hf(mg_dir, out_dir, *, progress: bool = True) -> Path:
-    """Convert a checkpoint written by hf_to_megatron back to HF sharded safetensors with an index."""
-    check_out(out_dir)
+def hf_plan_of_megatron(mg_dir: Path) -> Tuple[dict, Dict[str, List[Target]], Dict[str, TensorEntry], List[str]]:
+    """(metadata, the HF files as targets reading the Megatron tensors, those tensors' entries, the small HF files
+    to copy back) of a checkpoint written by hf_to_megatron; every header and listed file checked."""
     mg_dir = Path(mg_dir)
     meta, shape, plan, found = scan_megatron(mg_dir)
     layout = meta.get("hf_layout") or default_hf_layout(shape)
@@ -483,6 +496,15 @@ def megatron_to_hf(mg_dir, out_dir, *, progress: bool = True) -> Path:
         if not (mg_dir / name).is_file():
             raise ConversionError(f"{mg_dir / name}: not found ({mg_dir / META_FILE} lists it among the Hugging Face "
                                   "files to copy back)")
+    return meta, hf_plan, found, small
+
+
+def megatron_to_hf(mg_dir, out_dir, *, progress: bool = True) -> Path:
+    """Convert a checkpoint written by hf_to_megatron back to HF sharded safetensors with an index."""
+    check_out(out_dir)
+    mg_dir = Path(mg_dir)
+    meta, hf_plan, found, small = hf_plan_of_megatron(mg_dir)
+    layout = {f: [tg.name for tg in tgs] for f, tgs in hf_plan.items()}
     with staged_output(out_dir) as stage:
         sizes = write_plan(stage, hf_plan, found, progress, desc="megatron-to-hf")
         for name in small:

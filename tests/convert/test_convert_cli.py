@@ -66,6 +66,50 @@ def test_export_names_a_tensor_holding_nan(ckpt, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no --out, no staging directory
 
 
+def _poison(path: Path, name: str) -> None:
+    """One element of tensor `name` in safetensors file `path` set to NaN."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path)
+    tensors[name].view(-1)[3] = float("nan")
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def test_every_conversion_names_a_tensor_holding_nan_and_writes_nothing(ckpt, tmp_path):
+    """A NaN in the source stops hf-to-megatron, megatron-to-hf and export-nvfp4 --megatron before --out exists."""
+    hf, mg = _copy(ckpt, "hf", tmp_path), _copy(ckpt, "mg", tmp_path)
+    _poison(hf / "model.safetensors", "model.layers.1.self_attn.o_proj.weight")
+    out = minite("convert", "hf-to-megatron", "--hf", "hf", "--out", "o", "--no-progress", cwd=tmp_path)
+    assert_one_line_failure(out, r"^minite convert: tensor 'decoder\.layers\.1\.self_attention\.linear_proj\.weight' "
+                                 r"holds NaN or Inf \(read from .*hf/model\.safetensors\)")
+    experts = next(p.name for p in sorted(mg.glob("*.safetensors")) if "expert" in p.name)
+    _poison(mg / experts, "decoder.layers.0.mlp.experts.fc2_weight")
+    out = minite("convert", "megatron-to-hf", "--megatron", "mg", "--out", "o", "--no-progress", cwd=tmp_path)
+    assert_one_line_failure(out, r"^minite convert: tensor 'model\.layers\.0\.mlp\.experts\.\d+\.down_proj\.weight' "
+                                 rf"holds NaN or Inf \(read from .*mg/{experts}\)")
+    out = minite("convert", "export-nvfp4", "--megatron", "mg", "--out", "o", cwd=tmp_path)
+    assert_one_line_failure(out, r"^minite convert: tensor 'model\.layers\.0\.mlp\.experts\.\d+\.down_proj\.weight' "
+                                 r"of mg holds NaN or Inf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "mg"]  # no --out, no staging directory
+
+
+def test_export_from_megatron_writes_no_hugging_face_copy(ckpt, tmp_path, monkeypatch):
+    """export-nvfp4 --megatron reads the Megatron shards directly: no temporary directory (a 30B model's Hugging Face
+    copy would be 60 GB there) and no HF conversion; the output equals the export from the HF source, file by file."""
+    import tempfile
+
+    from minite.convert import export_nvfp4, hf_megatron
+
+    def refused(*args, **kwargs):
+        raise AssertionError("export-nvfp4 --megatron made a temporary copy")
+
+    b = export_nvfp4.export_nvfp4(hf_dir=ckpt / "hf", out_dir=tmp_path / "b")
+    for module, name in ((tempfile, "mkdtemp"), (tempfile, "TemporaryDirectory"), (hf_megatron, "megatron_to_hf")):
+        monkeypatch.setattr(module, name, refused)
+    a = export_nvfp4.export_nvfp4(megatron_dir=ckpt / "mg", out_dir=tmp_path / "a")
+    assert _tree(a) == _tree(b)
+
+
 def test_out_holding_anything_is_refused_and_left_as_it_was(ckpt, tmp_path):
     """A single-file HF checkpoint (no index) as megatron-to-hf's --out; any config.json as hf-to-megatron's."""
     taken = _copy(ckpt, "hf", tmp_path)
