@@ -7,14 +7,19 @@ Output: `--out` must not exist or be an empty directory (a conversion never mixe
 never replaces a checkpoint). The conversion writes into a staging directory and moves its files to --out once every
 file is written (`staged_output`): an absent --out appears complete or not at all, an empty one stays empty until
 the end. A failure or Ctrl-C removes the staging directory; a process killed outright (SIGKILL) cannot, and leaves a
-`.NAME.tmp-PID-XXXXXXXX` directory beside --out (or `.minite-convert.tmp-...` inside an empty one), to be deleted by
-hand.
+`.NAME.tmp-HOST-PID-XXXXXXXX` directory beside --out (or `.minite-convert.tmp-...` inside an empty one, which would
+make it a non-empty --out). The next conversion into the same --out removes such a directory, naming it, when it was
+made on this host by a process that no longer runs (`remove_stale_stages`); one of another host (a shared file
+system) or of a live process is left alone.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import shutil
+import socket
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,6 +28,41 @@ from typing import Iterator
 from minite.convert.safetensors_stream import ConversionError
 
 _OUT_HINT = "give a new directory, or an empty one"
+_IN_EMPTY = "minite-convert"  # the staging directory's name inside an existing empty --out
+log = logging.getLogger(__name__)
+
+
+def _host() -> str:
+    """This host's name as it can stand in a file name (no '-': the staging name's fields are split at them)."""
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, another user's
+        return True
+    return True
+
+
+def remove_stale_stages(out) -> None:
+    """Remove the staging directories that conversions into `out` killed on this host left behind (module
+    docstring), each named in a warning."""
+    target = Path(os.path.abspath(out))
+    places = [(target.parent, target.name)] + ([(target, _IN_EMPTY)] if target.is_dir() else [])
+    for parent, name in places:
+        pattern = re.compile(rf"\.{re.escape(name)}\.tmp-(?P<host>[^-/]+)-(?P<pid>\d+)-[0-9a-f]{{8}}")
+        try:
+            entries = list(parent.iterdir())
+        except OSError:
+            continue
+        for p in entries:
+            m = pattern.fullmatch(p.name)
+            if m and p.is_dir() and not p.is_symlink() and m["host"] == _host() and not _alive(int(m["pid"])):
+                shutil.rmtree(p, ignore_errors=True)
+                log.warning("removed %s: the staging directory of a conversion into %s that was killed", p, out)
 
 
 def input_dir(path, option: str) -> Path:
@@ -76,8 +116,10 @@ def read_index(path) -> dict:
 
 
 def check_out(out) -> Path:
-    """`out` as a Path when it may receive a conversion: absent, or an empty directory (module docstring)."""
+    """`out` as a Path when it may receive a conversion: absent, or an empty directory (module docstring), once
+    the staging directories of killed conversions into it are removed."""
     out = Path(out)
+    remove_stale_stages(out)
     if out.is_dir():
         if any(out.iterdir()):
             raise ConversionError(f"--out {out}: directory not empty, refusing to write over it ({_OUT_HINT})")
@@ -96,7 +138,8 @@ def staged_output(out) -> Iterator[Path]:
     existing = shown.is_dir()
     target = Path(os.path.abspath(shown))  # normalised: "." or "a/.." has no name to stage beside
     parent = target if existing else target.parent
-    stage = parent / f".{'minite-convert' if existing else target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    name = _IN_EMPTY if existing else target.name
+    stage = parent / f".{name}.tmp-{_host()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         parent.mkdir(parents=True, exist_ok=True)
         stage.mkdir()

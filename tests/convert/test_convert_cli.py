@@ -327,3 +327,32 @@ def test_export_reads_transformers5_fused_experts(ckpt, tmp_path):
     save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
     fused = _tree(export_nvfp4(hf_dir=hf, out_dir=tmp_path / "fused"))
     assert fused == _tree(export_nvfp4(hf_dir=ckpt / "hf", out_dir=tmp_path / "per-expert"))
+
+
+@pytest.mark.parametrize("exists", [False, True])
+def test_a_killed_conversions_staging_directory_goes_with_the_next_conversion(ckpt, tmp_path, exists):
+    """SIGKILL leaves the staging directory (no handler runs): the next conversion into the same --out removes it,
+    naming it, when its process is gone and it was made on this host; another host's, or a live process's, stays.
+    Inside an empty --out (exists) it would otherwise make --out non-empty and refuse the rerun."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    place, name = (tmp_path / "o", ".minite-convert") if exists else (tmp_path, ".o")
+    stale = place / f"{name}.tmp-{host}-{dead.pid}-0123abcd"
+    kept = [] if exists else [place / f"{name}.tmp-elsewhere-{dead.pid}-0123abcd",
+                              place / f"{name}.tmp-{host}-{os.getpid()}-0123abcd"]
+    for d in [stale, *kept]:
+        (d / "sub").mkdir(parents=True)
+        (d / "sub" / "model.safetensors").write_bytes(b"partial")
+    out = minite("convert", "export-nvfp4", "--hf", str(ckpt / "hf"), "--out", "o", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"removed {stale}: the staging directory of a conversion into o that was killed" in out.stderr
+    assert not stale.exists() and all(d.exists() for d in kept)
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == sorted(
+        p.name for p in (tmp_path / "o").iterdir() if not p.name.startswith("."))  # nothing hidden left inside
+    assert (tmp_path / "o" / "hf_quant_config.json").is_file()
