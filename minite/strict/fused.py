@@ -122,48 +122,12 @@ if TRIED:
                                         ", ".join(sorted(TRIED)))
 
 if triton is not None:
-    @triton.jit(do_not_specialize=["n"])
-    def _exp_kernel(x_ptr, y_ptr, n, C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr,
-                    C4: tl.constexpr, C5: tl.constexpr, C6: tl.constexpr, C7: tl.constexpr, C8: tl.constexpr,
-                    C9: tl.constexpr, C10: tl.constexpr, C11: tl.constexpr, C12: tl.constexpr, C13: tl.constexpr,
-                    LOG2E: tl.constexpr, LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, RNE: tl.constexpr,
-                    BLOCK_SIZE: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-        mask = offs < n
-        x64 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float64)
-        nan = x64 != x64
-        xc = tl.where(nan, 0.0, x64)
-        xc = tl.minimum(tl.maximum(xc, -150.0), 89.0)
-        t = xc * LOG2E
-        k = (t + RNE) - RNE
-        r = (xc - k * LN2_HI) - k * LN2_LO
-        acc = tl.full(r.shape, C13, tl.float64)
-        acc = acc * r + C12
-        acc = acc * r + C11
-        acc = acc * r + C10
-        acc = acc * r + C9
-        acc = acc * r + C8
-        acc = acc * r + C7
-        acc = acc * r + C6
-        acc = acc * r + C5
-        acc = acc * r + C4
-        acc = acc * r + C3
-        acc = acc * r + C2
-        acc = acc * r + C1
-        acc = acc * r + C0
-        p2 = ((k.to(tl.int64) + 1023) << 52).to(tl.float64, bitcast=True)
-        y = (acc * p2).to(tl.float32)
-        y = tl.where(x64 < -150.0, 0.0, y)
-        y = tl.where(x64 > 89.0, float("inf"), y)
-        y = tl.where(nan, float("nan"), y)
-        tl.store(y_ptr + offs, y, mask=mask)
-
     @triton.jit
     def _exp64(x64, C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr,
                C5: tl.constexpr, C6: tl.constexpr, C7: tl.constexpr, C8: tl.constexpr, C9: tl.constexpr,
                C10: tl.constexpr, C11: tl.constexpr, C12: tl.constexpr, C13: tl.constexpr, LOG2E: tl.constexpr,
                LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, RNE: tl.constexpr):
-        """_exp_kernel's arithmetic on a float64 tensor -> float32 (the same operations; for the kernels below)."""
+        """`exp`'s arithmetic on a float64 tensor -> float32 (_exp_kernel's, and every strict kernel's exponent)."""
         nan = x64 != x64
         xc = tl.where(nan, 0.0, x64)
         xc = tl.minimum(tl.maximum(xc, -150.0), 89.0)
@@ -189,6 +153,18 @@ if triton is not None:
         y = tl.where(x64 < -150.0, 0.0, y)
         y = tl.where(x64 > 89.0, float("inf"), y)
         return tl.where(nan, float("nan"), y)
+
+    @triton.jit(do_not_specialize=["n"])
+    def _exp_kernel(x_ptr, y_ptr, n, C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr,
+                    C4: tl.constexpr, C5: tl.constexpr, C6: tl.constexpr, C7: tl.constexpr, C8: tl.constexpr,
+                    C9: tl.constexpr, C10: tl.constexpr, C11: tl.constexpr, C12: tl.constexpr, C13: tl.constexpr,
+                    LOG2E: tl.constexpr, LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, RNE: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+        mask = offs < n
+        x64 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float64)
+        y = _exp64(x64, C0, C1, C2, C3, C4, C5, C6, C7, C8, C9, C10, C11, C12, C13, LOG2E, LN2_HI, LN2_LO, RNE)
+        tl.store(y_ptr + offs, y, mask=mask)
 
     @triton.jit
     def _pair_tree(acc, LEVELS: tl.constexpr, SPLIT: tl.constexpr):
