@@ -94,6 +94,7 @@ def test_one_more_micro_batch_adds_no_host_synchronisation(precision):
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "bench"))
     import sync_census
+    from profiling import SYNC_WARNING
     from minite.rl.loop import train_on_batch
 
     def syncs(micro_batches):
@@ -109,7 +110,7 @@ def test_one_more_micro_batch_adds_no_host_synchronisation(precision):
                 torch.cuda.set_sync_debug_mode("default")
         run.learner.close()
         return collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught
-                                   if "synchroniz" in str(w.message))
+                                   if SYNC_WARNING in str(w.message))
 
     two, four = syncs(2), syncs(4)
     assert sum(two.values()) > 0  # the counter works: the step's own reads are seen

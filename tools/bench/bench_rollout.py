@@ -71,7 +71,7 @@ from pathlib import Path
 import torch
 
 from decode_reference import ReferenceDecoder, Shape, time_step
-from profiling import print_top
+from profiling import SYNC_WARNING, print_top
 from provenance import commit
 from shapes import FULL
 
@@ -248,7 +248,7 @@ def host_syncs_per_step(engine, a: argparse.Namespace, shape: dict, batch: int) 
                 _timed_generate(engine, prompts.tolist(), n)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        counts.append(sum("synchronizing" in str(w.message) for w in caught))
+        counts.append(sum(SYNC_WARNING in str(w.message) for w in caught))
     return (counts[1] - counts[0]) / 4
 
 

@@ -70,6 +70,13 @@ def print_py_top(fn, top: int, label: str = "", show: bool = True) -> None:
         print(out.getvalue(), flush=True)
 
 
+# torch's warning at each synchronising operation in sync debug mode ("warn"). Match it exactly: the mode's first
+# setting in a process also warns, once, that the mode "does not yet detect all synchronizing operations", which a
+# match on "synchroniz" counted as one synchronisation (the -0.2 host syncs a step of some rollout rows, and a failure
+# of the RL micro-batch test run alone; docs/benchmarks.md, the thirty-second session).
+SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
 def print_sync_sites(fn, top: int, label: str = "", show: bool = True, root: str | None = None) -> int:
     """One call of fn with torch's CUDA sync debug mode on: every host synchronisation (an `.item()`, a `.tolist()`,
     a pageable copy) is counted by the call site nearest to it in this repository (or Megatron-Core), printed as the
@@ -86,7 +93,7 @@ def print_sync_sites(fn, top: int, label: str = "", show: bool = True, root: str
     sites: collections.Counter = collections.Counter()
 
     def record(message, category, filename, lineno, file=None, line=None):
-        if "synchroniz" not in str(message):  # torch's "called a synchronizing CUDA operation"; others as usual
+        if SYNC_WARNING not in str(message):  # a synchronisation; other warnings as usual
             return old(message, category, filename, lineno, file, line)
         frames = [f for f in traceback.extract_stack()[:-1]
                   if (f.filename.startswith(root) or "/megatron/" in f.filename) and "/tools/bench/" not in f.filename]
