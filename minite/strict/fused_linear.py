@@ -33,8 +33,23 @@ MAX_COLUMN_BLOCKS = 65535
 """CUDA's limit on the grid's second axis (the column blocks); wider outputs stay on the torch ops (`applies`)."""
 
 
+MIN_PROGRAMS = 1024
+"""Rows share a program (`_rows`) only while the launch keeps at least this many programs (~8 a SM on the H200)."""
+
+
 def _block_n(n: int, width: int) -> int:
     return max(1, min(next_power_of_2(n), BLOCK_ELEMS // width))
+
+
+def _rows(m: int, column_blocks: int) -> int:
+    """Rows a program computes with one load of its weight block: 1, 2, 4 or 8 (at most m), as many as keep
+    MIN_PROGRAMS programs. One row a program re-read the router's whole weight (1 MiB in fp32) for every row: at
+    batch 256 the strict router took 112 us a layer on an H100 (docs/benchmarks.md, the thirty-second session). Each
+    row's products and tree are the same operations either way, so the bits are too."""
+    rows = 1
+    while rows < 8 and 2 * rows <= m and cdiv(m, 2 * rows) * column_blocks >= MIN_PROGRAMS:
+        rows *= 2
+    return rows
 
 
 def applies(n: int, k: int) -> bool:
@@ -47,15 +62,16 @@ def applies(n: int, k: int) -> bool:
 if triton is not None:
     @triton.jit(do_not_specialize=["m", "n", "k"])
     def _linear_kernel(x_ptr, w_ptr, y_ptr, m, n, k, sxm, swn, BLOCK_N: tl.constexpr, WIDTH: tl.constexpr,
-                       LEVELS: tl.constexpr, SPLIT: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
+                       LEVELS: tl.constexpr, SPLIT: tl.constexpr, ROWS: tl.constexpr):
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         kk = tl.arange(0, WIDTH)
-        x = fused._load_f32(x_ptr, row * sxm + kk, kk < k)
         w = fused._load_f32(w_ptr, cols[:, None].to(tl.int64) * swn + kk[None, :],
                             (cols < n)[:, None] & (kk < k)[None, :])
-        y = fused._pair_tree(x[None, :] * w, LEVELS, SPLIT)
-        tl.store(y_ptr + row * n + cols, y, mask=cols < n)
+        for r in range(ROWS):  # the weight block loaded once for ROWS rows; each row's operations as alone
+            row = tl.program_id(0).to(tl.int64) * ROWS + r
+            x = fused._load_f32(x_ptr, row * sxm + kk, (kk < k) & (kk * 0 + row < m))  # masks as tensors
+            y = fused._pair_tree(x[None, :] * w, LEVELS, SPLIT)
+            tl.store(y_ptr + row * n + cols, y, mask=(cols < n) & (cols * 0 + row < m))
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -78,7 +94,8 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     xc, wc = x.contiguous(), w.contiguous()
     width = 1 << (k - 1).bit_length()  # k == 1: width 1, no addition (as ops.tree_sum)
     block_n = _block_n(n, width)
-    launcher(_linear_kernel)[(m, cdiv(n, block_n))](
+    rows = _rows(m, cdiv(n, block_n))
+    launcher(_linear_kernel)[(cdiv(m, rows), cdiv(n, block_n))](
         xc, wc, out, m, n, k, xc.stride(0), wc.stride(0), BLOCK_N=block_n, WIDTH=width, LEVELS=width.bit_length() - 1,
-        SPLIT=fused.pair_split(), num_warps=LINEAR_WARPS, enable_fp_fusion=False)
+        SPLIT=fused.pair_split(), ROWS=rows, num_warps=LINEAR_WARPS, enable_fp_fusion=False)
     return out

@@ -48,6 +48,28 @@ def test_fused_linear_router_shape_and_mixed_dtypes(monkeypatch):
     assert _same(fused_linear.linear(xb, w), _reference(xb, w, monkeypatch))
 
 
+@pytest.mark.parametrize("m", [5, 8, 13])
+def test_rows_sharing_a_weight_block_give_each_rows_bits(m, monkeypatch):
+    """Up to 8 rows a program (the weight block loaded once, `_rows`; a batch of 256 on the GPU), the last program's
+    rows past m masked: every row's bits as ops._linear_fwd's and as the row alone."""
+    monkeypatch.setattr(fused_linear, "MIN_PROGRAMS", 1)
+    assert fused_linear._rows(m, 2) == min(8, 1 << (m.bit_length() - 1)) and fused_linear._rows(1, 2) == 1
+    g = torch.Generator().manual_seed(m)
+    x = (torch.randn(m, 300, generator=g) * torch.logspace(-3, 3, 300)).to(DEVICE)
+    w = torch.randn(20, 300, generator=g).to(DEVICE)
+    x[m - 1, 7] = math.nan
+    got = fused_linear.linear(x, w)
+    assert _same(got, _reference(x, w, monkeypatch))
+    for r in (0, m - 1):
+        assert torch.equal(fused_linear.linear(x[r:r + 1], w).view(torch.int32), got[r:r + 1].view(torch.int32))
+
+
+def test_rows_a_program_keep_the_launch_wide():
+    """Rows share a program only while MIN_PROGRAMS programs remain: the decode batches of the strict router (128
+    experts at K = 2048: 32 column blocks)."""
+    assert [fused_linear._rows(m, 32) for m in (1, 8, 32, 64, 128, 256, 4096)] == [1, 1, 1, 2, 4, 8, 8]
+
+
 def test_fused_linear_edges_and_errors():
     x, w = torch.randn(2, 8, device=DEVICE), torch.randn(3, 8, device=DEVICE)
     assert fused_linear.linear(x[:0], w).shape == (0, 3)
