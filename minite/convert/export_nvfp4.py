@@ -4,7 +4,7 @@
     minite convert export-nvfp4 --megatron DIR --out DIR    (a checkpoint of `minite convert hf-to-megatron`)
 A Megatron checkpoint is read as its Hugging Face tensors, each assembled from its TP/EP pieces when the export reads
 it (`_MegatronReader`, the plan megatron-to-hf writes by): no Hugging Face copy is written anywhere. Either source
-is read a layer at a time; a tensor holding NaN or Inf stops the export, named, before --out exists.
+is read a layer at a time; a tensor holding NaN or Inf stops the export, named, before anything lands in --out.
 
 What is written (the names stock SGLang/vLLM load as `modelopt_fp4`; minite.nvfp4.modelopt):
     <linear>.weight          uint8 [N, K/2]           E2M1 codes, even element in the low nibble
@@ -208,8 +208,8 @@ class _HFReader:
 
 class _MegatronReader:
     """`_HFReader`'s access over a checkpoint of `minite convert hf-to-megatron`: each Hugging Face tensor assembled
-    from its TP/EP pieces when asked for (hf_plan_of_megatron), so no Hugging Face copy is written; NaN or Inf
-    raises an ExportError naming the tensor, as `_HFReader(check_finite=True)`."""
+    from its TP/EP pieces when asked for (hf_plan_of_megatron), so no Hugging Face copy is written; a source holding
+    NaN or Inf stops the export, named (`assemble_rows`; replicas are checked by hf_plan_of_megatron)."""
 
     def __init__(self, mg_dir: Path, hf_plan: Dict[str, List[Target]], found: Dict[str, TensorEntry]):
         self.mg_dir, self.found, self.rows = mg_dir, found, RowReader()
@@ -223,10 +223,7 @@ class _MegatronReader:
         if name not in self.targets:
             raise ExportError(f"missing tensor {name!r} in the Megatron checkpoint {self.mg_dir}")
         tg = self.targets[name]
-        t = assemble_rows(tg, self.dtypes[name], self.found, self.rows, 0, view2d(tg.shape)[0]).reshape(tg.shape)
-        if t.is_floating_point() and first_nonfinite({name: t}) is not None:
-            raise ExportError(f"tensor {name!r} of {self.mg_dir} holds NaN or Inf: not weights to export")
-        return t
+        return assemble_rows(tg, self.dtypes[name], self.found, self.rows, 0, view2d(tg.shape)[0]).reshape(tg.shape)
 
     def close(self) -> None:
         self.rows.close()
@@ -297,9 +294,11 @@ def write_sharded(out_dir: Path, tensors: Iterable[Tuple[str, torch.Tensor]], sh
     return len(weight_map)
 
 
-def _small_files(src: Path) -> List[Path]:
-    """The files of a HF directory to copy beside the export: config, tokenizer, generation config (under 64 MiB)."""
-    return [p for p in sorted(src.iterdir()) if p.is_file() and not p.name.endswith(".safetensors")
+def _small_files(files: Iterable[Path]) -> List[Path]:
+    """Of `files` (a HF directory's, or those a Megatron checkpoint kept of one), those to copy beside the export:
+    config, tokenizer, generation config; not weights of any format, not 64 MiB or more (a .bin twin of the
+    weights, say), not an index or a quantisation config of their own."""
+    return [p for p in sorted(files) if p.is_file() and not p.name.endswith(".safetensors")
             and p.name not in (INDEX_FILE, "hf_quant_config.json") and p.stat().st_size < 64 * 1024 ** 2]
 
 
@@ -326,7 +325,7 @@ def export_nvfp4(*, out_dir, hf_dir=None, megatron_dir=None, recipe: Optional[NV
         meta, hf_plan, found, small = hf_plan_of_megatron(mg_dir)
         hf_cfg, reader = meta["hf_config"], _MegatronReader(mg_dir, hf_plan, found)
         _check_model_type(hf_cfg, mg_dir / META_FILE)
-        small_files = [mg_dir / name for name in small]
+        small_files = _small_files(mg_dir / name for name in small)
     else:
         hf_dir = input_dir(hf_dir, "--hf")
         cfg_path = hf_dir / "config.json"
@@ -335,7 +334,7 @@ def export_nvfp4(*, out_dir, hf_dir=None, megatron_dir=None, recipe: Optional[NV
         hf_cfg = read_json_object(cfg_path)
         _check_model_type(hf_cfg, cfg_path)
         scan_hf(hf_dir, fused_experts=True)  # the config's numbers, the index, every header, each name and shape
-        reader, small_files = _HFReader(hf_dir, check_finite=True), _small_files(hf_dir)
+        reader, small_files = _HFReader(hf_dir, check_finite=True), _small_files(hf_dir.iterdir())
     recipe = recipe or NVFP4Recipe()
     try:
         with staged_output(out_dir) as stage:

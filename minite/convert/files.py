@@ -9,11 +9,15 @@ file is written (`staged_output`): an absent --out appears complete or not at al
 the end. A failure or Ctrl-C removes the staging directory; a process killed outright (SIGKILL) cannot, and leaves a
 `.NAME.tmp-HOST-PID-XXXXXXXX` directory beside --out (or `.minite-convert.tmp-...` inside an empty one, which would
 make it a non-empty --out). The next conversion into the same --out removes such a directory, naming it, when it was
-made on this host by a process that no longer runs (`remove_stale_stages`); one of another host (a shared file
-system) or of a live process is left alone.
+made on this host and no process holds its lock any more: a conversion holds an exclusive flock on the lock file in
+its staging directory until its files are in place, and the kernel releases it when the process dies however it
+dies (`remove_stale_stages`). A staging directory of another host (a shared file system), one still locked (a
+conversion running, perhaps in another container that shares the host name but not the PID namespace), and one
+without its lock file (being created, or moved into place) are left alone.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -32,36 +36,54 @@ _IN_EMPTY = "minite-convert"  # the staging directory's name inside an existing 
 log = logging.getLogger(__name__)
 
 
+_LOCK = ".minite-convert.lock"  # in a staging directory: flocked by its conversion until its files are in place
+
+
 def _host() -> str:
-    """This host's name as it can stand in a file name (no '-': the staging name's fields are split at them)."""
-    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+    """This host's name as it can stand in a file name (no '-': the staging name's fields are split at them; at most
+    32 characters, so that a long --out name still fits a file name)."""
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())[:32] or "host"
 
 
-def _alive(pid: int) -> bool:
+def _lock(path: Path):
+    """An exclusive flock on file `path` (created if absent): the open file, or None when another holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # exists, another user's
-        return True
-    return True
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def remove_stale_stages(out) -> None:
-    """Remove the staging directories that conversions into `out` killed on this host left behind (module
-    docstring), each named in a warning."""
+    """Remove the staging directories that killed conversions into `out` left on this host (module docstring), each
+    named in a warning."""
     target = Path(os.path.abspath(out))
     places = [(target.parent, target.name)] + ([(target, _IN_EMPTY)] if target.is_dir() else [])
     for parent, name in places:
-        pattern = re.compile(rf"\.{re.escape(name)}\.tmp-(?P<host>[^-/]+)-(?P<pid>\d+)-[0-9a-f]{{8}}")
+        pattern = re.compile(rf"\.{re.escape(name)}\.tmp-(?P<host>[^-/]+)-\d+-[0-9a-f]{{8}}")
         try:
             entries = list(parent.iterdir())
         except OSError:
             continue
         for p in entries:
             m = pattern.fullmatch(p.name)
-            if m and p.is_dir() and not p.is_symlink() and m["host"] == _host() and not _alive(int(m["pid"])):
+            if not (m and m["host"] == _host() and p.is_dir() and not p.is_symlink() and (p / _LOCK).is_file()):
+                continue
+            try:
+                fd = _lock(p / _LOCK)
+            except OSError:
+                continue
+            if fd is None:  # a conversion holds it: running
+                continue
+            try:
                 shutil.rmtree(p, ignore_errors=True)
+            finally:
+                os.close(fd)
+            if p.exists():
+                log.warning("could not remove %s, the staging directory of a killed conversion into %s", p, out)
+            else:
                 log.warning("removed %s: the staging directory of a conversion into %s that was killed", p, out)
 
 
@@ -121,8 +143,12 @@ def check_out(out) -> Path:
     out = Path(out)
     remove_stale_stages(out)
     if out.is_dir():
-        if any(out.iterdir()):
-            raise ConversionError(f"--out {out}: directory not empty, refusing to write over it ({_OUT_HINT})")
+        inside = sorted(p.name for p in out.iterdir())
+        if inside:
+            what = (f"{inside[0]!r}, the staging directory of a conversion into it that is running or ran on another "
+                    "host: delete it if none is" if inside[0].startswith(f".{_IN_EMPTY}.tmp-") else repr(inside[0]))
+            raise ConversionError(f"--out {out}: directory not empty ({what}), refusing to write over it "
+                                  f"({_OUT_HINT})")
     elif out.exists() or out.is_symlink():
         raise ConversionError(f"--out {out}: exists and is not a directory ({_OUT_HINT})")
     return out
@@ -143,10 +169,13 @@ def staged_output(out) -> Iterator[Path]:
     try:
         parent.mkdir(parents=True, exist_ok=True)
         stage.mkdir()
+        lock = _lock(stage / _LOCK)  # held until the files are in place (module docstring)
     except OSError as e:
+        shutil.rmtree(stage, ignore_errors=True)
         raise ConversionError(f"--out {shown}: cannot create a directory there: {e.strerror or e}") from None
     try:
         yield stage
+        (stage / _LOCK).unlink()  # not part of the output; the open file keeps the lock until the end
         if existing:
             _move_into(stage, target, shown)
         else:
@@ -158,6 +187,9 @@ def staged_output(out) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
+    finally:
+        if lock is not None:
+            os.close(lock)
 
 
 def _move_into(stage: Path, target: Path, shown: Path) -> None:

@@ -63,7 +63,7 @@ from minite.models.qwen3_moe import Qwen3MoeShape, qwen3_moe_fields
 from minite.ops import first_nonfinite
 from minite.convert.files import check_out, input_dir, plain_name, read_index, read_json_object, staged_output
 from minite.convert.safetensors_stream import (
-    DTYPES, ConversionError, RowReader, StreamWriter, TensorEntry, read_header, view2d,
+    DTYPES, ConversionError, RowReader, StreamWriter, TensorEntry, read_header, refuse_nonfinite, view2d,
 )
 
 FORMAT = "minite-megatron-sharded-safetensors/1"
@@ -375,7 +375,8 @@ def target_dtype(tg: Target, sources: Dict[str, TensorEntry]) -> str:
 
 def assemble_rows(tg: Target, dtype: str, sources: Dict[str, TensorEntry], reader: RowReader, a: int, b: int
                   ) -> torch.Tensor:
-    """Rows [a, b) of target `tg`'s 2-D view, read from its pieces' sources."""
+    """Rows [a, b) of target `tg`'s 2-D view, read from its pieces' sources; a source holding NaN or Inf in what is
+    read stops the conversion, named (safetensors_stream.refuse_nonfinite)."""
     cols = view2d(tg.shape)[1]
     buf = torch.empty(b - a, cols, dtype=DTYPES[dtype])
     filled = 0
@@ -384,6 +385,7 @@ def assemble_rows(tg: Target, dtype: str, sources: Dict[str, TensorEntry], reade
         if lo >= hi:
             continue
         got = reader.rows(sources[pc.src], pc.r0 + lo - pc.dst_row, pc.r0 + hi - pc.dst_row)
+        refuse_nonfinite(got[:, pc.c0:pc.c1], sources[pc.src], tg.name)
         buf[lo - a:hi - a, pc.dst_col:pc.dst_col + pc.c1 - pc.c0] = got[:, pc.c0:pc.c1]
         filled += (hi - lo) * (pc.c1 - pc.c0)
         del got  # one source slab alive at a time
@@ -400,10 +402,6 @@ def _write_target(w: StreamWriter, tg: Target, dtype: str, sources: Dict[str, Te
     step = max(1, CHUNK_BYTES // (widest * itemsize))
     for a in range(0, rows, step):
         buf = assemble_rows(tg, dtype, sources, reader, a, min(rows, a + step))
-        if buf.is_floating_point() and first_nonfinite({tg.name: buf}) is not None:
-            files = sorted({str(sources[pc.src].file) for pc in tg.pieces})
-            raise ConversionError(f"tensor {tg.name!r} holds NaN or Inf (read from {', '.join(files)}): not weights "
-                                  "a run can start from; nothing was written")
         w.write(tg.name, buf)
         bar.update(buf.numel() * itemsize)
         del buf  # free before the next chunk's allocation (else two chunks live at once)
@@ -491,12 +489,27 @@ def hf_plan_of_megatron(mg_dir: Path) -> Tuple[dict, Dict[str, List[Target]], Di
     if sorted(listed) != sorted(shapes):
         raise ConversionError(f"{mg_dir / META_FILE}: hf_layout does not list each Qwen3-MoE tensor exactly once")
     hf_plan = invert_plan(plan, shapes, layout)
+    _check_replicas(plan, found)
     small = meta.get("hf_files") or []
     for name in small:
         if not (mg_dir / name).is_file():
             raise ConversionError(f"{mg_dir / name}: not found ({mg_dir / META_FILE} lists it among the Hugging Face "
                                   "files to copy back)")
     return meta, hf_plan, found, small
+
+
+def _check_replicas(plan: Dict[str, List[Target]], found: Dict[str, TensorEntry]) -> None:
+    """Replicas (norms and routers a TP rank holds a copy of) are not read back (invert_plan), but a rank loads its
+    copy: one holding NaN or Inf stops the conversion as any tensor read does. Small tensors, read whole."""
+    reader = RowReader()
+    try:
+        for file, targets in plan.items():
+            for tg in targets:
+                if tg.replica:
+                    entry = found[f"{file}::{tg.name}"]
+                    refuse_nonfinite(reader.rows(entry, 0, entry.rows), entry, entry.name)
+    finally:
+        reader.close()
 
 
 def megatron_to_hf(mg_dir, out_dir, *, progress: bool = True) -> Path:

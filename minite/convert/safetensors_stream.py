@@ -26,6 +26,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from minite.ops import first_nonfinite
+
 DTYPES: Dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -149,6 +151,15 @@ class RowReader:
         for f in self._files.values():
             f.close()
         self._files.clear()
+
+
+def refuse_nonfinite(t: torch.Tensor, entry: TensorEntry, target: str) -> None:
+    """ConversionError naming the source tensor and its file when floating t (read from it) holds NaN or Inf: weights
+    no run can start from (they would surface as a diverged first step)."""
+    if t.is_floating_point() and first_nonfinite({entry.name: t}) is not None:
+        into = "" if target == entry.name else f", read for {target!r}"
+        raise ConversionError(f"tensor {entry.name!r} in {entry.file} holds NaN or Inf{into}: not weights a run can "
+                              "start from; nothing was written")
 
 
 class StreamWriter:

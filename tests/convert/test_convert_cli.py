@@ -76,38 +76,57 @@ def _poison(path: Path, name: str) -> None:
 
 
 def test_every_conversion_names_a_tensor_holding_nan_and_writes_nothing(ckpt, tmp_path):
-    """A NaN in the source stops hf-to-megatron, megatron-to-hf and export-nvfp4 --megatron before --out exists."""
+    """A NaN in the source stops hf-to-megatron, megatron-to-hf and export-nvfp4 --megatron before anything lands in
+    --out, naming the source tensor, its file and what it was read for; a TP replica (a norm every TP rank holds a
+    copy of, never read back) too."""
+    from minite.convert.hf_megatron import dense_file, hf_to_megatron
+
     hf, mg = _copy(ckpt, "hf", tmp_path), _copy(ckpt, "mg", tmp_path)
+    hf_to_megatron(ckpt / "hf", tmp_path / "tp2", tp=2, progress=False)
     _poison(hf / "model.safetensors", "model.layers.1.self_attn.o_proj.weight")
     out = minite("convert", "hf-to-megatron", "--hf", "hf", "--out", "o", "--no-progress", cwd=tmp_path)
-    assert_one_line_failure(out, r"^minite convert: tensor 'decoder\.layers\.1\.self_attention\.linear_proj\.weight' "
-                                 r"holds NaN or Inf \(read from .*hf/model\.safetensors\)")
+    assert_one_line_failure(out, r"^minite convert: tensor 'model\.layers\.1\.self_attn\.o_proj\.weight' in "
+                                 r"\S*hf/model\.safetensors holds NaN or Inf, read for "
+                                 r"'decoder\.layers\.1\.self_attention\.linear_proj\.weight': not weights")
     experts = next(p.name for p in sorted(mg.glob("*.safetensors")) if "expert" in p.name)
     _poison(mg / experts, "decoder.layers.0.mlp.experts.fc2_weight")
-    out = minite("convert", "megatron-to-hf", "--megatron", "mg", "--out", "o", "--no-progress", cwd=tmp_path)
-    assert_one_line_failure(out, r"^minite convert: tensor 'model\.layers\.0\.mlp\.experts\.\d+\.down_proj\.weight' "
-                                 rf"holds NaN or Inf \(read from .*mg/{experts}\)")
-    out = minite("convert", "export-nvfp4", "--megatron", "mg", "--out", "o", cwd=tmp_path)
-    assert_one_line_failure(out, r"^minite convert: tensor 'model\.layers\.0\.mlp\.experts\.\d+\.down_proj\.weight' "
-                                 r"of mg holds NaN or Inf")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "mg"]  # no --out, no staging directory
+    for command in (["megatron-to-hf", "--megatron", "mg", "--no-progress"], ["export-nvfp4", "--megatron", "mg"]):
+        out = minite("convert", *command, "--out", "o", cwd=tmp_path)
+        assert_one_line_failure(out, rf"^minite convert: tensor 'decoder\.layers\.0\.mlp\.experts\.fc2_weight' in "
+                                     rf"\S*mg/{experts} holds NaN or Inf, read for "
+                                     r"'model\.layers\.0\.mlp\.experts\.\d+\.down_proj\.weight'")
+    _poison(tmp_path / "tp2" / dense_file(1, 0), "decoder.layers.0.input_layernorm.weight")
+    for command in (["megatron-to-hf", "--megatron", "tp2", "--no-progress"], ["export-nvfp4", "--megatron", "tp2"]):
+        out = minite("convert", *command, "--out", "o", cwd=tmp_path)
+        assert_one_line_failure(out, r"^minite convert: tensor 'decoder\.layers\.0\.input_layernorm\.weight' in "
+                                     rf"\S*tp2/{dense_file(1, 0)} holds NaN or Inf: not weights")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "mg", "tp2"]  # no --out, no staging directory
 
 
-def test_export_from_megatron_writes_no_hugging_face_copy(ckpt, tmp_path, monkeypatch):
+@pytest.mark.parametrize("tp,ep", [(1, 1), (2, 2)])
+def test_export_from_megatron_writes_no_hugging_face_copy(ckpt, tmp_path, monkeypatch, tp, ep):
     """export-nvfp4 --megatron reads the Megatron shards directly: no temporary directory (a 30B model's Hugging Face
-    copy would be 60 GB there) and no HF conversion; the output equals the export from the HF source, file by file."""
+    copy would be 60 GB there) and no HF conversion; the output equals the export from the HF source, file by file,
+    for a TP and EP split too. A 64 MiB file beside the weights (a .bin twin, say), which hf-to-megatron keeps, is
+    copied by neither export."""
     import tempfile
 
-    from minite.convert import export_nvfp4, hf_megatron
+    from minite.convert import export_nvfp4
+    from minite.convert.hf_megatron import hf_to_megatron
 
     def refused(*args, **kwargs):
         raise AssertionError("export-nvfp4 --megatron made a temporary copy")
 
-    b = export_nvfp4.export_nvfp4(hf_dir=ckpt / "hf", out_dir=tmp_path / "b")
-    for module, name in ((tempfile, "mkdtemp"), (tempfile, "TemporaryDirectory"), (hf_megatron, "megatron_to_hf")):
-        monkeypatch.setattr(module, name, refused)
-    a = export_nvfp4.export_nvfp4(megatron_dir=ckpt / "mg", out_dir=tmp_path / "a")
-    assert _tree(a) == _tree(b)
+    hf = _copy(ckpt, "hf", tmp_path)
+    with open(hf / "pytorch_model.bin", "wb") as f:
+        f.truncate(64 * 1024 ** 2)  # sparse
+    mg = hf_to_megatron(hf, tmp_path / "mg", tp=tp, ep=ep, progress=False)
+    assert (mg / "pytorch_model.bin").is_file()
+    b = export_nvfp4.export_nvfp4(hf_dir=hf, out_dir=tmp_path / "b")
+    for module, name in ((tempfile, "mkdtemp"), (tempfile, "TemporaryDirectory"), (export_nvfp4, "megatron_to_hf")):
+        monkeypatch.setattr(module, name, refused, raising=False)
+    a = export_nvfp4.export_nvfp4(megatron_dir=mg, out_dir=tmp_path / "a")
+    assert _tree(a) == _tree(b) and not (a / "pytorch_model.bin").exists()
 
 
 def test_out_holding_anything_is_refused_and_left_as_it_was(ckpt, tmp_path):
@@ -116,7 +135,8 @@ def test_out_holding_anything_is_refused_and_left_as_it_was(ckpt, tmp_path):
     before = _tree(taken)
     for args in COMMANDS:
         out = minite("convert", *args(ckpt), "--out", "hf", cwd=tmp_path)
-        assert_one_line_failure(out, r"^minite convert: --out hf: directory not empty, refusing to write over it")
+        assert_one_line_failure(out, r"^minite convert: --out hf: directory not empty \('config\.json'\), refusing to "
+                                     r"write over it")
     (tmp_path / "lone").mkdir()
     (tmp_path / "lone" / "config.json").write_text("{}")
     out = minite("convert", "hf-to-megatron", "--hf", str(ckpt / "hf"), "--out", "lone", cwd=tmp_path)
@@ -329,30 +349,70 @@ def test_export_reads_transformers5_fused_experts(ckpt, tmp_path):
     assert fused == _tree(export_nvfp4(hf_dir=ckpt / "hf", out_dir=tmp_path / "per-expert"))
 
 
+def _stage(d: Path, locked: bool = False):
+    """A staging directory as a conversion leaves it: a partial file and the lock file, flocked (a conversion running:
+    the open file returned) or not (its process killed)."""
+    import fcntl
+    import os
+
+    (d / "sub").mkdir(parents=True)
+    (d / "sub" / "model.safetensors").write_bytes(b"partial")
+    fd = os.open(d / ".minite-convert.lock", os.O_RDWR | os.O_CREAT)
+    if locked:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return fd
+    os.close(fd)
+
+
+def _host() -> str:
+    import socket
+
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())[:32]
+
+
 @pytest.mark.parametrize("exists", [False, True])
 def test_a_killed_conversions_staging_directory_goes_with_the_next_conversion(ckpt, tmp_path, exists):
-    """SIGKILL leaves the staging directory (no handler runs): the next conversion into the same --out removes it,
-    naming it, when its process is gone and it was made on this host; another host's, or a live process's, stays.
+    """SIGKILL leaves the staging directory (no handler runs, the kernel drops the process's flock): the next
+    conversion into the same --out removes it, naming it, when it was made on this host and its lock is free. Kept:
+    another host's, a locked one (a conversion running, maybe in another PID namespace), one without its lock file.
     Inside an empty --out (exists) it would otherwise make --out non-empty and refuse the rerun."""
     import os
-    import socket
-    import subprocess
-    import sys
 
-    host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
     place, name = (tmp_path / "o", ".minite-convert") if exists else (tmp_path, ".o")
-    stale = place / f"{name}.tmp-{host}-{dead.pid}-0123abcd"
-    kept = [] if exists else [place / f"{name}.tmp-elsewhere-{dead.pid}-0123abcd",
-                              place / f"{name}.tmp-{host}-{os.getpid()}-0123abcd"]
-    for d in [stale, *kept]:
-        (d / "sub").mkdir(parents=True)
-        (d / "sub" / "model.safetensors").write_bytes(b"partial")
-    out = minite("convert", "export-nvfp4", "--hf", str(ckpt / "hf"), "--out", "o", cwd=tmp_path)
+    stale = place / f"{name}.tmp-{_host()}-123-0123abcd"
+    _stage(stale)
+    kept, held = [], None
+    if not exists:
+        kept = [place / f"{name}.tmp-elsewhere-123-0123abcd", place / f"{name}.tmp-{_host()}-124-0123abcd",
+                place / f"{name}.tmp-{_host()}-125-0123abcd"]
+        _stage(kept[0])
+        held = _stage(kept[1], locked=True)
+        _stage(kept[2])
+        (kept[2] / ".minite-convert.lock").unlink()
+    try:
+        out = minite("convert", "export-nvfp4", "--hf", str(ckpt / "hf"), "--out", "o", cwd=tmp_path)
+    finally:
+        if held is not None:
+            os.close(held)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"removed {stale}: the staging directory of a conversion into o that was killed" in out.stderr
     assert not stale.exists() and all(d.exists() for d in kept)
-    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == sorted(
-        p.name for p in (tmp_path / "o").iterdir() if not p.name.startswith("."))  # nothing hidden left inside
+    assert not [p.name for p in (tmp_path / "o").iterdir() if p.name.startswith(".")]  # no lock file, no stage
     assert (tmp_path / "o" / "hf_quant_config.json").is_file()
+
+
+def test_a_running_conversions_staging_directory_is_named_in_the_refusal(ckpt, tmp_path):
+    """An empty --out holding a staging directory still locked (a conversion into it is running): refused, naming
+    the hidden entry (which `ls` does not show) and what it is; left as it is."""
+    import os
+
+    stage = tmp_path / "o" / f".minite-convert.tmp-{_host()}-123-0123abcd"
+    held = _stage(stage, locked=True)
+    try:
+        out = minite("convert", "export-nvfp4", "--hf", str(ckpt / "hf"), "--out", "o", cwd=tmp_path)
+    finally:
+        os.close(held)
+    assert_one_line_failure(out, rf"^minite convert: --out o: directory not empty \('{re.escape(stage.name)}', the "
+                                 r"staging directory of a conversion into it that is running or ran on another host: "
+                                 r"delete it if none is\), refusing to write over it")
+    assert stage.is_dir()
