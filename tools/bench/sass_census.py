@@ -154,10 +154,10 @@ def strict_rows() -> list:
          [k for k, t in att_sig.items() if t.startswith("*")] + list(strides)),
         ("tree_sum fp32 width 128", F._tree_sum_kernel, dict(x_ptr="*fp32", y_ptr="*fp32", rows="i32", n="i32"),
          dict(BLOCK_R=32, WIDTH=128, LEVELS=7), ["x_ptr", "y_ptr"]),
-        ("linear bf16 K 2048", FL._linear_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*fp32", m="i32",
-                                                      n="i32", k="i32", sxm="i32", swn="i32"),
-         dict(BLOCK_N=FL._block_n(128, 2048), WIDTH=2048, LEVELS=11), ["x_ptr", "w_ptr", "y_ptr", "sxm", "swn"]),
-    ]
+    ] + [(f"linear bf16 K 2048, {rows} row{'s' * (rows > 1)} a program", FL._linear_kernel,
+          dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*fp32", m="i32", n="i32", k="i32", sxm="i32", swn="i32"),
+          dict(BLOCK_N=FL._block_n(128, 2048), WIDTH=2048, LEVELS=11, ROWS=rows),
+          ["x_ptr", "w_ptr", "y_ptr", "sxm", "swn"]) for rows in (1, 8)]  # decode batches 1-32 and 256
     rows = []
     for label, fn, sig, ce, div in kernels:
         for split in (False, True):
