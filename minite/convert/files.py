@@ -45,9 +45,10 @@ def _host() -> str:
     return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())[:32] or "host"
 
 
-def _lock(path: Path):
-    """An exclusive flock on file `path` (created if absent): the open file, or None when another holds it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+def _lock(path: Path, create: bool = False):
+    """An exclusive flock on file `path` (created if absent with `create`; else OSError when absent): the open file,
+    or None when another holds it."""
+    fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -71,7 +72,7 @@ def remove_stale_stages(out) -> None:
             m = pattern.fullmatch(p.name)
             if not (m and m["host"] == _host() and p.is_dir() and not p.is_symlink() and (p / _LOCK).is_file()):
                 continue
-            try:
+            try:  # never created here: a lock file that just went is a conversion's moving its files into place
                 fd = _lock(p / _LOCK)
             except OSError:
                 continue
@@ -169,7 +170,7 @@ def staged_output(out) -> Iterator[Path]:
     try:
         parent.mkdir(parents=True, exist_ok=True)
         stage.mkdir()
-        lock = _lock(stage / _LOCK)  # held until the files are in place (module docstring)
+        lock = _lock(stage / _LOCK, create=True)  # held until the files are in place (module docstring)
     except OSError as e:
         shutil.rmtree(stage, ignore_errors=True)
         raise ConversionError(f"--out {shown}: cannot create a directory there: {e.strerror or e}") from None
