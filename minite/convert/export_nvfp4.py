@@ -40,7 +40,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 import torch
 
 from minite.convert.files import check_out, input_dir, read_json_object, staged_output
-from minite.convert.hf_megatron import META_FILE, Target, assemble_rows, hf_plan_of_megatron, scan_hf, target_dtype
+from minite.convert.hf_megatron import Target, assemble_rows, hf_plan_of_megatron, scan_hf, target_dtype
 from minite.convert.safetensors_stream import ConversionError, RowReader, TensorEntry, view2d
 from minite.nvfp4 import NVFP4Recipe
 from minite.nvfp4.modelopt import quant_config_dict, scale_grid_1x16
@@ -324,7 +324,6 @@ def export_nvfp4(*, out_dir, hf_dir=None, megatron_dir=None, recipe: Optional[NV
         mg_dir = input_dir(megatron_dir, "--megatron")
         meta, hf_plan, found, small = hf_plan_of_megatron(mg_dir)
         hf_cfg, reader = meta["hf_config"], _MegatronReader(mg_dir, hf_plan, found)
-        _check_model_type(hf_cfg, mg_dir / META_FILE)
         small_files = _small_files(mg_dir / name for name in small)
     else:
         hf_dir = input_dir(hf_dir, "--hf")
@@ -332,8 +331,7 @@ def export_nvfp4(*, out_dir, hf_dir=None, megatron_dir=None, recipe: Optional[NV
         if not cfg_path.exists():
             raise ExportError(f"{hf_dir}: no config.json")
         hf_cfg = read_json_object(cfg_path)
-        _check_model_type(hf_cfg, cfg_path)
-        scan_hf(hf_dir, fused_experts=True)  # the config's numbers, the index, every header, each name and shape
+        scan_hf(hf_dir, fused_experts=True)  # model_type, the config's numbers, the index, every header and shape
         reader, small_files = _HFReader(hf_dir, check_finite=True), _small_files(hf_dir.iterdir())
     recipe = recipe or NVFP4Recipe()
     try:
@@ -350,11 +348,6 @@ def export_nvfp4(*, out_dir, hf_dir=None, megatron_dir=None, recipe: Optional[NV
     finally:
         reader.close()
     return out_dir
-
-
-def _check_model_type(hf_cfg: dict, where: Path) -> None:
-    if hf_cfg.get("model_type") != "qwen3_moe":
-        raise ExportError(f"{where}: model_type {hf_cfg.get('model_type')!r}; only qwen3_moe is exported")
 
 
 def add_arguments(p) -> None:

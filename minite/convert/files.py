@@ -60,7 +60,7 @@ def _lock(path: Path, create: bool = False):
 def remove_stale_stages(out) -> None:
     """Remove the staging directories that killed conversions into `out` left on this host (module docstring), each
     named in a warning."""
-    target = Path(os.path.abspath(out))
+    target, host = Path(os.path.abspath(out)), _host()
     places = [(target.parent, target.name)] + ([(target, _IN_EMPTY)] if target.is_dir() else [])
     for parent, name in places:
         pattern = re.compile(rf"\.{re.escape(name)}\.tmp-(?P<host>[^-/]+)-\d+-[0-9a-f]{{8}}")
@@ -70,7 +70,7 @@ def remove_stale_stages(out) -> None:
             continue
         for p in entries:
             m = pattern.fullmatch(p.name)
-            if not (m and m["host"] == _host() and p.is_dir() and not p.is_symlink() and (p / _LOCK).is_file()):
+            if not (m and m["host"] == host and p.is_dir() and not p.is_symlink() and (p / _LOCK).is_file()):
                 continue
             try:  # never created here: a lock file that just went is a conversion's moving its files into place
                 fd = _lock(p / _LOCK)

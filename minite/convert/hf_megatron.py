@@ -384,10 +384,10 @@ def assemble_rows(tg: Target, dtype: str, sources: Dict[str, TensorEntry], reade
         lo, hi = max(a, pc.dst_row), min(b, pc.dst_row + pc.r1 - pc.r0)
         if lo >= hi:
             continue
-        got = reader.rows(sources[pc.src], pc.r0 + lo - pc.dst_row, pc.r0 + hi - pc.dst_row)
-        refuse_nonfinite(got[:, pc.c0:pc.c1], sources[pc.src], tg.name)
-        buf[lo - a:hi - a, pc.dst_col:pc.dst_col + pc.c1 - pc.c0] = got[:, pc.c0:pc.c1]
-        filled += (hi - lo) * (pc.c1 - pc.c0)
+        got = reader.rows(sources[pc.src], pc.r0 + lo - pc.dst_row, pc.r0 + hi - pc.dst_row)[:, pc.c0:pc.c1]
+        refuse_nonfinite(got, sources[pc.src], tg.name)
+        buf[lo - a:hi - a, pc.dst_col:pc.dst_col + pc.c1 - pc.c0] = got
+        filled += got.numel()
         del got  # one source slab alive at a time
     if filled != buf.numel():
         raise ConversionError(f"internal error: the pieces of {tg.name!r} do not tile rows {a}..{b}")
