@@ -25,6 +25,18 @@ if fused.triton is not None:
 
     from .fused import _exp64, _load_f32, _pair_tree
 
+    @triton.jit
+    def _pair_tree_halves(acc, LEVELS: tl.constexpr, SPLIT: tl.constexpr):
+        """`_pair_tree` over the 2**LEVELS keys of each column of acc [KH, NH, C], key h * KH + a at [a, h] (NH = 2, or
+        1 for one key): the same additions, adjacent keys first (along dim 0, which a load contiguous along C keeps in
+        a thread's registers), the two halves (dim 1, the lanes Triton spreads next) last: one level crosses lanes."""
+        if SPLIT:
+            return _pair_tree(tl.reshape(tl.permute(acc, [2, 1, 0]), [acc.shape[2], acc.shape[1] * acc.shape[0]]),
+                              LEVELS, SPLIT)
+        for _ in tl.static_range(LEVELS - 1):
+            acc = tl.sum(tl.reshape(acc, [acc.shape[0] // 2, 2, acc.shape[1], acc.shape[2]]), axis=1)
+        return tl.reshape(tl.sum(acc, axis=1), [acc.shape[2]])
+
     @triton.jit(do_not_specialize=["sq", "sk", "d", "bh", "i0", "h", "rep"])
     def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, s_ptr, e_ptr, bs_ptr, cs_ptr, sq, sk, d, bh, i0, h, rep, scale,
                           sq_i, sq_bh, sk_j, sk_bh, so_i, so_bh,
@@ -33,7 +45,8 @@ if fused.triton is not None:
                           C10: tl.constexpr, C11: tl.constexpr, C12: tl.constexpr, C13: tl.constexpr,
                           LOG2E: tl.constexpr, LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, RNE: tl.constexpr,
                           DP: tl.constexpr, DL: tl.constexpr, KB: tl.constexpr, KL: tl.constexpr,
-                          NB: tl.constexpr, NL: tl.constexpr, SPLIT: tl.constexpr):
+                          NB: tl.constexpr, NL: tl.constexpr, SPLIT: tl.constexpr, EVEN_D: tl.constexpr,
+                          KH: tl.constexpr, NH: tl.constexpr):
         """ops.attention for one (query, batch x head) pair: scores, softmax and context as its torch ops compute
         them (module docstring of ops; the function `attention` below says how the sums are split into blocks)."""
         pid = tl.program_id(0).to(tl.int64)  # scratch rows are per launch; the query is i0 + pid // bh
@@ -41,18 +54,28 @@ if fused.triton is not None:
         kv = (g // h) * (h // rep) + (g % h) // rep  # the KV head of query head g % h in batch row g // h
         pos = sk - sq + i
         dd = tl.arange(0, DP)
-        jj = tl.arange(0, KB).to(tl.int64)  # key offsets j * sk_j reach past 2^31 for long contexts
-        q = _load_f32(q_ptr, i * sq_i + g * sq_bh + dd, dd < d)
+        din = (dd < d) | EVEN_D  # EVEN_D (d == DP): no channel mask, so the loads of a key's channels are vectors
+        jj = tl.arange(0, KB)
+        q = _load_f32(q_ptr, i * sq_i + g * sq_bh + dd, din)
         srow, erow = s_ptr + pid * NB * KB, e_ptr + pid * NB * KB
+        # a block's base in 64 bits (keys * sk_j reach past 2^31 for long contexts), the offsets in it in 32
+        # (`attention` checks KB * sk_j < 2^31). Blocks past the last key (the padding to a power of two) are not
+        # computed: each of their block sums is +0 (e = +0 and p * v = +0 * +0 there), which the loads of the
+        # block sums below read back as `other`.
+        nbk = (sk + KB - 1) // KB
         m = tl.full([1], float("-inf"), tl.float32)
-        for blk in range(NB):  # scores: tree sums over d, then * scale; the max over allowed keys
-            j = blk * KB + jj
-            kk = _load_f32(k_ptr, j[:, None] * sk_j + kv * sk_bh + dd[None, :], (j[:, None] < sk) & (dd[None, :] < d))
+        for blk in range(nbk):  # scores: tree sums over d, then * scale; the max over allowed keys
+            j0 = blk * KB
+            # a key past the context reads the last key's row instead of a masked zero: its score is finite or
+            # not, and it is excluded from the max here and from e in the next pass either way
+            r = tl.minimum(jj, sk - 1 - j0)
+            kk = _load_f32(k_ptr + (j0.to(tl.int64) * sk_j + kv * sk_bh), r[:, None] * sk_j + dd[None, :],
+                           din[None, :])
             sc = _pair_tree(q[None, :] * kk, DL, SPLIT) * scale
-            tl.store(srow + j, sc)
-            m = tl.maximum(m, tl.max(tl.where(j <= pos, sc, float("-inf")), axis=0))
+            tl.store(srow + j0 + jj, sc)
+            m = tl.maximum(m, tl.max(tl.where(j0 + jj <= pos, sc, float("-inf")), axis=0))
         tl.debug_barrier()
-        for blk in range(NB):  # e = exp(scores - m) where allowed, else 0; block sums of e
+        for blk in range(nbk):  # e = exp(scores - m) where allowed, else 0; block sums of e
             j = blk * KB + jj
             sc = tl.load(srow + j)
             ex = _exp64((sc - m).to(tl.float64), C0, C1, C2, C3, C4, C5, C6, C7, C8, C9, C10, C11, C12, C13,
@@ -61,15 +84,19 @@ if fused.triton is not None:
             tl.store(erow + j, e)
             tl.store(bs_ptr + pid * NB + blk + tl.arange(0, 1), _pair_tree(tl.reshape(e, [1, KB]), KL, SPLIT))
         tl.debug_barrier()
-        denom = _pair_tree(tl.load(bs_ptr + pid * NB + tl.arange(0, NB))[None, :], NL, SPLIT)  # [1]: the tree's top
-        for blk in range(NB):  # context: p = e / denom; tree sums over the block's keys per channel
-            j = blk * KB + jj
-            p = tl.div_rn(tl.load(erow + j), tl.broadcast_to(denom, [KB]))
-            vt = _load_f32(v_ptr, j[None, :] * sk_j + kv * sk_bh + dd[:, None],
-                           (j[None, :] < sk) & (dd[:, None] < d))  # [DP, KB]
-            tl.store(cs_ptr + (pid * DP + dd) * NB + blk, _pair_tree(p[None, :] * vt, KL, SPLIT))
+        bi = tl.arange(0, NB)
+        denom = _pair_tree(tl.load(bs_ptr + pid * NB + bi, mask=bi < nbk, other=0.0)[None, :], NL, SPLIT)  # the top
+        r3 = tl.arange(0, NH)[None, :] * KH + tl.arange(0, KH)[:, None]  # key h * KH + a at [a, h] (KB = NH * KH)
+        for blk in range(nbk):  # context: p = e / denom; tree sums over the block's keys per channel
+            j0 = blk * KB
+            p3 = tl.div_rn(tl.load(erow + j0 + r3), tl.broadcast_to(tl.reshape(denom, [1, 1]), [KH, NH]))
+            # past the context v is a masked +0 (p * v must be +0 there: a -0 would change a sum of zeros)
+            vv = _load_f32(v_ptr + (j0.to(tl.int64) * sk_j + kv * sk_bh), r3[:, :, None] * sk_j + dd[None, None, :],
+                           (r3[:, :, None] < sk - j0) & din[None, None, :])  # [KH, NH, DP]
+            tl.store(cs_ptr + (pid * DP + dd) * NB + blk, _pair_tree_halves(p3[:, :, None] * vv, KL, SPLIT))
         tl.debug_barrier()
-        ctx = _pair_tree(tl.load(cs_ptr + (pid * DP + dd)[:, None] * NB + tl.arange(0, NB)[None, :]), NL, SPLIT)
+        ctx = _pair_tree(tl.load(cs_ptr + (pid * DP + dd)[:, None] * NB + bi[None, :], mask=bi[None, :] < nbk,
+                                 other=0.0), NL, SPLIT)
         tl.store(o_ptr + i * so_i + g * so_bh + dd, ctx, mask=dd < d)
 
 
@@ -110,6 +137,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
         raise ValueError(f"strict fused attention: {sq} queries over {sk} keys (each query needs its own key)")
     if sk > ATTENTION_MAX_KEYS:
         raise ValueError(f"strict fused attention: {sk} keys, at most {ATTENTION_MAX_KEYS}")
+    if ATTENTION_KEY_BLOCK * b * hkv * d >= 2**31:
+        raise ValueError(f"strict fused attention: a cache of {b} x {hkv} x {d} values per key is too wide (a block's "
+                         f"offsets are 32-bit)")
     ensure_interpreter_compat()
     out = torch.empty(sq, b, h, d, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
@@ -132,6 +162,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
         launcher(_attention_kernel)[(n * b * h,)](
             qc, kc, vc, o, scratch, e, bs, cs, sq, sk, d, b * h, i0, h, h // hkv, float(scale), *strides, **EXP_ARGS,
             DP=dp, DL=dp.bit_length() - 1, KB=kb, KL=kb.bit_length() - 1, NB=nb, NL=nb.bit_length() - 1,
-            SPLIT=fused.pair_split(), num_warps=ATTENTION_WARPS if skp <= ATTENTION_ONE_WARP_KEYS else 4,
+            SPLIT=fused.pair_split(), EVEN_D=dp == d, KH=max(1, kb // 2), NH=min(2, kb),
+            num_warps=ATTENTION_WARPS if skp <= ATTENTION_ONE_WARP_KEYS else 4,
             enable_fp_fusion=False)
     return out

@@ -295,6 +295,36 @@ def test_fused_attention_special_values_and_errors():
         fused.log(torch.rand(3, dtype=torch.float64, device=DEVICE))
 
 
+@pytest.mark.parametrize("sk", [9, 12])
+def test_fused_attention_keys_past_the_context(sk, monkeypatch):
+    """Keys past the context (the padding to a power of two) add +0 to every sum, as ops.tree_sum's zero padding
+    does: the kernel reads the last key's row for their scores (no mask), never for their products with v, and does
+    not compute a block of padding alone (its sum is read back as +0). Here the context's products are all -0 (p = 0
+    or v = -0), so a -0 from the padding would turn the +0 of ops' tree into -0 (at 12 keys in blocks of 4 or 2, a
+    block of padding alone decides it); the last key's row holds a NaN and an inf in the second case."""
+    q = torch.full((1, 1, 2, 8), 4.0, device=DEVICE)
+    k = torch.full((sk, 1, 2, 8), -4.0, device=DEVICE)
+    k[0] = 4.0  # key 0's score exceeds the others' by 256: their e underflow to +0
+    v = -torch.rand(sk, 1, 2, 8, device=DEVICE) - 1
+    v[0] = -0.0
+    odd_row = k.clone()
+    odd_row[-1, 0, 1, 3], odd_row[-1, 0, 0, 2] = math.nan, math.inf
+    for keys in (k, odd_row):
+        ref = ops.attention(q, keys, v, 1.0)
+        for block in (FA.ATTENTION_KEY_BLOCK, 4, 2):  # 16 padded keys: with 4 or 2 a block, whole blocks of padding
+            monkeypatch.setattr(FA, "ATTENTION_KEY_BLOCK", block)
+            got = FA.attention(q, keys, v, 1.0)
+            assert _same_bits(got, ref), block
+    assert (ops.attention(q, k, v, 1.0).view(torch.int32) == 0).all()  # +0, not -0: the case is the one described
+
+
+def test_fused_attention_refuses_a_cache_too_wide_for_its_offsets():
+    q = torch.zeros(1, 1, 1, 64).expand(1, 1 << 20, 1, 64)  # views: nothing of this size is allocated
+    kv = torch.zeros(1, 1, 1, 64).expand(2, 1 << 20, 1, 64)
+    with pytest.raises(ValueError, match="too wide"):
+        FA.attention(q, kv, kv, 0.5)
+
+
 def test_fused_attention_in_several_launches_and_bf16_subnormals(monkeypatch):
     """Queries split over launches (the scratch bound) give the same bits; bf16 subnormals are read exactly."""
     g = torch.Generator().manual_seed(11)

@@ -150,7 +150,7 @@ def strict_rows() -> list:
                                                               eps="fp32"),
          dict(WIDTH=2048, LEVELS=11), ["x_ptr", "w_ptr", "y_ptr"]),
         ("attention bf16 128 keys x 128 channels", FA._attention_kernel, att_sig,
-         dict(F.EXP_ARGS, DP=128, DL=7, KB=32, KL=5, NB=4, NL=2),
+         dict(F.EXP_ARGS, DP=128, DL=7, KB=32, KL=5, NB=4, NL=2, EVEN_D=True, KH=16, NH=2),
          [k for k, t in att_sig.items() if t.startswith("*")] + list(strides)),
         ("tree_sum fp32 width 128", F._tree_sum_kernel, dict(x_ptr="*fp32", y_ptr="*fp32", rows="i32", n="i32"),
          dict(BLOCK_R=32, WIDTH=128, LEVELS=7), ["x_ptr", "y_ptr"]),
