@@ -22,6 +22,8 @@ per-expert loop, reading the counts on the host, could not.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from minite.kernels._interpreter import interpreting
@@ -33,7 +35,24 @@ try:
 except ImportError:  # pragma: no cover - triton is a dependency, but keep CPU imports cheap and safe
     triton = None
 
-BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS = 64, 64, 64, 4
+BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS = 64, 64, 64, 4  # the grouped kernel's tile; BLOCK_K is every launch's K order
+
+
+class Tile(NamedTuple):
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+
+
+TILES = ((0, Tile(64, 64, 4, 3)),)
+"""(fewest rows, tile) in increasing order: `matmul_fixed_k` of m rows takes the tile of the last entry whose fewest
+rows <= m. Every tile keeps BLOCK_K, so the K order, and a row's bits do not depend on it (module docstring)."""
+
+
+def tile(m: int) -> Tile:
+    """The tile of a `matmul_fixed_k` launch of m rows (TILES)."""
+    return [t for rows, t in TILES if rows <= m][-1]
 
 if triton is not None:
     @triton.jit
@@ -109,10 +128,11 @@ def _fixed_k(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     y = torch.empty(m, n, dtype=torch.float32, device=x.device)
     if m == 0 or n == 0:
         return y
-    grid = (cdiv(m, BLOCK_M), cdiv(n, BLOCK_N))
+    t = tile(m)
+    grid = (cdiv(m, t.block_m), cdiv(n, t.block_n))
     launcher(_fixed_k_matmul)[grid](
-        x, w, y, m, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1), BM=BLOCK_M,
-        BN=BLOCK_N, BK=BLOCK_K, num_warps=NUM_WARPS)
+        x, w, y, m, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1), BM=t.block_m,
+        BN=t.block_n, BK=BLOCK_K, num_warps=t.warps, num_stages=t.stages)
     return y
 
 
