@@ -45,9 +45,13 @@ class Tile(NamedTuple):
     stages: int
 
 
-TILES = ((0, Tile(64, 64, 4, 3)),)
+TILES = ((0, Tile(64, 64, 4, 3)), (128, Tile(128, 256, 8, 3)))
 """(fewest rows, tile) in increasing order: `matmul_fixed_k` of m rows takes the tile of the last entry whose fewest
-rows <= m. Every tile keeps BLOCK_K, so the K order, and a row's bits do not depend on it (module docstring)."""
+rows <= m. Every tile keeps BLOCK_K, so the K order, and a row's bits do not depend on it (module docstring).
+Measured (tools/bench/sweep_fixed_k.py, one H100, 2026-12-06, 0571ed9; docs/benchmarks/fixed-k-sweep-h100.json) at
+the lm_head's shape (N 151936, K 2048), every tile of the sweep bitwise the 64x64 tile: at 1 and 64 rows 64x64 is the
+fastest (209.5 / 234.1 us; cuBLAS 216.6 / 232.1), at 256 rows 128x256 on 8 warps 374.7 us against 540.3 (cuBLAS
+294.3), at 2048 rows 2372.8 against 4226.4 (cuBLAS 1948.4)."""
 
 
 def tile(m: int) -> Tile:

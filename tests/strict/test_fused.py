@@ -319,8 +319,8 @@ def test_fused_attention_keys_past_the_context(sk, monkeypatch):
 
 
 def test_fused_attention_refuses_a_cache_too_wide_for_its_offsets():
-    q = torch.zeros(1, 1, 1, 64).expand(1, 1 << 20, 1, 64)  # views: nothing of this size is allocated
-    kv = torch.zeros(1, 1, 1, 64).expand(2, 1 << 20, 1, 64)
+    q = torch.zeros(1, 1, 1, 64, device=DEVICE).expand(1, 1 << 20, 1, 64)  # views: nothing this size is allocated
+    kv = torch.zeros(1, 1, 1, 64, device=DEVICE).expand(2, 1 << 20, 1, 64)
     with pytest.raises(ValueError, match="too wide"):
         FA.attention(q, kv, kv, 0.5)
 
