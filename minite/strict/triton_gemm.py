@@ -45,18 +45,28 @@ class Tile(NamedTuple):
     stages: int
 
 
-TILES = ((0, Tile(64, 64, 4, 3)), (128, Tile(128, 256, 8, 3)))
-"""(fewest rows, tile) in increasing order: `matmul_fixed_k` of m rows takes the tile of the last entry whose fewest
-rows <= m. Every tile keeps BLOCK_K, so the K order, and a row's bits do not depend on it (module docstring).
-Measured (tools/bench/sweep_fixed_k.py, one H100, 2026-12-06, 0571ed9; docs/benchmarks/fixed-k-sweep-h100.json) at
-the lm_head's shape (N 151936, K 2048), every tile of the sweep bitwise the 64x64 tile: at 1 and 64 rows 64x64 is the
-fastest (209.5 / 234.1 us; cuBLAS 216.6 / 232.1), at 256 rows 128x256 on 8 warps 374.7 us against 540.3 (cuBLAS
-294.3), at 2048 rows 2372.8 against 4226.4 (cuBLAS 1948.4)."""
+TILES = (Tile(64, 64, 4, 3), Tile(128, 256, 8, 4))
+"""`matmul_fixed_k`'s tiles, smallest first (`tile` picks one). Every tile keeps BLOCK_K, so the K order, and a row's
+bits do not depend on it (module docstring; tests/alignment/test_strict_alignment_gpu.py checks each tile on the GPU).
+Measured (tools/bench/sweep_fixed_k.py, one H100, 2026-12-06; docs/benchmarks/fixed-k-sweep-h100.json) at the
+lm_head's shape (N 151936, K 2048), every tile of the sweep bitwise the 64x64 tile's: at 1 and 64 rows 64x64 is the
+fastest (209.5 / 234.1 us; cuBLAS 216.6 / 232.1), at 256 rows 128x256 on 8 warps takes 374.7 us against 540.3 (cuBLAS
+294.3), at 2048 rows 2372.8 against 4226.4 (cuBLAS 1948.4). Where the large tile leaves few programs (a QKV of 900
+rows: 160 against 1,200), the GPU is underfilled: with it at every launch of 128 rows or more, the strict BF16
+learner's step took 0.350 s against 0.302 s."""
+MIN_PROGRAMS = 528
+"""A tile larger than the first is taken only where its grid holds this many programs (4 waves of an H100's or H200's
+132 SMs) and it has no more rows than the launch."""
 
 
-def tile(m: int) -> Tile:
-    """The tile of a `matmul_fixed_k` launch of m rows (TILES)."""
-    return [t for rows, t in TILES if rows <= m][-1]
+def tile(m: int, n: int) -> Tile:
+    """The tile of a `matmul_fixed_k` launch of [m, K] x [n, K]^T: the largest of TILES that fills the GPU
+    (MIN_PROGRAMS), else the first."""
+    for t in reversed(TILES[1:]):
+        if m >= t.block_m and cdiv(m, t.block_m) * cdiv(n, t.block_n) >= MIN_PROGRAMS:
+            return t
+    return TILES[0]
+
 
 if triton is not None:
     @triton.jit
@@ -132,7 +142,7 @@ def _fixed_k(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     y = torch.empty(m, n, dtype=torch.float32, device=x.device)
     if m == 0 or n == 0:
         return y
-    t = tile(m)
+    t = tile(m, n)
     grid = (cdiv(m, t.block_m), cdiv(n, t.block_n))
     launcher(_fixed_k_matmul)[grid](
         x, w, y, m, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1), BM=t.block_m,

@@ -335,10 +335,15 @@ def _churn_rope_caches(model):
 
 
 def _forward_rows(engine):
-    """A list that gets the batch size of every forward the engine's model runs (a pre-hook)."""
-    rows = []
-    engine.model.register_forward_pre_hook(lambda mod, args, kwargs: rows.append(int(args[0].shape[0])),
-                                           with_kwargs=True)
+    """A list that gets the rows of every forward step the engine's decoder runs, eager or a CUDA-graph replay (a
+    forward hook on the model would miss the replays: on the GPU it saw the prefill and the first step only)."""
+    rows, step = [], engine.decoder._step
+
+    def counted(st, start, end, n):
+        rows.append(n)
+        return step(st, start, end, n)
+
+    engine.decoder._step = counted
     return rows
 
 

@@ -114,3 +114,13 @@ def test_strict_experts_under_autograd_on_cuda_are_the_loop():
     y.backward(dy)
     yl.backward(dy)
     assert torch.equal(x.grad, xl.grad) and torch.equal(w.grad, wl.grad)
+
+
+def test_the_fixed_k_tile_is_the_largest_that_fills_the_gpu():
+    """`triton_gemm.tile`: the lm_head (N 151936) of a decode batch of 128 rows or more takes the large tile; one of 64
+    rows, a QKV of 900 rows and a single row keep the 64x64 tile (the large one would leave the GPU underfilled)."""
+    small, large = TG.TILES[0], TG.TILES[-1]
+    assert large.block_m * large.block_n > small.block_m * small.block_n
+    assert TG.tile(256, 151936) == TG.tile(128, 151936) == TG.tile(4096, 151936) == large
+    assert TG.tile(64, 151936) == TG.tile(1, 151936) == TG.tile(900, 5120) == TG.tile(256, 2048) == small
+    assert TG.tile(4096, 5120) == large  # the learner's QKV at 4096 rows: 640 programs
