@@ -45,18 +45,19 @@ class Tile(NamedTuple):
     stages: int
 
 
-TILES = (Tile(64, 64, 4, 3), Tile(128, 256, 8, 4))
+TILES = (Tile(64, 64, 4, 3), Tile(128, 128, 8, 3), Tile(128, 256, 8, 4))
 """`matmul_fixed_k`'s tiles, smallest first (`tile` picks one). Every tile keeps BLOCK_K, so the K order, and a row's
 bits do not depend on it (module docstring; tests/alignment/test_strict_alignment_gpu.py checks each tile on the GPU).
-Measured (tools/bench/sweep_fixed_k.py, one H100, 2026-12-06; docs/benchmarks/fixed-k-sweep-h100.json) at the
-lm_head's shape (N 151936, K 2048), every tile of the sweep bitwise the 64x64 tile's: at 1 and 64 rows 64x64 is the
-fastest (209.5 / 234.1 us; cuBLAS 216.6 / 232.1), at 256 rows 128x256 on 8 warps takes 374.7 us against 540.3 (cuBLAS
-294.3), at 2048 rows 2372.8 against 4226.4 (cuBLAS 1948.4). Where the large tile leaves few programs (a QKV of 900
-rows: 160 against 1,200), the GPU is underfilled: with it at every launch of 128 rows or more, the strict BF16
-learner's step took 0.350 s against 0.302 s."""
-MIN_PROGRAMS = 528
-"""A tile larger than the first is taken only where its grid holds this many programs (4 waves of an H100's or H200's
-132 SMs) and it has no more rows than the launch."""
+Measured on one H100 (2026-12-06, tools/bench/sweep_fixed_k.py, docs/benchmarks/fixed-k-sweep-h100.json), every
+tile swept bitwise the 64x64 tile's at every shape: the lm_head (N 151936, K 2048) at 256 rows 357.1 us on 128x256
+against 556.2 on 64x64 (cuBLAS 278.8), at 2048 rows 2385.0 against 4200.6 (cuBLAS 1937.7); at 1 and 64 rows 64x64 is
+the fastest. A large tile that leaves fewer programs than about one wave of the GPU's SMs is slower: the QKV (N
+5120, K 2048) at 256 rows 26.7 us on 128x256 (40 programs) against 17.6 on 64x64, the output projection (N 2048, K
+4096) at 256 rows 47.4 against 16.0; at 1024 rows 128x128 is the fastest there (40.0 against 53.3 on 64x64)."""
+MIN_PROGRAMS = 128
+"""A tile larger than the first is taken only where its grid holds this many programs (about one wave of an H100's
+or H200's 132 SMs; the sweep's ten shapes pick their fastest tile, or one within 3%, by it) and it has no more rows
+than the launch."""
 
 
 def tile(m: int, n: int) -> Tile:

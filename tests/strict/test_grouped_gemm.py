@@ -117,10 +117,12 @@ def test_strict_experts_under_autograd_on_cuda_are_the_loop():
 
 
 def test_the_fixed_k_tile_is_the_largest_that_fills_the_gpu():
-    """`triton_gemm.tile`: the lm_head (N 151936) of a decode batch of 128 rows or more takes the large tile; one of 64
-    rows, a QKV of 900 rows and a single row keep the 64x64 tile (the large one would leave the GPU underfilled)."""
-    small, large = TG.TILES[0], TG.TILES[-1]
-    assert large.block_m * large.block_n > small.block_m * small.block_n
-    assert TG.tile(256, 151936) == TG.tile(128, 151936) == TG.tile(4096, 151936) == large
-    assert TG.tile(64, 151936) == TG.tile(1, 151936) == TG.tile(900, 5120) == TG.tile(256, 2048) == small
-    assert TG.tile(4096, 5120) == large  # the learner's QKV at 4096 rows: 640 programs
+    """`triton_gemm.tile` on the sweep's shapes (docs/benchmarks/fixed-k-sweep-h100.json): the lm_head (N 151936) of a
+    decode batch of 128 rows or more takes the largest tile, one of 64 rows or one row the 64x64 tile; the QKV (N
+    5120) and output projection (N 2048) of a decode batch of 256 keep 64x64 (a larger tile leaves the GPU
+    underfilled), the output projection of 1024 rows takes the middle tile."""
+    small, middle, large = TG.TILES
+    assert small.block_m * small.block_n < middle.block_m * middle.block_n < large.block_m * large.block_n
+    assert TG.tile(256, 151936) == TG.tile(128, 151936) == TG.tile(2048, 151936) == large
+    assert TG.tile(64, 151936) == TG.tile(1, 151936) == TG.tile(256, 5120) == TG.tile(256, 2048) == small
+    assert TG.tile(1024, 2048) == middle and TG.tile(1024, 5120) == TG.tile(4096, 2048) == large
