@@ -4,7 +4,7 @@ position or number of keys (docs/nvfp4.md, docs/alignment.md).
     ops.py          rms_norm, linear, softmax, log_softmax, token_log_softmax, silu, exp/log, sincos, rope, attention,
                     topk: fixed-order (tree) sums, transcendentals through fp64 polynomials; exact on every device by
                     IEEE rules
-    triton_gemm.py  on CUDA, the BF16 GEMMs of `ops.linear` through one fixed-K Triton kernel
+    triton_gemm.py  on CUDA, the BF16 GEMMs of `ops.linear` through one fixed-K Triton kernel (its tile by shape)
     fused.py        `ops.exp`, `ops.rms_norm`, `ops.tree_sum`, `ops.log`, `ops.rope` and `ops.sincos` each in one
                     Triton kernel on CUDA (the same bits)
     fused_attention.py  `ops.attention` in one Triton kernel on CUDA (the same bits; grouped KV heads in place)

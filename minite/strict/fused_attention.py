@@ -102,7 +102,10 @@ if fused.triton is not None:
 
 ATTENTION_KEY_BLOCK = 32
 """Keys per block of the fused attention: the tree over the zero-padded key width (a power of two) is the tree over
-aligned blocks of this many keys, then the tree over the block sums, so the split changes no bit."""
+aligned blocks of this many keys, then the tree over the block sums, so the split changes no bit. 32 was the fastest
+of 8-64, or within 2 us of it, at decode shapes on an H100 (2026-12-06,
+docs/benchmarks/strict-attention-sweep-h100.json) for the kernel before 99d4eb5, which computed every block of padding;
+not swept since (a smaller block skips more of the padding: 80 instead of 96 keys computed at 72 with 16)."""
 ATTENTION_MAX_KEYS = 8192
 """The longest context routed to the fused attention (its last pass holds [d, keys / ATTENTION_KEY_BLOCK] values)."""
 ATTENTION_WARPS = 1
@@ -112,7 +115,9 @@ channels; every variant bitwise equal to the 4-warp launch): batch 64 x 72 keys 
 (116.3 with 2, 243.6 with 8), 40 keys 22.4 against 88.7, batch 256 x 72 keys 154.9 against 665.2, batch 8 13.7 against
 26.2. A program's sums are short (128 channels, a few 32-key blocks), so cross-warp reductions cost more than they
 spread. Only for contexts up to ATTENTION_ONE_WARP_KEYS (padded) keys, the range measured: longer ones (prefill,
-training forwards; up to 8192 keys, whose last pass holds 128 x 256 values a program) keep 4 warps."""
+training forwards; up to 8192 keys, whose last pass holds 128 x 256 values a program) keep 4 warps. 99d4eb5's kernel
+(vector loads, no blocks of padding alone, the context's key tree in registers) on one H100 (2026-12-06): batch 256 x
+72 keys 79.0 us (153.5 before), 64 x 72 keys 21.1 (39.7), 8 x 56 keys 5.7 (8.1); the same bits."""
 ATTENTION_ONE_WARP_KEYS = 256
 ATTENTION_SCRATCH_BYTES = 256 << 20
 """Scratch of one launch; more queries run as further launches (programs are independent: no bit changes)."""

@@ -33,10 +33,10 @@ length, thread count and code path: guaranteed, not "almost surely", on any devi
 kernels are IEEE-conformant (CPU; CUDA without fast math). Nothing here assumes anything about library GEMMs,
 softmax or reduction kernels.
 
-On CUDA, BF16/FP16 GEMMs take one exception: `minite.strict.triton_gemm.matmul_fixed_k`, a Triton kernel with one constant
-tile configuration and a sequential K loop, batch invariant because every row runs the same instruction sequence
-(measured bitwise on the H200 by the GPU tests) rather than by IEEE rules alone; the tree GEMM below was 4.8x slower than
-cuBLAS per decode step there.
+On CUDA, BF16/FP16 GEMMs take one exception: `minite.strict.triton_gemm.matmul_fixed_k`, a Triton kernel with a
+sequential K loop in constant blocks (its tile, picked by shape, changes no bit), batch invariant because every row runs
+the same chain of MMAs (measured bitwise on the GPU by the GPU tests) rather than by IEEE rules alone; the tree GEMM
+below was 4.8x slower than cuBLAS per decode step there.
 
 Measured on this CPU (AVX512, torch 2.13): torch's own silu on the first n elements of a tensor differed from the
 same elements computed inside the whole tensor in 29 places over n = 1..63 (vector body vs scalar tail); the

@@ -1,11 +1,13 @@
-"""Strict-mode BF16 GEMM on CUDA: one Triton kernel, one tile configuration, K reduced in a fixed order.
+"""Strict-mode BF16 GEMM on CUDA: one Triton kernel, K reduced in a fixed order whatever its tile.
 
 y[m, n] = sum over K blocks k0 = 0, 64, 128, ... (in that order) of tl.dot(x[m, k0:k0+64], w[n, k0:k0+64]) in fp32.
-The configuration is a constant (no autotuning, no split-K, no atomics), so every output element is produced by the
-same instruction sequence whatever M is: the program that holds row m differs between a decode step (M = batch)
-and a full forward (M = B*T), the arithmetic does not. docs/nvfp4.md records exactly this, measured on the H200
-(a sequential-K Triton bf16 matmul gave bitwise identical rows for M = 1, 7, 512 and for every tile shape tried);
-tests/alignment/test_strict_alignment_gpu.py checks it for this kernel at M = 1..512.
+No autotuning, no split-K, no atomics: every output element is one sequential chain of MMAs over K in blocks of
+BLOCK_K, whatever M is and whatever the tile: the program that holds row m differs between a decode step (M = batch)
+and a full forward (M = B*T), the arithmetic does not. docs/nvfp4.md records this, measured on the H200 (a
+sequential-K Triton bf16 matmul gave bitwise identical rows for M = 1, 7, 512 and for every tile shape tried); the
+launch picks its tile by shape (`TILES`, `tile`: a decode batch's lm_head takes a larger tile than its QKV), which is
+safe only because of that: tools/bench/sweep_fixed_k.py compared every tile of TILES bit for bit with the 64x64 tile
+at ten shapes on an H100, and tests/alignment/test_strict_alignment_gpu.py checks rows at M = 1..512 and each tile.
 
 Why not the CPU strict GEMM on the GPU: `strict_ops.linear` materialises [M, N, K] products; at decode sizes it
 was 4.8x slower than cuBLAS per step on the H200 (docs/alignment.md), while a fixed-order tensor-core kernel costs
