@@ -123,6 +123,14 @@ ATTENTION_SCRATCH_BYTES = 256 << 20
 """Scratch of one launch; more queries run as further launches (programs are independent: no bit changes)."""
 
 
+def routable(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether `attention` takes these shapes (q [sq, b, h, d], k [sk, b, g, d]): a key for every query, at most
+    ATTENTION_MAX_KEYS keys, and a cache whose block offsets fit 32 bits; strict ops.attention computes the others
+    with its torch ops."""
+    sq, sk = q.shape[0], k.shape[0]
+    return 0 < sk <= ATTENTION_MAX_KEYS and sq <= sk and ATTENTION_KEY_BLOCK * k[0].numel() < 2**31
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """ops.attention's bits (q [sq, b, h, d], k/v [sk, b, g, d] with g dividing h -> [sq, b, h, d] fp32) with one
     program per (query, batch x head), which reads its KV head in place (query head i: KV head i // (h / g), no expanded
@@ -142,9 +150,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
         raise ValueError(f"strict fused attention: {sq} queries over {sk} keys (each query needs its own key)")
     if sk > ATTENTION_MAX_KEYS:
         raise ValueError(f"strict fused attention: {sk} keys, at most {ATTENTION_MAX_KEYS}")
-    if ATTENTION_KEY_BLOCK * b * hkv * d >= 2**31:
+    if not routable(q, k):
         raise ValueError(f"strict fused attention: a cache of {b} x {hkv} x {d} values per key is too wide (a block's "
-                         f"offsets are 32-bit)")
+                         f"offsets are 32-bit; strict ops.attention computes it with its torch ops)")
     ensure_interpreter_compat()
     out = torch.empty(sq, b, h, d, dtype=torch.float32, device=q.device)
     if out.numel() == 0:

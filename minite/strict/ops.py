@@ -337,8 +337,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
         raise ValueError(f"strict attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if _records(q, k, v):
         return _StrictForward.apply(lambda *t: attention(*t, scale), lambda *t: _plain_attention(*t, scale), q, k, v)
-    if 0 < k.shape[0] <= fused_attention.ATTENTION_MAX_KEYS and q.shape[0] <= k.shape[0] and \
-            fused.routes(q, k, v, kernel="attention"):
+    if fused_attention.routable(q, k) and fused.routes(q, k, v, kernel="attention"):
         return fused_attention.attention(q, k, v, scale)
     rep = q.shape[2] // k.shape[2]
     if rep > 1:

@@ -83,12 +83,14 @@ if triton is not None:
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, K, BK):
             kk = k0 + rk
-            a = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :] * sxk,
+            a = tl.load(x_ptr + rm[:, None].to(tl.int64) * sxm + kk[None, :] * sxk,
                         mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
             b = tl.load(w_ptr + rn[None, :] * swn + kk[:, None] * swk,
                         mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
             acc = tl.dot(a, b, acc)
-        tl.store(y_ptr + rm[:, None] * sym + rn[None, :] * syn, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+        # 64-bit row offsets: [M, N] outputs reach 2^31 elements (the lm_head's 151,936 columns at 14,134 rows)
+        tl.store(y_ptr + rm[:, None].to(tl.int64) * sym + rn[None, :] * syn, acc,
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
     @triton.jit

@@ -29,14 +29,15 @@ def test_fixed_k_gemm_rows_do_not_depend_on_m(dtype):
     assert (full - ref).abs().max() <= TOLERANCES["fixed_k_gemm_vs_fp32"][1] * ref.abs().max()
 
 
-def test_fixed_k_gemm_rows_do_not_depend_on_the_tile(monkeypatch):
+@pytest.mark.parametrize("dtype, k", [(torch.bfloat16, 2048), (torch.float16, 4096), (torch.bfloat16, 2080)])
+def test_fixed_k_gemm_rows_do_not_depend_on_the_tile(dtype, k, monkeypatch):
     """Every tile of `triton_gemm.TILES` (and the single tile of the strict rows before it) gives a row the same bits,
-    so a decode step's tile and a learner's may differ."""
+    so a decode step's tile and a learner's may differ; bf16 and fp16, K a multiple of BLOCK_K or not (2080)."""
     from minite.strict import triton_gemm as TG
 
     g = torch.Generator(device="cuda").manual_seed(1)
-    x = torch.randn(300, 2048, device="cuda", generator=g).bfloat16()
-    w = (torch.randn(4096 + 136, 2048, device="cuda", generator=g) * 0.02).bfloat16()  # a partial column tile
+    x = torch.randn(300, k, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(4096 + 136, k, device="cuda", generator=g) * 0.02).to(dtype)  # a partial column tile
     with monkeypatch.context() as mp:
         mp.setattr(TG, "TILES", (TG.Tile(64, 64, 4, 3),))
         ref = TG.matmul_fixed_k(x, w)
@@ -45,6 +46,18 @@ def test_fixed_k_gemm_rows_do_not_depend_on_the_tile(monkeypatch):
             mp.setattr(TG, "TILES", (t,))
             for m in (1, 7, 64, 256, 300):
                 assert torch.equal(TG.matmul_fixed_k(x[:m], w).view(torch.int32), ref[:m].view(torch.int32)), (t, m)
+
+
+def test_fixed_k_gemm_outputs_past_two_to_the_31_elements():
+    """Row offsets of the output in 64 bits: the last row of a [14200, 151936] product (past 2^31 elements, the
+    lm_head's vocabulary at 14,200 rows) is the row computed alone."""
+    from minite.strict.triton_gemm import matmul_fixed_k
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(14200, 64, device="cuda", generator=g).bfloat16()
+    w = torch.randn(151936, 64, device="cuda", generator=g).bfloat16()
+    y = matmul_fixed_k(x, w)  # 8.6 GB of fp32
+    assert torch.equal(y[-1], matmul_fixed_k(x[-1:], w)[0]) and torch.equal(y[0], matmul_fixed_k(x[:1], w)[0])
 
 
 def test_strict_attention_and_transcendentals_on_cuda():

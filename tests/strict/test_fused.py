@@ -264,12 +264,15 @@ def test_fused_pair_sums_path_under_the_interpreter(monkeypatch):
     from minite.strict import fused_linear as FL
     g = torch.Generator().manual_seed(6)
     q = (torch.randn(1, 2, 6, 16, generator=g) * 3).to(DEVICE)
-    k, v = ((torch.randn(7, 2, 3, 16, generator=g) * 3).to(DEVICE) for _ in range(2))
+    kvs = [tuple((torch.randn(sk, 2, 3, 16, generator=g) * 3).to(DEVICE) for _ in range(2)) for sk in (7, 1, 2, 72)]
     x, w = torch.randn(5, 300, generator=g).to(DEVICE), torch.randn(300, generator=g).to(DEVICE)
     wl = torch.randn(4, 300, generator=g).to(DEVICE)
-    split = FA.attention(q, k, v, 0.25), fused.rms_norm(x, w, 1e-6), FL.linear(x, wl)
+
+    def run():  # the attention at 7, 1, 2 and 72 keys: key blocks of 8, 1, 2 and 32 (3 of 4 computed)
+        return [FA.attention(q, k, v, 0.25) for k, v in kvs] + [fused.rms_norm(x, w, 1e-6), FL.linear(x, wl)]
+    split = run()
     monkeypatch.setattr(fused, "pair_split", lambda: False)
-    summed = FA.attention(q, k, v, 0.25), fused.rms_norm(x, w, 1e-6), FL.linear(x, wl)
+    summed = run()
     assert all(_same_bits(a, b) for a, b in zip(split, summed))
 
 
@@ -299,28 +302,35 @@ def test_fused_attention_special_values_and_errors():
 def test_fused_attention_keys_past_the_context(sk, monkeypatch):
     """Keys past the context (the padding to a power of two) add +0 to every sum, as ops.tree_sum's zero padding
     does: the kernel reads the last key's row for their scores (no mask), never for their products with v, and does
-    not compute a block of padding alone (its sum is read back as +0). Here the context's products are all -0 (p = 0
+    not compute a block of padding alone (its sums are read back as +0). Here the context's products are all -0 (p = 0
     or v = -0), so a -0 from the padding would turn the +0 of ops' tree into -0 (at 12 keys in blocks of 4 or 2, a
-    block of padding alone decides it); the last key's row holds a NaN and an inf in the second case."""
-    q = torch.full((1, 1, 2, 8), 4.0, device=DEVICE)
+    block of padding alone decides it). In the second case the last key's row holds a NaN and an inf: the padding's
+    scores read that row, and the queries before the last (a prefill of 3), which cannot see that key, stay finite."""
+    q = torch.full((3, 1, 2, 8), 4.0, device=DEVICE)
     k = torch.full((sk, 1, 2, 8), -4.0, device=DEVICE)
     k[0] = 4.0  # key 0's score exceeds the others' by 256: their e underflow to +0
     v = -torch.rand(sk, 1, 2, 8, device=DEVICE) - 1
     v[0] = -0.0
     odd_row = k.clone()
-    odd_row[-1, 0, 1, 3], odd_row[-1, 0, 0, 2] = math.nan, math.inf
+    odd_row[-1, 0, 1, 3], odd_row[-1, 0, 0, 2], odd_row[-1, 0, 1, 5] = math.nan, math.inf, -math.inf
     for keys in (k, odd_row):
-        ref = ops.attention(q, keys, v, 1.0)
+        with monkeypatch.context() as mp:
+            mp.setattr(fused, "PROVEN", fused.PROVEN - {"attention", "exp", "tree_sum"})  # the reference: torch ops
+            ref = ops.attention(q, keys, v, 1.0)
         for block in (FA.ATTENTION_KEY_BLOCK, 4, 2):  # 16 padded keys: with 4 or 2 a block, whole blocks of padding
             monkeypatch.setattr(FA, "ATTENTION_KEY_BLOCK", block)
             got = FA.attention(q, keys, v, 1.0)
             assert _same_bits(got, ref), block
-    assert (ops.attention(q, k, v, 1.0).view(torch.int32) == 0).all()  # +0, not -0: the case is the one described
+        if keys is odd_row:  # the case is the one described
+            assert torch.isfinite(ref[:2]).all() and torch.isnan(ref[2]).all()
+        else:
+            assert (ref.view(torch.int32) == 0).all()  # +0, not -0
 
 
 def test_fused_attention_refuses_a_cache_too_wide_for_its_offsets():
     q = torch.zeros(1, 1, 1, 64, device=DEVICE).expand(1, 1 << 20, 1, 64)  # views: nothing this size is allocated
     kv = torch.zeros(1, 1, 1, 64, device=DEVICE).expand(2, 1 << 20, 1, 64)
+    assert not FA.routable(q, kv) and FA.routable(q[:, :1000], kv[:, :1000])  # ops.attention keeps its torch ops
     with pytest.raises(ValueError, match="too wide"):
         FA.attention(q, kv, kv, 0.5)
 

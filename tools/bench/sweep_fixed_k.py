@@ -1,6 +1,6 @@
 """Strict mode's fixed-K BF16 GEMM (minite/strict/triton_gemm.py) at the lm_head's shapes, over its tile.
 
-    python tools/bench/sweep_fixed_k.py [--out docs/benchmarks/fixed-k-sweep-h100.json] [--rows 1,8,64,256,2048]
+    python tools/bench/sweep_fixed_k.py --out /tmp/fixed-k.json [--rows 1,8,64,256,2048]
         [--shapes M:N:K,...] [--tiles BM:BN:WARPS:STAGES,...]
 
 For bf16 x [rows, 2048] and w [151936, 2048] (the rollout slice's hidden size and Qwen3's vocabulary; --shapes: other
@@ -73,7 +73,8 @@ def _picked(tiles, m, n):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="docs/benchmarks/fixed-k-sweep-h100.json")
+    p.add_argument("--out", required=True, help="JSON to write (docs/benchmarks/fixed-k-sweep-h100.json holds rows of "
+                   "several runs merged by hand, each with its commit: do not overwrite it)")
     p.add_argument("--rows", default="1,8,64,256,2048", help="rows of the lm_head's shape (N 151936, K 2048)")
     p.add_argument("--shapes", default="", help="more shapes, M:N:K comma-separated")
     p.add_argument("--tiles", default="", help="tiles instead of TILES above, BM:BN:WARPS:STAGES comma-separated")

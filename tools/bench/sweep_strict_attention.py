@@ -1,6 +1,14 @@
 """Strict mode's fused attention (minite/strict/fused_attention.py) at decode shapes, over its key block and warps.
 
-    python tools/bench/sweep_strict_attention.py [--out docs/benchmarks/strict-attention-sweep-h100.json]
+    python tools/bench/sweep_strict_attention.py --out /tmp/sweep.json [--key-blocks 8,16,32,64] [--warps 1,2]
+
+Two trees side by side (the shipped configuration of each at AB_SHAPES, outputs compared bit for bit):
+
+    MINITE_TREE=/tmp/old python tools/bench/sweep_strict_attention.py --save /tmp/old.pt
+    python tools/bench/sweep_strict_attention.py --save /tmp/new.pt
+    python tools/bench/sweep_strict_attention.py --compare /tmp/old.pt /tmp/new.pt --out /tmp/ab.json
+
+(MINITE_TREE: the checkout whose `minite` is imported; this file's own by default.)
 
 For bf16 q [1, batch, 32, 128] and k/v [keys, batch, 4, 128] (the rollout slice's heads at one decode step), each
 (ATTENTION_KEY_BLOCK, ATTENTION_WARPS) is timed by CUDA-graph replays (triton.testing.do_bench_cudagraph, rep=60)
@@ -18,12 +26,51 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.environ.get("MINITE_TREE") or
+                os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from minite.strict import fused_attention as FA  # noqa: E402
 from provenance import commit  # noqa: E402
 
 SHAPES = ((256, 72), (256, 56), (64, 72), (64, 56), (8, 56))  # (batch, keys)
+AB_SHAPES = ((1, 256, 72), (1, 256, 56), (1, 256, 40), (1, 64, 72), (1, 64, 56), (1, 8, 56), (1, 1, 40), (1, 64, 200),
+             (32, 16, 32))  # (queries, batch, keys): decode steps and a prefill
+
+
+def _inputs(queries, batch, keys, g):
+    q = torch.randn(queries, batch, 32, 128, device="cuda", generator=g).bfloat16()
+    k, v = (torch.randn(keys, batch, 4, 128, device="cuda", generator=g).bfloat16() for _ in range(2))
+    v[:, 0, 0, 0] = -0.0  # every product of this channel is -0 (p >= 0): the padding must add +0
+    return q, k, v
+
+
+def save(path: str) -> None:
+    """The shipped configuration at AB_SHAPES: each output and its time (CUDA-graph replays, rep=100) into `path`."""
+    from triton.testing import do_bench_cudagraph
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for queries, batch, keys in AB_SHAPES:
+        q, k, v = _inputs(queries, batch, keys, g)
+        out = FA.attention(q, k, v, 0.088)
+        us = 1000 * do_bench_cudagraph(lambda: FA.attention(q, k, v, 0.088), rep=100)
+        rows.append(dict(queries=queries, batch=batch, keys=keys, us=us, out=out.cpu()))
+        print(f"{commit()} queries {queries:2d} batch {batch:3d} keys {keys:3d}: {us:7.1f} us", flush=True)
+    torch.save(dict(commit=commit(), device=torch.cuda.get_device_name(), rows=rows), path)
+
+
+def compare(old_path: str, new_path: str) -> dict:
+    old, new = (torch.load(p) for p in (old_path, new_path))
+    if old["device"] != new["device"]:
+        raise SystemExit(f"sweep_strict_attention: {old['device']} and {new['device']}: not one device")
+    rows = []
+    for a, b in zip(old["rows"], new["rows"]):
+        same = bool(torch.equal(a["out"].view(torch.int32), b["out"].view(torch.int32)))
+        rows.append(dict(queries=a["queries"], batch=a["batch"], keys=a["keys"], old_us=a["us"], new_us=b["us"],
+                         ratio=b["us"] / a["us"], bitwise=same, old_commit=old["commit"], new_commit=new["commit"]))
+        print(f"queries {a['queries']:2d} batch {a['batch']:3d} keys {a['keys']:3d}: {old['commit']} {a['us']:7.1f} us,"
+              f" {new['commit']} {b['us']:7.1f} us (x{b['us'] / a['us']:.2f})  bitwise={same}")
+    return dict(device="1x " + new["device"], rows=rows)
 
 
 def sweep(key_blocks=(8, 16, 32, 64), warps=(1, 2)) -> list[dict]:
@@ -53,20 +100,34 @@ def sweep(key_blocks=(8, 16, 32, 64), warps=(1, 2)) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="docs/benchmarks/strict-attention-sweep-h100.json")
+    p.add_argument("--out", help="JSON to write (the sweep, or --compare's rows)")
+    p.add_argument("--key-blocks", default="8,16,32,64")
+    p.add_argument("--warps", default="1,2")
+    p.add_argument("--save", metavar="PT", help="time the shipped configuration at AB_SHAPES, save outputs and times")
+    p.add_argument("--compare", nargs=2, metavar=("OLD_PT", "NEW_PT"), help="two --save files -> --out")
     a = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("sweep_strict_attention: needs CUDA", file=sys.stderr)
+    if a.compare:
+        doc = compare(*a.compare)
+    else:
+        if not torch.cuda.is_available():
+            print("sweep_strict_attention: needs CUDA", file=sys.stderr)
+            return 2
+        if a.save:
+            save(a.save)
+            return 0
+        doc = {"device": "1x " + torch.cuda.get_device_name(),
+               "rows": sweep(tuple(int(x) for x in a.key_blocks.split(",")), tuple(int(x) for x in a.warps.split(",")))}
+    if not a.out:
+        print("sweep_strict_attention: --out is needed", file=sys.stderr)
         return 2
     import json
 
-    rows = sweep()
-    out = {"device": "1x " + torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc)
-           .strftime("%Y-%m-%d %H:%M UTC"), "commit": commit(), "torch": torch.__version__,
+    doc = {"device": doc["device"], "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "commit": commit(), "torch": torch.__version__,
            "command": "tools/bench/sweep_strict_attention.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
-           "rows": rows}
+           "rows": doc["rows"]}
     with open(a.out, "w") as f:
-        json.dump(out, f, indent=1)
+        json.dump(doc, f, indent=1)
         f.write("\n")
     return 0
 
