@@ -102,10 +102,10 @@ if fused.triton is not None:
 
 ATTENTION_KEY_BLOCK = 32
 """Keys per block of the fused attention: the tree over the zero-padded key width (a power of two) is the tree over
-aligned blocks of this many keys, then the tree over the block sums, so the split changes no bit. 32 was the fastest
-of 8-64, or within 2 us of it, at decode shapes on an H100 (2026-12-06,
-docs/benchmarks/strict-attention-sweep-h100.json) for the kernel before 99d4eb5, which computed every block of padding;
-not swept since (a smaller block skips more of the padding: 80 instead of 96 keys computed at 72 with 16)."""
+aligned blocks of this many keys, then the tree over the block sums, so the split changes no bit. 32 is the fastest of
+8-64, or within 2 us of it, at decode shapes on an H100 (2026-12-06, docs/benchmarks/strict-attention-sweep-h100.json)
+for the kernel before 99d4eb5, which computed every block of padding, and for 99d4eb5's (batch 256 x 72 keys: 189.0 /
+109.5 / 79.2 / 106.5 us for 8 / 16 / 32 / 64; 16 computes 80 keys there against 32's 96, but pays more per block)."""
 ATTENTION_MAX_KEYS = 8192
 """The longest context routed to the fused attention (its last pass holds [d, keys / ATTENTION_KEY_BLOCK] values)."""
 ATTENTION_WARPS = 1
