@@ -46,3 +46,10 @@ def emit(result: dict, out: str | None) -> None:
     if out:
         with open(out, "w") as f:
             json.dump(result, f, indent=1)
+
+
+def save(doc: dict, out: str) -> None:
+    """Write a benchmark's JSON (indented, a final newline) to `out`."""
+    with open(out, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")

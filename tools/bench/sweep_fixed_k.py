@@ -14,9 +14,7 @@ with device, date, commit and command.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import shlex
 import sys
 
 import torch
@@ -24,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from minite.strict import triton_gemm as TG  # noqa: E402
-from provenance import commit  # noqa: E402
+from provenance import save, stamp  # noqa: E402
 
 TILES = ((64, 64, 4, 3), (64, 128, 4, 3), (64, 128, 4, 4), (64, 256, 8, 3), (128, 128, 4, 3), (128, 128, 8, 3),
          (128, 256, 8, 3), (128, 256, 8, 4), (256, 128, 8, 3), (32, 128, 4, 4), (16, 64, 4, 4), (16, 128, 4, 4))
@@ -82,19 +80,11 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("sweep_fixed_k: needs CUDA", file=sys.stderr)
         return 2
-    import json
-
     shapes = [(int(r), 151936, 2048) for r in a.rows.split(",") if r]
     shapes += [tuple(int(v) for v in sh.split(":")) for sh in a.shapes.split(",") if sh]
     tiles = tuple(tuple(int(v) for v in t.split(":")) for t in a.tiles.split(",") if t) or TILES
     rows = sweep(shapes, tiles)
-    out = {"device": "1x " + torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc)
-           .strftime("%Y-%m-%d %H:%M UTC"), "commit": commit(), "torch": torch.__version__,
-           "command": "tools/bench/sweep_fixed_k.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
-           "rows": rows}
-    with open(a.out, "w") as f:
-        json.dump(out, f, indent=1)
-        f.write("\n")
+    save({"device": "1x " + torch.cuda.get_device_name(), **stamp(), "torch": torch.__version__, "rows": rows}, a.out)
     return 0
 
 

@@ -19,9 +19,7 @@ the comparison proves it on the device. CUDA only. JSON with device, date, commi
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import shlex
 import sys
 
 import torch
@@ -30,7 +28,7 @@ sys.path.insert(0, os.environ.get("MINITE_TREE") or
                 os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from minite.strict import fused_attention as FA  # noqa: E402
-from provenance import commit  # noqa: E402
+from provenance import commit, save, stamp  # noqa: E402
 
 SHAPES = ((256, 72), (256, 56), (64, 72), (64, 56), (8, 56))  # (batch, keys)
 AB_SHAPES = ((1, 256, 72), (1, 256, 56), (1, 256, 40), (1, 64, 72), (1, 64, 56), (1, 8, 56), (1, 1, 40), (1, 64, 200),
@@ -44,7 +42,7 @@ def _inputs(queries, batch, keys, g):
     return q, k, v
 
 
-def save(path: str) -> None:
+def save_outputs(path: str) -> None:
     """The shipped configuration at AB_SHAPES: each output and its time (CUDA-graph replays, rep=100) into `path`."""
     from triton.testing import do_bench_cudagraph
 
@@ -113,22 +111,14 @@ def main(argv=None) -> int:
             print("sweep_strict_attention: needs CUDA", file=sys.stderr)
             return 2
         if a.save:
-            save(a.save)
+            save_outputs(a.save)
             return 0
         doc = {"device": "1x " + torch.cuda.get_device_name(),
                "rows": sweep(tuple(int(x) for x in a.key_blocks.split(",")), tuple(int(x) for x in a.warps.split(",")))}
     if not a.out:
         print("sweep_strict_attention: --out is needed", file=sys.stderr)
         return 2
-    import json
-
-    doc = {"device": doc["device"], "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-           "commit": commit(), "torch": torch.__version__,
-           "command": "tools/bench/sweep_strict_attention.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
-           "rows": doc["rows"]}
-    with open(a.out, "w") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
+    save({"device": doc["device"], **stamp(), "torch": torch.__version__, "rows": doc["rows"]}, a.out)
     return 0
 
 
