@@ -41,10 +41,10 @@ import torch
 
 from minite.convert.files import check_out, input_dir, read_json_object, staged_output
 from minite.convert.hf_megatron import Target, assemble_rows, hf_plan_of_megatron, scan_hf, target_dtype
-from minite.convert.safetensors_stream import ConversionError, RowReader, TensorEntry, view2d
+from minite.convert.safetensors_stream import ConversionError, RowReader, TensorEntry, refuse_nonfinite, view2d
 from minite.nvfp4 import NVFP4Recipe
 from minite.nvfp4.modelopt import quant_config_dict, scale_grid_1x16
-from minite.ops import first_nonfinite, quantize_weight
+from minite.ops import quantize_weight
 
 INDEX_FILE = "model.safetensors.index.json"
 SHARD_BYTES = 2 * 1024 ** 3
@@ -201,8 +201,8 @@ class _HFReader:
         if name not in self.where:
             raise ExportError(f"missing tensor {name!r} in the Hugging Face checkpoint")
         t = self.where[name].get_tensor(name)
-        if self.check_finite and t.is_floating_point() and first_nonfinite({name: t}) is not None:
-            raise ExportError(f"tensor {name!r} in {self.hf_dir} holds NaN or Inf: not weights to export")
+        if self.check_finite:
+            refuse_nonfinite(t, name, self.hf_dir)
         return t
 
 

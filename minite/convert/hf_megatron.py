@@ -385,7 +385,7 @@ def assemble_rows(tg: Target, dtype: str, sources: Dict[str, TensorEntry], reade
         if lo >= hi:
             continue
         got = reader.rows(sources[pc.src], pc.r0 + lo - pc.dst_row, pc.r0 + hi - pc.dst_row)[:, pc.c0:pc.c1]
-        refuse_nonfinite(got, sources[pc.src], tg.name)
+        refuse_nonfinite(got, sources[pc.src].name, sources[pc.src].file, tg.name)
         buf[lo - a:hi - a, pc.dst_col:pc.dst_col + pc.c1 - pc.c0] = got
         filled += got.numel()
         del got  # one source slab alive at a time
@@ -507,7 +507,7 @@ def _check_replicas(plan: Dict[str, List[Target]], found: Dict[str, TensorEntry]
             for tg in targets:
                 if tg.replica:
                     entry = found[f"{file}::{tg.name}"]
-                    refuse_nonfinite(reader.rows(entry, 0, entry.rows), entry, entry.name)
+                    refuse_nonfinite(reader.rows(entry, 0, entry.rows), entry.name, entry.file)
     finally:
         reader.close()
 

@@ -153,13 +153,14 @@ class RowReader:
         self._files.clear()
 
 
-def refuse_nonfinite(t: torch.Tensor, entry: TensorEntry, target: str) -> None:
-    """ConversionError naming the source tensor and its file when floating t (read from it) holds NaN or Inf: weights
-    no run can start from (they would surface as a diverged first step)."""
-    if t.is_floating_point() and first_nonfinite({entry.name: t}) is not None:
-        into = "" if target == entry.name else f", read for {target!r}"
-        raise ConversionError(f"tensor {entry.name!r} in {entry.file} holds NaN or Inf{into}: not weights a run can "
-                              "start from; nothing was written")
+def refuse_nonfinite(t: torch.Tensor, name: str, where, target: str = "") -> None:
+    """ConversionError naming tensor `name` and `where` it was read from (its file, or a checkpoint directory) when
+    floating t holds NaN or Inf (read for `target`, when another tensor): weights no run can start from (they would
+    surface as a diverged first step)."""
+    if t.is_floating_point() and first_nonfinite({name: t}) is not None:
+        into = f", read for {target!r}" if target and target != name else ""
+        raise ConversionError(f"tensor {name!r} in {where} holds NaN or Inf{into}: not weights a run can start from; "
+                              "nothing was written")
 
 
 class StreamWriter:

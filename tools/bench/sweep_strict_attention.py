@@ -79,8 +79,7 @@ def sweep(key_blocks=(8, 16, 32, 64), warps=(1, 2)) -> list[dict]:
     g = torch.Generator(device="cuda").manual_seed(0)
     try:
         for batch, keys in SHAPES:
-            q = torch.randn(1, batch, 32, 128, device="cuda", generator=g).bfloat16()
-            k, v = (torch.randn(keys, batch, 4, 128, device="cuda", generator=g).bfloat16() for _ in range(2))
+            q, k, v = _inputs(1, batch, keys, g)
             FA.ATTENTION_KEY_BLOCK, FA.ATTENTION_WARPS = shipped
             ref = FA.attention(q, k, v, 0.088)
             for kb in key_blocks:
