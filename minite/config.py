@@ -174,6 +174,12 @@ class RolloutConfig:
     ones run at the smallest power-of-two batch that holds them (minite/rollout/decode.py: a finished response stops
     costing; in strict mode every token and log-prob is the full batch's; with CUDA graphs only the stop, until the
     compaction is proven there). 0: never look, run every response to max_new_tokens."""
+    sampler: Literal["gumbel", "megatron"] = "gumbel"
+    """embedded backend (miniTE's loop), how a token is drawn from softmax(logits / temperature). gumbel: one pass over
+    each step's logits, Gumbel-max with a counter-based Philox stream keyed from the rollout's seed (on a GPU two
+    Triton launches; minite/rollout/sampling.py). megatron: Megatron-Core's ops (softmax, an exponential draw,
+    argmax: ~10 passes over [batch, vocab]), the tokens its controller samples for a seed. The same distribution,
+    other tokens for a seed. With top_p < 1 both run Megatron's nucleus ops."""
     sglang_args: dict[str, Any] = field(default_factory=dict)
     """sglang backend: more `sglang.Engine` keyword arguments, over miniTE's defaults (minite.rollout.sglang.engine
     `engine_args_for`), e.g. --set 'rollout.sglang_args={attention_backend: triton, mem_fraction_static: 0.3}'."""

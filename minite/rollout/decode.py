@@ -3,18 +3,21 @@
     tokens = prompts, padded to the longest prompt + max_new_tokens
     prefill positions [0, shortest prompt)                     (one forward, Megatron's StaticInferenceContext)
     for q in shortest prompt .. last position:
-        logits of position q - 1 -> sample a token for position q (Megatron's sampling arithmetic)
+        logits of position q - 1 -> sample a token for position q (`sampler`: Gumbel-max or Megatron's arithmetic)
         a row still inside its prompt keeps its prompt token; log p(token at q) = log_softmax(logits)[token]
         forward the token at q (one position, the KV cache grows by one)
         every stop_check_every steps, given a stop token: one host read of the rows that have sampled it; all of
         them -> stop; else the unfinished rows move to the batch's first rows and run alone (compaction, `_Slots`)
     one read-back of the tokens and log-probs
 
-It computes what Megatron-Core 0.16.1's TextGenerationController.generate_all_output_tokens_static_batch computes for a
-static batch without early termination (the same forward calls through the same GPTInferenceWrapper, the same sampling
-ops in the same order on the same generator, the same log-softmax, the same sequence-parallel guard), tested bit for bit
-against it on the CPU (tests/rollout/test_decode.py); with a stop token, each response up to it, bit for bit where the
-forward is batch invariant (strict mode), since compaction changes the batch a step runs. One difference can show on a
+With sampler "megatron" it computes what Megatron-Core 0.16.1's TextGenerationController.generate_all_output_tokens_
+static_batch computes for a static batch without early termination (the same forward calls through the same
+GPTInferenceWrapper, the same sampling ops in the same order on the same generator, the same log-softmax, the same
+sequence-parallel guard), tested bit for bit against it on the CPU (tests/rollout/test_decode.py). With "gumbel" (the
+default, `rollout.sampler`) each step's tokens come from one pass over the logits (`minite.rollout.sampling`): the
+same distribution and everything else the same, other tokens for a seed. With a stop token, each response up to
+it, bit for bit where the forward is batch invariant (strict mode), since compaction changes the batch a step runs.
+One difference can show on a
 GPU in default mode: prefill materialises the logits of the last prompt position only, so the lm_head GEMM has batch
 rows where the controller's had batch x prompt rows, and cuBLAS may pick another kernel for it (strict mode's linears
 are batch invariant; `observed()` in the engine restores the controller's full prefill logits). What differs is the host
@@ -50,6 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from minite.ops import any_rank
+from minite.rollout.sampling import gumbel_sample
 from minite.strict import fused, ops as S
 
 logger = logging.getLogger(__name__)
@@ -66,9 +70,15 @@ class Decoded:
     finite: bool = True  # every log-prob the loop computed was finite (non-finite logits give NaN ones)
 
 
+SAMPLERS = ("gumbel", "megatron")
+
+
 def sample(last_logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator,
-           vocab_size: int, rows: torch.Tensor | None = None, batch: int = 0) -> torch.Tensor:
-    """One token per row of last_logits [B, V], with Megatron-Core 0.16.1's `_torch_sampling_func` arithmetic for
+           vocab_size: int, rows: torch.Tensor | None = None, batch: int = 0, sampler: str = "megatron"
+           ) -> torch.Tensor:
+    """One token per row of last_logits [B, V]. sampler "gumbel" with top_p = 1: `minite.rollout.sampling`'s one pass
+    (the same distribution, other tokens for a generator state). Otherwise Megatron-Core 0.16.1's
+    `_torch_sampling_func` arithmetic for
     top_k = 0 (the same ops in the same order on the same generator, so the same tokens): temperature, then nucleus
     filtering with its shifted mask (top_p < 1), softmax, one multinomial draw, clamped into the vocabulary.
     last_logits is left as it is (the caller's log-softmax reads it): copied only where an op below works in place
@@ -82,6 +92,8 @@ def sample(last_logits: torch.Tensor, temperature: float, top_p: float, generato
 
     rows (a compacted batch, `StaticBatchDecoder.generate`): last_logits' row i is row rows[i] of a batch of `batch`
     rows; the draws are the whole batch's, row rows[i]'s taken, so a row samples what it would in the whole batch."""
+    if sampler == "gumbel" and not 0.0 < top_p < 1.0:
+        return gumbel_sample(last_logits, temperature, generator, vocab_size, rows)
     logits = last_logits.clone() if temperature != 1.0 or 0.0 < top_p < 1.0 else last_logits
     if temperature != 1.0:
         logits.div_(temperature)
@@ -104,9 +116,12 @@ class StaticBatchDecoder:
     """The loop of the module docstring over `model` (a GPTModel, Float16Module-wrapped in BF16)."""
 
     def __init__(self, model: torch.nn.Module, *, vocab_size: int, hidden_size: int, params_dtype: torch.dtype,
-                 strict: bool = False, cuda_graphs: bool = False, stop_check_every: int = 8):
+                 strict: bool = False, cuda_graphs: bool = False, stop_check_every: int = 8, sampler: str = "gumbel"):
         if stop_check_every < 0:
             raise ValueError(f"stop_check_every must be >= 0 (0: never look for stop tokens), got {stop_check_every}")
+        if sampler not in SAMPLERS:
+            raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
+        self.sampler = sampler
         self.model = model
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
@@ -202,7 +217,7 @@ class StaticBatchDecoder:
             start = 0 if q == shortest else q - 1
             ctx.materialize_only_last_token_logits = not (self.prefill_all_logits and start == 0)
             last = self._step(st, start, q, slots.n)
-            sampled = sample(last, temperature, top_p, generator, self.vocab_size, slots.rows, batch)
+            sampled = sample(last, temperature, top_p, generator, self.vocab_size, slots.rows, batch, self.sampler)
             started = slots.lengths <= q  # rows whose prompt ended: take the sample; the others keep their prompt
             cur = tokens[: slots.n]
             cur[:, q] = torch.where(started, sampled, cur[:, q])

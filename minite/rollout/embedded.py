@@ -88,7 +88,7 @@ class EmbeddedEngine(RolloutEngine):
 
     def __init__(self, model: torch.nn.Module, *, pad_id: int = 0, strict: bool = False, local_moe_dispatch: bool = True,
                  loop: str = "minite", cuda_graphs: bool = False, packed_weights: bool = False,
-                 stop_check_every: int = 8):
+                 stop_check_every: int = 8, sampler: str = "gumbel"):
         from megatron.core.transformer.module import Float16Module
         from megatron.core.utils import get_model_config, unwrap_model
 
@@ -117,7 +117,8 @@ class EmbeddedEngine(RolloutEngine):
         self.loop = loop
         self.decoder = StaticBatchDecoder(self.model, vocab_size=self.vocab_size, hidden_size=self.config.hidden_size,
                                           params_dtype=self.config.params_dtype, strict=strict,
-                                          cuda_graphs=cuda_graphs, stop_check_every=stop_check_every)
+                                          cuda_graphs=cuda_graphs, stop_check_every=stop_check_every,
+                                          sampler=sampler)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[RolloutResult]:
         if not prompts or any(len(p) == 0 for p in prompts):
@@ -266,4 +267,4 @@ def build_embedded(cfg, *, pad_id: int = 0) -> EmbeddedEngine:
     strict = bool(cfg.alignment.strict)
     return EmbeddedEngine(build_model(cfg, strict=strict), pad_id=pad_id, strict=strict,
                           cuda_graphs=bool(cfg.rollout.cuda_graphs), packed_weights=bool(cfg.rollout.packed_weights),
-                          stop_check_every=int(cfg.rollout.stop_check_every))
+                          stop_check_every=int(cfg.rollout.stop_check_every), sampler=cfg.rollout.sampler)

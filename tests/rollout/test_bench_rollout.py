@@ -56,6 +56,9 @@ def test_the_default_loop_is_what_ships_for_each_precision():
     table = bench_rollout.render({"commit": "abc1234", "device": "GPU", "date": "today", "command": "c",
                                   "hbm_bytes_per_s": 4.8e12, "rows": rows})
     assert "| packed (none captured) |" in table and "| eager |" in table  # a packed loop's graphs, like graphs'
+    assert "| eager, gumbel |" in bench_rollout.render({"commit": "c", "device": "GPU", "date": "d", "command": "c",
+                                                        "hbm_bytes_per_s": 4.8e12,
+                                                        "rows": [dict(rows[1], sampler="gumbel")]})
 
 
 def test_cpu_smoke_run_writes_the_fixed_keys(tmp_path):
@@ -72,6 +75,7 @@ def test_cpu_smoke_run_writes_the_fixed_keys(tmp_path):
     assert sorted((r["precision"], r["strict"], r["variant"], r["batch"]) for r in doc["rows"]) == [
         (p, s, v, b) for p in ("bf16", "nvfp4") for s in (False, True) for v in ("eager", "megatron") for b in (1, 3)]
     assert not any(r["cuda_graphs_replayed"] or r["graph_error"] for r in doc["rows"])  # no graphs on the CPU
+    assert {r["variant"]: r.get("sampler") for r in doc["rows"]} == {"eager": "gumbel", "megatron": None}
     for r in doc["rows"]:
         assert ROW_KEYS <= set(r), r
         assert (r["prompt_len"], r["new_tokens"]) == (4, 12)
@@ -91,7 +95,7 @@ def test_cpu_smoke_run_writes_the_fixed_keys(tmp_path):
     table = subprocess.run([sys.executable, str(BENCH), "--render", str(out)], capture_output=True, text=True,
                            check=True).stdout.splitlines()
     assert table[4].startswith("| precision | mode | loop | batch |")
-    assert len([t for t in table if t.startswith("| BF16")]) == 8 and any("| eager | 3 |" in t for t in table)
+    assert len([t for t in table if t.startswith("| BF16")]) == 8 and any("| eager, gumbel | 3 |" in t for t in table)
     assert any(t.startswith("| 3 | ") for t in table)
 
 

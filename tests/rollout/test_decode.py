@@ -1,6 +1,6 @@
 """minite.rollout.decode: the embedded engine's own sampling loop gives Megatron-Core's controller's tokens and
-log-probs bit for bit (BF16 and NVFP4, default and strict, prompts of different lengths, groups, temperature and
-top-p), reads nothing back from the device until the end, and (on a GPU) replays its CUDA graphs with the same bits as
+log-probs bit for bit with rollout.sampler megatron (BF16 and NVFP4, default and strict, prompts of different lengths,
+groups, temperature and top-p; the Gumbel sampler itself: test_sampling.py), reads nothing back from the device until the end, and (on a GPU) replays its CUDA graphs with the same bits as
 the eager steps, across generates and weight updates."""
 import pytest
 import torch
@@ -43,7 +43,7 @@ class _HostReads(TorchDispatchMode):
 @pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("strict", [False, True])
 def test_same_bits_as_megatrons_controller(precision, strict):
-    engine = _engine(precision, strict)
+    engine = _engine(precision, strict, "rollout.sampler=megatron")  # the controller's sampling ops
     for params in PARAMS:
         engine.loop = "minite"
         ours = _run(engine, params)

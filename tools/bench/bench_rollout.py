@@ -112,6 +112,9 @@ def parse(argv=None) -> argparse.Namespace:
                         "GEMMs read packed weight codes; what ships since 2026-12-01, NVFP4 only), sglang (SGLang's "
                         "engine with the minite_nvfp4 plugin on the same weights; its arguments from --set "
                         "rollout.sglang_args=...; each row also times one weight update)")
+    p.add_argument("--sampler", default="gumbel", choices=("gumbel", "megatron"),
+                   help="miniTE's loop: rollout.sampler (gumbel ships since the thirty-fourth session; every row "
+                        "before it used megatron's ops); each such row records it")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--reference-iters", type=int, default=20)
     p.add_argument("--no-reference", action="store_true", help="skip the plain-PyTorch reference rows")
@@ -308,7 +311,8 @@ def run_engines(a: argparse.Namespace, shape: dict, doc: dict, out: Path) -> Non
                 apply_strict(model)  # idempotent: once per precision in effect
             try:
                 engine = (start_sglang(a, shape, precision, mode == "strict") if variant == "sglang" else
-                          EmbeddedEngine(model, strict=mode == "strict", **VARIANTS[variant]))
+                          EmbeddedEngine(model, strict=mode == "strict", **VARIANTS[variant],
+                                         **({"sampler": a.sampler} if variant not in ("megatron",) else {})))
             except Exception as e:  # noqa: BLE001  (reported in the JSON; the next engines still run)
                 doc["errors"].append({"precision": precision, "strict": mode == "strict", "variant": variant,
                                       "error": f"start: {type(e).__name__}: {e}"[:500]})
@@ -333,6 +337,8 @@ def run_engines(a: argparse.Namespace, shape: dict, doc: dict, out: Path) -> Non
                     else:
                         row.update(variant=variant, cuda_graphs_replayed=engine.decoder.graphs > 0,
                                    graph_error=engine.decoder.graph_error)
+                        if variant != "megatron":
+                            row["sampler"] = engine.decoder.sampler
                     if i == 0 and variant != "sglang":  # once per engine: the count does not depend on the batch
                         row["host_syncs_per_step"] = host_syncs_per_step(engine, a, shape, batch)
                         if a.profile:
@@ -427,7 +433,9 @@ def render(doc: dict) -> str:
            "the NVFP4 GEMMs read packed weight codes (before d5ff83e the dense linears' and the experts', since then "
            "the experts' only, in the decode order from cd42429 on; the default since 2026-12-01), sglang = SGLang's engine "
            "with the minite_nvfp4 plugin on the same weights (rollout.backend=sglang; decode step by the difference "
-           "of the long and short runs); strict rows say whether minite.strict.fused's kernels ran (fused ops) or "
+           "of the long and short runs); gumbel = miniTE's loop drew with rollout.sampler gumbel (one pass over the "
+           "logits; the rows without it used Megatron's sampling ops); strict rows say whether minite.strict.fused's "
+           "kernels ran (fused ops) or "
            "strict mode's torch ops alone (unfused ops; every strict row before 8cadb07).", "",
            "| precision | mode | loop | batch | prompt | new tokens | decode step | floor | step / floor "
            "| decode tokens/s | host syncs / step | commit |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -436,6 +444,8 @@ def render(doc: dict) -> str:
         loop = r.get("variant", "megatron")
         loop += " (none captured)" if VARIANTS.get(loop, {}).get("cuda_graphs") and not r.get("cuda_graphs_replayed") \
             else ""
+        if r.get("sampler") == "gumbel":  # rows before the Gumbel sampler drew with Megatron's ops
+            loop += ", gumbel"
         if "strict_fused" in r:  # strict rows since minite.strict.fused exists: with or without its kernels
             loop += ", fused ops" if r["strict_fused"] else ", unfused ops"
         out.append(f"| {r['precision'].upper()} | {'strict' if r['strict'] else 'default'} | {loop} | {r['batch']} | "

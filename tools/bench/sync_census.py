@@ -94,6 +94,7 @@ CPU_ONLY = {
     _line("kernels/nvfp4_quant.py", "given = global_amax.to(device=dev, dtype=torch.float32).contiguous()"):
         "a device-side cast of an amax on the device (the learner's amax hints)",
     "minite/ops/grouped.py:": "host counts for the reference backend only (Triton reads the tensor)",
+    "minite/rollout/sampling.py:": "the Gumbel sampler's reference, the CPU's path (a GPU runs its kernels)",
     "minite/ops/experts.py:": "host counts for the per-expert loop: CPU only",
 }
 

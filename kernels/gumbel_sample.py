@@ -1,0 +1,126 @@
+"""The rollout's token sampler in two launches: Gumbel-max over logits / temperature with a counter-based Philox
+stream (minite.rollout.sampling holds the definition and its pure-PyTorch reference).
+
+Megatron-Core's sampling ops make about ten passes over [batch, vocab] fp32 (softmax, an exponential draw, a division,
+an argmax): at batch 256 over the 151,936-word vocabulary ~0.5 ms of a 3.6 ms decode step on an H100
+(docs/benchmarks.md, thirty-fourth session). Here each program reads one chunk of a row's logits once, draws their
+uniforms, and keeps the chunk's largest score and its index; a second launch picks each row's best chunk.
+
+    chunk c of row r (CHUNK logits, four quarters of QUARTER): Philox4x32-10 of the counter
+        (c * QUARTER + i, row id, 0, 0) under the 64-bit key `seed` gives four words, word j for logit
+        c * CHUNK + j * QUARTER + i
+    u = ((word >> 9) + 0.5) * 2^-23               in (0, 1), exact in fp32
+    score = logit / temperature - log(-log(u))    (a NaN score counts as -inf; past the vocabulary: -inf)
+    token = the lowest index of the largest score, clamped to [0, vocab_size)
+
+The Philox words are bitwise the reference's (integer arithmetic); the scores go through the device's log, so a token
+can differ from the reference's only where two scores are within a rounding of each other.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._interpreter import ensure_interpreter_compat
+from ._launch import cdiv, launcher, next_power_of_2
+
+QUARTER = 1024
+CHUNK = 4 * QUARTER
+
+
+@triton.jit
+def philox4x32(c0, c1, c2, c3, k0, k1):
+    """Philox4x32-10 (Salmon et al., SC'11; Random123's constants) of four uint32 counter words under a two-word key."""
+    for _ in tl.static_range(10):
+        h0 = tl.umulhi(c0, 0xD2511F53)
+        h1 = tl.umulhi(c2, 0xCD9E8D57)
+        l0 = c0 * 0xD2511F53
+        l1 = c2 * 0xCD9E8D57
+        c0, c1, c2, c3 = h1 ^ c1 ^ k0, l1, h0 ^ c3 ^ k1, l0
+        k0 = k0 + 0x9E3779B9
+        k1 = k1 + 0xBB67AE85
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _quarter_best(x_ptr, start, i, word, vocab, temperature, SCALE: tl.constexpr):
+    """The largest score of one quarter's logits (start + i) and its index (the lowest of equal ones)."""
+    v = start + i
+    x = tl.load(x_ptr + v, mask=v < vocab, other=float("-inf")).to(tl.float32)
+    if SCALE:
+        x = x / temperature
+    u = ((word >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
+    s = x - tl.log(-tl.log(u))
+    s = tl.where((s == s) & (v < vocab), s, float("-inf"))
+    k = tl.argmax(s, 0, tie_break_left=True)
+    return tl.max(s, 0), start + k
+
+
+@triton.jit
+def _chunk_best_kernel(x_ptr, stride_row, rows_ptr, seed_ptr, best_ptr, index_ptr, vocab, n_chunks, temperature,
+                       HAS_ROWS: tl.constexpr, SCALE: tl.constexpr, QUARTER: tl.constexpr):
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    if HAS_ROWS:
+        row = tl.load(rows_ptr + r).to(tl.uint32)
+    else:
+        row = r.to(tl.uint32)
+    seed = tl.load(seed_ptr)
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    i = tl.arange(0, QUARTER)
+    z = tl.zeros([QUARTER], dtype=tl.uint32)
+    w0, w1, w2, w3 = philox4x32((c * QUARTER + i).to(tl.uint32), z + row, z, z, k0, k1)
+    x_row = x_ptr + r.to(tl.int64) * stride_row
+    start = c * (4 * QUARTER)
+    best, at = _quarter_best(x_row, start, i, w0, vocab, temperature, SCALE)
+    b1, a1 = _quarter_best(x_row, start + QUARTER, i, w1, vocab, temperature, SCALE)
+    take = b1 > best
+    best, at = tl.where(take, b1, best), tl.where(take, a1, at)
+    b2, a2 = _quarter_best(x_row, start + 2 * QUARTER, i, w2, vocab, temperature, SCALE)
+    take = b2 > best
+    best, at = tl.where(take, b2, best), tl.where(take, a2, at)
+    b3, a3 = _quarter_best(x_row, start + 3 * QUARTER, i, w3, vocab, temperature, SCALE)
+    take = b3 > best
+    best, at = tl.where(take, b3, best), tl.where(take, a3, at)
+    tl.store(best_ptr + r * n_chunks + c, best)
+    tl.store(index_ptr + r * n_chunks + c, at)
+
+
+@triton.jit
+def _pick_kernel(best_ptr, index_ptr, out_ptr, n_chunks, vocab_size, NCP: tl.constexpr):
+    r = tl.program_id(0)
+    c = tl.arange(0, NCP)
+    s = tl.load(best_ptr + r * n_chunks + c, mask=c < n_chunks, other=float("-inf"))
+    k = tl.argmax(s, 0, tie_break_left=True)
+    token = tl.load(index_ptr + r * n_chunks + k)
+    token = tl.minimum(tl.maximum(token, 0), vocab_size - 1)
+    tl.store(out_ptr + r, token.to(tl.int64))
+
+
+def gumbel_sample_triton(logits: torch.Tensor, seed: torch.Tensor, temperature: float, vocab_size: int,
+                         rows: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 [n]: one token per row of logits [n, V] (module docstring). seed: one int64 on logits' device (the key;
+    read on the device, no host synchronisation); rows: int64 [n], each row's id in the counter (default 0..n-1)."""
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"gumbel_sample: logits must be [rows, vocab] with unit stride over the vocabulary, got shape "
+                         f"{tuple(logits.shape)} strides {logits.stride()}")
+    if seed.dtype != torch.int64 or seed.numel() != 1 or seed.device != logits.device:
+        raise ValueError(f"gumbel_sample: the seed must be one int64 on {logits.device}, got {seed.dtype} "
+                         f"{tuple(seed.shape)} on {seed.device}")
+    ensure_interpreter_compat()
+    n, vocab = logits.shape
+    out = torch.empty(n, dtype=torch.int64, device=logits.device)
+    if n == 0:
+        return out
+    chunks = cdiv(vocab, CHUNK)
+    best = torch.empty(n, chunks, dtype=torch.float32, device=logits.device)
+    index = torch.empty(n, chunks, dtype=torch.int32, device=logits.device)
+    has_rows = rows is not None
+    launcher(_chunk_best_kernel)[(n, chunks)](
+        logits, logits.stride(0), rows if has_rows else seed, seed, best, index, vocab, chunks, float(temperature),
+        HAS_ROWS=has_rows, SCALE=temperature != 1.0, QUARTER=QUARTER, num_warps=8)
+    launcher(_pick_kernel)[(n,)](best, index, out, chunks, vocab_size, NCP=max(2, next_power_of_2(chunks)),
+                                 num_warps=1)
+    return out

@@ -1,0 +1,94 @@
+"""The rollout's Gumbel-max sampler (`rollout.sampler: gumbel`): its definition, a pure-PyTorch reference, and the
+dispatch to the Triton kernels (minite.kernels.gumbel_sample) on a GPU.
+
+A token drawn as argmax_v(logit_v / T + G_v), with G_v = -log(-log(u_v)) standard Gumbel noise, is a draw from
+softmax(logits / T): the same distribution as Megatron-Core's ops (softmax, then argmax(p / q) with q ~ Exp(1),
+minite.rollout.decode `sample`), since -log(q) is Gumbel and argmax is unchanged by the softmax's normalisation. What
+differs is where the uniforms come from and how many passes it takes: Megatron's draw is torch's exponential_ over a
+[batch, vocab] buffer; here u_v is a pure function of (seed, row, v), Philox4x32-10 (counter-based, as torch's CUDA
+generator and Triton's tl.rand) under a 64-bit key drawn from the rollout's generator once per step, so one pass
+over the logits computes everything, and a row's draw does not depend on the other rows of its batch (a compacted
+batch names each row's id in the whole batch).
+
+    per step: seed = randint(2^62) from the generator (one int64, on the logits' device)
+    logit v = c * CHUNK + j * QUARTER + i (chunk c, quarter j, lane i):
+        (w0, w1, w2, w3) = Philox4x32-10(counter (c * QUARTER + i, row id, 0, 0), key (seed mod 2^32, seed >> 32))
+        u = ((w_j >> 9) + 0.5) * 2^-23           in [2^-24, 1 - 2^-24], exact in fp32: never 0 or 1
+        score = logit / T - log(-log(u))         a NaN score counts as -inf, as does every v past the logits
+    token = the lowest v of the largest score, clamped into [0, vocab_size)
+
+The Philox words are exact integer arithmetic, bitwise the same here and in the kernels (tests/rollout/
+test_sampling.py, also against Random123's known answers); the scores use the device's log and division, so the two
+can pick different tokens only where two scores lie within a rounding of each other. Non-finite logits give some
+token in the vocabulary; the caller's log-probs (NaN) are what catches them.
+"""
+from __future__ import annotations
+
+import torch
+
+QUARTER = 1024
+"""Lanes of one Philox call's four words (minite.kernels.gumbel_sample.QUARTER: the same layout)."""
+CHUNK = 4 * QUARTER
+SEED_BOUND = 2 ** 62
+_M0, _M1 = 0xD2511F53, 0xCD9E8D57  # Philox4x32's multipliers
+_W0, _W1 = 0x9E3779B9, 0xBB67AE85  # and its key increments (Random123)
+_U32 = 0xFFFFFFFF
+
+
+def _mulhilo(m: int, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(m * c) >> 32 and (m * c) mod 2^32 for uint32 values held in int64, without an int64 overflow: c in 16-bit
+    halves, each product under 2^48."""
+    hi_part, lo_part = m * (c >> 16), m * (c & 0xFFFF)
+    hi = (hi_part + (lo_part >> 16)) >> 16
+    lo = (((hi_part & 0xFFFF) << 16) + lo_part) & _U32
+    return hi, lo
+
+
+def philox4x32(c0, c1, c2, c3, k0, k1) -> tuple[torch.Tensor, ...]:
+    """Philox4x32-10 of counter words c0..c3 (int64 tensors or ints holding uint32 values) under the key (k0, k1):
+    four int64 tensors of uint32 values."""
+    c0, c1, c2, c3 = (torch.as_tensor(c, dtype=torch.int64) for c in (c0, c1, c2, c3))
+    for _ in range(10):
+        h0, l0 = _mulhilo(_M0, c0)
+        h1, l1 = _mulhilo(_M1, c2)
+        c0, c1, c2, c3 = h1 ^ c1 ^ k0, l1, h0 ^ c3 ^ k1, l0
+        k0, k1 = (k0 + _W0) & _U32, (k1 + _W1) & _U32
+    return c0, c1, c2, c3
+
+
+def uniforms(seed: int | torch.Tensor, row_ids: torch.Tensor, width: int) -> torch.Tensor:
+    """fp32 [len(row_ids), width] on the CPU: u of the module docstring for logits 0..width-1 of each row id (a seed
+    tensor is used as a tensor: no host read on the CPU)."""
+    seed = torch.as_tensor(seed, dtype=torch.int64).cpu().view(())
+    v = torch.arange(width, dtype=torch.int64)  # one Philox call per logit, its word j taken (the kernels share
+    words = philox4x32((v // CHUNK) * QUARTER + v % QUARTER, row_ids.to(torch.int64).cpu().view(-1, 1), 0, 0,
+                       seed & _U32, (seed >> 32) & _U32)  # one call among a chunk's four quarters)
+    quarter = (v % CHUNK) // QUARTER
+    w = torch.where(quarter == 0, words[0], torch.where(quarter == 1, words[1],
+                                                        torch.where(quarter == 2, words[2], words[3])))
+    return ((w >> 9).to(torch.float32) + 0.5) * 2.0 ** -23
+
+
+def gumbel_sample_reference(logits: torch.Tensor, seed: int | torch.Tensor, temperature: float, vocab_size: int,
+                            rows: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 [n] on logits' device: the module docstring's tokens for logits [n, V], in PyTorch ops."""
+    n, width = logits.shape
+    row_ids = torch.arange(n) if rows is None else rows
+    u = uniforms(seed, row_ids, width).to(logits.device)
+    x = logits.to(torch.float32)
+    if temperature != 1.0:
+        x = x / temperature
+    score = x - torch.log(-torch.log(u))
+    score = torch.where(torch.isnan(score), float("-inf"), score)
+    return torch.clamp(score.argmax(dim=-1), min=0, max=vocab_size - 1)
+
+
+def gumbel_sample(logits: torch.Tensor, temperature: float, generator: torch.Generator, vocab_size: int,
+                  rows: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row of logits [n, V] (fp32, unit stride over V): one seed from the generator, then on CUDA the
+    Triton kernels (two launches, no host synchronisation), elsewhere the reference."""
+    seed = torch.randint(SEED_BOUND, (1,), dtype=torch.int64, device=logits.device, generator=generator)
+    if logits.is_cuda:
+        from minite.kernels.gumbel_sample import gumbel_sample_triton
+        return gumbel_sample_triton(logits, seed, temperature, vocab_size, rows)
+    return gumbel_sample_reference(logits, seed, temperature, vocab_size, rows)

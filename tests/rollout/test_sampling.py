@@ -1,0 +1,163 @@
+"""minite.rollout.sampling (the Gumbel-max sampler's definition and reference) and minite.kernels.gumbel_sample (its
+two Triton launches): Philox against Random123's known answers, the kernels' Philox words bitwise the reference's,
+the kernels' tokens the reference's (chunk and quarter boundaries, temperature, compacted rows, +-inf and NaN, the
+vocabulary clamp), draws that follow softmax(logits / T), a row's draw independent of its batch, and the decoder's
+switch. On the CPU the kernels run under Triton's interpreter; the `gpu` tests run them compiled."""
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from minite.kernels import gumbel_sample as K
+from minite.rollout import sampling as S
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+# Random123's kat_vectors for Philox4x32-10: (counter, key, output)
+KAT = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+       ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+       ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+        (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
+
+
+def test_philox_gives_random123s_known_answers():
+    for counter, key, out in KAT:
+        assert tuple(int(w) for w in S.philox4x32(*counter, *key)) == out
+
+
+@triton.jit
+def _philox_words(c_ptr, k_ptr, o_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    c = [tl.load(c_ptr + 4 * i + j).to(tl.uint32) for j in tl.static_range(4)]
+    w0, w1, w2, w3 = K.philox4x32(c[0], c[1], c[2], c[3], tl.load(k_ptr).to(tl.uint32),
+                                  tl.load(k_ptr + 1).to(tl.uint32))
+    for j, w in enumerate((w0, w1, w2, w3)):
+        tl.store(o_ptr + 4 * i + j, w.to(tl.int64))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kernel_philox_is_bitwise_the_reference(device):
+    g = torch.Generator().manual_seed(0)
+    counters = torch.randint(0, 2 ** 32, (64, 4), generator=g, dtype=torch.int64)
+    counters[0], counters[1] = 0, 0xFFFFFFFF
+    for key in ((0, 0), (0xFFFFFFFF, 0xFFFFFFFF), (0xA4093822, 0x299F31D0)):
+        out = torch.full((64, 4), -1, dtype=torch.int64, device=device)
+        _philox_words[(1,)](counters.to(device), torch.tensor(key, device=device), out, N=64)
+        ref = torch.stack(S.philox4x32(*counters.unbind(1), *key), 1)
+        assert torch.equal(out.cpu(), ref), key
+    for counter, key, answer in KAT:
+        out = torch.full((1, 4), -1, dtype=torch.int64, device=device)
+        _philox_words[(1,)](torch.tensor([counter], device=device), torch.tensor(key, device=device), out, N=1)
+        assert tuple(out.view(-1).tolist()) == answer
+
+
+def test_uniforms_lie_strictly_inside_zero_one():
+    ends = ((torch.tensor([0, 2 ** 32 - 1]) >> 9).to(torch.float32) + 0.5) * 2.0 ** -23  # the extreme words
+    assert ends.tolist() == [2.0 ** -24, 1 - 2.0 ** -24]
+    u = S.uniforms(12345, torch.arange(4), 3 * S.CHUNK + 7)
+    assert u.shape == (4, 3 * S.CHUNK + 7) and bool(((u > 0) & (u < 1)).all())
+    assert abs(u.mean().item() - 0.5) < 0.01 and len(torch.unique(u)) > 0.99 * u.numel()
+
+
+def test_the_kernels_layout_is_the_references():
+    assert (K.QUARTER, K.CHUNK) == (S.QUARTER, S.CHUNK)
+
+
+def _logits(rows, width, seed=0):
+    return torch.randn(rows, width, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("width", [1, 7, 1024, 4096, 4097, 9000])
+def test_kernel_tokens_are_the_references(device, width):
+    x = _logits(6, width, width).to(device)
+    for seed, temperature, rows, vocab in ((7, 1.0, None, width), (2 ** 62 - 1, 0.7, [5, 0, 3, 3, 1, 2], width),
+                                           (0, 1.3, None, max(1, width - 3))):
+        r = None if rows is None else torch.tensor(rows, device=device)
+        got = K.gumbel_sample_triton(x, torch.tensor([seed], device=device), temperature, vocab, r)
+        want = S.gumbel_sample_reference(x, seed, temperature, vocab, r)
+        assert got.dtype == torch.int64 and torch.equal(got, want), (seed, temperature, rows)
+        assert bool(((got >= 0) & (got < vocab)).all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_infinities_nan_and_the_clamp(device):
+    x = _logits(5, 5000, 1)
+    x[0, 4321] = float("inf")  # +inf wins
+    x[1] = float("-inf")
+    x[1, 4100] = 0.0  # the one finite logit
+    x[2] = float("nan")  # some token in the vocabulary
+    x[3, 10] = x[3, 4500] = float("inf")  # equal scores: the lowest index
+    x[4] = -1e30
+    x[4, 4999] = 1e30  # past vocab_size 4990: clamped
+    x = x.to(device)
+    seed = torch.tensor([99], device=device)
+    got = K.gumbel_sample_triton(x, seed, 1.0, 4990)
+    assert got.tolist() == [4321, 4100, 0, 10, 4989]
+    assert torch.equal(got, S.gumbel_sample_reference(x, 99, 1.0, 4990))
+    strided = torch.zeros(5, 3, 5000, device=device)
+    strided[:, 1] = x  # rows of a [batch, positions, vocab] tensor, as an eager step's last logits are
+    assert torch.equal(K.gumbel_sample_triton(strided[:, 1], seed, 1.0, 4990), got)
+
+
+def test_bad_arguments_are_refused_in_one_line():
+    with pytest.raises(ValueError, match="unit stride"):
+        K.gumbel_sample_triton(torch.zeros(4, 8).t(), torch.tensor([1]), 1.0, 4)
+    with pytest.raises(ValueError, match="one int64"):
+        K.gumbel_sample_triton(torch.zeros(4, 8), torch.tensor([1.0]), 1.0, 8)
+    assert K.gumbel_sample_triton(torch.zeros(0, 8), torch.tensor([1]), 1.0, 8).shape == (0,)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
+def test_draws_follow_the_softmax(temperature):
+    """20,000 draws from one row of 6 logits (the reference: the kernels give its tokens, above): Pearson's
+    chi-square against softmax(logits / T) under 35.9, its 1e-6 quantile at 5 degrees of freedom. Drawing from
+    softmax(-logits) or softmax(logits) at the wrong temperature lands far over it."""
+    logits = torch.tensor([[1.0, -0.5, 2.0, 0.0, -3.0, 1.5]])
+    n = 20_000
+    gen = torch.Generator().manual_seed(int(temperature * 10))
+    tokens = S.gumbel_sample(logits.expand(n, 6).contiguous(), temperature, gen, 6)
+    counts = torch.bincount(tokens, minlength=6).double()
+    expected = torch.softmax(logits[0].double() / temperature, 0) * n
+    assert float(((counts - expected) ** 2 / expected).sum()) < 35.9
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_row_draws_the_same_in_any_batch_and_the_generator_moves_on(device):
+    x = _logits(8, 5000, 3).to(device)
+    g1, g2 = (torch.Generator(device=device).manual_seed(4) for _ in range(2))
+    whole = S.gumbel_sample(x, 1.0, g1, 5000)
+    rows = torch.tensor([6, 2, 2, 0], device=device)  # a compacted batch: each row's id in the whole batch
+    assert torch.equal(S.gumbel_sample(x[rows], 1.0, g2, 5000, rows), whole[rows])
+    assert torch.equal(g1.get_state(), g2.get_state())  # one seed drawn either way
+    again = S.gumbel_sample(x, 1.0, g1, 5000)
+    assert not torch.equal(again, whole)  # the next step's seed: other draws (8 rows of 5000 words)
+    assert torch.equal(S.gumbel_sample(x, 1.0, torch.Generator(device=device).manual_seed(4), 5000), whole)
+
+
+@pytest.mark.gpu
+def test_the_gpu_sampler_at_the_rollout_slices_vocabulary_without_a_host_synchronisation():
+    x = _logits(64, 151936, 5).cuda()
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = S.gumbel_sample(x, 1.0, gen, 151936)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    seed = torch.randint(S.SEED_BOUND, (1,), dtype=torch.int64, device="cuda",
+                         generator=torch.Generator(device="cuda").manual_seed(11))
+    assert torch.equal(got, S.gumbel_sample_reference(x, int(seed), 1.0, 151936))
+
+
+def test_the_decoder_takes_gumbel_by_default_and_refuses_an_unknown_sampler():
+    from minite.config import load_config
+    from minite.rollout.decode import StaticBatchDecoder
+    from minite.rollout.embedded import build_embedded
+
+    tiny = ["model.num_layers=1", "model.hidden_size=64", "model.vocab_size=64", "model.num_experts=4",
+            "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32", "model.max_position_embeddings=64"]
+    assert build_embedded(load_config(None, tiny)).decoder.sampler == "gumbel"
+    assert build_embedded(load_config(None, tiny + ["rollout.sampler=megatron"])).decoder.sampler == "megatron"
+    with pytest.raises(ValueError, match="sampler must be one of gumbel, megatron, got 'multinomial'"):
+        StaticBatchDecoder(torch.nn.Linear(1, 1), vocab_size=4, hidden_size=1, params_dtype=torch.float32,
+                           sampler="multinomial")
