@@ -15,6 +15,7 @@ finite_max.py    the NaN/Inf flag of the NVFP4 layers (minite.ops.FiniteFlag) in
 copy_amax.py     the optimizer's fp32 master -> bf16 copy of expert weights with each expert's amax (re-quantisation)
 moe_rows.py      the MoE dispatch's rows, probs and counts from a routing map in one launch (rollout forwards)
 megatron_rope.py Megatron-Core's unfused RoPE in one launch, for CUDA inference (megatron_patches.rope)
+gumbel_sample.py the rollout's Gumbel-max token sampler, two launches (minite.rollout.sampling: its definition)
 _interpreter.py  a fix that lets triton 3.6's CPU interpreter run kernels with runtime loop bounds under numpy >= 2.4
 _launch.py       the launchers' host side: compiled kernels launched without Triton's per-launch Python, grid integers
 

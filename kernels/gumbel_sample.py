@@ -9,12 +9,14 @@ uniforms, and keeps the chunk's largest score and its index; a second launch pic
     chunk c of row r (CHUNK logits, four quarters of QUARTER): Philox4x32-10 of the counter
         (c * QUARTER + i, row id, 0, 0) under the 64-bit key `seed` gives four words, word j for logit
         c * CHUNK + j * QUARTER + i
-    u = ((word >> 9) + 0.5) * 2^-23               in (0, 1), exact in fp32
-    score = logit / temperature - log(-log(u))    (a NaN score counts as -inf; past the vocabulary: -inf)
+    u = ((word >> 9) + 0.5) * 2^-23               in (0, 1), exact in fp32; d = 1 - u, exact
+    e = -log(u), as d + d^2/2 + d^3/3 + d^4/4 where d < 2^-6 (the GPU's log near 1 is not accurate enough there)
+    score = logit / temperature - log(e)          (a NaN score counts as -inf; past the vocabulary: -inf)
     token = the lowest index of the largest score, clamped to [0, vocab_size)
 
-The Philox words are bitwise the reference's (integer arithmetic); the scores go through the device's log, so a token
-can differ from the reference's only where two scores are within a rounding of each other.
+The Philox words are bitwise the reference's (integer arithmetic); the scores go through the device's log and
+division (on a GPU Triton's approximate instructions, with FMA contraction), so a token can differ from the
+reference's only where two scores lie within those roundings of each other.
 """
 from __future__ import annotations
 
@@ -44,14 +46,21 @@ def philox4x32(c0, c1, c2, c3, k0, k1):
 
 
 @triton.jit
+def exponential(word):
+    """e = -log(u) of uint32 Philox words (module docstring): Exp(1) draws."""
+    u = ((word >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
+    d = (((word ^ 0xFFFFFFFF) >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 1 - u, exact
+    return tl.where(d < 0.015625, d + d * d * (0.5 + d * (0.3333333432674408 + d * 0.25)), -tl.log(u))
+
+
+@triton.jit
 def _quarter_best(x_ptr, start, i, word, vocab, temperature, SCALE: tl.constexpr):
     """The largest score of one quarter's logits (start + i) and its index (the lowest of equal ones)."""
     v = start + i
     x = tl.load(x_ptr + v, mask=v < vocab, other=float("-inf")).to(tl.float32)
     if SCALE:
         x = x / temperature
-    u = ((word >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
-    s = x - tl.log(-tl.log(u))
+    s = x - tl.log(exponential(word))
     s = tl.where((s == s) & (v < vocab), s, float("-inf"))
     k = tl.argmax(s, 0, tie_break_left=True)
     return tl.max(s, 0), start + k

@@ -14,12 +14,15 @@ batch names each row's id in the whole batch).
     logit v = c * CHUNK + j * QUARTER + i (chunk c, quarter j, lane i):
         (w0, w1, w2, w3) = Philox4x32-10(counter (c * QUARTER + i, row id, 0, 0), key (seed mod 2^32, seed >> 32))
         u = ((w_j >> 9) + 0.5) * 2^-23           in [2^-24, 1 - 2^-24], exact in fp32: never 0 or 1
-        score = logit / T - log(-log(u))         a NaN score counts as -inf, as does every v past the logits
+        e = -log(u), Exp(1); where d = 1 - u (exact) < 2^-6 as d + d^2/2 + d^3/3 + d^4/4 (to under an ulp)
+        score = logit / T - log(e)               a NaN score counts as -inf, as does every v past the logits
     token = the lowest v of the largest score, clamped into [0, vocab_size)
 
 The Philox words are exact integer arithmetic, bitwise the same here and in the kernels (tests/rollout/
 test_sampling.py, also against Random123's known answers); the scores use the device's log and division, so the two
-can pick different tokens only where two scores lie within a rounding of each other. Non-finite logits give some
+can pick different tokens only where two scores lie within a rounding of each other. The series near u = 1: there
+-log(u) is tiny and decides the largest scores, and a GPU's approximate log (an absolute error near 2^-22) would lose
+its relative precision, even give 0 (a score of +inf). Non-finite logits give some
 token in the vocabulary; the caller's log-probs (NaN) are what catches them.
 """
 from __future__ import annotations
@@ -56,9 +59,26 @@ def philox4x32(c0, c1, c2, c3, k0, k1) -> tuple[torch.Tensor, ...]:
     return c0, c1, c2, c3
 
 
+def exponential(words: torch.Tensor) -> torch.Tensor:
+    """fp32: e = -log(u) of the module docstring for Philox words (int64 holding uint32 values)."""
+    u = ((words >> 9).to(torch.float32) + 0.5) * 2.0 ** -23
+    d = (((words ^ _U32) >> 9).to(torch.float32) + 0.5) * 2.0 ** -23
+    return torch.where(d < 2.0 ** -6, d + d * d * (0.5 + d * (1 / 3 + d * 0.25)), -torch.log(u))
+
+
+def exponentials(seed: int | torch.Tensor, row_ids: torch.Tensor, width: int) -> torch.Tensor:
+    """fp32 [len(row_ids), width] on the CPU: e of logits 0..width-1 of each row id (a seed tensor is used as a
+    tensor: no host read on the CPU)."""
+    return exponential(_words(seed, row_ids, width))
+
+
 def uniforms(seed: int | torch.Tensor, row_ids: torch.Tensor, width: int) -> torch.Tensor:
-    """fp32 [len(row_ids), width] on the CPU: u of the module docstring for logits 0..width-1 of each row id (a seed
-    tensor is used as a tensor: no host read on the CPU)."""
+    """fp32 [len(row_ids), width] on the CPU: u of the module docstring."""
+    return ((_words(seed, row_ids, width) >> 9).to(torch.float32) + 0.5) * 2.0 ** -23
+
+
+def _words(seed: int | torch.Tensor, row_ids: torch.Tensor, width: int) -> torch.Tensor:
+    """int64 [len(row_ids), width]: each logit's Philox word (module docstring)."""
     seed = torch.as_tensor(seed, dtype=torch.int64).cpu().view(())
     v = torch.arange(width, dtype=torch.int64)  # one Philox call per logit, its word j taken (the kernels share
     words = philox4x32((v // CHUNK) * QUARTER + v % QUARTER, row_ids.to(torch.int64).cpu().view(-1, 1), 0, 0,
@@ -66,7 +86,7 @@ def uniforms(seed: int | torch.Tensor, row_ids: torch.Tensor, width: int) -> tor
     quarter = (v % CHUNK) // QUARTER
     w = torch.where(quarter == 0, words[0], torch.where(quarter == 1, words[1],
                                                         torch.where(quarter == 2, words[2], words[3])))
-    return ((w >> 9).to(torch.float32) + 0.5) * 2.0 ** -23
+    return w
 
 
 def gumbel_sample_reference(logits: torch.Tensor, seed: int | torch.Tensor, temperature: float, vocab_size: int,
@@ -74,11 +94,11 @@ def gumbel_sample_reference(logits: torch.Tensor, seed: int | torch.Tensor, temp
     """int64 [n] on logits' device: the module docstring's tokens for logits [n, V], in PyTorch ops."""
     n, width = logits.shape
     row_ids = torch.arange(n) if rows is None else rows
-    u = uniforms(seed, row_ids, width).to(logits.device)
+    e = exponentials(seed, row_ids, width).to(logits.device)
     x = logits.to(torch.float32)
     if temperature != 1.0:
         x = x / temperature
-    score = x - torch.log(-torch.log(u))
+    score = x - torch.log(e)
     score = torch.where(torch.isnan(score), float("-inf"), score)
     return torch.clamp(score.argmax(dim=-1), min=0, max=vocab_size - 1)
 
