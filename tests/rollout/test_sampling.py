@@ -12,7 +12,10 @@ from minite.kernels import gumbel_sample as K
 from minite.rollout import sampling as S
 from tests.tolerances import TOLERANCES
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+# the kernels run under Triton's interpreter on a machine without CUDA ("cpu"), compiled on a GPU ("cuda")
+DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA here: the kernels "
+                                                        "run compiled (the cuda case), not interpreted")),
+           pytest.param("cuda", marks=pytest.mark.gpu)]
 # Random123's kat_vectors for Philox4x32-10: (counter, key, output)
 KAT = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
        ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
