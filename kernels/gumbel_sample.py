@@ -7,12 +7,12 @@ an argmax): at batch 256 over the 151,936-word vocabulary ~0.5 ms of a 3.6 ms de
 uniforms, and keeps the chunk's largest score and its index; a second launch picks each row's best chunk.
 
     chunk c of row r (CHUNK logits, four quarters of QUARTER): Philox4x32-10 of the counter
-        (c * QUARTER + i, row id, 0, 0) under the 64-bit key `seed` gives four words, word j for logit
-        c * CHUNK + j * QUARTER + i
-    u = ((word >> 9) + 0.5) * 2^-23               in (0, 1), exact in fp32; d = 1 - u, exact
+        (c * QUARTER + i, row id, 0, 0) under the key (seed mod 2^32, seed >> 32) gives four words, word j for
+        logit c * CHUNK + j * QUARTER + i
+    u = (word + 0.5) * 2^-32, d = (~word + 0.5) * 2^-32 in fp32 (d ~ 1 - u)
     e = -log(u), as d + d^2/2 + d^3/3 + d^4/4 where d < 2^-6 (the GPU's log near 1 is not accurate enough there)
-    score = logit / temperature - log(e)          (a NaN score counts as -inf; past the vocabulary: -inf)
-    token = the lowest index of the largest score, clamped to [0, vocab_size)
+    score = logit / temperature - log(e)          (a NaN score counts as -inf; from min(V, vocab_size) on: -inf)
+    token = the lowest index of the largest score
 
 The Philox words are bitwise the reference's (integer arithmetic); the scores go through the device's log and
 division (on a GPU Triton's approximate instructions, with FMA contraction), so a token can differ from the
@@ -48,8 +48,8 @@ def philox4x32(c0, c1, c2, c3, k0, k1):
 @triton.jit
 def exponential(word):
     """e = -log(u) of uint32 Philox words (module docstring): Exp(1) draws."""
-    u = ((word >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
-    d = (((word ^ 0xFFFFFFFF) >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 1 - u, exact
+    u = (word.to(tl.float32) + 0.5) * 2.3283064365386963e-10
+    d = ((word ^ 0xFFFFFFFF).to(tl.float32) + 0.5) * 2.3283064365386963e-10  # ~ 1 - u
     return tl.where(d < 0.015625, d + d * d * (0.5 + d * (0.3333333432674408 + d * 0.25)), -tl.log(u))
 
 
@@ -98,28 +98,33 @@ def _chunk_best_kernel(x_ptr, stride_row, rows_ptr, seed_ptr, best_ptr, index_pt
 
 
 @triton.jit
-def _pick_kernel(best_ptr, index_ptr, out_ptr, n_chunks, vocab_size, NCP: tl.constexpr):
+def _pick_kernel(best_ptr, index_ptr, out_ptr, n_chunks, NCP: tl.constexpr):
     r = tl.program_id(0)
     c = tl.arange(0, NCP)
     s = tl.load(best_ptr + r * n_chunks + c, mask=c < n_chunks, other=float("-inf"))
     k = tl.argmax(s, 0, tie_break_left=True)
-    token = tl.load(index_ptr + r * n_chunks + k)
-    token = tl.minimum(tl.maximum(token, 0), vocab_size - 1)
-    tl.store(out_ptr + r, token.to(tl.int64))
+    tl.store(out_ptr + r, tl.load(index_ptr + r * n_chunks + k).to(tl.int64))
 
 
 def gumbel_sample_triton(logits: torch.Tensor, seed: torch.Tensor, temperature: float, vocab_size: int,
                          rows: torch.Tensor | None = None) -> torch.Tensor:
-    """int64 [n]: one token per row of logits [n, V] (module docstring). seed: one int64 on logits' device (the key;
-    read on the device, no host synchronisation); rows: int64 [n], each row's id in the counter (default 0..n-1)."""
-    if logits.dim() != 2 or logits.stride(1) != 1:
-        raise ValueError(f"gumbel_sample: logits must be [rows, vocab] with unit stride over the vocabulary, got shape "
-                         f"{tuple(logits.shape)} strides {logits.stride()}")
+    """int64 [n]: one token per row of logits [n, V] from its first min(V, vocab_size) (module docstring). seed: one
+    int64 on logits' device (the key; read on the device, no host synchronisation); rows: int32/int64 [n] on the same
+    device, each row's id in the counter (default 0..n-1)."""
+    if logits.dim() != 2 or logits.stride(1) != 1 or min(logits.shape[1], vocab_size) < 1:
+        raise ValueError(f"gumbel_sample: logits must be [rows, vocab >= 1] with unit stride over the vocabulary and "
+                         f"vocab_size >= 1, got shape {tuple(logits.shape)} strides {logits.stride()}, vocab_size "
+                         f"{vocab_size}")
     if seed.dtype != torch.int64 or seed.numel() != 1 or seed.device != logits.device:
         raise ValueError(f"gumbel_sample: the seed must be one int64 on {logits.device}, got {seed.dtype} "
                          f"{tuple(seed.shape)} on {seed.device}")
+    if rows is not None and (rows.shape != logits.shape[:1] or rows.device != logits.device
+                             or rows.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"gumbel_sample: rows must be one int32/int64 id per logits row on {logits.device}, got "
+                         f"{rows.dtype} {tuple(rows.shape)} on {rows.device}")
     ensure_interpreter_compat()
-    n, vocab = logits.shape
+    n = logits.shape[0]
+    vocab = min(logits.shape[1], vocab_size)
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
     if n == 0:
         return out
@@ -130,6 +135,5 @@ def gumbel_sample_triton(logits: torch.Tensor, seed: torch.Tensor, temperature: 
     launcher(_chunk_best_kernel)[(n, chunks)](
         logits, logits.stride(0), rows if has_rows else seed, seed, best, index, vocab, chunks, float(temperature),
         HAS_ROWS=has_rows, SCALE=temperature != 1.0, QUARTER=QUARTER, num_warps=8)
-    launcher(_pick_kernel)[(n,)](best, index, out, chunks, vocab_size, NCP=max(2, next_power_of_2(chunks)),
-                                 num_warps=1)
+    launcher(_pick_kernel)[(n,)](best, index, out, chunks, NCP=max(2, next_power_of_2(chunks)), num_warps=1)
     return out

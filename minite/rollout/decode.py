@@ -13,19 +13,19 @@
 With sampler "megatron" it computes what Megatron-Core 0.16.1's TextGenerationController.generate_all_output_tokens_
 static_batch computes for a static batch without early termination (the same forward calls through the same
 GPTInferenceWrapper, the same sampling ops in the same order on the same generator, the same log-softmax, the same
-sequence-parallel guard), tested bit for bit against it on the CPU (tests/rollout/test_decode.py). With "gumbel" (the
-default, `rollout.sampler`) each step's tokens come from one pass over the logits (`minite.rollout.sampling`): the
-same distribution and everything else the same, other tokens for a seed. With a stop token, each response up to
+sequence-parallel guard), tested bit for bit against it on the CPU (tests/rollout/test_decode.py). With "gumbel"
+(the default, `rollout.sampler`) each step's tokens come from one pass over the logits (`minite.rollout.sampling`):
+the same distribution and everything else the same, other tokens for a seed. With a stop token, each response up to
 it, bit for bit where the forward is batch invariant (strict mode), since compaction changes the batch a step runs.
-One difference can show on a
-GPU in default mode: prefill materialises the logits of the last prompt position only, so the lm_head GEMM has batch
-rows where the controller's had batch x prompt rows, and cuBLAS may pick another kernel for it (strict mode's linears
-are batch invariant; `observed()` in the engine restores the controller's full prefill logits). What differs is the host
-side: the controller keeps the prompt lengths in a CUDA tensor, so every context position and every "all done?" test is
-a device-to-host read (17 host synchronisations per decode step measured on the H200, docs/benchmarks.md); here
-positions are Python ints and the only reads are the final tokens and log-probs, and with a stop token one every
-`stop_check_every` steps. Prefill materialises the logits of the last prompt position only (the controller materialises
-every prompt position's logits for prompt log-probs, which a rollout does not return).
+One difference can show on a GPU in default mode: prefill materialises the logits of the last prompt position only,
+so the lm_head GEMM has batch rows where the controller's had batch x prompt rows, and cuBLAS may pick another
+kernel for it (strict mode's linears are batch invariant; `observed()` in the engine restores the controller's full
+prefill logits). What differs is the host side: the controller keeps the prompt lengths in a CUDA tensor, so every
+context position and every "all done?" test is a device-to-host read (17 host synchronisations per decode step
+measured on the H200, docs/benchmarks.md); here positions are Python ints and the only reads are the final tokens
+and log-probs, and with a stop token one every `stop_check_every` steps. Prefill materialises the logits of the last
+prompt position only (the controller materialises every prompt position's logits for prompt log-probs, which a
+rollout does not return).
 
 CUDA graphs (`cuda_graphs=True`, CUDA only): decode step q runs as a graph captured once for (batch, sequence
 length, q) and replayed in every later generate of that shape. Each step's graph differs because Megatron's static

@@ -1,7 +1,8 @@
 """minite.rollout.decode: the embedded engine's own sampling loop gives Megatron-Core's controller's tokens and
 log-probs bit for bit with rollout.sampler megatron (BF16 and NVFP4, default and strict, prompts of different lengths,
-groups, temperature and top-p; the Gumbel sampler itself: test_sampling.py), reads nothing back from the device until the end, and (on a GPU) replays its CUDA graphs with the same bits as
-the eager steps, across generates and weight updates."""
+groups, temperature and top-p; the Gumbel sampler itself: test_sampling.py), reads nothing back from the device
+until the end, and (on a GPU) replays its CUDA graphs with the same bits as the eager steps, across generates and
+weight updates."""
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode

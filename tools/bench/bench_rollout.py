@@ -312,7 +312,7 @@ def run_engines(a: argparse.Namespace, shape: dict, doc: dict, out: Path) -> Non
             try:
                 engine = (start_sglang(a, shape, precision, mode == "strict") if variant == "sglang" else
                           EmbeddedEngine(model, strict=mode == "strict", **VARIANTS[variant],
-                                         **({"sampler": a.sampler} if variant not in ("megatron",) else {})))
+                                         **({"sampler": a.sampler} if variant != "megatron" else {})))
             except Exception as e:  # noqa: BLE001  (reported in the JSON; the next engines still run)
                 doc["errors"].append({"precision": precision, "strict": mode == "strict", "variant": variant,
                                       "error": f"start: {type(e).__name__}: {e}"[:500]})

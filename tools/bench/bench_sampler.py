@@ -54,7 +54,7 @@ def _layout(x: torch.Tensor, quarter: int, warps: int):
     def launch():
         K._chunk_best_kernel[(n, chunks)](x, x.stride(0), seed, seed, best, index, vocab, chunks, 1.0,
                                           HAS_ROWS=False, SCALE=False, QUARTER=quarter, num_warps=warps)
-        K._pick_kernel[(n,)](best, index, out, chunks, vocab, NCP=max(2, next_power_of_2(chunks)), num_warps=1)
+        K._pick_kernel[(n,)](best, index, out, chunks, NCP=max(2, next_power_of_2(chunks)), num_warps=1)
     launch()
     if n > 64:
         return launch, None
