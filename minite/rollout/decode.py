@@ -77,10 +77,10 @@ def sample(last_logits: torch.Tensor, temperature: float, top_p: float, generato
            vocab_size: int, rows: torch.Tensor | None = None, batch: int = 0, sampler: str = "megatron"
            ) -> torch.Tensor:
     """One token per row of last_logits [B, V]. sampler "gumbel" with top_p = 1: `minite.rollout.sampling`'s one pass
-    (the same distribution, other tokens for a generator state). Otherwise Megatron-Core 0.16.1's
-    `_torch_sampling_func` arithmetic for
-    top_k = 0 (the same ops in the same order on the same generator, so the same tokens): temperature, then nucleus
-    filtering with its shifted mask (top_p < 1), softmax, one multinomial draw, clamped into the vocabulary.
+    (the same distribution, other tokens for a generator state; the decoder passes its `sampler`, this function's
+    default is Megatron's). Otherwise Megatron-Core 0.16.1's `_torch_sampling_func` arithmetic for top_k = 0 (the
+    same ops in the same order on the same generator, so the same tokens): temperature, then nucleus filtering with
+    its shifted mask (top_p < 1), softmax, one multinomial draw, clamped into the vocabulary.
     last_logits is left as it is (the caller's log-softmax reads it): copied only where an op below works in place
     (a copy of [batch, vocab] fp32 costs ~20 us at batch 64 on the H200, every step).
 
