@@ -107,10 +107,12 @@ def _pick_kernel(best_ptr, index_ptr, out_ptr, n_chunks, NCP: tl.constexpr):
 
 
 def gumbel_sample_triton(logits: torch.Tensor, seed: torch.Tensor, temperature: float, vocab_size: int,
-                         rows: torch.Tensor | None = None) -> torch.Tensor:
+                         rows: torch.Tensor | None = None, *, quarter: int = QUARTER, num_warps: int = 8
+                         ) -> torch.Tensor:
     """int64 [n]: one token per row of logits [n, V] from its first min(V, vocab_size) (module docstring). seed: one
     int64 on logits' device (the key; read on the device, no host synchronisation); rows: int32/int64 [n] on the same
-    device, each row's id in the counter (default 0..n-1)."""
+    device, each row's id in the counter (default 0..n-1). quarter and num_warps: another layout (a power of two;
+    another quarter draws other tokens: tools/bench/bench_sampler.py --layouts)."""
     if logits.dim() != 2 or logits.stride(1) != 1 or min(logits.shape[1], vocab_size) < 1:
         raise ValueError(f"gumbel_sample: logits must be [rows, vocab >= 1] with unit stride over the vocabulary and "
                          f"vocab_size >= 1, got shape {tuple(logits.shape)} strides {logits.stride()}, vocab_size "
@@ -128,12 +130,12 @@ def gumbel_sample_triton(logits: torch.Tensor, seed: torch.Tensor, temperature: 
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
     if n == 0:
         return out
-    chunks = cdiv(vocab, CHUNK)
+    chunks = cdiv(vocab, 4 * quarter)
     best = torch.empty(n, chunks, dtype=torch.float32, device=logits.device)
     index = torch.empty(n, chunks, dtype=torch.int32, device=logits.device)
     has_rows = rows is not None
     launcher(_chunk_best_kernel)[(n, chunks)](
         logits, logits.stride(0), rows if has_rows else seed, seed, best, index, vocab, chunks, float(temperature),
-        HAS_ROWS=has_rows, SCALE=temperature != 1.0, QUARTER=QUARTER, num_warps=8)
+        HAS_ROWS=has_rows, SCALE=temperature != 1.0, QUARTER=quarter, num_warps=num_warps)
     launcher(_pick_kernel)[(n,)](best, index, out, chunks, NCP=max(2, next_power_of_2(chunks)), num_warps=1)
     return out

@@ -68,22 +68,23 @@ def exponential(words: torch.Tensor) -> torch.Tensor:
     return torch.where(d < 2.0 ** -6, d + d * d * (0.5 + d * (1 / 3 + d * 0.25)), -torch.log(u))
 
 
-def exponentials(seed: int | torch.Tensor, row_ids: torch.Tensor, width: int) -> torch.Tensor:
+def exponentials(seed: int | torch.Tensor, row_ids: torch.Tensor, width: int, quarter: int = QUARTER
+                 ) -> torch.Tensor:
     """fp32 [len(row_ids), width] on the CPU: e of logits 0..width-1 of each row id (a seed tensor is used as a
-    tensor: no host read on the CPU)."""
-    return exponential(_words(seed, row_ids, width))
+    tensor: no host read on the CPU); `quarter`: the layout's QUARTER."""
+    return exponential(_words(seed, row_ids, width, quarter))
 
 
-def _words(seed: int | torch.Tensor, row_ids: torch.Tensor, width: int) -> torch.Tensor:
-    """int64 [len(row_ids), width]: each logit's Philox word (module docstring)."""
+def _words(seed: int | torch.Tensor, row_ids: torch.Tensor, width: int, quarter: int) -> torch.Tensor:
+    """int64 [len(row_ids), width]: each logit's Philox word (module docstring). One Philox call per logit, its word j
+    taken: the kernels make one call for the four logits of a lane, here each of them makes it again."""
     seed = torch.as_tensor(seed, dtype=torch.int64).cpu().view(())
-    v = torch.arange(width, dtype=torch.int64)  # one Philox call per logit, its word j taken (the kernels share
-    words = philox4x32((v // CHUNK) * QUARTER + v % QUARTER, row_ids.to(torch.int64).cpu().view(-1, 1), 0, 0,
-                       seed & _U32, (seed >> 32) & _U32)  # one call among a chunk's four quarters)
-    quarter = (v % CHUNK) // QUARTER
-    w = torch.where(quarter == 0, words[0], torch.where(quarter == 1, words[1],
-                                                        torch.where(quarter == 2, words[2], words[3])))
-    return w
+    chunk = 4 * quarter
+    v = torch.arange(width, dtype=torch.int64)
+    words = torch.stack(philox4x32((v // chunk) * quarter + v % quarter, row_ids.to(torch.int64).cpu().view(-1, 1),
+                                   0, 0, seed & _U32, (seed >> 32) & _U32))
+    j = ((v % chunk) // quarter).expand(words.shape[1], width)
+    return words.gather(0, j.unsqueeze(0)).squeeze(0)
 
 
 def check(logits: torch.Tensor, vocab_size: int, rows: torch.Tensor | None) -> int:
@@ -102,23 +103,24 @@ def check(logits: torch.Tensor, vocab_size: int, rows: torch.Tensor | None) -> i
 
 
 def gumbel_sample_reference(logits: torch.Tensor, seed: int | torch.Tensor, temperature: float, vocab_size: int,
-                            rows: torch.Tensor | None = None) -> torch.Tensor:
-    """int64 [n] on logits' device: the module docstring's tokens for logits [n, V], in PyTorch ops."""
+                            rows: torch.Tensor | None = None, quarter: int = QUARTER) -> torch.Tensor:
+    """int64 [n] on logits' device: the module docstring's tokens for logits [n, V], in PyTorch ops (`quarter`: the
+    layout's QUARTER, as the kernels take it)."""
     limit = check(logits, vocab_size, rows)
     n = logits.shape[0]
     row_ids = torch.arange(n) if rows is None else rows
     x = logits[:, :limit].to(torch.float32)
     if temperature != 1.0:
         x = x / temperature
-    score = x - torch.log(exponentials(seed, row_ids, limit).to(logits.device))
+    score = x - torch.log(exponentials(seed, row_ids, limit, quarter).to(logits.device))
     return torch.where(torch.isnan(score), float("-inf"), score).argmax(dim=-1)
 
 
 def gumbel_sample(logits: torch.Tensor, temperature: float, generator: torch.Generator, vocab_size: int,
                   rows: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row of logits [n, V] (float; on a GPU with unit stride over V): one seed from the generator,
-    then on CUDA the Triton kernels (two launches, no host synchronisation), elsewhere the reference."""
-    check(logits, vocab_size, rows)
+    then on CUDA the Triton kernels (two launches, no host synchronisation), elsewhere the reference; each refuses
+    what it cannot take in one line."""
     seed = torch.randint(SEED_BOUND, (1,), dtype=torch.int64, device=logits.device, generator=generator)
     if logits.is_cuda:
         from minite.kernels.gumbel_sample import gumbel_sample_triton

@@ -39,31 +39,17 @@ def _ops(x: torch.Tensor, idx: torch.Tensor, gen: torch.Generator) -> dict:
 
 
 def _layout(x: torch.Tensor, quarter: int, warps: int):
-    """The Gumbel kernels' two launches at another layout (a launch function), and their tokens against the
-    reference's of that layout (None past 64 rows)."""
-    from minite.kernels import gumbel_sample as K
-    from minite.kernels._launch import cdiv, next_power_of_2
-    from minite.rollout import sampling as S
-    n, vocab = x.shape
-    chunks = cdiv(vocab, 4 * quarter)
+    """The Gumbel kernels at another layout (a launch function), and whether their tokens are the reference's of that
+    layout (None past 64 rows)."""
+    from minite.kernels.gumbel_sample import gumbel_sample_triton
+    from minite.rollout.sampling import gumbel_sample_reference
     seed = torch.tensor([12345], device=x.device)
-    best = torch.empty(n, chunks, device=x.device)
-    index = torch.empty(n, chunks, dtype=torch.int32, device=x.device)
-    out = torch.empty(n, dtype=torch.int64, device=x.device)
 
     def launch():
-        K._chunk_best_kernel[(n, chunks)](x, x.stride(0), seed, seed, best, index, vocab, chunks, 1.0,
-                                          HAS_ROWS=False, SCALE=False, QUARTER=quarter, num_warps=warps)
-        K._pick_kernel[(n,)](best, index, out, chunks, NCP=max(2, next_power_of_2(chunks)), num_warps=1)
-    launch()
-    if n > 64:
+        return gumbel_sample_triton(x, seed, 1.0, x.shape[1], quarter=quarter, num_warps=warps)
+    if x.shape[0] > 64:
         return launch, None
-    saved = S.QUARTER, S.CHUNK
-    S.QUARTER, S.CHUNK = quarter, 4 * quarter
-    try:
-        return launch, torch.equal(out, S.gumbel_sample_reference(x, 12345, 1.0, vocab))
-    finally:
-        S.QUARTER, S.CHUNK = saved
+    return launch, torch.equal(launch(), gumbel_sample_reference(x, 12345, 1.0, x.shape[1], quarter=quarter))
 
 
 def main(argv=None) -> int:
