@@ -54,16 +54,18 @@ def exponential(word):
 
 
 @triton.jit
-def _quarter_best(x_ptr, start, i, word, vocab, temperature, SCALE: tl.constexpr):
-    """The largest score of one quarter's logits (start + i) and its index (the lowest of equal ones)."""
+def _quarter_best(x_ptr, start, i, word, vocab, temperature, best, at, SCALE: tl.constexpr):
+    """(best, at) updated with one quarter's logits (start + i): its largest score and that score's index (the lowest
+    of equal ones) where the score is larger than best; otherwise (best, at), so the earlier index wins a tie."""
     v = start + i
     x = tl.load(x_ptr + v, mask=v < vocab, other=float("-inf")).to(tl.float32)
     if SCALE:
         x = x / temperature
     s = x - tl.log(exponential(word))
     s = tl.where((s == s) & (v < vocab), s, float("-inf"))
-    k = tl.argmax(s, 0, tie_break_left=True)
-    return tl.max(s, 0), start + k
+    top = tl.max(s, 0)
+    take = top > best
+    return tl.where(take, top, best), tl.where(take, start + tl.argmax(s, 0, tie_break_left=True), at)
 
 
 @triton.jit
@@ -83,16 +85,10 @@ def _chunk_best_kernel(x_ptr, stride_row, rows_ptr, seed_ptr, best_ptr, index_pt
     w0, w1, w2, w3 = philox4x32((c * QUARTER + i).to(tl.uint32), z + row, z, z, k0, k1)
     x_row = x_ptr + r.to(tl.int64) * stride_row
     start = c * (4 * QUARTER)
-    best, at = _quarter_best(x_row, start, i, w0, vocab, temperature, SCALE)
-    b1, a1 = _quarter_best(x_row, start + QUARTER, i, w1, vocab, temperature, SCALE)
-    take = b1 > best
-    best, at = tl.where(take, b1, best), tl.where(take, a1, at)
-    b2, a2 = _quarter_best(x_row, start + 2 * QUARTER, i, w2, vocab, temperature, SCALE)
-    take = b2 > best
-    best, at = tl.where(take, b2, best), tl.where(take, a2, at)
-    b3, a3 = _quarter_best(x_row, start + 3 * QUARTER, i, w3, vocab, temperature, SCALE)
-    take = b3 > best
-    best, at = tl.where(take, b3, best), tl.where(take, a3, at)
+    best, at = _quarter_best(x_row, start, i, w0, vocab, temperature, float("-inf"), start, SCALE)
+    best, at = _quarter_best(x_row, start + QUARTER, i, w1, vocab, temperature, best, at, SCALE)
+    best, at = _quarter_best(x_row, start + 2 * QUARTER, i, w2, vocab, temperature, best, at, SCALE)
+    best, at = _quarter_best(x_row, start + 3 * QUARTER, i, w3, vocab, temperature, best, at, SCALE)
     tl.store(best_ptr + r * n_chunks + c, best)
     tl.store(index_ptr + r * n_chunks + c, at)
 
