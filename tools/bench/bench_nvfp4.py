@@ -124,6 +124,9 @@ def section_copy_quant(res: dict) -> None:
         "tensor_rne_amax_given": (lambda: q(x, (1, 16), "tensor", "nearest", None, False, amax), one),
         "tensor_sr_amax_given": (lambda: q(x, (1, 16), "tensor", "stochastic", 7, False, amax), one),
         "2d_weightlike": (lambda: q(x, (16, 16), "tensor", "nearest", None, False), 2 * n + n // 2 + n // 256),
+        # the learner's weights take their amax from the optimizer's master -> weight copy (kernels/copy_amax.py)
+        "2d_weightlike_amax_given": (lambda: q(x, (16, 16), "tensor", "nearest", None, False, amax),
+                                     2 * n + n // 2 + n // 256),
         "colwise_rht_sr": (lambda: q(x.t(), (1, 16), "tensor", "stochastic", 7, True), one),
     }
     res["quant_variants"] = {}
@@ -508,6 +511,14 @@ def section_segments(res: dict) -> None:
     t = bench(lambda: quantize_with_values_triton(flat, (16, 16), "tensor", "nearest", None, False), rep=50)
     res["segments_us"]["stack_as_one_tensor_us"] = t * 1e3
     log(f"  stack as one tensor (quantize_with_values_triton, 16x16, amax pass included): {t * 1e3:.1f} us")
+    # the learner's call: each expert's amax given by the optimizer's copy (kernels/copy_amax.py), one pass
+    segs = [(e * 2 * FFN, 0, 2 * FFN, HIDDEN, e * 2 * FFN, 0) for e in range(EXPERTS)]
+    amax = w.reshape(EXPERTS, -1).abs().amax(dim=1).float()
+    t = bench(lambda: ns.quantize_segments_triton(flat, segs, tuple(flat.shape), (16, 16), "nearest", None, False,
+                                                  torch.float16, amax=amax), rep=50)
+    res["segments_us"]["stack_amax_given_us"] = t * 1e3
+    log(f"  stack, each expert's amax given (the learner's weights, values): {t * 1e3:.1f} us, "
+        f"{flat.numel() * 4.5625 / (t * 1e-3) / 1e12:.3f} TB/s (bf16 read, codes, scales and fp16 values written)")
     for name, (src, segs, shape, block, rht, tunings) in cases.items():
         nelem = shape[0] * shape[1]
         base, best = None, None
