@@ -5,14 +5,14 @@
 Sections:
 - copy:   device-to-device copy of 131072 x 2048 bf16 (bytes read + written) -> copy_TBps, the ceiling for quant.
 - quant:  quantisation of the same activations (1x16, per-row scale, RNE): (bytes read + written) / time as a
-          fraction of the copy rate; also per-tensor scale (two passes), block-value output, wgrad RHT+SR variants.
+          fraction of the copy rate; also per-tensor scale (two passes, or one with the amax given), 16x16 blocks,
+          block-value output, wgrad RHT+SR variants.
 - block:  Qwen3-30B-A3B expert block (128 experts, top-8, hidden 2048, ffn 768, 16384 tokens -> 131072 permuted rows):
           bf16 permuted input -> FC1 -> SwiGLU -> FC2 -> bf16, W4A4 kernels vs torch._grouped_mm BF16 (fwd, fwd+bwd),
           and vs an NVFP4 emulation in plain torch ops (minite.nvfp4's reference quantiser + bf16 _grouped_mm).
 - decode: 8 active experts' FC1 (2048 -> 1536) for M in {1, 4, 16, 32} tokens each, W4A4 (per-row activation
-          quantisation + packed-weight grouped GEMM, decode tiles) vs torch.bmm on bf16 weights. Both timed as CUDA
-          graph replays over 8 rotating weight sets (the bf16 weights of one set fit in the 60 MB L2; rotating keeps
-          the measurement on HBM for both).
+          quantisation + packed-weight grouped GEMM, decode tiles) vs torch.bmm on bf16 weights. Both CUDA graph
+          replays over 8 rotating weight sets (one set's bf16 weights fit in the 60 MB L2; rotating reads HBM).
 - rollout_gemm: the expert GEMMs (FC1, FC2) of one decode step of the rollout slice at batch 1, 8, 64, 256 (128
           experts, top-8): BF16 torch._grouped_mm vs W4A4 on fp16 block-value weights vs packed weights (Triton and
           PTX nibble decodes, the decode order; a sweep of tiles, each checked bitwise against the training tile).
@@ -124,9 +124,8 @@ def section_copy_quant(res: dict) -> None:
         "tensor_rne_amax_given": (lambda: q(x, (1, 16), "tensor", "nearest", None, False, amax), one),
         "tensor_sr_amax_given": (lambda: q(x, (1, 16), "tensor", "stochastic", 7, False, amax), one),
         "2d_weightlike": (lambda: q(x, (16, 16), "tensor", "nearest", None, False), 2 * n + n // 2 + n // 256),
-        # the learner's weights take their amax from the optimizer's master -> weight copy (kernels/copy_amax.py)
-        "2d_weightlike_amax_given": (lambda: q(x, (16, 16), "tensor", "nearest", None, False, amax),
-                                     2 * n + n // 2 + n // 256),
+        "2d_weightlike_amax_given": (lambda: q(x, (16, 16), "tensor", "nearest", None, False, amax),  # the learner's
+                                     2 * n + n // 2 + n // 256),  # weights: amax from the optimizer's copy
         "colwise_rht_sr": (lambda: q(x.t(), (1, 16), "tensor", "stochastic", 7, True), one),
     }
     res["quant_variants"] = {}
@@ -498,27 +497,17 @@ def section_segments(res: dict) -> None:
             [{"elems": n, "warps": wp, "vec2d": True, "rows": r}
              for r in (32, 64) for n in (2048, 4096, 8192) for wp in (4, 8)]),
     }
-    # the learner's call since c870e45: raw token counts, each expert padded to 16 by the kernel (segments that read
-    # `count` columns of `width`)
+    # the learner's call since c870e45: raw token counts, the kernel pads each expert to 16 (reads `count` of `width`)
     raw = [max(0, c - int(torch.randint(0, 16, (), generator=gen))) for c in counts]
     xr = torch.randn(sum(raw), HIDDEN, device="cuda").bfloat16()
     rs = [sum(raw[:i]) for i in range(EXPERTS)]
     cases["wgrad_xT_rht_selfpad"] = (xr.t(), [(0, r, HIDDEN, c, 0, q, n) for r, q, c, n in zip(rs, ps, counts, raw)],
                                      (HIDDEN, sum(counts)), (1, 16), True, [])
-    res["segments_us"] = {}
-    # for scale: the same stack as one [E*N, K] tensor (one global scale: other bits, the same bytes moved)
-    flat = w.reshape(-1, HIDDEN)
-    t = bench(lambda: quantize_with_values_triton(flat, (16, 16), "tensor", "nearest", None, False), rep=50)
-    res["segments_us"]["stack_as_one_tensor_us"] = t * 1e3
-    log(f"  stack as one tensor (quantize_with_values_triton, 16x16, amax pass included): {t * 1e3:.1f} us")
-    # the learner's call: each expert's amax given by the optimizer's copy (kernels/copy_amax.py), one pass
-    segs = [(e * 2 * FFN, 0, 2 * FFN, HIDDEN, e * 2 * FFN, 0) for e in range(EXPERTS)]
-    amax = w.reshape(EXPERTS, -1).abs().amax(dim=1).float()
-    t = bench(lambda: ns.quantize_segments_triton(flat, segs, tuple(flat.shape), (16, 16), "nearest", None, False,
-                                                  torch.float16, amax=amax), rep=50)
-    res["segments_us"]["stack_amax_given_us"] = t * 1e3
-    log(f"  stack, each expert's amax given (the learner's weights, values): {t * 1e3:.1f} us, "
-        f"{flat.numel() * 4.5625 / (t * 1e-3) / 1e12:.3f} TB/s (bf16 read, codes, scales and fp16 values written)")
+    flat, amax = w.reshape(-1, HIDDEN), w.reshape(EXPERTS, -1).abs().amax(dim=1).float()
+    t = bench(lambda: ns.quantize_segments_triton(flat, cases["stack"][1], tuple(flat.shape), (16, 16), "nearest",
+                                                  None, False, torch.float16, amax=amax), rep=50)
+    res["segments_us"] = {"stack_amax_given_us": t * 1e3}  # the learner's weights: amax from the optimizer's copy
+    log(f"  stack, each expert's amax given (one pass, values): {t * 1e3:.1f} us")
     for name, (src, segs, shape, block, rht, tunings) in cases.items():
         nelem = shape[0] * shape[1]
         base, best = None, None
