@@ -35,6 +35,7 @@ from minite.kernels.nvfp4_swiglu import SwiGLUFunction, swiglu_bwd_triton, swigl
 from minite.kernels.nvfp4_gemm import ExpertWeights, GemmConfig, grouped_gemm_triton, stack_expert_weights
 from minite.kernels import nvfp4_quant as nq, nvfp4_segments as ns, nvfp4_wgrad as nw
 from minite.kernels.nvfp4_quant import quantize_triton, quantize_with_values_triton
+from minite.nvfp4.grouped import stack_amax
 from minite.ops.common import abs_max
 from provenance import stamp  # tools/bench/, beside this script
 
@@ -76,7 +77,7 @@ def section_copy_quant(res: dict) -> None:
     copy_bps = 2 * n * 2 / (t * 1e-3)
     res["copy_TBps"] = copy_bps / 1e12
     log(f"copy 131072x2048 bf16: {t * 1e3:.1f} us, {copy_bps / 1e12:.3f} TB/s")
-    out_bytes = n // 2 + n // 16
+    out_bytes, blocks2d = n // 2 + n // 16, 2 * n + n // 2 + n // 256  # blocks2d: 16x16 blocks, bf16 read
     if SWEEP:  # the tile sweeps; without them every number below is the shipped tiles' (--no-sweep)
         # tuning sweep (every setting gives the same bits): per-row activations, codes only and codes + fp16 values
         for kind, values in (("plain", False), ("values", True)):
@@ -123,9 +124,8 @@ def section_copy_quant(res: dict) -> None:
         "tensor_sr": (lambda: q(x, (1, 16), "tensor", "stochastic", 7, False), one),
         "tensor_rne_amax_given": (lambda: q(x, (1, 16), "tensor", "nearest", None, False, amax), one),
         "tensor_sr_amax_given": (lambda: q(x, (1, 16), "tensor", "stochastic", 7, False, amax), one),
-        "2d_weightlike": (lambda: q(x, (16, 16), "tensor", "nearest", None, False), 2 * n + n // 2 + n // 256),
-        "2d_weightlike_amax_given": (lambda: q(x, (16, 16), "tensor", "nearest", None, False, amax),  # the learner's
-                                     2 * n + n // 2 + n // 256),  # weights: amax from the optimizer's copy
+        "2d_weightlike": (lambda: q(x, (16, 16), "tensor", "nearest", None, False), blocks2d),
+        "2d_weightlike_amax_given": (lambda: q(x, (16, 16), "tensor", "nearest", None, False, amax), blocks2d),
         "colwise_rht_sr": (lambda: q(x.t(), (1, 16), "tensor", "stochastic", 7, True), one),
     }
     res["quant_variants"] = {}
@@ -503,7 +503,7 @@ def section_segments(res: dict) -> None:
     rs = [sum(raw[:i]) for i in range(EXPERTS)]
     cases["wgrad_xT_rht_selfpad"] = (xr.t(), [(0, r, HIDDEN, c, 0, q, n) for r, q, c, n in zip(rs, ps, counts, raw)],
                                      (HIDDEN, sum(counts)), (1, 16), True, [])
-    flat, amax = w.reshape(-1, HIDDEN), w.reshape(EXPERTS, -1).abs().amax(dim=1).float()
+    flat, amax = w.reshape(-1, HIDDEN), stack_amax(w)
     t = bench(lambda: ns.quantize_segments_triton(flat, cases["stack"][1], tuple(flat.shape), (16, 16), "nearest",
                                                   None, False, torch.float16, amax=amax), rep=50)
     res["segments_us"] = {"stack_amax_given_us": t * 1e3}  # the learner's weights: amax from the optimizer's copy
