@@ -11,7 +11,7 @@ nvfp4_wgrad.py   the MoE wgrad: grouped over K (tokens), into main_grad, several
 nvfp4_swiglu.py  SwiGLU with its NVFP4 output quantisation fused in, and its backward; the experts' SwiGLU (the
                  model's arithmetic) fused with FC2's activation quantisation, forward only
 expert_swiglu.py the experts' SwiGLU (the model's arithmetic, router prob included), forward and backward, for training
-finite_max.py    the NaN/Inf flag of the NVFP4 layers (minite.ops.FiniteFlag) in one launch
+finite_max.py    the NaN/Inf flag of the NVFP4 layers (minite.ops.FiniteFlag) in one launch, where no quantiser takes it
 copy_amax.py     the optimizer's fp32 master -> bf16 copy of expert weights with each expert's amax (re-quantisation)
 moe_rows.py      the MoE dispatch's rows, probs and counts from a routing map in one launch (rollout forwards)
 megatron_rope.py Megatron-Core's unfused RoPE in one launch, for CUDA inference (megatron_patches.rope)

@@ -2,7 +2,9 @@
 
 `minite.ops.FiniteFlag.record` runs this on CUDA tensors instead of torch's inf-norm and an in-place maximum: in a
 rollout's decode step those were four graph nodes per quantised linear (a memset, the reduction, the maximum, and
-the idle gap before the reduction: ~12 us on the H200, 16 linears a step of the 4-layer slice). Each program takes
+the idle gap before the reduction: ~12 us on the H200, 16 linears a step of the 4-layer slice). The activation
+quantisers now take the flag in their own pass (nvfp4_quant.py's FLAG, nvfp4_swiglu.py), which leaves this launch to
+a weight's record and to a record with no kernel quantiser behind it. Each program takes
 the max of |x| over its block (NaN -> +Inf, so the flag stays non-finite whatever the order) and one fp32 atomic max
 into the flag; the values are >= 0, where the float order is the integer order of the bits, so the result is the
 exact max (or +Inf) whatever order the programs run in. A non-contiguous input is copied first (the quantisers'

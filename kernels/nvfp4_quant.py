@@ -55,6 +55,7 @@ from minite.nvfp4.tensor import NVFP4Tensor
 
 from ._interpreter import ensure_interpreter_compat
 from ._launch import cdiv, launcher, next_power_of_2, sm_count
+from .finite_max import _max_into_flag
 from .nvfp4_encode import _PTX, _e4m3_rne, _encode_pairs, _values_word
 from .nvfp4_seeds import _as_int32_bits, seed_mix  # noqa: F401 (seed_mix: part of this module's API)
 
@@ -264,12 +265,15 @@ def _quantize_tile(x, bamax, rows, c0, R, C, s_enc, s_dec, sixth, seed_mix,
 
 @triton.jit(do_not_specialize=["seed_mix"])
 def _quant_kernel(x_ptr, stride_r, stride_c, R, C, data_ptr, scale_ptr, gs_ptr, vals_ptr,
-                  seed_mix, sixth, amax_ptr, amax_out_ptr,
+                  seed_mix, sixth, amax_ptr, amax_out_ptr, flag_ptr,
                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BR: tl.constexpr, ROW_SCOPE: tl.constexpr,
                   SINGLE: tl.constexpr, STOCHASTIC: tl.constexpr, RHT: tl.constexpr, WRITE_VALS: tl.constexpr,
-                  SIGN_MASK: tl.constexpr, VEC2D: tl.constexpr, GIVEN_AMAX: tl.constexpr = False):
+                  SIGN_MASK: tl.constexpr, VEC2D: tl.constexpr, GIVEN_AMAX: tl.constexpr = False,
+                  FLAG: tl.constexpr = False):
     """Per-row scales (ROW_SCOPE): each row's amax from the row itself, or with GIVEN_AMAX read from amax_ptr (the
-    caller's, e.g. all-reduced over a tensor-parallel group). Per-tensor scale: amax_ptr holds the tensor's amax."""
+    caller's, e.g. all-reduced over a tensor-parallel group). Per-tensor scale: amax_ptr holds the tensor's amax.
+    FLAG: *flag_ptr = max(*flag_ptr, max |x| of the program's tiles), NaN as +Inf (the NaN/Inf flag, `_max_into_flag`),
+    from the block maxima the quantisation takes anyway."""
     G: tl.constexpr = BLOCK_C // 16
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -279,6 +283,8 @@ def _quant_kernel(x_ptr, stride_r, stride_c, R, C, data_ptr, scale_ptr, gs_ptr, 
         if SINGLE:
             x = _load_tile(x_ptr, stride_r, stride_c, rows, 0, R, C, BLOCK_R, G, RHT, SIGN_MASK, VEC2D)
             bamax = _block_amax(x)
+            if FLAG:
+                _max_into_flag(flag_ptr, _nan_max(bamax, 1))
             if GIVEN_AMAX:
                 amax = tl.load(amax_ptr + rows, mask=rows < R, other=0.0)
             else:
@@ -300,11 +306,17 @@ def _quant_kernel(x_ptr, stride_r, stride_c, R, C, data_ptr, scale_ptr, gs_ptr, 
             s_enc, s_dec = _global_scales(amax)
             tl.store(gs_ptr + rows, s_dec, mask=rows < R)
             tl.store(amax_out_ptr + rows, _decode_amax(amax, s_enc), mask=rows < R)
+            seen = tl.zeros([BLOCK_R], tl.float32)
             for c0 in range(0, C, BLOCK_C):
                 x = _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C, BLOCK_R, G, RHT, SIGN_MASK, VEC2D)
-                _quantize_tile(x, _block_amax(x), rows, c0, R, C, s_enc[:, None], s_dec[:, None], sixth,
+                bamax = _block_amax(x)
+                if FLAG:
+                    seen = tl.maximum(seen, _nan_max(bamax, 1), propagate_nan=tl.PropagateNan.ALL)
+                _quantize_tile(x, bamax, rows, c0, R, C, s_enc[:, None], s_dec[:, None], sixth,
                                seed_mix, data_ptr, scale_ptr, vals_ptr, scale_row0, 0, 0, C, BLOCK_R, G, BR,
                                STOCHASTIC, WRITE_VALS, VEC2D)
+            if FLAG:
+                _max_into_flag(flag_ptr, seen)
     else:
         # the global scale from the tensor's amax (the atomic max of `_amax_kernel`, or the caller's), in the
         # reference's operations (`_global_scales`); one program writes what the tensor carries
@@ -315,7 +327,10 @@ def _quant_kernel(x_ptr, stride_r, stride_c, R, C, data_ptr, scale_ptr, gs_ptr, 
             tl.store(amax_out_ptr, _decode_amax(amax, s_enc))
         c0 = pid_c * BLOCK_C
         x = _load_tile(x_ptr, stride_r, stride_c, rows, c0, R, C, BLOCK_R, G, RHT, SIGN_MASK, VEC2D)
-        _quantize_tile(x, _block_amax(x), rows, c0, R, C, s_enc, s_dec, sixth, seed_mix,
+        bamax = _block_amax(x)
+        if FLAG:
+            _max_into_flag(flag_ptr, _nan_max(bamax, 1))
+        _quantize_tile(x, bamax, rows, c0, R, C, s_enc, s_dec, sixth, seed_mix,
                        data_ptr, scale_ptr, vals_ptr, scale_row0, 0, 0, C, BLOCK_R, G, BR, STOCHASTIC, WRITE_VALS,
                        VEC2D)
 
@@ -484,13 +499,19 @@ def quantize_triton(x: torch.Tensor, block=(1, 16), scale_scope: str = "tensor",
 def quantize_with_values_triton(x: torch.Tensor, block=(1, 16), scale_scope: str = "tensor",
                                 rounding: str = "nearest", seed: int | None = None, rht: bool = False,
                                 values_dtype: torch.dtype | None = torch.float16,
-                                global_amax: torch.Tensor | None = None):
+                                global_amax: torch.Tensor | None = None, flag: torch.Tensor | None = None):
     """(NVFP4Tensor, block values or None): the quantisation plus, in the same pass, code x block scale in
     `values_dtype` (exact in fp16 and bf16), the operand a block-value GEMM reads without decoding nibbles.
     x may be a strided view (e.g. the transpose of a contiguous tensor, for column-wise wgrad operands).
-    global_amax: the amax of the global-scale scope given by the caller (fp32, [] or [rows]); no amax pass then."""
+    global_amax: the amax of the global-scale scope given by the caller (fp32, [] or [rows]); no amax pass then.
+    flag: the NaN/Inf flag (fp32, one element, on x's device; minite.ops.FiniteFlag's), which takes max |x| (NaN as
+    +Inf) in the same pass: `finite_max_into(x, flag)`'s result without its launch (after the RHT where there is
+    one, so a finite input whose transform overflows counts too)."""
     ensure_interpreter_compat()
     _check_values_dtype(values_dtype)
+    if flag is not None and (flag.dtype != torch.float32 or flag.numel() != 1 or flag.device != x.device):
+        raise ValueError(f"quantize: the NaN/Inf flag must be one fp32 element on {x.device}, got {flag.dtype} "
+                         f"{tuple(flag.shape)} on {flag.device}")
     block = tuple(block)
     rows, cols = x.shape
     br = block[0]
@@ -528,9 +549,10 @@ def quantize_with_values_triton(x: torch.Tensor, block=(1, 16), scale_scope: str
     row_given = row_scope and given is not None
     launcher(_quant_kernel)[grid](
         x, x.stride(0), x.stride(1), rows, cols, data, scale, gs, vals,
-        _as_int32_bits(seed_mix(seed)) if stochastic else 0, SIXTH, amax_in, amax_out, BLOCK_R=block_r, BLOCK_C=block_c,
-        BR=br, ROW_SCOPE=row_scope, SINGLE=single, STOCHASTIC=stochastic, RHT=rht, WRITE_VALS=values_dtype is not None,
-        SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d, GIVEN_AMAX=row_given, num_warps=warps)
+        _as_int32_bits(seed_mix(seed)) if stochastic else 0, SIXTH, amax_in, amax_out, gs if flag is None else flag,
+        BLOCK_R=block_r, BLOCK_C=block_c, BR=br, ROW_SCOPE=row_scope, SINGLE=single, STOCHASTIC=stochastic, RHT=rht,
+        WRITE_VALS=values_dtype is not None, SIGN_MASK=RHT_SIGN_MASK, VEC2D=vec2d, GIVEN_AMAX=row_given,
+        FLAG=flag is not None, num_warps=warps)
     q = NVFP4Tensor(data=data, scale=scale.view(torch.float8_e4m3fn), global_scale=gs, shape=(rows, cols),
                     block=block, amax=amax_out)
     return q, (vals if values_dtype is not None else None)

@@ -24,7 +24,9 @@ Stochastic-rounding seeds: every NVFP4 module gets `nvfp4_layer_id` (its order i
 and its backward seed is derive_seed(run seed, ctx.step, layer id); the learner advances ctx.step per train step.
 
 NaN/Inf: on a GPU the quantiser does not check its input (a host synchronisation per call); every module records
-its quantised inputs and weights in the context's device-side `finite` flag instead, read once per generate call.
+its quantised inputs and weights in the context's device-side `finite` flag instead, read once per generate call. An
+activation's record is taken by its quantiser on the kernels, in the same pass (`FiniteFlag.flag_for`): no launch of
+its own in a decode step.
 
 Quantised weights are cached per module, keyed by (ctx.generation, storage, version counter): a weight is quantised
 once per update, not once per forward (in a 2-layer model's forward 20 of the 28 quantisations are weights).
@@ -91,6 +93,12 @@ class NVFP4Context:
         """Note `t` (about to be quantised) in `finite`, if tracked and the quantiser does not check it on the spot."""
         if self.track_finite and not quantiser_checks_finite(t):
             self.finite.record(t)
+
+    @property
+    def tracked_finite(self) -> Optional[FiniteFlag]:
+        """`finite` if tracked, else None: what the ops take as `finite=` to record an activation as they quantise
+        it."""
+        return self.finite if self.track_finite else None
 
     weights_released: bool = False
     """Set while the learner has released the storage of the quantised weights (`release_quantised_weights`):
@@ -184,10 +192,9 @@ def _linear_weight_q(layer, weight: torch.Tensor, record: bool = True):
 
 def _linear(layer, x: torch.Tensor, weight: torch.Tensor, sharded: str) -> torch.Tensor:
     ctx = layer.nvfp4
-    ctx.record_finite(x)
     w_q = _linear_weight_q(layer, weight)
     return nvfp4_linear(x, weight, ctx.recipe, seed=ctx.layer_seed(layer.nvfp4_layer_id), weight_q=w_q,
-                        backend=ctx.backend, sharded=sharded, tp_group=layer.tp_group)
+                        backend=ctx.backend, sharded=sharded, tp_group=layer.tp_group, finite=ctx.tracked_finite)
 
 
 class NVFP4ColumnParallelLinear(ColumnParallelLinear):
@@ -287,10 +294,9 @@ class GroupedExperts(MegatronModule):
         if self.nvfp4 is None:
             return grouped_linear_bf16(x, weight, counts, strict=self.strict)
         ctx = self.nvfp4
-        ctx.record_finite(x)
         seed = derive_seed(ctx.layer_seed(self.nvfp4_layer_id), salt)
         return nvfp4_grouped_linear(x, weight, counts, ctx.recipe, seed=seed, weight_q=self._weight_q(weight, salt),
-                                    backend=ctx.backend, wgrad_sink=ctx.wgrad_sink)
+                                    backend=ctx.backend, wgrad_sink=ctx.wgrad_sink, finite=ctx.tracked_finite)
 
     def _weight_q(self, weight: torch.Tensor, salt: int, record: bool = True):
         ctx = self.nvfp4
@@ -333,7 +339,7 @@ class GroupedExperts(MegatronModule):
             ctx = self.nvfp4
             h = self._linear(permuted_hidden, self.fc1_weight, counts, 1)
             out = nvfp4_swiglu_fc2_forward(h, permuted_probs, self._weight_q(self.fc2_weight, 2), counts, ctx.recipe,
-                                           backend=ctx.backend, finite=ctx.finite if ctx.track_finite else None,
+                                           backend=ctx.backend, finite=ctx.tracked_finite,
                                            strict=self.strict)
             return out, None
         out = swiglu_experts(permuted_hidden, permuted_probs, lambda a, i: self._linear(a, weights[i], counts, i + 1),

@@ -141,7 +141,8 @@ def _validate(x, block, scale_scope, rounding, check_finite: bool = True, check_
 
 def quantize(x: torch.Tensor, *, block=BLOCK_1D, scale_scope: str = "tensor", rounding: str = "nearest",
              seed: int | None = None, rht: bool = False, backend: str = "auto", values: bool = False,
-             check_finite: bool = True, global_amax: torch.Tensor | None = None) -> NVFP4Tensor:
+             check_finite: bool = True, global_amax: torch.Tensor | None = None,
+             finite_flag: torch.Tensor | None = None) -> NVFP4Tensor:
     """Quantise a 2-D float tensor along its last dim to NVFP4 (see the module docstring for the exact math).
 
     block: (1, 16) or (16, 16). scale_scope: "tensor" or "row" (row needs (1, 16) blocks).
@@ -155,6 +156,9 @@ def quantize(x: torch.Tensor, *, block=BLOCK_1D, scale_scope: str = "tensor", ro
     scale_scope="tensor" or [R] for "row", used instead of x's own: a shard of a tensor-parallel tensor passes the
     amax all-reduced over its group and quantises exactly as that slice of the whole tensor would. It must be at least
     x's own amax (a smaller one saturates).
+    finite_flag: a NaN/Inf flag (fp32, one element, on x's device: minite.ops.FiniteFlag's) that takes max |x| for
+    an input not checked here (check_finite=False): in the Triton kernel's own pass (NaN counted as +Inf), elsewhere
+    by `fold_abs_max`; with rht, max |RHT(x)|, so a finite x whose transform overflows counts too.
     """
     block = tuple(block)
     _validate(x, block, scale_scope, rounding, check_finite)
@@ -175,14 +179,24 @@ def quantize(x: torch.Tensor, *, block=BLOCK_1D, scale_scope: str = "tensor", ro
     if name == "triton":
         q, vals = kernel("quantize_with_values")(x, block, scale_scope, rounding, seed, rht,
                                               values_dtype=torch.float16 if values else None,
-                                              global_amax=global_amax)
+                                              global_amax=global_amax, flag=finite_flag)
         q.values = vals
         return q
+    if finite_flag is not None:  # what the kernel's pass sees: the transformed values with the RHT
+        fold_abs_max(finite_flag, apply_rht(x) if rht else x)
     q = quantize_reference(x, block=block, scale_scope=scale_scope, rounding=rounding, seed=seed, rht=rht,
                            global_amax=global_amax)
     if values:
         q.values = q.block_values(torch.float16)
     return q
+
+
+def fold_abs_max(flag: torch.Tensor, x: torch.Tensor) -> None:
+    """flag = max(flag, max |x|) in place, in torch ops (a NaN anywhere makes the flag NaN, an Inf keeps it +Inf): a
+    NaN/Inf flag's record where no kernel takes it (minite.ops.FiniteFlag); an empty x leaves it."""
+    if x.numel():
+        amax = torch.linalg.vector_norm(x.detach(), ord=float("inf"), dtype=torch.float32)
+        torch.maximum(flag, amax.to(flag.device), out=flag)
 
 
 def quantize_reference(x: torch.Tensor, *, block, scale_scope: str, rounding: str, seed: int | None,

@@ -44,10 +44,10 @@ class OperandRecipe:
             raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {self.rounding!r}")
 
     def quantize(self, x, *, seed: int | None = None, backend: str = "auto", values: bool = False,
-                 check_finite: bool = True, global_amax=None) -> NVFP4Tensor:
+                 check_finite: bool = True, global_amax=None, finite_flag=None) -> NVFP4Tensor:
         return quantize(x, block=self.block, scale_scope=self.scale_scope, rounding=self.rounding,
                         seed=seed, rht=self.rht, backend=backend, values=values, check_finite=check_finite,
-                        global_amax=global_amax)
+                        global_amax=global_amax, finite_flag=finite_flag)
 
 
 def _weight() -> OperandRecipe:

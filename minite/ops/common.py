@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from minite.nvfp4 import NonFiniteError, NVFP4Tensor, OperandRecipe, apply_rht
 from minite.nvfp4.backend import has_kernel, kernel, resolve
+from minite.nvfp4.quantize import fold_abs_max
 
 _M32 = 0xFFFFFFFF
 ROLES = {"gradient": 1, "wgrad_gradient": 2, "wgrad_input": 3}
@@ -188,9 +189,9 @@ class FiniteFlag:
     """Whether every tensor recorded since the last `check` was finite, kept on the device as the running max of
     |x| in fp32. `record` has no host synchronisation, so it can also be captured in a CUDA graph once the flag
     exists: on a CUDA tensor with the kernels loaded it is one launch (minite.kernels.finite_max: a NaN counts as
-    +Inf), elsewhere torch's inf-norm and an in-place maximum (both propagate NaN; Inf stays Inf). `check` reads it
-    once, resets it and raises a one-line NonFiniteError (a ValueError) naming `where` if anything recorded was NaN
-    or Inf."""
+    +Inf), elsewhere torch's inf-norm and an in-place maximum (both propagate NaN; Inf stays Inf); a quantiser on the
+    kernels takes it in its own pass, with no launch of its own (`flag_for`). `check` reads it once, resets it and
+    raises a one-line NonFiniteError (a ValueError) naming `where` if anything recorded was NaN or Inf."""
 
     def __init__(self):
         self._amax: Optional[torch.Tensor] = None
@@ -202,8 +203,19 @@ class FiniteFlag:
         if t.device == self._amax.device and t.is_cuda and has_kernel("finite_max"):
             kernel("finite_max")(t, self._amax)  # one launch (minite.kernels.finite_max; NaN counts as +Inf)
             return
-        amax = torch.linalg.vector_norm(t.detach(), ord=float("inf"), dtype=torch.float32)
-        torch.maximum(self._amax, amax.to(self._amax.device), out=self._amax)
+        fold_abs_max(self._amax, t)
+
+    def flag_for(self, t: torch.Tensor) -> Optional[torch.Tensor]:
+        """The flag, for t's quantiser to take max |t| into in its own pass (`quantize(finite_flag=)`), where the
+        quantiser does not check t itself and the flag lives on t's device; else None, with t recorded here if
+        it needs to be (so a caller records every tensor it quantises either way)."""
+        if quantiser_checks_finite(t):
+            return None
+        flag = self.tensor(t.device)
+        if flag.device != t.device:
+            self.record(t)
+            return None
+        return flag
 
     def tensor(self, device: torch.device) -> torch.Tensor:
         """The flag itself (fp32, one element; made on `device` if there is none yet), for a kernel that takes max |x|
@@ -238,16 +250,19 @@ class FiniteFlag:
 
 
 def quantize_scoped(x: torch.Tensor, op: OperandRecipe, *, seed: Optional[int], backend: str,
-                     amax_group=None, values: bool = True) -> NVFP4Tensor:
+                     amax_group=None, values: bool = True, finite: Optional[FiniteFlag] = None) -> NVFP4Tensor:
     """`op.quantize(x)`, with the global-scale amax taken over `amax_group` (TP) when it has > 1 rank; block values
-    kept when the kernels will read them; the NaN/Inf check only off the GPU (see the module docstring)."""
+    kept when the kernels will read them; the NaN/Inf check only off the GPU (see the module docstring), where
+    `finite` (if given) records x, in the quantiser's own pass on the kernels (`FiniteFlag.flag_for`)."""
     amax = None
     if group_size(amax_group) > 1:
         if op.scale_scope == "row" and op.rht:
             raise ValueError("per-row scales with RHT are not supported under tensor parallelism")
         seen = apply_rht(x) if op.rht else x
         amax = group_amax(seen, 1 if op.scale_scope == "row" else None, amax_group)
-    return op.quantize(x, seed=seed, backend=backend, global_amax=amax, **quant_flags(backend, x, values))
+    flag = None if finite is None else finite.flag_for(x)
+    return op.quantize(x, seed=seed, backend=backend, global_amax=amax, finite_flag=flag,
+                       **quant_flags(backend, x, values))
 
 
 

@@ -92,14 +92,17 @@ def _as_stack(w_q) -> NVFP4Stack:
 
 
 def nvfp4_grouped_linear_forward(x: torch.Tensor, w_q, tokens_per_expert, recipe: NVFP4Recipe, *,
-                                 backend: str = "auto", out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+                                 backend: str = "auto", out_dtype: Optional[torch.dtype] = None,
+                                 finite: Optional[FiniteFlag] = None) -> torch.Tensor:
     """Forward only (no autograd): per-expert Q_act(x_e) @ w_q[e]^T; the same math as `nvfp4_grouped_linear`.
-    w_q: an NVFP4Stack (`quantize_expert_weights`) or a list of per-expert NVFP4Tensors."""
+    w_q: an NVFP4Stack (`quantize_expert_weights`) or a list of per-expert NVFP4Tensors. finite: where x is recorded
+    if the quantiser does not check it, in the quantiser's own pass on the kernels (`FiniteFlag.flag_for`)."""
     counts = _counts(tokens_per_expert, len(w_q), x.shape[0], keep_tensor=_kernels_read_counts(x, backend))
     if x.shape[0] == 0:
         return x.new_zeros(0, w_q.shape[0] if isinstance(w_q, NVFP4Stack) else w_q[0].shape[0],
                            dtype=out_dtype or x.dtype)
-    xq = recipe.activation.quantize(x, backend=backend, **quant_flags(backend, x))
+    xq = recipe.activation.quantize(x, backend=backend, finite_flag=None if finite is None else finite.flag_for(x),
+                                    **quant_flags(backend, x))
     return grouped_gemm(xq, w_q, counts, out_dtype=out_dtype or x.dtype, backend=backend)
 
 
@@ -123,9 +126,7 @@ def nvfp4_swiglu_fc2_forward(h: torch.Tensor, probs: torch.Tensor, w_q, tokens_p
              and (not strict or strict_fused.routes(h, kernel="swiglu")))
     if not fused:
         a = swiglu(h, probs, strict=strict)
-        if finite is not None and not quantiser_checks_finite(a):
-            finite.record(a)
-        return nvfp4_grouped_linear_forward(a, w_q, tokens_per_expert, recipe, backend=backend)
+        return nvfp4_grouped_linear_forward(a, w_q, tokens_per_expert, recipe, backend=backend, finite=finite)
     counts = _counts(tokens_per_expert, len(w_q), h.shape[0], keep_tensor=True)
     quantize = fused_swiglu.swiglu_quantize if strict else kernel("expert_swiglu_quantize")
     aq = quantize(h.contiguous(), probs, flag=flag, values=quant_flags(backend, h)["values"])
@@ -274,9 +275,9 @@ class DeferredWgrads:
 
 class _NVFP4GroupedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, counts, recipe, seed, w_q, backend, wgrad_follows, wgrad_sink):
+    def forward(ctx, x, weight, counts, recipe, seed, w_q, backend, wgrad_follows, wgrad_sink, finite):
         w_q = quantize_expert_weights(weight, recipe, backend=backend) if w_q is None else _as_stack(w_q)
-        y = nvfp4_grouped_linear_forward(x, w_q, counts, recipe, backend=backend)
+        y = nvfp4_grouped_linear_forward(x, w_q, counts, recipe, backend=backend, finite=finite)
         # Only the wgrad reads x. With the segment recipe it gets x^T quantised here and kept packed until the
         # backward: 0.5625 B per element instead of x's 2 (bf16), the same bits (its rounding draws nothing from
         # the backward). The learner's peak, at the end of the forward, holds every layer's. wgrad_follows: grad
@@ -329,19 +330,21 @@ class _NVFP4GroupedLinear(torch.autograd.Function):
                 weight.grad_added_to_main_grad = True
                 make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
                 dw = make(weight.shape, dtype=ctx.w_dtype, device=dy.device)
-        return dx, dw, None, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, None
 
 
 def nvfp4_grouped_linear(x: torch.Tensor, weight, tokens_per_expert, recipe: NVFP4Recipe, *, seed: int = 0,
                          weight_q=None, backend: str = "auto",
-                         wgrad_sink: Optional[DeferredWgrads] = None) -> torch.Tensor:
+                         wgrad_sink: Optional[DeferredWgrads] = None,
+                         finite: Optional[FiniteFlag] = None) -> torch.Tensor:
     """Per-expert y_e = x_e @ W_e^T in NVFP4 W4A4 with autograd; rows of x [T, K] grouped by expert.
 
     weight: a stacked tensor [E, N, K] or a list of E tensors [N, K]. tokens_per_expert: E counts (Megatron's
     permuted layout). weight_q: a cached quantisation of `weight` (an NVFP4Stack from `quantize_expert_weights`, or
     a list of per-expert NVFP4Tensors). Activations keep per-row scales, so a token's fprop does not depend on its
     expert group. wgrad_sink: where a weight with Megatron's fp32 main_grad leaves its wgrad pending (module
-    docstring); the caller flushes it before reading main_grad.
+    docstring); the caller flushes it before reading main_grad. finite: a NaN/Inf flag that records x where the
+    quantiser does not check it (`nvfp4_grouped_linear_forward`).
     """
     if isinstance(weight, (list, tuple)):
         weight = torch.stack(list(weight))
@@ -353,5 +356,5 @@ def nvfp4_grouped_linear(x: torch.Tensor, weight, tokens_per_expert, recipe: NVF
                      and not backward_needs_host_counts(x, weight, recipe, backend))
     wgrad_follows = torch.is_grad_enabled() and weight.requires_grad
     return _NVFP4GroupedLinear.apply(x, weight, counts, recipe, int(seed), weight_q, backend, wgrad_follows,
-                                     wgrad_sink)
+                                     wgrad_sink, finite)
 

@@ -29,7 +29,7 @@ import torch
 from minite.nvfp4 import NVFP4Recipe, NVFP4Tensor, gemm
 from minite.nvfp4.grouped import padded
 
-from .common import ROLES, derive_seed, group_size, pad_rows, quantize_scoped
+from .common import ROLES, FiniteFlag, derive_seed, group_size, pad_rows, quantize_scoped
 
 def quantize_weight(weight: torch.Tensor, recipe: NVFP4Recipe, *, backend: str = "auto",
                     amax_group=None, values: bool = True) -> NVFP4Tensor:
@@ -42,13 +42,15 @@ def quantize_weight(weight: torch.Tensor, recipe: NVFP4Recipe, *, backend: str =
 
 
 def nvfp4_linear_forward(x: torch.Tensor, w_q: NVFP4Tensor, recipe: NVFP4Recipe, *, backend: str = "auto",
-                         amax_group=None, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """Forward only (no autograd): y = Q_act(x) @ w_q^T for x [..., K]; the same math as `nvfp4_linear`."""
+                         amax_group=None, out_dtype: Optional[torch.dtype] = None,
+                         finite: Optional[FiniteFlag] = None) -> torch.Tensor:
+    """Forward only (no autograd): y = Q_act(x) @ w_q^T for x [..., K]; the same math as `nvfp4_linear`. finite:
+    where x is recorded if the quantiser does not check it (`quantize_scoped`)."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.shape[0] == 0:
         return x.new_zeros(*lead, w_q.shape[0], dtype=out_dtype or x.dtype)
-    xq = quantize_scoped(x2, recipe.activation, seed=None, backend=backend, amax_group=amax_group)
+    xq = quantize_scoped(x2, recipe.activation, seed=None, backend=backend, amax_group=amax_group, finite=finite)
     y = gemm(xq, w_q, out_dtype=out_dtype or x.dtype, backend=backend)  # fp32 result rounded once
     return y.reshape(*lead, w_q.shape[0])
 
@@ -79,11 +81,11 @@ def _groups(sharded: Optional[str], tp_group):
 
 class _NVFP4Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, recipe, seed, w_q, backend, sharded, tp_group):
+    def forward(ctx, x, weight, recipe, seed, w_q, backend, sharded, tp_group, finite):
         gw, gx, gdy, gxt = _groups(sharded, tp_group)
         if w_q is None:
             w_q = quantize_weight(weight, recipe, backend=backend, amax_group=gw)
-        y = nvfp4_linear_forward(x, w_q, recipe, backend=backend, amax_group=gx)
+        y = nvfp4_linear_forward(x, w_q, recipe, backend=backend, amax_group=gx, finite=finite)
         ctx.save_for_backward(x)
         ctx.w_q, ctx.recipe, ctx.seed, ctx.backend = w_q, recipe, seed, backend
         ctx.groups, ctx.w_dtype = (gdy, gxt), weight.dtype
@@ -100,7 +102,7 @@ class _NVFP4Linear(torch.autograd.Function):
         if x2.shape[0] == 0:  # no tokens: zero gradients (a quantiser's amax needs a non-empty tensor)
             dx = torch.zeros_like(x) if ctx.needs_input_grad[0] else None
             dw = x.new_zeros(ctx.w_q.shape, dtype=ctx.w_dtype) if ctx.needs_input_grad[1] else None
-            return dx, dw, None, None, None, None, None, None
+            return dx, dw, None, None, None, None, None, None, None
         if ctx.needs_input_grad[0]:
             gq = quantize_scoped(dy2, recipe.gradient, seed=derive_seed(seed, ROLES["gradient"]),
                                   backend=backend, amax_group=gdy)
@@ -108,19 +110,20 @@ class _NVFP4Linear(torch.autograd.Function):
             del gq  # freed before the wgrad quantises dy^T and x^T (the backward's own peak)
         if ctx.needs_input_grad[1]:
             dw = wgrad(dy2, x2, recipe, seed, backend, dy_group=gdy, x_group=gxt, out_dtype=ctx.w_dtype)
-        return dx, dw, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None
 
 
 def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, recipe: NVFP4Recipe, *, seed: int = 0,
                  weight_q: Optional[NVFP4Tensor] = None, backend: str = "auto", sharded: Optional[str] = None,
-                 tp_group=None) -> torch.Tensor:
+                 tp_group=None, finite: Optional[FiniteFlag] = None) -> torch.Tensor:
     """y = x @ weight^T in NVFP4 W4A4 with autograd (module docstring); x [..., K], weight [N, K] -> [..., N].
 
     seed: base of the stochastic-rounding seeds of this call's backward. weight_q: a cached Q_w(weight) (it must
-    be the quantisation of `weight` as it is now). sharded/tp_group: see the module docstring.
+    be the quantisation of `weight` as it is now). sharded/tp_group: see the module docstring. finite: a NaN/Inf
+    flag that records x where the quantiser does not check it (`minite.ops.common.quantize_scoped`).
     """
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"nvfp4_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match "
                          "(expects x [..., K] and weight [N, K])")
-    return _NVFP4Linear.apply(x, weight, recipe, int(seed), weight_q, backend, sharded, tp_group)
+    return _NVFP4Linear.apply(x, weight, recipe, int(seed), weight_q, backend, sharded, tp_group, finite)
 

@@ -82,3 +82,45 @@ def test_a_gpu_flag_stays_where_captured_graphs_write():
     cpu.record(torch.ones(2))
     cpu.record(torch.full((3,), 5.0, device="cuda"))
     assert cpu._amax.is_cuda and float(cpu._amax) == 5.0
+
+
+@pytest.mark.parametrize("case", ["row", "row-two-passes", "tensor", "16x16", "given-amax", "tensor-rht"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantiser_takes_the_flag_in_its_own_pass(case, dtype):
+    """`quantize(finite_flag=)` on the Triton kernel (here under the interpreter): the flag becomes exactly what
+    `finite_max_into` gives (max |x|, after the RHT where there is one; NaN or Inf anywhere: +Inf, also past the
+    first tile of a long row), a larger flag stays, and the quantisation's outputs are bitwise those without the
+    flag. The reference path folds the same max by torch ops."""
+    pytest.importorskip("triton")
+    from minite.kernels.finite_max import finite_max_into
+    from minite.nvfp4 import apply_rht, quantize
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(3)
+    cols = 8208 if case == "row-two-passes" else 96
+    x = (torch.randn(3 if cols > 96 else 48, cols) * 7).to(dtype).to(dev)
+    kw = dict(scale_scope="row" if case.startswith("row") else "tensor", check_finite=False, values=True,
+              rht=case.endswith("rht"), block=(16, 16) if case == "16x16" else (1, 16))
+    if case == "given-amax":
+        kw["global_amax"] = x.float().abs().amax() * 2
+    seen = apply_rht(x) if kw["rht"] else x
+    want = torch.zeros((), dtype=torch.float32, device=dev)
+    finite_max_into(seen, want)
+    plain = quantize(x, backend="triton", **kw)
+    for start in (0.0, float(want) * 2):
+        flag = torch.full((), start, dtype=torch.float32, device=dev)
+        q = quantize(x, backend="triton", finite_flag=flag, **kw)
+        assert float(flag) == max(start, float(want))
+        for a, b in [(q.data, plain.data), (q.scale.view(torch.uint8), plain.scale.view(torch.uint8)),
+                     (q.global_scale, plain.global_scale), (q.amax, plain.amax), (q.values, plain.values)]:
+            assert torch.equal(a, b)
+    ref = torch.zeros((), dtype=torch.float32, device=dev)
+    quantize(x, backend="reference", finite_flag=ref, **kw)
+    assert float(ref) == float(want)
+    for bad in (float("nan"), -float("inf")):
+        y = x.clone()
+        y[2, cols - 5] = bad
+        flag = torch.zeros((), dtype=torch.float32, device=dev)
+        quantize(y, backend="triton", finite_flag=flag, **kw)
+        assert float(flag) == float("inf")
+    with pytest.raises(ValueError, match="one fp32 element"):
+        quantize(x, backend="triton", finite_flag=torch.zeros(2, device=dev), **kw)
