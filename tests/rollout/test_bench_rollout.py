@@ -38,6 +38,16 @@ def test_floor_of_the_full_width_slice():
         == (1.16, 0.39)
 
 
+@pytest.mark.parametrize("name, rate", [("NVIDIA H200", 4.8e12), ("NVIDIA H100 80GB HBM3", 3.35e12),
+                                        ("NVIDIA A100-SXM4-80GB", 4.8e12), (None, 4.8e12)])
+def test_floor_rate_is_the_cards(monkeypatch, name, rate):
+    """The floor divides by the datasheet bandwidth of the card the call ran on (an H100's rows divided by the
+    H200's 4.8 TB/s until 2026-12-06); another card, or none, keeps the H200's."""
+    monkeypatch.setattr(bench_rollout.torch.cuda, "is_available", lambda: name is not None)
+    monkeypatch.setattr(bench_rollout.torch.cuda, "get_device_name", lambda i=0: name)
+    assert bench_rollout.hbm_bytes_per_s() == rate
+
+
 def test_the_default_loop_is_what_ships_for_each_precision():
     """`--variants ships` (the default) measures packed NVFP4 weights and BF16's graphs: a default of `graphs` for both
     once timed NVFP4 on the fp16 block-value path that no longer ships (an H100 run, 2026-12-05)."""

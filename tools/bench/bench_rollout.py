@@ -40,7 +40,8 @@ floor_ms = bytes one decode step must read from HBM / HBM_BYTES_PER_S (`floor_by
 Weights cost 2 B per element in BF16 and 0.5 + 1/256 B in NVFP4 (E2M1 nibbles and one E4M3 scale per 16x16 block,
 the weight role of minite.nvfp4.recipe; docs/scaling.md uses the same 4.03 bits). HBM_BYTES_PER_S = 4.8e12: the
 H200's HBM3e bandwidth in NVIDIA's H200 datasheet (4.8 TB/s); the measured device-to-device copy is 4.27 TB/s
-(docs/upstream.md), so even a perfect step takes ~1.1x its floor.
+(docs/upstream.md), so even a perfect step takes ~1.1x its floor. On an H100 the floor takes its datasheet's 3.35
+TB/s (`hbm_bytes_per_s`; since 2026-12-06: earlier H100 rows divided by the H200's rate).
 
 Reference rows (`reference_rows`, same batches): `decode_reference.ReferenceDecoder`, the same layers written in plain
 PyTorch with BF16 random weights over a KV cache of the same mean context, timed eagerly and as CUDA-graph replays
@@ -78,7 +79,16 @@ from shapes import FULL
 TINY = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_query_groups=2, head_dim=16, num_experts=8,
             moe_router_topk=2, moe_ffn_hidden_size=32)
 HBM_BYTES_PER_S = 4.8e12
-"""H200 HBM3e bandwidth, NVIDIA H200 datasheet (module docstring)."""
+"""H200 HBM3e bandwidth, NVIDIA H200 datasheet (module docstring): the floor's rate on an H200 and off the GPU."""
+HBM_BYTES_PER_S_BY_CARD = {"H200": HBM_BYTES_PER_S, "H100": 3.35e12}
+"""The datasheet HBM bandwidth of each card a device call may land on (H100 SXM5 80 GB: HBM3, 3.35 TB/s)."""
+
+
+def hbm_bytes_per_s() -> float:
+    """The floor's rate on this machine: its card's datasheet bandwidth (HBM_BYTES_PER_S_BY_CARD), the H200's
+    elsewhere (rows before 2026-12-06 used the H200's on every card, an H100's too: their `hbm_bytes_per_s` says)."""
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
+    return next((rate for card, rate in HBM_BYTES_PER_S_BY_CARD.items() if card in name), HBM_BYTES_PER_S)
 BYTES_PER_WEIGHT = {"bf16": 2.0, "nvfp4": 0.5 + 1 / 256}
 ROW_KEYS = ("precision", "strict", "batch", "prompt_len", "new_tokens", "decode_tokens_per_s", "step_ms", "floor_ms")
 
@@ -227,7 +237,7 @@ def measure_engine(engine, a: argparse.Namespace, shape: dict, precision: str, s
     fb = floor_bytes(shape, a.layers, precision, batch, context)
     return {"precision": precision, "strict": strict, "batch": batch, "prompt_len": a.prompt_len,
             "new_tokens": a.new_tokens, "decode_tokens_per_s": batch / step, "step_ms": step * 1e3,
-            "floor_ms": fb / HBM_BYTES_PER_S * 1e3, "short_tokens": a.short_tokens, "floor_bytes": fb,
+            "floor_ms": fb / hbm_bytes_per_s() * 1e3, "short_tokens": a.short_tokens, "floor_bytes": fb,
             "experts_touched": experts_touched(shape["num_experts"], shape["moe_router_topk"], batch),
             "t_long_s": statistics.median(p[0] for p in pairs), "t_short_s": statistics.median(p[1] for p in pairs),
             "step_method": "events" if timed else "difference", "step_ms_difference": difference * 1e3}
@@ -271,7 +281,7 @@ def measure_reference(a: argparse.Namespace, shape: dict, batch: int) -> dict:
     fb = floor_bytes(shape, a.layers, "bf16", batch, context)
     row = {"precision": "bf16", "batch": batch, "context": context, "step_ms": step * 1e3,
            "eager_step_ms": eager * 1e3, "graph": graph is not None, "decode_tokens_per_s": batch / step,
-           "floor_ms": fb / HBM_BYTES_PER_S * 1e3, "grouped_mm": dec.grouped}
+           "floor_ms": fb / hbm_bytes_per_s() * 1e3, "grouped_mm": dec.grouped}
     return row if graph_error is None else dict(row, graph_error=graph_error)
 
 
@@ -426,7 +436,7 @@ def render(doc: dict) -> str:
            "`commit` per row). Decode step = (t(N_long) - t(N_short)) / (N_long - N_short) (loop megatron, and every row "
            "before 8fcedc1), or the CUDA-event time of the N_long run's decode steps over their count (miniTE's "
            "loop since 8fcedc1: the difference's noise, from the prefill, exceeded whole graph-replayed steps); floor = bytes a step "
-           f"must read / {doc['hbm_bytes_per_s'] / 1e12:.1f} TB/s.", "",
+           f"must read / {doc['hbm_bytes_per_s'] / 1e12:g} TB/s.", "",
            "Loop: megatron = Megatron-Core's controller (every row before the own loop), eager = miniTE's loop "
            "(minite/rollout/decode.py), graphs = miniTE's loop replaying CUDA graphs, NVFP4 GEMMs on fp16 block-value "
            "weights (what shipped until 2026-12-01; BF16: what ships), packed = graphs with rollout.packed_weights: "
@@ -477,7 +487,7 @@ def main(argv=None) -> int:
     fused.ENABLED = a.strict_fused
     doc = {"device": device_name(), "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "commit": commit(), "command": " ".join(shlex.quote(x) for x in [Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-           "torch": torch.__version__, "hbm_bytes_per_s": HBM_BYTES_PER_S, "shape": dict(shape, num_layers=a.layers),
+           "torch": torch.__version__, "hbm_bytes_per_s": hbm_bytes_per_s(), "shape": dict(shape, num_layers=a.layers),
            "rows": [], "reference_rows": [], "errors": []}
     if not a.no_reference:
         run_reference(a, shape, doc, out)
