@@ -397,6 +397,9 @@ def _amax_kernel(x_ptr, stride_r, stride_c, R, C, amax_bits_ptr, tiles_c, n_tile
 # with 16 / 64 / 128); a pass
 # without the RHT reads x's storage, when x or x.t() is contiguous, in tiles of `elems` elements on `warps` warps
 # (`_tensor_amax`; other views take the quantisation's tiles).
+# few_rows: a per-row single-pass quantisation with fewer than programs_per_sm x the SM count programs (a decode
+# step's activations: 1 to 512 rows of 2048-4096) takes at least `warps` warps (session 36: a guess, timed against 1
+# warp by the device call that ships it).
 TUNING = {
     "plain": {"elems": 1024, "warps": 1, "vec2d": False},
     "values": {"elems": 1024, "warps": 1, "vec2d": False},
@@ -405,6 +408,7 @@ TUNING = {
     "colmajor_segments": {"elems": 4096, "warps": 4, "vec2d": True, "rows": 64},
     "stack": {"elems": 4096, "warps": 4, "vec2d": True},
     "amax": {"programs_per_sm": 16, "segment_programs_per_sm": 64, "elems": 4096, "warps": 4},
+    "few_rows": {"programs_per_sm": 4, "warps": 4},
 }
 
 
@@ -527,6 +531,10 @@ def quantize_with_values_triton(x: torch.Tensor, block=(1, 16), scale_scope: str
     tune = TUNING["colmajor"] if col_major else _tuning(rht, values_dtype is not None)
     block_r, block_c, single = _tile_shape(rows, cols, br, row_scope, tune["elems"], col_major, tune.get("rows", 128))
     warps = _warps(tune, block_r, block_c)
+    if row_scope and single and cdiv(rows, block_r) < TUNING["few_rows"]["programs_per_sm"] * sm_count(x.device):
+        # a decode step's activations (one row a program, too few programs to fill the GPU): the row's latency is
+        # the cost, so more warps share it; the bits do not depend on the warps (per-row amax, per-element codes)
+        warps = max(warps, TUNING["few_rows"]["warps"])
     vec2d = tune["vec2d"]
     given = global_amax.to(device=dev, dtype=torch.float32).contiguous() if global_amax is not None else None
     if row_scope:
