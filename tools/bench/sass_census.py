@@ -172,7 +172,7 @@ def strict_rows() -> list:
 
 _QUANT_SIG = dict(x_ptr="*bf16", stride_r="i32", stride_c="i32", R="i32", C="i32", data_ptr="*u8", scale_ptr="*u8",
                   gs_ptr="*fp32", vals_ptr="*fp16", seed_mix="i32", sixth="fp32", amax_ptr="*fp32",
-                  amax_out_ptr="*fp32")
+                  amax_out_ptr="*fp32", flag_ptr="*fp32")
 _SEGMENT_SIG = dict(x_ptr="*bf16", stride_r="i32", stride_c="i32", table_ptr="*i64", OC="i32", data_ptr="*u8",
                     scale_ptr="*u8", amax_ptr="*fp32", gs_ptr="*fp32", amax_out_ptr="*fp32", seed_ptr="*i32",
                     vals_ptr="*fp16", sixth="fp32", R_ALL="i32", E="i32")
@@ -210,7 +210,7 @@ def quant_rows(rows: int = 131072, cols: int = 2048) -> list:
         ce = dict(BLOCK_R=block_r, BLOCK_C=block_c, BR=br, STOCHASTIC=sr, RHT=rht, WRITE_VALS=vals,
                   SIGN_MASK=nq.RHT_SIGN_MASK, VEC2D=tune["vec2d"], **{unit: 1})
         if fn is nq._quant_kernel:
-            ce.update(ROW_SCOPE=row, SINGLE=single, GIVEN_AMAX=False)
+            ce.update(ROW_SCOPE=row, SINGLE=single, GIVEN_AMAX=False, FLAG=False)
         else:
             ce.update(ROWS16=True, XC16=kind == "stack", COUNTS=counts, BLOCK_E=128)  # the wgrad experts' token
             # counts: any columns; 128 experts (Qwen3-30B-A3B)
