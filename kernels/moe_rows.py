@@ -13,7 +13,11 @@ BLOCK_T tokens:
     row_token[dest] = t, permuted_probs[dest] = probs[t, e]   where map[t, e]
 
 Every output is an integer or a copied value: the same tensors as the torch ops, whatever the block size (tests
-compare them on the CPU under the interpreter and on the GPU). Megatron's dropless dispatcher expects k entries in
+compare them on the CPU under the interpreter and on the GPU).
+
+The dense routing tensors themselves (`routing_dense`): Megatron's top-k router builds its [T, E] probs and map
+from the top-k indices and probs [T, k] with two zero fills, two scatters and two casts (six launches per MoE
+layer); here one launch writes both, each element either a copied prob (True in the map) or zero (False). Megatron's dropless dispatcher expects k entries in
 every map row (R = T * k rows). With fewer, the rows past the map's entries get token 0 and probs[0, 0], as the
 torch ops leave them; with more, the pairs at or past R are not written (the torch ops fail there in their scatter),
 and the counts still count them.
@@ -87,3 +91,43 @@ def moe_rows(routing_map: torch.Tensor, probs: torch.Tensor, rows: int):
         routing_map.view(torch.uint8), probs, row_token, permuted, counts, tokens, experts, rows, BLOCK_T=BLOCK_T,
         CHUNK_T=CHUNK_T, BLOCK_E=next_power_of_2(experts), num_warps=4)
     return row_token, permuted, counts
+
+
+@triton.jit
+def _routing_dense_kernel(top_ptr, p_ptr, probs_ptr, map_ptr, T, E, K: tl.constexpr, BLOCK_T: tl.constexpr,
+                          BLOCK_E: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.arange(0, BLOCK_E)
+    tmask = t < T
+    prob = tl.zeros([BLOCK_T, BLOCK_E], p_ptr.dtype.element_ty)
+    hit = tl.zeros([BLOCK_T, BLOCK_E], tl.int1)
+    for j in tl.static_range(K):
+        idx = tl.load(top_ptr + t.to(tl.int64) * K + j, mask=tmask, other=-1)
+        pj = tl.load(p_ptr + t.to(tl.int64) * K + j, mask=tmask, other=0)
+        eq = idx[:, None] == e[None, :]
+        prob = tl.where(eq, pj[:, None], prob)
+        hit = hit | eq
+    off = t[:, None].to(tl.int64) * E + e[None, :]
+    mask = tmask[:, None] & (e < E)[None, :]
+    tl.store(probs_ptr + off, prob, mask=mask)
+    tl.store(map_ptr + off, hit.to(tl.uint8), mask=mask)
+
+
+def routing_dense(top_indices: torch.Tensor, probs: torch.Tensor, experts: int):
+    """(routing_probs [T, E] in probs' dtype, routing_map [T, E] bool) from the top-k indices [T, k] (int64, distinct
+    in a row, in [0, E)) and their probs [T, k]: zeros(T, E).scatter(1, top_indices, probs) and the map of the same
+    entries, in one launch (module docstring)."""
+    if top_indices.dim() != 2 or top_indices.dtype != torch.int64 or probs.shape != top_indices.shape \
+            or probs.device != top_indices.device:
+        raise ValueError(f"routing_dense: top_indices must be int64 [T, k] and probs [T, k] on its device, got "
+                         f"{top_indices.dtype} {tuple(top_indices.shape)} and {tuple(probs.shape)} on {probs.device}")
+    ensure_interpreter_compat()
+    tokens, k = top_indices.shape
+    dev = top_indices.device
+    dense = torch.empty(tokens, experts, dtype=probs.dtype, device=dev)
+    routing_map = torch.empty(tokens, experts, dtype=torch.bool, device=dev)
+    if tokens:
+        launcher(_routing_dense_kernel)[(cdiv(tokens, BLOCK_T),)](
+            top_indices.contiguous(), probs.contiguous(), dense, routing_map.view(torch.uint8), tokens, experts, K=k,
+            BLOCK_T=BLOCK_T, BLOCK_E=next_power_of_2(experts), num_warps=4)
+    return dense, routing_map

@@ -24,7 +24,9 @@ tokens_per_expert `.cpu()` and the same masked_selects).
              as megatron_patches.strict does for the upstream dispatcher
 On a GPU without autograd on the probs (a rollout) the rows, probs and counts come from one Triton launch
 (`minite.kernels.moe_rows`: the same integers and copied values as the torch ops, which take ~14 launches), then
-one index_select of the hidden states.
+one index_select of the hidden states. Before it, the top-k router's dense probs and map are one launch too
+(`routing_in_one_launch`, installed with the dispatcher: `moe_rows.routing_dense` after upstream's top-k and
+softmax over the k, where upstream fills and scatters in six launches; the same tensors).
 Every tensor the experts and the combine see is the one Megatron's dispatcher gives them (same rows, same order, same
 dtypes), so outputs are bitwise those of the upstream path (tests/megatron_patches/test_moe_dispatch.py).
 
@@ -128,9 +130,53 @@ def _eligible(layer) -> bool:
             and not getattr(cfg, "moe_latent_size", None) and cfg.cuda_graph_impl == "none")
 
 
+def routing_in_one_launch(upstream):
+    """Megatron-Core 0.16.1's `topk_routing_with_score_function`, its dense outputs built in one launch where that
+    applies: CUDA logits [T, E] with no gradient to record, the softmax score function after the top-k (Qwen3-MoE's
+    router: top-k of the logits, then a softmax over the k in fp32, cast back to the logits' dtype, then the scaling
+    factor), no expert groups, no routing replay, no TE fusion, no deterministic algorithms (upstream's index_put
+    path). There the same top-k and softmax ops run, then `moe_rows.routing_dense` (the same tensors as upstream's
+    fills and scatters); everything else is upstream's call."""
+    def routing(logits, topk, use_pre_softmax=False, num_groups=None, group_topk=None, scaling_factor=None,
+                score_function="softmax", expert_bias=None, fused=False, router_replay=None):
+        if (score_function == "softmax" and not use_pre_softmax and not group_topk and router_replay is None
+                and not fused and _dense_in_one_launch(logits)):
+            from minite.kernels.moe_rows import routing_dense
+            scores, top_indices = torch.topk(logits, k=topk, dim=1)
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).type_as(logits)
+            if scaling_factor:
+                probs = probs * scaling_factor
+            return routing_dense(top_indices, probs, logits.shape[1])
+        return upstream(logits, topk, use_pre_softmax=use_pre_softmax, num_groups=num_groups, group_topk=group_topk,
+                        scaling_factor=scaling_factor, score_function=score_function, expert_bias=expert_bias,
+                        fused=fused, router_replay=router_replay)
+    routing.upstream = upstream
+    return routing
+
+
+def _dense_in_one_launch(logits: torch.Tensor) -> bool:
+    """Whether `routing_in_one_launch` builds the dense outputs for these logits: CUDA [T, E], no gradient to record,
+    no deterministic algorithms."""
+    return (logits.is_cuda and logits.dim() == 2 and not (torch.is_grad_enabled() and logits.requires_grad)
+            and not torch.are_deterministic_algorithms_enabled())
+
+
+def _install_routing_in_one_launch() -> None:
+    """Route TopKRouter's calls through `routing_in_one_launch` (once; Triton present)."""
+    from megatron.core.transformer.moe import router
+    try:
+        import minite.kernels.moe_rows  # noqa: F401  (no Triton: upstream's ops stay)
+    except ImportError:
+        return
+    if not hasattr(router.topk_routing_with_score_function, "upstream"):
+        router.topk_routing_with_score_function = routing_in_one_launch(router.topk_routing_with_score_function)
+        logger.info("MoE: the top-k router's dense probs and map in one launch on the GPU")
+
+
 def use_local_dispatch(model: torch.nn.Module) -> int:
     """Give every eligible MoE layer of `model` a `LocalTokenDispatcher` (idempotent); returns how many layers have
-    one. Layers that are not eligible (module docstring) keep their dispatcher."""
+    one. Layers that are not eligible (module docstring) keep their dispatcher. The router's dense outputs take one
+    launch from then on (`routing_in_one_launch`; the same tensors, for every model in the process)."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     n = switched = 0
@@ -145,6 +191,8 @@ def use_local_dispatch(model: torch.nn.Module) -> int:
             switched += 1
     if switched:
         logger.info("MoE: %d layers dispatch locally (EP = 1: no host synchronisation)", switched)
+    if n:
+        _install_routing_in_one_launch()
     return n
 
 

@@ -132,6 +132,34 @@ def test_one_launch_rows_equal_the_torch_ops(tokens, experts, topk, short):
     assert torch.equal(counts.cpu(), torch_ops.tokens_per_expert)
 
 
+@pytest.mark.parametrize("tokens,experts,topk,dtype,scale", [(64, 128, 8, torch.float32, None), (1, 128, 8,
+                         torch.float32, None), (300, 60, 4, torch.bfloat16, 2.5), (17, 128, 8, torch.float32, 1.0)])
+def test_router_dense_outputs_in_one_launch(tokens, experts, topk, dtype, scale, monkeypatch):
+    """`routing_in_one_launch` (the one-launch dense probs and map, interpreted on the CPU, compiled on a GPU) gives
+    upstream's topk_routing_with_score_function tensors bit for bit: Qwen3-MoE's router (top-k, then a softmax over
+    the k), fp32 and bf16 router logits, a scaling factor, 60 experts, a NaN logit; the cases it does not take
+    (softmax before the top-k, a gradient to record) are upstream's call."""
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function as upstream
+
+    import minite.megatron_patches.moe_dispatch as moe_dispatch
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cpu":  # the interpreter runs the kernel on CPU tensors
+        monkeypatch.setattr(moe_dispatch, "_dense_in_one_launch", lambda logits: True)
+    routing = moe_dispatch.routing_in_one_launch(upstream)
+    g = torch.Generator().manual_seed(tokens)
+    logits = torch.randn(tokens, experts, generator=g).to(dtype).to(dev)
+    logits[0, 3] = float("nan")
+    for pre in (False, True):
+        got = routing(logits, topk, use_pre_softmax=pre, scaling_factor=scale)
+        want = upstream(logits, topk, use_pre_softmax=pre, scaling_factor=scale)
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.isnan(), b.isnan())
+            assert torch.equal(a.nan_to_num(), b.nan_to_num())
+    if dev == "cuda":  # a gradient to record: upstream's scatter, whose backward the probs need
+        probs, _ = routing(logits.float().requires_grad_(), topk)
+        assert probs.grad_fn is not None and "Scatter" in type(probs.grad_fn).__name__
+
+
 def test_engine_tokens_and_logprobs_do_not_change():
     from minite.learner.model import build_model
     from minite.rollout import SamplingParams
