@@ -26,7 +26,8 @@ On a GPU without autograd on the probs (a rollout) the rows, probs and counts co
 (`minite.kernels.moe_rows`: the same integers and copied values as the torch ops, which take ~14 launches), then
 one index_select of the hidden states. Before it, the top-k router's dense probs and map are one launch too
 (`routing_in_one_launch`, installed with the dispatcher: `moe_rows.routing_dense` after upstream's top-k and
-softmax over the k, where upstream fills and scatters in six launches; the same tensors).
+softmax over the k, where upstream fills and scatters in six launches; the same tensors), once its GPU test has
+passed (`minite.strict.fused.WAITS_FOR`: it has not run on a GPU yet, so upstream's ops run until then).
 Every tensor the experts and the combine see is the one Megatron's dispatcher gives them (same rows, same order, same
 dtypes), so outputs are bitwise those of the upstream path (tests/megatron_patches/test_moe_dispatch.py).
 
@@ -154,10 +155,17 @@ def routing_in_one_launch(upstream):
     return routing
 
 
+ROUTING_KERNEL = "routing_dense"
+"""The kernel's name in `minite.strict.fused.PROVEN`: routed once its GPU test has passed there (WAITS_FOR until then;
+MINITE_TRY_KERNELS=routing_dense routes it for a measurement)."""
+
+
 def _dense_in_one_launch(logits: torch.Tensor) -> bool:
     """Whether `routing_in_one_launch` builds the dense outputs for these logits: CUDA [T, E], no gradient to record,
-    no deterministic algorithms."""
-    return (logits.is_cuda and logits.dim() == 2 and not (torch.is_grad_enabled() and logits.requires_grad)
+    no deterministic algorithms, the kernel proven on the GPU."""
+    from minite.strict import fused
+    return (ROUTING_KERNEL in fused.PROVEN and logits.is_cuda and logits.dim() == 2
+            and not (torch.is_grad_enabled() and logits.requires_grad)
             and not torch.are_deterministic_algorithms_enabled())
 
 

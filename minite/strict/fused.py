@@ -98,9 +98,13 @@ MINITE_TRY_KERNELS (a comma-separated list of names, read at import) adds kernel
 the GPU that measures one before its test has passed (both ways in one device call); a warning names them. Not for
 training runs: an unproven kernel may compute other bits than the ops it replaces."""
 
-WAITS_FOR: dict[str, str] = {}
-"""Each waiting name's GPU test (a pytest node id), which tools/gpu_acceptance.sh's `gate` stage runs on the H200
-(none waits since 2026-12-05)."""
+WAITS_FOR: dict[str, str] = {
+    "routing_dense": "tests/megatron_patches/test_moe_dispatch.py::test_router_dense_outputs_in_one_launch",
+}
+"""Each waiting name's GPU test (a pytest node id), which tools/gpu_acceptance.sh's `gate` stage runs on the H200.
+`routing_dense`: the top-k router's dense probs and map in one launch (`megatron_patches.moe_dispatch.
+routing_in_one_launch`, kernels/moe_rows.py), written in session 36 (2026-12-06), whose device calls ended before it
+ran on a GPU."""
 WAITING = frozenset(WAITS_FOR)
 """The names above that wait for their GPU test: what MINITE_TRY_KERNELS may name."""
 

@@ -453,7 +453,7 @@ def test_fused_sincos_is_bitwise_ops_sincos(monkeypatch):
 
 def test_try_kernels_names_waiting_kernels_only():
     """MINITE_TRY_KERNELS adds waiting kernels to PROVEN (a benchmark's A/B before their GPU test); a proven name in
-    it changes nothing, and any other name is refused, not ignored (none waits since 2026-12-05: the parsing is
+    it changes nothing, and any other name is refused, not ignored (the parsing is
     `fused.tried`, the import's use of it runs in a subprocess)."""
     import os
     import subprocess
