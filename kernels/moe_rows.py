@@ -13,14 +13,15 @@ BLOCK_T tokens:
     row_token[dest] = t, permuted_probs[dest] = probs[t, e]   where map[t, e]
 
 Every output is an integer or a copied value: the same tensors as the torch ops, whatever the block size (tests
-compare them on the CPU under the interpreter and on the GPU).
-
-The dense routing tensors themselves (`routing_dense`): Megatron's top-k router builds its [T, E] probs and map
-from the top-k indices and probs [T, k] with two zero fills, two scatters and two casts (six launches per MoE
-layer); here one launch writes both, each element either a copied prob (True in the map) or zero (False). Megatron's dropless dispatcher expects k entries in
+compare them on the CPU under the interpreter and on the GPU). Megatron's dropless dispatcher expects k entries in
 every map row (R = T * k rows). With fewer, the rows past the map's entries get token 0 and probs[0, 0], as the
 torch ops leave them; with more, the pairs at or past R are not written (the torch ops fail there in their scatter),
 and the counts still count them.
+
+The dense routing tensors themselves (`routing_dense`): Megatron's top-k router builds its [T, E] probs and map
+from the top-k indices and probs [T, k] with two zero fills, two scatters and two casts (six launches per MoE
+layer); here one launch writes both, each element either a copied prob (True in the map) or zero (False). It waits
+for its GPU test (`minite.strict.fused.WAITS_FOR`) before `megatron_patches.moe_dispatch` routes the router to it.
 """
 from __future__ import annotations
 

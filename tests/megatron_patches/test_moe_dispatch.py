@@ -148,12 +148,17 @@ def test_router_dense_outputs_in_one_launch(tokens, experts, topk, dtype, scale,
     monkeypatch.setattr(fused, "PROVEN", fused.PROVEN | {moe_dispatch.ROUTING_KERNEL})
     if dev == "cpu":  # the interpreter runs the kernel on CPU tensors
         monkeypatch.setattr(moe_dispatch, "_dense_in_one_launch", lambda logits: True)
+    from minite.kernels import moe_rows
+    ran = []
+    kernel = moe_rows.routing_dense
+    monkeypatch.setattr(moe_rows, "routing_dense", lambda *a: ran.append(1) or kernel(*a))
     routing = moe_dispatch.routing_in_one_launch(upstream)
     g = torch.Generator().manual_seed(tokens)
     logits = torch.randn(tokens, experts, generator=g).to(dtype).to(dev)
     logits[0, 3] = float("nan")
     for pre in (False, True):
         got = routing(logits, topk, use_pre_softmax=pre, scaling_factor=scale)
+        assert len(ran) == 1  # the kernel made the first pair (what the gate proves), upstream the second
         want = upstream(logits, topk, use_pre_softmax=pre, scaling_factor=scale)
         for a, b in zip(got, want):
             assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.isnan(), b.isnan())
@@ -161,6 +166,30 @@ def test_router_dense_outputs_in_one_launch(tokens, experts, topk, dtype, scale,
     if dev == "cuda":  # a gradient to record: upstream's scatter, whose backward the probs need
         probs, _ = routing(logits.float().requires_grad_(), topk)
         assert probs.grad_fn is not None and "Scatter" in type(probs.grad_fn).__name__
+
+
+def test_router_wrapper_waits_for_its_gpu_test(monkeypatch):
+    """Until 'routing_dense' is in fused.PROVEN the wrapper is upstream's call with the same arguments; proven, it
+    still leaves CPU tensors, a gradient to record and deterministic algorithms to upstream."""
+    import types
+
+    import minite.megatron_patches.moe_dispatch as moe_dispatch
+    from minite.strict import fused
+    calls = []
+    routing = moe_dispatch.routing_in_one_launch(lambda *a, **k: calls.append((a, k)) or "upstream")
+    logits = torch.randn(3, 8)
+    assert routing(logits, 2, scaling_factor=2.0) == "upstream"
+    assert calls[0][1] == dict(use_pre_softmax=False, num_groups=None, group_topk=None, scaling_factor=2.0,
+                               score_function="softmax", expert_bias=None, fused=False, router_replay=None)
+    gpu = types.SimpleNamespace(is_cuda=True, dim=lambda: 2, requires_grad=False)
+    assert moe_dispatch.ROUTING_KERNEL not in fused.PROVEN and not moe_dispatch._dense_in_one_launch(gpu)
+    monkeypatch.setattr(fused, "PROVEN", fused.PROVEN | {moe_dispatch.ROUTING_KERNEL})
+    assert moe_dispatch._dense_in_one_launch(gpu) and not moe_dispatch._dense_in_one_launch(logits)
+    with torch.enable_grad():
+        assert not moe_dispatch._dense_in_one_launch(types.SimpleNamespace(is_cuda=True, dim=lambda: 2,
+                                                                           requires_grad=True))
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    assert not moe_dispatch._dense_in_one_launch(gpu)
 
 
 def test_engine_tokens_and_logprobs_do_not_change():

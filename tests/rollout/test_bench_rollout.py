@@ -39,10 +39,11 @@ def test_floor_of_the_full_width_slice():
 
 
 @pytest.mark.parametrize("name, rate", [("NVIDIA H200", 4.8e12), ("NVIDIA H100 80GB HBM3", 3.35e12),
-                                        ("NVIDIA A100-SXM4-80GB", 4.8e12), (None, 4.8e12)])
+                                        ("NVIDIA H100 PCIe", 4.8e12), (None, 4.8e12)])
 def test_floor_rate_is_the_cards(monkeypatch, name, rate):
     """The floor divides by the datasheet bandwidth of the card the call ran on (an H100's rows divided by the
-    H200's 4.8 TB/s until 2026-12-06); another card, or none, keeps the H200's."""
+    H200's 4.8 TB/s until 2026-12-06); a card without an entry (an H100 PCIe: 2.0 TB/s), or none, keeps the H200's
+    nominal rate, which the JSON then records."""
     monkeypatch.setattr(bench_rollout.torch.cuda, "is_available", lambda: name is not None)
     monkeypatch.setattr(bench_rollout.torch.cuda, "get_device_name", lambda i=0: name)
     assert bench_rollout.hbm_bytes_per_s() == rate

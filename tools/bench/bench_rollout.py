@@ -80,8 +80,9 @@ TINY = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_query_gro
             moe_router_topk=2, moe_ffn_hidden_size=32)
 HBM_BYTES_PER_S = 4.8e12
 """H200 HBM3e bandwidth, NVIDIA H200 datasheet (module docstring): the floor's rate on an H200 and off the GPU."""
-HBM_BYTES_PER_S_BY_CARD = {"H200": HBM_BYTES_PER_S, "H100": 3.35e12}
-"""The datasheet HBM bandwidth of each card a device call may land on (H100 SXM5 80 GB: HBM3, 3.35 TB/s)."""
+HBM_BYTES_PER_S_BY_CARD = {"H200": HBM_BYTES_PER_S, "H100 80GB HBM3": 3.35e12}
+"""The datasheet HBM bandwidth of each card a device call may land on, by the name torch gives it (the H100 SXM5 80 GB,
+HBM3: 3.35 TB/s; an H100 PCIe or NVL has another rate and keeps the default)."""
 
 
 def hbm_bytes_per_s() -> float:
@@ -89,6 +90,8 @@ def hbm_bytes_per_s() -> float:
     elsewhere (rows before 2026-12-06 used the H200's on every card, an H100's too: their `hbm_bytes_per_s` says)."""
     name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
     return next((rate for card, rate in HBM_BYTES_PER_S_BY_CARD.items() if card in name), HBM_BYTES_PER_S)
+
+
 BYTES_PER_WEIGHT = {"bf16": 2.0, "nvfp4": 0.5 + 1 / 256}
 ROW_KEYS = ("precision", "strict", "batch", "prompt_len", "new_tokens", "decode_tokens_per_s", "step_ms", "floor_ms")
 
@@ -429,6 +432,13 @@ def latest(doc: dict) -> dict:
             "reference_rows": last(doc.get("reference_rows", []), lambda r: r["batch"]), "errors": []}
 
 
+def _rates(doc: dict) -> str:
+    """The floors' rates: the file's, and each other one a merged row carries (`hbm_bytes_per_s` per row)."""
+    own = doc["hbm_bytes_per_s"]
+    others = sorted({r["hbm_bytes_per_s"] for r in doc["rows"] if r.get("hbm_bytes_per_s", own) != own})
+    return f"{own / 1e12:g} TB/s" + "".join(f" ({rate / 1e12:g} TB/s in the rows that record it)" for rate in others)
+
+
 def render(doc: dict) -> str:
     """docs/benchmarks.md's table of one results file (numbers are never typed by hand)."""
     out = [f"Device {doc['device']}, last invocation {doc['date']} at commit {doc['commit']}: `{doc['command']}`. "
@@ -436,7 +446,7 @@ def render(doc: dict) -> str:
            "`commit` per row). Decode step = (t(N_long) - t(N_short)) / (N_long - N_short) (loop megatron, and every row "
            "before 8fcedc1), or the CUDA-event time of the N_long run's decode steps over their count (miniTE's "
            "loop since 8fcedc1: the difference's noise, from the prefill, exceeded whole graph-replayed steps); floor = bytes a step "
-           f"must read / {doc['hbm_bytes_per_s'] / 1e12:g} TB/s.", "",
+           f"must read / {_rates(doc)}.", "",
            "Loop: megatron = Megatron-Core's controller (every row before the own loop), eager = miniTE's loop "
            "(minite/rollout/decode.py), graphs = miniTE's loop replaying CUDA graphs, NVFP4 GEMMs on fp16 block-value "
            "weights (what shipped until 2026-12-01; BF16: what ships), packed = graphs with rollout.packed_weights: "
