@@ -27,7 +27,7 @@ On a GPU without autograd on the probs (a rollout) the rows, probs and counts co
 one index_select of the hidden states. Before it, the top-k router's dense probs and map are one launch too
 (`routing_in_one_launch`, installed with the dispatcher: `moe_rows.routing_dense` after upstream's top-k and
 softmax over the k, where upstream fills and scatters in six launches; the same tensors), once its GPU test has
-passed (`minite.strict.fused.WAITS_FOR`: it has not run on a GPU yet, so upstream's ops run until then).
+passed (`minite.strict.fused.PROVEN`: since 2026-12-06, on an H100).
 Every tensor the experts and the combine see is the one Megatron's dispatcher gives them (same rows, same order, same
 dtypes), so outputs are bitwise those of the upstream path (tests/megatron_patches/test_moe_dispatch.py).
 
@@ -156,8 +156,7 @@ def routing_in_one_launch(upstream):
 
 
 ROUTING_KERNEL = "routing_dense"
-"""The kernel's name in `minite.strict.fused.PROVEN`: routed once its GPU test has passed there (WAITS_FOR until then;
-MINITE_TRY_KERNELS=routing_dense routes it for a measurement)."""
+"""The kernel's name in `minite.strict.fused.PROVEN`, where it is since its GPU test passed (2026-12-06)."""
 
 
 def _dense_in_one_launch(logits: torch.Tensor) -> bool:

@@ -74,7 +74,8 @@ LOG_ARGS = dict({f"A{i}": c for i, c in enumerate(_ATANH_COEFFS)}, SQRT2=_SQRT2,
 """The constexpr arguments of the strict log (`_log64`) for every kernel that computes it."""
 
 PROVEN = {"exp", "tree_sum", "rms_norm", "log", "attention", "rope", "sincos", "linear", "combine", "swiglu",
-          "log_softmax", "expert_swiglu", "compact_with_graphs", "combine_rows_dtype", "expert_swiglu_amax"}
+          "log_softmax", "expert_swiglu", "compact_with_graphs", "combine_rows_dtype", "expert_swiglu_amax",
+          "routing_dense"}
 """The kernels whose bitwise GPU test has passed on the H200; `routes` sends only these. A new kernel joins after its
 test in tests/alignment/test_strict_alignment_gpu.py has passed there (`log` and `attention`: 2026-12-01, at
 5ea343c, 24 passed with tests/rollout/test_decode.py; `rope` and `sincos`: 2026-12-01, at 4f981a5, 16 passed with
@@ -92,19 +93,19 @@ expert SwiGLU backward's max |dh| for FC1's dgrad operand (`amax=True` of kernel
 `minite.ops.experts.swiglu` with amax_hint): 2026-12-05, session 27's device call 1 on an H100 at c2b5719, where the
 gate stage passed both, and the default-mode learner/rollout gap (`minite diagnose`, the medium model, NVFP4) was
 0.0 with the combine's kernel against 0.226 without it (the learner's log-probs, computed without autograd, take the
-same kernel; its training forward keeps torch's scatter_add).
+same kernel; its training forward keeps torch's scatter_add); `routing_dense`, the top-k router's dense probs and
+map in one launch (`megatron_patches.moe_dispatch.routing_in_one_launch`, kernels/moe_rows.py): 2026-12-06, session
+36's device call 13 on an H100 at d735ae5 (its test and the wrapper's, 6 passed with the quantiser's batch-invariance
+test); routed through MINITE_TRY_KERNELS in call 14, the batch-64 NVFP4 decode step took 1.811 ms against 1.894.
 
 MINITE_TRY_KERNELS (a comma-separated list of names, read at import) adds kernels that wait here, for a benchmark on
 the GPU that measures one before its test has passed (both ways in one device call); a warning names them. Not for
 training runs: an unproven kernel may compute other bits than the ops it replaces."""
 
-WAITS_FOR: dict[str, str] = {
-    "routing_dense": "tests/megatron_patches/test_moe_dispatch.py::test_router_dense_outputs_in_one_launch",
-}
-"""Each waiting name's GPU test (a pytest node id), which tools/gpu_acceptance.sh's `gate` stage runs on the H200.
-`routing_dense`: the top-k router's dense probs and map in one launch (`megatron_patches.moe_dispatch.
-routing_in_one_launch`, kernels/moe_rows.py), written in session 36 (2026-12-06), whose device calls ended before it
-ran on a GPU."""
+WAITS_FOR: dict[str, str] = {}
+"""Each waiting name's GPU test (a pytest node id), which tools/gpu_acceptance.sh's `gate` stage runs on the H200
+(none waits since 2026-12-06: `routing_dense`'s, tests/megatron_patches/test_moe_dispatch.py
+`test_router_dense_outputs_in_one_launch`, passed)."""
 WAITING = frozenset(WAITS_FOR)
 """The names above that wait for their GPU test: what MINITE_TRY_KERNELS may name."""
 

@@ -138,8 +138,8 @@ def test_router_dense_outputs_in_one_launch(tokens, experts, topk, dtype, scale,
     """`routing_in_one_launch` (the one-launch dense probs and map, interpreted on the CPU, compiled on a GPU) gives
     upstream's topk_routing_with_score_function tensors bit for bit: Qwen3-MoE's router (top-k, then a softmax over
     the k), fp32 and bf16 router logits, a scaling factor, 60 experts, a NaN logit; the cases it does not take
-    (softmax before the top-k, a gradient to record) are upstream's call. The gate of `routing_dense` (WAITS_FOR):
-    the kernel runs here whether proven or not."""
+    (softmax before the top-k, a gradient to record) are upstream's call. The GPU test that put `routing_dense` in
+    fused.PROVEN: the kernel runs here whether proven or not."""
     from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function as upstream
 
     import minite.megatron_patches.moe_dispatch as moe_dispatch
@@ -169,7 +169,7 @@ def test_router_dense_outputs_in_one_launch(tokens, experts, topk, dtype, scale,
 
 
 def test_router_wrapper_waits_for_its_gpu_test(monkeypatch):
-    """Until 'routing_dense' is in fused.PROVEN the wrapper is upstream's call with the same arguments; proven, it
+    """Without 'routing_dense' in fused.PROVEN the wrapper is upstream's call with the same arguments; proven, it
     still leaves CPU tensors, a gradient to record and deterministic algorithms to upstream."""
     import types
 
@@ -182,7 +182,9 @@ def test_router_wrapper_waits_for_its_gpu_test(monkeypatch):
     assert calls[0][1] == dict(use_pre_softmax=False, num_groups=None, group_topk=None, scaling_factor=2.0,
                                score_function="softmax", expert_bias=None, fused=False, router_replay=None)
     gpu = types.SimpleNamespace(is_cuda=True, dim=lambda: 2, requires_grad=False)
-    assert moe_dispatch.ROUTING_KERNEL not in fused.PROVEN and not moe_dispatch._dense_in_one_launch(gpu)
+    assert moe_dispatch.ROUTING_KERNEL in fused.PROVEN  # since its GPU test passed (2026-12-06)
+    monkeypatch.setattr(fused, "PROVEN", fused.PROVEN - {moe_dispatch.ROUTING_KERNEL})
+    assert not moe_dispatch._dense_in_one_launch(gpu)
     monkeypatch.setattr(fused, "PROVEN", fused.PROVEN | {moe_dispatch.ROUTING_KERNEL})
     assert moe_dispatch._dense_in_one_launch(gpu) and not moe_dispatch._dense_in_one_launch(logits)
     with torch.enable_grad():
