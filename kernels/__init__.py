@@ -13,7 +13,7 @@ nvfp4_swiglu.py  SwiGLU with its NVFP4 output quantisation fused in, and its bac
 expert_swiglu.py the experts' SwiGLU (the model's arithmetic, router prob included), forward and backward, for training
 finite_max.py    the NaN/Inf flag of the NVFP4 layers (minite.ops.FiniteFlag) in one launch, where no quantiser takes it
 copy_amax.py     the optimizer's fp32 master -> bf16 copy of expert weights with each expert's amax (re-quantisation)
-moe_rows.py      the MoE dispatch's rows, probs and counts from a routing map in one launch (rollout forwards)
+moe_rows.py      the MoE dispatch's rows, probs and counts from a routing map; the router's dense outputs (rollouts)
 megatron_rope.py Megatron-Core's unfused RoPE in one launch, for CUDA inference (megatron_patches.rope)
 gumbel_sample.py the rollout's Gumbel-max token sampler, two launches (minite.rollout.sampling: its definition)
 _interpreter.py  a fix that lets triton 3.6's CPU interpreter run kernels with runtime loop bounds under numpy >= 2.4
