@@ -283,12 +283,13 @@ def _quant_kernel(x_ptr, stride_r, stride_c, R, C, data_ptr, scale_ptr, gs_ptr, 
         if SINGLE:
             x = _load_tile(x_ptr, stride_r, stride_c, rows, 0, R, C, BLOCK_R, G, RHT, SIGN_MASK, VEC2D)
             bamax = _block_amax(x)
+            row_max = _nan_max(bamax, 1)
             if FLAG:
-                _max_into_flag(flag_ptr, _nan_max(bamax, 1))
+                _max_into_flag(flag_ptr, row_max)
             if GIVEN_AMAX:
                 amax = tl.load(amax_ptr + rows, mask=rows < R, other=0.0)
             else:
-                amax = _nan_max(bamax, 1)
+                amax = row_max
             s_enc, s_dec = _global_scales(amax)
             tl.store(gs_ptr + rows, s_dec, mask=rows < R)
             tl.store(amax_out_ptr + rows, _decode_amax(amax, s_enc), mask=rows < R)

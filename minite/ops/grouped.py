@@ -33,7 +33,7 @@ from minite.nvfp4.backend import has_kernel, kernel, resolve
 from minite.strict import fused as strict_fused, fused_swiglu
 
 from .common import (ROLES, FiniteFlag, derive_seed, derive_seeds, hinted_amax, host_counts, quant_flags,
-                     quantiser_checks_finite)
+                     quantiser_checks_finite, quantize_scoped)
 from .experts import swiglu
 from .linear import wgrad
 
@@ -101,8 +101,7 @@ def nvfp4_grouped_linear_forward(x: torch.Tensor, w_q, tokens_per_expert, recipe
     if x.shape[0] == 0:
         return x.new_zeros(0, w_q.shape[0] if isinstance(w_q, NVFP4Stack) else w_q[0].shape[0],
                            dtype=out_dtype or x.dtype)
-    xq = recipe.activation.quantize(x, backend=backend, finite_flag=None if finite is None else finite.flag_for(x),
-                                    **quant_flags(backend, x))
+    xq = quantize_scoped(x, recipe.activation, seed=None, backend=backend, finite=finite)
     return grouped_gemm(xq, w_q, counts, out_dtype=out_dtype or x.dtype, backend=backend)
 
 
