@@ -133,6 +133,7 @@ class StaticBatchDecoder:
         self.prefill_all_logits = False  # materialise every prompt position's logits (op capture lines up rows)
         self.time_decode = False  # CUDA: time the decode steps with two events per generate (benchmarks)
         self.last_decode: tuple[float, int] | None = None  # (seconds, steps) of the last generate's decode steps
+        self.captures = 0  # decode steps captured as graphs so far (a capture costs far more than a replay)
         self._shapes: OrderedDict[tuple[int, int], _Shape] = OrderedDict()  # newest last
         self._guarded = False  # Megatron's sequence-parallel guard ran on the model
 
@@ -300,6 +301,7 @@ class StaticBatchDecoder:
         for t in [*seen, *S._ROPE_CACHE]:
             st.keep.setdefault(id(t), t)
         st.graphs[(n, end)] = graph
+        self.captures += 1
         return graph
 
     def reset_graphs(self) -> None:

@@ -124,3 +124,33 @@ def test_latest_keeps_the_newest_row_of_each_configuration():
     assert got["reference_rows"] == [{"batch": 64, "commit": "b"}] and got["errors"] == []
     assert len(doc["rows"]) == 5  # the file's rows are left as they are
 
+
+
+class _CapturingEngine:
+    """What measure_engine reads of miniTE's engine: generate, and a decoder that counts its graph captures. Each
+    generate captures `first_captures[k]` steps on its k-th call (a shape's first step is captured one generate late)."""
+
+    loop = "minite"
+
+    def __init__(self, first_captures):
+        self.decoder = type("Decoder", (), {"captures": 0, "time_decode": False, "last_decode": (0.01, 4)})()
+        self.first_captures, self.calls = list(first_captures), 0
+
+    def generate(self, prompts, params):
+        if self.calls < len(self.first_captures):
+            self.decoder.captures += self.first_captures[self.calls]
+        self.calls += 1
+
+
+@pytest.mark.parametrize("first_captures,warm_calls,timed_captures", [
+    ([38, 6, 1, 1], 6, 0),       # miniTE's loop: the first step of each shape is captured in its second generate
+    ([38, 6], 4, 0),             # captured in one pair: one more pair confirms
+    ([1] * 20, 6, 2),            # a graph captured every time (evicted): warming stops, the row counts them
+])
+def test_warm_up_keeps_captures_out_of_the_timed_runs(first_captures, warm_calls, timed_captures):
+    a = bench_rollout.parse(["--tiny", "--batches", "2"])
+    engine = _CapturingEngine(first_captures)
+    row = bench_rollout.measure_engine(engine, a, bench_rollout.TINY, "bf16", False, 2)
+    assert engine.calls == warm_calls + 2 * a.repeats
+    assert row["graph_captures_timed"] == timed_captures
+    assert row["step_method"] == "events" and row["step_ms"] == pytest.approx(0.01 / 4 * 1e3)

@@ -16,8 +16,10 @@ precision share their weights and one model build.
 Decode isolated: `batch` prompts of `--prompt-len` random tokens, `generate` with `--new-tokens` (N_long) and with
 `--short-tokens` (N_short) new tokens (temperature 1, no stop token); both pay the same prefill, so
     step_ms = (t(N_long) - t(N_short)) / (N_long - N_short),  decode_tokens_per_s = batch / step.
-One untimed generate of N_long and one of N_short tokens first (Triton compiles per shape; the first rollout of a shape captures its
-CUDA graphs); --repeats pairs, median. miniTE's loop on a GPU also times its decode steps itself (`time_decode`: a
+Untimed pairs of generates of N_long and N_short tokens first, until a pair captures no CUDA graph (Triton compiles
+per shape; miniTE's loop runs a shape's first decode step eagerly, captures the others in that generate and the first
+in the next; a row's `graph_captures_timed` counts captures in its timed runs, 0 unless a graph was evicted); --repeats
+pairs, median. miniTE's loop on a GPU also times its decode steps itself (`time_decode`: a
 CUDA event after the prefill's sample, one after the last step): there step_ms is that time of the N_long run over
 its N_long - 1 steps (`step_method` "events"; the difference stays in `step_ms_difference`), because the prefill's
 run-to-run noise (tens of ms for strict prefill at batch 1) exceeded the whole decode time of graph-replayed steps.
@@ -217,10 +219,17 @@ def measure_engine(engine, a: argparse.Namespace, shape: dict, precision: str, s
     g = torch.Generator().manual_seed(batch)
     prompts = torch.randint(1, shape["vocab_size"], (batch, a.prompt_len), generator=g).tolist()
     # untimed: a first run at a shape may compile, allocate or capture CUDA graphs, which must not land in a timed
-    # run (at 84dd093 only the long run was warmed: the first short run captured, inflating t(N_short))
-    _timed_generate(engine, prompts, a.new_tokens)
-    _timed_generate(engine, prompts, a.short_tokens)
+    # run (at 84dd093 only the long run was warmed: the first short run captured, inflating t(N_short)). miniTE's
+    # loop runs a shape's first decode step eagerly and captures it in the next generate: warm until a pair of runs
+    # captures nothing (until 2026-12-06 one pair, so every timed long run captured one step: +0.2 ms a step)
     decoder = getattr(engine, "decoder", None)  # miniTE's loop (the SGLang engine has none: the difference method)
+    for _ in range(3):
+        before = getattr(decoder, "captures", 0)
+        _timed_generate(engine, prompts, a.new_tokens)
+        _timed_generate(engine, prompts, a.short_tokens)
+        if getattr(decoder, "captures", 0) == before:
+            break
+    captures = getattr(decoder, "captures", 0)
     if decoder is not None:
         decoder.time_decode = True
     pairs, events = [], []
@@ -230,6 +239,7 @@ def measure_engine(engine, a: argparse.Namespace, shape: dict, precision: str, s
         pairs.append((t_long, _timed_generate(engine, prompts, a.short_tokens)))
     if decoder is not None:
         decoder.time_decode = False
+    captures = getattr(decoder, "captures", 0) - captures
     difference = statistics.median(tl - ts for tl, ts in pairs) / (a.new_tokens - a.short_tokens)
     # miniTE's loop on a GPU: the decode steps' own time (CUDA events after the prefill and after the last step) of
     # the long runs; else the difference of the long and short runs (noisy where the prefill varies more than the
@@ -243,7 +253,8 @@ def measure_engine(engine, a: argparse.Namespace, shape: dict, precision: str, s
             "floor_ms": fb / hbm_bytes_per_s() * 1e3, "short_tokens": a.short_tokens, "floor_bytes": fb,
             "experts_touched": experts_touched(shape["num_experts"], shape["moe_router_topk"], batch),
             "t_long_s": statistics.median(p[0] for p in pairs), "t_short_s": statistics.median(p[1] for p in pairs),
-            "step_method": "events" if timed else "difference", "step_ms_difference": difference * 1e3}
+            "step_method": "events" if timed else "difference", "step_ms_difference": difference * 1e3,
+            "graph_captures_timed": captures}
 
 
 def host_syncs_per_step(engine, a: argparse.Namespace, shape: dict, batch: int) -> float | None:
