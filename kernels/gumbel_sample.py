@@ -17,6 +17,16 @@ uniforms, and keeps the chunk's largest score and its index; a second launch pic
 The Philox words are bitwise the reference's (integer arithmetic); the scores go through the device's log and
 division (on a GPU Triton's approximate instructions, with FMA contraction), so a token can differ from the
 reference's only where two scores lie within those roundings of each other.
+
+With `lse` the same pass also gives each row's log-sum-exp over all its V logits (untempered: the log-probs' norm),
+so a default-mode rollout takes its token log-probs as logit - lse without a log-softmax over [batch, V]:
+
+    per quarter: m = max x, s = sum exp(x - m); merged (chunk, then row): m = max(m1, m2),
+        s = s1 exp(m1 - m) + s2 exp(m2 - m), where an m of -inf counts as 0 inside the exps
+    lse = m + log(s)                    NaN where a logit is NaN or +inf, or every logit is -inf (as log_softmax)
+
+Its fp32 sums run in another order than torch's log_softmax, through the device's exp and log: within
+tests/tolerances.py "lse_fused" of it, not bitwise.
 """
 from __future__ import annotations
 
@@ -54,23 +64,38 @@ def exponential(word):
 
 
 @triton.jit
-def _quarter_best(x_ptr, start, i, word, vocab, temperature, best, at, SCALE: tl.constexpr):
-    """(best, at) updated with one quarter's logits (start + i): its largest score and that score's index (the lowest
-    of equal ones) where the score is larger than best; otherwise (best, at), so the earlier index wins a tie."""
+def _merge(m1, s1, m2, s2):
+    """(m, s) of two parts' (max, sum of exp(x - max)) (module docstring): m = max(m1, m2), each s rescaled to it."""
+    m = tl.maximum(m1, m2)
+    ms = tl.where(m == float("-inf"), 0.0, m)
+    return m, s1 * tl.exp(m1 - ms) + s2 * tl.exp(m2 - ms)
+
+
+@triton.jit
+def _quarter_best(x_ptr, start, i, word, vocab, width, temperature, best, at, m, z, SCALE: tl.constexpr,
+                  LSE: tl.constexpr):
+    """(best, at, m, z) updated with one quarter's logits (start + i): (best, at) take its largest score and that
+    score's index (the lowest of equal ones) where the score is larger than best, so the earlier index wins a tie;
+    with LSE (m, z) merge its max and sum of exponentials over the logits below width (all V of the row)."""
     v = start + i
-    x = tl.load(x_ptr + v, mask=v < vocab, other=float("-inf")).to(tl.float32)
+    x = tl.load(x_ptr + v, mask=v < width, other=float("-inf")).to(tl.float32)
+    if LSE:
+        qm = tl.max(x, 0)
+        qs = tl.sum(tl.exp(x - tl.where(qm == float("-inf"), 0.0, qm)), 0)
+        m, z = _merge(m, z, qm, qs)
     if SCALE:
         x = x / temperature
     s = x - tl.log(exponential(word))
     s = tl.where((s == s) & (v < vocab), s, float("-inf"))
     top = tl.max(s, 0)
     take = top > best
-    return tl.where(take, top, best), tl.where(take, start + tl.argmax(s, 0, tie_break_left=True), at)
+    return tl.where(take, top, best), tl.where(take, start + tl.argmax(s, 0, tie_break_left=True), at), m, z
 
 
 @triton.jit
-def _chunk_best_kernel(x_ptr, stride_row, rows_ptr, seed_ptr, best_ptr, index_ptr, vocab, n_chunks, temperature,
-                       HAS_ROWS: tl.constexpr, SCALE: tl.constexpr, QUARTER: tl.constexpr):
+def _chunk_best_kernel(x_ptr, stride_row, rows_ptr, seed_ptr, best_ptr, index_ptr, max_ptr, sum_ptr, vocab, width,
+                       n_chunks, temperature, HAS_ROWS: tl.constexpr, SCALE: tl.constexpr, QUARTER: tl.constexpr,
+                       LSE: tl.constexpr):
     r = tl.program_id(0)
     c = tl.program_id(1)
     if HAS_ROWS:
@@ -85,30 +110,46 @@ def _chunk_best_kernel(x_ptr, stride_row, rows_ptr, seed_ptr, best_ptr, index_pt
     w0, w1, w2, w3 = philox4x32((c * QUARTER + i).to(tl.uint32), z + row, z, z, k0, k1)
     x_row = x_ptr + r.to(tl.int64) * stride_row
     start = c * (4 * QUARTER)
-    best, at = _quarter_best(x_row, start, i, w0, vocab, temperature, float("-inf"), start, SCALE)
-    best, at = _quarter_best(x_row, start + QUARTER, i, w1, vocab, temperature, best, at, SCALE)
-    best, at = _quarter_best(x_row, start + 2 * QUARTER, i, w2, vocab, temperature, best, at, SCALE)
-    best, at = _quarter_best(x_row, start + 3 * QUARTER, i, w3, vocab, temperature, best, at, SCALE)
+    m, z = float("-inf"), 0.0
+    best, at, m, z = _quarter_best(x_row, start, i, w0, vocab, width, temperature, float("-inf"), start, m, z,
+                                   SCALE, LSE)
+    best, at, m, z = _quarter_best(x_row, start + QUARTER, i, w1, vocab, width, temperature, best, at, m, z,
+                                   SCALE, LSE)
+    best, at, m, z = _quarter_best(x_row, start + 2 * QUARTER, i, w2, vocab, width, temperature, best, at, m, z,
+                                   SCALE, LSE)
+    best, at, m, z = _quarter_best(x_row, start + 3 * QUARTER, i, w3, vocab, width, temperature, best, at, m, z,
+                                   SCALE, LSE)
     tl.store(best_ptr + r * n_chunks + c, best)
     tl.store(index_ptr + r * n_chunks + c, at)
+    if LSE:
+        tl.store(max_ptr + r * n_chunks + c, m)
+        tl.store(sum_ptr + r * n_chunks + c, z)
 
 
 @triton.jit
-def _pick_kernel(best_ptr, index_ptr, out_ptr, n_chunks, NCP: tl.constexpr):
+def _pick_kernel(best_ptr, index_ptr, out_ptr, max_ptr, sum_ptr, lse_ptr, n_chunks, NCP: tl.constexpr,
+                 LSE: tl.constexpr):
     r = tl.program_id(0)
     c = tl.arange(0, NCP)
     s = tl.load(best_ptr + r * n_chunks + c, mask=c < n_chunks, other=float("-inf"))
     k = tl.argmax(s, 0, tie_break_left=True)
     tl.store(out_ptr + r, tl.load(index_ptr + r * n_chunks + k).to(tl.int64))
+    if LSE:
+        cm = tl.load(max_ptr + r * n_chunks + c, mask=c < n_chunks, other=float("-inf"))
+        cz = tl.load(sum_ptr + r * n_chunks + c, mask=c < n_chunks, other=0.0)
+        m = tl.max(cm, 0)
+        ms = tl.where(m == float("-inf"), 0.0, m)
+        tl.store(lse_ptr + r, m + tl.log(tl.sum(cz * tl.exp(cm - ms), 0)))
 
 
 def gumbel_sample_triton(logits: torch.Tensor, seed: torch.Tensor, temperature: float, vocab_size: int,
-                         rows: torch.Tensor | None = None, *, quarter: int = QUARTER, num_warps: int = 8
-                         ) -> torch.Tensor:
+                         rows: torch.Tensor | None = None, *, quarter: int = QUARTER, num_warps: int = 8,
+                         lse: torch.Tensor | None = None) -> torch.Tensor:
     """int64 [n]: one token per row of logits [n, V] from its first min(V, vocab_size) (module docstring). seed: one
     int64 on logits' device (the key; read on the device, no host synchronisation); rows: int32/int64 [n] on the same
     device, each row's id in the counter (default 0..n-1). quarter and num_warps: another layout (a power of two;
-    another quarter draws other tokens: tools/bench/bench_sampler.py --layouts)."""
+    another quarter draws other tokens: tools/bench/bench_sampler.py --layouts). lse: fp32 [n] on the same device,
+    filled with each row's log-sum-exp over all V logits in the same pass (module docstring)."""
     if logits.dim() != 2 or logits.stride(1) != 1 or min(logits.shape[1], vocab_size) < 1:
         raise ValueError(f"gumbel_sample: logits must be [rows, vocab >= 1] with unit stride over the vocabulary and "
                          f"vocab_size >= 1, got shape {tuple(logits.shape)} strides {logits.stride()}, vocab_size "
@@ -120,18 +161,27 @@ def gumbel_sample_triton(logits: torch.Tensor, seed: torch.Tensor, temperature: 
                              or rows.dtype not in (torch.int32, torch.int64)):
         raise ValueError(f"gumbel_sample: rows must be one int32/int64 id per logits row on {logits.device}, got "
                          f"{rows.dtype} {tuple(rows.shape)} on {rows.device}")
+    if lse is not None and (lse.shape != logits.shape[:1] or lse.dtype != torch.float32
+                            or lse.device != logits.device):
+        raise ValueError(f"gumbel_sample: lse must be fp32 [{logits.shape[0]}] on {logits.device}, got {lse.dtype} "
+                         f"{tuple(lse.shape)} on {lse.device}")
     ensure_interpreter_compat()
     n = logits.shape[0]
     vocab = min(logits.shape[1], vocab_size)
+    width = logits.shape[1] if lse is not None else vocab  # the logits a chunk reads
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
     if n == 0:
         return out
-    chunks = cdiv(vocab, 4 * quarter)
+    chunks = cdiv(width, 4 * quarter)
     best = torch.empty(n, chunks, dtype=torch.float32, device=logits.device)
     index = torch.empty(n, chunks, dtype=torch.int32, device=logits.device)
+    parts = torch.empty(2, n, chunks, dtype=torch.float32, device=logits.device) if lse is not None \
+        else (best, best)  # unread without lse
     has_rows = rows is not None
     launcher(_chunk_best_kernel)[(n, chunks)](
-        logits, logits.stride(0), rows if has_rows else seed, seed, best, index, vocab, chunks, float(temperature),
-        HAS_ROWS=has_rows, SCALE=temperature != 1.0, QUARTER=quarter, num_warps=num_warps)
-    launcher(_pick_kernel)[(n,)](best, index, out, chunks, NCP=max(2, next_power_of_2(chunks)), num_warps=1)
+        logits, logits.stride(0), rows if has_rows else seed, seed, best, index, parts[0], parts[1], vocab, width,
+        chunks, float(temperature), HAS_ROWS=has_rows, SCALE=temperature != 1.0, QUARTER=quarter,
+        LSE=lse is not None, num_warps=num_warps)
+    launcher(_pick_kernel)[(n,)](best, index, out, parts[0], parts[1], best if lse is None else lse, chunks,
+                                 NCP=max(2, next_power_of_2(chunks)), LSE=lse is not None, num_warps=1)
     return out

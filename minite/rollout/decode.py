@@ -5,6 +5,7 @@
     for q in shortest prompt .. last position:
         logits of position q - 1 -> sample a token for position q (`sampler`: Gumbel-max or Megatron's arithmetic)
         a row still inside its prompt keeps its prompt token; log p(token at q) = log_softmax(logits)[token]
+            (default mode, Gumbel sampler, GPU: logit[token] - the sampler pass's log-sum-exp, `SAMPLER_LSE`)
         forward the token at q (one position, the KV cache grows by one)
         every stop_check_every steps, given a stop token: one host read of the rows that have sampled it; all of
         them -> stop; else the unfinished rows move to the batch's first rows and run alone (compaction, `_Slots`)
@@ -71,16 +72,23 @@ class Decoded:
 
 
 SAMPLERS = ("gumbel", "megatron")
+SAMPLER_LSE = "sampler_lse"
+"""The name (in `minite.strict.fused.PROVEN` once its GPU test passed) of default-mode log-probs from the Gumbel
+sampler's own pass (minite.kernels.gumbel_sample, `lse`): logit - log-sum-exp instead of a log-softmax over [batch,
+vocab] and a gather, ~65 us of a 1.6 ms batch-64 NVFP4 decode step on an H100 (session 36's profile). The same
+values to within tests/tolerances.py "lse_fused", not the same bits; strict mode keeps its strict log-softmax, and
+sampler "megatron" the controller's ops."""
 
 
 def sample(last_logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator,
-           vocab_size: int, rows: torch.Tensor | None = None, batch: int = 0, sampler: str = "megatron"
-           ) -> torch.Tensor:
+           vocab_size: int, rows: torch.Tensor | None = None, batch: int = 0, sampler: str = "megatron",
+           lse: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row of last_logits [B, V]. sampler "gumbel" with top_p = 1: `minite.rollout.sampling`'s one pass
     (the same distribution, other tokens for a generator state; the decoder passes its `sampler`, this function's
-    default is Megatron's). Otherwise Megatron-Core 0.16.1's `_torch_sampling_func` arithmetic for top_k = 0 (the
-    same ops in the same order on the same generator, so the same tokens): temperature, then nucleus filtering with
-    its shifted mask (top_p < 1), softmax, one multinomial draw, clamped into the vocabulary.
+    default is Megatron's), which also fills `lse` where given. Otherwise Megatron-Core 0.16.1's `_torch_sampling_func`
+    arithmetic for top_k = 0 (the same ops in the same order on the same generator, so the same tokens): temperature,
+    then nucleus filtering with its shifted mask (top_p < 1), softmax, one multinomial draw, clamped into the
+    vocabulary.
     last_logits is left as it is (the caller's log-softmax reads it): copied only where an op below works in place
     (a copy of [batch, vocab] fp32 costs ~20 us at batch 64 on the H200, every step).
 
@@ -93,7 +101,7 @@ def sample(last_logits: torch.Tensor, temperature: float, top_p: float, generato
     rows (a compacted batch, `StaticBatchDecoder.generate`): last_logits' row i is row rows[i] of a batch of `batch`
     rows; the draws are the whole batch's, row rows[i]'s taken, so a row samples what it would in the whole batch."""
     if sampler == "gumbel" and not 0.0 < top_p < 1.0:
-        return gumbel_sample(last_logits, temperature, generator, vocab_size, rows)
+        return gumbel_sample(last_logits, temperature, generator, vocab_size, rows, lse)
     logits = last_logits.clone() if temperature != 1.0 or 0.0 < top_p < 1.0 else last_logits
     if temperature != 1.0:
         logits.div_(temperature)
@@ -173,11 +181,23 @@ class StaticBatchDecoder:
         self._shapes[key] = st
         return st
 
-    def _token_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    def _sampler_lse(self, logits: torch.Tensor, top_p: float) -> torch.Tensor | None:
+        """An fp32 [rows] buffer for the sampler to fill with each row's log-sum-exp (`SAMPLER_LSE`), or None where
+        the log-probs take the log-softmax: strict mode, Megatron's sampler, top-p, the CPU, or not yet proven."""
+        if (self.strict or self.sampler != "gumbel" or 0.0 < top_p < 1.0 or not logits.is_cuda
+                or SAMPLER_LSE not in fused.PROVEN):
+            return None
+        return torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+
+    def _token_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, lse: torch.Tensor | None = None
+                        ) -> torch.Tensor:
         """log_softmax(logits [B, V])[b, tokens[b]]: fp32 [B]. Default mode: Megatron's controller's ops (the whole
-        log-softmax, then the gather); strict: `S.token_log_softmax`, the strict log-softmax's bits at the tokens."""
+        log-softmax, then the gather), or given the sampler's `lse` the logit at the token minus it; strict:
+        `S.token_log_softmax`, the strict log-softmax's bits at the tokens."""
         if self.strict:
             return S.token_log_softmax(logits, tokens)
+        if lse is not None:
+            return torch.gather(logits, 1, tokens.view(-1, 1)).view(-1).to(torch.float32) - lse
         lp = F.log_softmax(logits.unsqueeze(1), dim=-1).to(torch.float32)
         return torch.gather(lp, 2, tokens.view(-1, 1, 1)).view(-1)
 
@@ -218,11 +238,13 @@ class StaticBatchDecoder:
             start = 0 if q == shortest else q - 1
             ctx.materialize_only_last_token_logits = not (self.prefill_all_logits and start == 0)
             last = self._step(st, start, q, slots.n)
-            sampled = sample(last, temperature, top_p, generator, self.vocab_size, slots.rows, batch, self.sampler)
+            lse = self._sampler_lse(last, top_p)
+            sampled = sample(last, temperature, top_p, generator, self.vocab_size, slots.rows, batch, self.sampler,
+                             lse)
             started = slots.lengths <= q  # rows whose prompt ended: take the sample; the others keep their prompt
             cur = tokens[: slots.n]
             cur[:, q] = torch.where(started, sampled, cur[:, q])
-            slots.record(q, cur[:, q], self._token_logprobs(last, cur[:, q]), started, logprobs)
+            slots.record(q, cur[:, q], self._token_logprobs(last, cur[:, q], lse), started, logprobs)
             if q >= longest:  # every row is past its prompt
                 ctx.enable_decode_mode()
             if events is not None and q == shortest:

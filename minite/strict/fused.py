@@ -102,10 +102,13 @@ MINITE_TRY_KERNELS (a comma-separated list of names, read at import) adds kernel
 the GPU that measures one before its test has passed (both ways in one device call); a warning names them. Not for
 training runs: an unproven kernel may compute other bits than the ops it replaces."""
 
-WAITS_FOR: dict[str, str] = {}
+WAITS_FOR: dict[str, str] = {
+    "sampler_lse": "tests/rollout/test_sampling.py::test_default_logprobs_from_the_samplers_lse_on_the_gpu",
+}
 """Each waiting name's GPU test (a pytest node id), which tools/gpu_acceptance.sh's `gate` stage runs on the H200
-(none waits since 2026-12-06: `routing_dense`'s, tests/megatron_patches/test_moe_dispatch.py
-`test_router_dense_outputs_in_one_launch`, passed)."""
+(`routing_dense`'s, tests/megatron_patches/test_moe_dispatch.py `test_router_dense_outputs_in_one_launch`, passed
+on 2026-12-06). `sampler_lse` (2026-12-06, session 37): default-mode log-probs from the Gumbel sampler's log-sum-exp
+(`minite.rollout.decode.SAMPLER_LSE`)."""
 WAITING = frozenset(WAITS_FOR)
 """The names above that wait for their GPU test: what MINITE_TRY_KERNELS may name."""
 

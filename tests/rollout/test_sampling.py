@@ -135,6 +135,46 @@ def test_infinities_nan_and_logits_past_the_vocabulary(device):
     assert torch.equal(K.gumbel_sample_triton(strided[:, 1], seed, 1.0, 4990), got)
 
 
+def _within_lse_fused(got, want, scale):
+    atol, rtol = TOLERANCES["lse_fused"]
+    finite = torch.isfinite(want)
+    assert torch.equal(finite, torch.isfinite(got)) and torch.equal(torch.isnan(want), torch.isnan(got))
+    assert torch.equal(got[~finite & ~torch.isnan(want)], want[~finite & ~torch.isnan(want)].to(got.dtype))
+    err = (got.double() - want.double())[finite].abs()
+    assert bool((err <= atol + rtol * scale.double()[finite]).all()), float(err.max())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("width,vocab", [(1, 1), (4096, 4096), (9000, 8990), (20000, 20000)])
+def test_the_samplers_log_sum_exp(device, width, vocab):
+    """lse: each row's log-sum-exp over all `width` logits (past vocab_size too, as log_softmax reads them;
+    untempered) within "lse_fused" of float64's, the tokens those of the pass without it; a NaN or +inf logit gives
+    NaN, a row of -inf gives -inf (its log-probs NaN, as log_softmax's), -inf logits elsewhere count for nothing."""
+    x = _logits(7, width, width) * 2
+    if width >= 4096:
+        x[1, 5] = float("nan")
+        x[2, width - 1] = float("inf")
+        x[3] = float("-inf")
+        x[4, :4096] = float("-inf")  # a whole chunk of -inf: the row's other chunks decide
+        x[5, 3] = 88.0  # exp overflows without the max
+    x = x.to(device)
+    seed = torch.tensor([31], device=device)
+    for temperature, rows in ((1.0, None), (0.6, torch.tensor([6, 5, 4, 3, 2, 1, 0], device=device))):
+        lse = torch.full((7,), 123.0, device=device)
+        got = K.gumbel_sample_triton(x, seed, temperature, vocab, rows, lse=lse)
+        assert torch.equal(got, K.gumbel_sample_triton(x, seed, temperature, vocab, rows))
+        x64 = x.double()  # the docstring's m + log(s) in float64 (torch.logsumexp gives +inf for a +inf logit)
+        m = x64.max(dim=-1, keepdim=True).values
+        want = (m + torch.log(torch.exp(x64 - torch.where(m == float("-inf"), 0.0, m)).sum(-1, keepdim=True)))[:, 0]
+        want[torch.isnan(x64).any(-1)] = float("nan")  # torch's max need not return a NaN
+        _within_lse_fused(lse, want, want.abs())
+        logprobs = torch.gather(x, 1, got.view(-1, 1)).view(-1) - lse
+        torch_lp = torch.log_softmax(x, dim=-1).gather(1, got.view(-1, 1)).view(-1)
+        _within_lse_fused(logprobs, torch_lp, torch.maximum(lse.abs(), x.gather(1, got.view(-1, 1)).view(-1).abs()))
+    with pytest.raises(ValueError, match=r"lse must be fp32 \[7\]"):
+        K.gumbel_sample_triton(x, seed, 1.0, vocab, lse=torch.empty(6, device=device))
+
+
 def test_bad_arguments_are_refused_in_one_line():
     with pytest.raises(ValueError, match="unit stride"):
         K.gumbel_sample_triton(torch.zeros(4, 8).t(), torch.tensor([1]), 1.0, 4)
@@ -211,3 +251,39 @@ def test_the_decoder_takes_gumbel_by_default_and_refuses_an_unknown_sampler():
     with pytest.raises(ValueError, match="sampler must be one of gumbel, megatron, got 'multinomial'"):
         StaticBatchDecoder(torch.nn.Linear(1, 1), vocab_size=4, hidden_size=1, params_dtype=torch.float32,
                            sampler="multinomial")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("graphs", ["true", "false"])
+def test_default_logprobs_from_the_samplers_lse_on_the_gpu(precision, graphs, monkeypatch):
+    """`sampler_lse`'s gate (minite.strict.fused.WAITS_FOR): a default-mode rollout's log-probs taken as logit - the
+    sampler pass's log-sum-exp, compiled, against the same rollout's log-softmax ones: the same tokens (the sampler's
+    pass draws the same), the log-probs within "lse_fused", the kernel asked for lse at every step; CUDA-graph
+    replays and eager steps (whose logits are a strided view)."""
+    from minite.config import load_config
+    from minite.rollout import SamplingParams, decode
+    from minite.rollout.embedded import build_embedded
+    from minite.strict import fused
+
+    vocab = 5000  # two chunks of 4096
+    tiny = ["model.num_layers=2", "model.hidden_size=64", f"model.vocab_size={vocab}", "model.num_experts=8",
+            "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32", "model.max_position_embeddings=64",
+            f"precision.mode={precision}", f"rollout.cuda_graphs={graphs}"]
+    engine = build_embedded(load_config(None, tiny))
+    prompts, params = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10, 11, 12]], SamplingParams(max_new_tokens=6, n=2, seed=3)
+    monkeypatch.setattr(fused, "PROVEN", fused.PROVEN - {decode.SAMPLER_LSE})
+    engine.generate(prompts, params)  # compiles and, with graphs, captures: the runs below replay
+    base = engine.generate(prompts, params)
+    asked, kernel = [], K.gumbel_sample_triton
+    monkeypatch.setattr(K, "gumbel_sample_triton", lambda *a, **k: asked.append(k.get("lse") is not None)
+                        or kernel(*a, **k))
+    monkeypatch.setattr(fused, "PROVEN", fused.PROVEN | {decode.SAMPLER_LSE})
+    got = engine.generate(prompts, params)
+    assert len(asked) == (5 + params.max_new_tokens) - 3 and all(asked)  # a sample a position from the shortest prompt
+    assert engine.decoder.graphs > 0 if graphs == "true" else engine.decoder.graphs == 0
+    for b, g in zip(base, got):
+        assert b.tokens == g.tokens
+        want, lp = torch.tensor(b.logprobs, dtype=torch.float64), torch.tensor(g.logprobs, dtype=torch.float64)
+        # max(|lse|, |logit|) <= |log-prob| + log(V) + 10 for this tiny model's O(1) logits
+        _within_lse_fused(lp, want, want.abs() + math.log(vocab) + 10)
