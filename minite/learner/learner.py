@@ -57,6 +57,7 @@ from minite.megatron_patches.nvfp4_layers import (expert_weights, release_quanti
 from minite.megatron_patches.weight_copy import install_amax_copy
 from minite.nvfp4.device_copy import host_to
 from minite.ops.grouped import DeferredWgrads, mark_main_grads_zeroed
+from minite.ops.logprobs import lse_applies, logprobs_at, row_logsumexp
 from minite.strict import ops as strict_ops
 
 logger = logging.getLogger(__name__)
@@ -77,7 +78,9 @@ def _snapshot(obj, device=None):
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, strict: bool = False) -> torch.Tensor:
     """logits [B, T, V/tp] (vocab-parallel), tokens [B, T] -> logp [B, T-1] in fp32 (autograd-aware).
-    strict: the batch-invariant log-softmax of minite.strict.ops (alignment.strict; TP = 1)."""
+    strict: the batch-invariant log-softmax of minite.strict.ops (alignment.strict; TP = 1). Default mode without a
+    gradient on a GPU (TP = 1): logit - the log-sum-exp of the rollout sampler's pass (minite.ops.logprobs), the
+    rollout's own log-probs where the logits are the same."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
@@ -87,6 +90,9 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, strict: bool =
         if strict:  # the log-softmax at the targets only (the same bits; under autograd too, ops._StrictForward)
             return strict_ops.token_log_softmax(logits.view(-1, logits.shape[-1]), target.reshape(-1)).view(
                 target.shape)
+        if not logits.requires_grad and lse_applies(logits):
+            flat = logits.view(-1, logits.shape[-1])
+            return logprobs_at(flat, target.reshape(-1), row_logsumexp(flat)).view(target.shape)
         return torch.log_softmax(logits, dim=-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
     return -vocab_parallel_cross_entropy(logits, target)
 

@@ -6,6 +6,7 @@
     experts.py   the MoE expert arithmetic written once: routing rows, SwiGLU experts, default/strict combine
     common.py    derived seeds, tensor-parallel amax groups, kernel-path flags, the device-side NaN/Inf flag,
                  16-row padding
+    logprobs.py  default-mode token log-probs from the Gumbel sampler's log-sum-exp (rollout and learner alike)
 They compute through `minite.nvfp4` (the format and its reference). Importing this package also imports the Triton
 kernels (`minite.kernels`, which register themselves with minite.nvfp4.backend) when Triton is installed, so every
 engine gets them behind backend="auto".

@@ -5,7 +5,7 @@
     for q in shortest prompt .. last position:
         logits of position q - 1 -> sample a token for position q (`sampler`: Gumbel-max or Megatron's arithmetic)
         a row still inside its prompt keeps its prompt token; log p(token at q) = log_softmax(logits)[token]
-            (default mode, Gumbel sampler, GPU: logit[token] - the sampler pass's log-sum-exp, `SAMPLER_LSE`)
+            (default mode, Gumbel sampler, GPU: logit[token] - the sampler pass's log-sum-exp, minite.ops.logprobs)
         forward the token at q (one position, the KV cache grows by one)
         every stop_check_every steps, given a stop token: one host read of the rows that have sampled it; all of
         them -> stop; else the unfinished rows move to the batch's first rows and run alone (compaction, `_Slots`)
@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from minite.ops import any_rank
+from minite.ops.logprobs import lse_applies, logprobs_at
 from minite.rollout.sampling import gumbel_sample
 from minite.strict import fused, ops as S
 
@@ -72,12 +73,6 @@ class Decoded:
 
 
 SAMPLERS = ("gumbel", "megatron")
-SAMPLER_LSE = "sampler_lse"
-"""The name (in `minite.strict.fused.PROVEN` once its GPU test passed) of default-mode log-probs from the Gumbel
-sampler's own pass (minite.kernels.gumbel_sample, `lse`): logit - log-sum-exp instead of a log-softmax over [batch,
-vocab] and a gather, ~65 us of a 1.6 ms batch-64 NVFP4 decode step on an H100 (session 36's profile). The same
-values to within tests/tolerances.py "lse_fused", not the same bits; strict mode keeps its strict log-softmax, and
-sampler "megatron" the controller's ops."""
 
 
 def sample(last_logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator,
@@ -182,10 +177,9 @@ class StaticBatchDecoder:
         return st
 
     def _sampler_lse(self, logits: torch.Tensor, top_p: float) -> torch.Tensor | None:
-        """An fp32 [rows] buffer for the sampler to fill with each row's log-sum-exp (`SAMPLER_LSE`), or None where
-        the log-probs take the log-softmax: strict mode, Megatron's sampler, top-p, the CPU, or not yet proven."""
-        if (self.strict or self.sampler != "gumbel" or 0.0 < top_p < 1.0 or not logits.is_cuda
-                or SAMPLER_LSE not in fused.PROVEN):
+        """An fp32 [rows] buffer for the sampler to fill with each row's log-sum-exp (minite.ops.logprobs), or None
+        where the log-probs take the log-softmax: strict mode, Megatron's sampler, top-p, the CPU, or not proven."""
+        if self.strict or self.sampler != "gumbel" or 0.0 < top_p < 1.0 or not lse_applies(logits):
             return None
         return torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
 
@@ -197,7 +191,7 @@ class StaticBatchDecoder:
         if self.strict:
             return S.token_log_softmax(logits, tokens)
         if lse is not None:
-            return torch.gather(logits, 1, tokens.view(-1, 1)).view(-1).to(torch.float32) - lse
+            return logprobs_at(logits, tokens, lse)
         lp = F.log_softmax(logits.unsqueeze(1), dim=-1).to(torch.float32)
         return torch.gather(lp, 2, tokens.view(-1, 1, 1)).view(-1)
 

@@ -108,7 +108,7 @@ WAITS_FOR: dict[str, str] = {
 """Each waiting name's GPU test (a pytest node id), which tools/gpu_acceptance.sh's `gate` stage runs on the H200
 (`routing_dense`'s, tests/megatron_patches/test_moe_dispatch.py `test_router_dense_outputs_in_one_launch`, passed
 on 2026-12-06). `sampler_lse` (2026-12-06, session 37): default-mode log-probs from the Gumbel sampler's log-sum-exp
-(`minite.rollout.decode.SAMPLER_LSE`)."""
+(`minite.ops.logprobs`; the learner's no-grad log-probs take it too)."""
 WAITING = frozenset(WAITS_FOR)
 """The names above that wait for their GPU test: what MINITE_TRY_KERNELS may name."""
 

@@ -245,3 +245,25 @@ def test_the_moe_dgrads_take_their_amax_from_the_pass_before(tokens, monkeypatch
     (out_on, w_on, n_on), (out_off, w_off, n_off) = runs
     assert n_on == 2 and n_off == 0  # one layer: FC2's dgrad and FC1's
     assert out_on == out_off and all(torch.equal(a, b) for a, b in zip(w_on, w_off))
+
+
+def test_no_grad_default_logprobs_take_the_samplers_lse(monkeypatch):
+    """token_logprobs without a gradient, where the sampler's log-sum-exp applies (a GPU with the kernel proven;
+    here forced on the CPU, the kernel interpreted): logit - row_logsumexp, the rollout's bits for the same logits
+    (tests/rollout/test_sampling.py), within "lse_fused" of torch's log_softmax; under autograd torch's log_softmax."""
+    from minite.learner import learner as learner_mod
+    from minite.ops.logprobs import row_logsumexp
+    from tests.tolerances import TOLERANCES
+
+    learner_mod.Learner(cfg("precision.mode=bf16")).close()  # Megatron's parallel state (TP = 1)
+    g = torch.Generator().manual_seed(2)
+    logits, toks = torch.randn(2, 9, 5000, generator=g) * 3, torch.randint(0, 5000, (2, 9), generator=g)
+    torch_lp = learner_mod.token_logprobs(logits, toks)
+    monkeypatch.setattr(learner_mod, "lse_applies", lambda x: True)
+    flat = logits[:, :-1].reshape(-1, 5000)
+    want = (flat.gather(1, toks[:, 1:].reshape(-1, 1)).view(-1) - row_logsumexp(flat)).view(2, 8)
+    got = learner_mod.token_logprobs(logits, toks)
+    assert torch.equal(got, want) and not torch.equal(got, torch_lp)  # the kernel's sums, not torch's
+    atol, rtol = TOLERANCES["lse_fused"]
+    assert bool(((got - torch_lp).abs() <= atol + rtol * (torch_lp.abs() + 20)).all())  # |logits| < 20 here
+    assert torch.equal(learner_mod.token_logprobs(logits.clone().requires_grad_(), toks), torch_lp)

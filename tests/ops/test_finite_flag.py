@@ -28,17 +28,22 @@ def test_check_over_a_process_group_agrees():
 
     from tests.distributed_backend import free_port
 
-    if not dist.is_initialized():
+    started = not dist.is_initialized()
+    if started:  # destroyed at the end: a later test's learner on a GPU starts NCCL (gloo cannot reduce CUDA tensors)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    group = dist.new_group([0], backend="gloo")
-    flag = FiniteFlag()
-    flag.check("nothing recorded", group=group)  # no flag yet: still takes part in the collective
-    flag.record(torch.ones(3))
-    flag.check("finite", group=group)
-    flag.record(torch.tensor([float("nan")]))
-    with pytest.raises(ValueError, match="during a generate"):
-        flag.check("a generate", group=group)
-    flag.check("after the reset", group=group)
+    try:
+        group = dist.new_group([0], backend="gloo")
+        flag = FiniteFlag()
+        flag.check("nothing recorded", group=group)  # no flag yet: still takes part in the collective
+        flag.record(torch.ones(3))
+        flag.check("finite", group=group)
+        flag.record(torch.tensor([float("nan")]))
+        with pytest.raises(ValueError, match="during a generate"):
+            flag.check("a generate", group=group)
+        flag.check("after the reset", group=group)
+    finally:
+        if started:
+            dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -149,7 +149,11 @@ def _within_lse_fused(got, want, scale):
 def test_the_samplers_log_sum_exp(device, width, vocab):
     """lse: each row's log-sum-exp over all `width` logits (past vocab_size too, as log_softmax reads them;
     untempered) within "lse_fused" of float64's, the tokens those of the pass without it; a NaN or +inf logit gives
-    NaN, a row of -inf gives -inf (its log-probs NaN, as log_softmax's), -inf logits elsewhere count for nothing."""
+    NaN, a row of -inf gives -inf (its log-probs NaN, as log_softmax's), -inf logits elsewhere count for nothing.
+    The learner's `row_logsumexp` (temperature 1, no row ids) gives the same bits as a rollout's pass at another
+    temperature over a compacted batch's rows: on the GPU, other specialisations of the kernel."""
+    from minite.ops.logprobs import row_logsumexp
+
     x = _logits(7, width, width) * 2
     if width >= 4096:
         x[1, 5] = float("nan")
@@ -168,6 +172,7 @@ def test_the_samplers_log_sum_exp(device, width, vocab):
         want = (m + torch.log(torch.exp(x64 - torch.where(m == float("-inf"), 0.0, m)).sum(-1, keepdim=True)))[:, 0]
         want[torch.isnan(x64).any(-1)] = float("nan")  # torch's max need not return a NaN
         _within_lse_fused(lse, want, want.abs())
+        assert torch.allclose(row_logsumexp(x), lse, rtol=0, atol=0, equal_nan=True)  # bit for bit
         logprobs = torch.gather(x, 1, got.view(-1, 1)).view(-1) - lse
         torch_lp = torch.log_softmax(x, dim=-1).gather(1, got.view(-1, 1)).view(-1)
         _within_lse_fused(logprobs, torch_lp, torch.maximum(lse.abs(), x.gather(1, got.view(-1, 1)).view(-1).abs()))
@@ -262,7 +267,8 @@ def test_default_logprobs_from_the_samplers_lse_on_the_gpu(precision, graphs, mo
     pass draws the same), the log-probs within "lse_fused", the kernel asked for lse at every step; CUDA-graph
     replays and eager steps (whose logits are a strided view)."""
     from minite.config import load_config
-    from minite.rollout import SamplingParams, decode
+    from minite.ops.logprobs import LSE_KERNEL
+    from minite.rollout import SamplingParams
     from minite.rollout.embedded import build_embedded
     from minite.strict import fused
 
@@ -272,13 +278,13 @@ def test_default_logprobs_from_the_samplers_lse_on_the_gpu(precision, graphs, mo
             f"precision.mode={precision}", f"rollout.cuda_graphs={graphs}"]
     engine = build_embedded(load_config(None, tiny))
     prompts, params = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10, 11, 12]], SamplingParams(max_new_tokens=6, n=2, seed=3)
-    monkeypatch.setattr(fused, "PROVEN", fused.PROVEN - {decode.SAMPLER_LSE})
+    monkeypatch.setattr(fused, "PROVEN", fused.PROVEN - {LSE_KERNEL})
     engine.generate(prompts, params)  # compiles and, with graphs, captures: the runs below replay
     base = engine.generate(prompts, params)
     asked, kernel = [], K.gumbel_sample_triton
     monkeypatch.setattr(K, "gumbel_sample_triton", lambda *a, **k: asked.append(k.get("lse") is not None)
                         or kernel(*a, **k))
-    monkeypatch.setattr(fused, "PROVEN", fused.PROVEN | {decode.SAMPLER_LSE})
+    monkeypatch.setattr(fused, "PROVEN", fused.PROVEN | {LSE_KERNEL})
     got = engine.generate(prompts, params)
     assert len(asked) == (5 + params.max_new_tokens) - 3 and all(asked)  # a sample a position from the shortest prompt
     assert engine.decoder.graphs > 0 if graphs == "true" else engine.decoder.graphs == 0
