@@ -255,9 +255,12 @@ def test_no_grad_default_logprobs_take_the_samplers_lse(monkeypatch):
     from minite.ops.logprobs import row_logsumexp
     from tests.tolerances import TOLERANCES
 
-    learner_mod.Learner(cfg("precision.mode=bf16")).close()  # Megatron's parallel state (TP = 1)
+    learner = learner_mod.Learner(cfg("precision.mode=bf16"))  # Megatron's parallel state (TP = 1)
+    dev = next(learner.model.parameters()).device  # the kernel runs compiled on a GPU, interpreted on the CPU
+    learner.close()
     g = torch.Generator().manual_seed(2)
     logits, toks = torch.randn(2, 9, 5000, generator=g) * 3, torch.randint(0, 5000, (2, 9), generator=g)
+    logits, toks = logits.to(dev), toks.to(dev)
     torch_lp = learner_mod.token_logprobs(logits, toks)
     monkeypatch.setattr(learner_mod, "lse_applies", lambda x: True)
     flat = logits[:, :-1].reshape(-1, 5000)
