@@ -23,7 +23,8 @@ so a default-mode rollout takes its token log-probs as logit - lse without a log
 
     per quarter: m = max x, s = sum exp(x - m); merged (chunk, then row): m = max(m1, m2),
         s = s1 exp(m1 - m) + s2 exp(m2 - m), where an m of -inf counts as 0 inside the exps
-    lse = m + log(s)                    NaN where a logit is NaN or +inf, or every logit is -inf (as log_softmax)
+    lse = m + log(s)                    NaN where a logit is NaN or +inf; -inf where every logit is -inf (then the
+                                        log-probs logit - lse are NaN, as log_softmax's)
 
 Its fp32 sums run in another order than torch's log_softmax, through the device's exp and log: within
 tests/tolerances.py "lse_fused" of it, not bitwise.
@@ -72,24 +73,24 @@ def _merge(m1, s1, m2, s2):
 
 
 @triton.jit
-def _quarter_best(x_ptr, start, i, word, vocab, width, temperature, best, at, m, z, SCALE: tl.constexpr,
+def _quarter_best(x_ptr, start, i, word, vocab, width, temperature, best, at, m, es, SCALE: tl.constexpr,
                   LSE: tl.constexpr):
-    """(best, at, m, z) updated with one quarter's logits (start + i): (best, at) take its largest score and that
+    """(best, at, m, es) updated with one quarter's logits (start + i): (best, at) take its largest score and that
     score's index (the lowest of equal ones) where the score is larger than best, so the earlier index wins a tie;
-    with LSE (m, z) merge its max and sum of exponentials over the logits below width (all V of the row)."""
+    with LSE (m, es) merge its max and sum of exponentials over the logits below width (all V of the row)."""
     v = start + i
     x = tl.load(x_ptr + v, mask=v < width, other=float("-inf")).to(tl.float32)
     if LSE:
         qm = tl.max(x, 0)
         qs = tl.sum(tl.exp(x - tl.where(qm == float("-inf"), 0.0, qm)), 0)
-        m, z = _merge(m, z, qm, qs)
+        m, es = _merge(m, es, qm, qs)
     if SCALE:
         x = x / temperature
     s = x - tl.log(exponential(word))
     s = tl.where((s == s) & (v < vocab), s, float("-inf"))
     top = tl.max(s, 0)
     take = top > best
-    return tl.where(take, top, best), tl.where(take, start + tl.argmax(s, 0, tie_break_left=True), at), m, z
+    return tl.where(take, top, best), tl.where(take, start + tl.argmax(s, 0, tie_break_left=True), at), m, es
 
 
 @triton.jit
@@ -110,20 +111,20 @@ def _chunk_best_kernel(x_ptr, stride_row, rows_ptr, seed_ptr, best_ptr, index_pt
     w0, w1, w2, w3 = philox4x32((c * QUARTER + i).to(tl.uint32), z + row, z, z, k0, k1)
     x_row = x_ptr + r.to(tl.int64) * stride_row
     start = c * (4 * QUARTER)
-    m, z = float("-inf"), 0.0
-    best, at, m, z = _quarter_best(x_row, start, i, w0, vocab, width, temperature, float("-inf"), start, m, z,
-                                   SCALE, LSE)
-    best, at, m, z = _quarter_best(x_row, start + QUARTER, i, w1, vocab, width, temperature, best, at, m, z,
-                                   SCALE, LSE)
-    best, at, m, z = _quarter_best(x_row, start + 2 * QUARTER, i, w2, vocab, width, temperature, best, at, m, z,
-                                   SCALE, LSE)
-    best, at, m, z = _quarter_best(x_row, start + 3 * QUARTER, i, w3, vocab, width, temperature, best, at, m, z,
-                                   SCALE, LSE)
+    m, es = float("-inf"), 0.0  # the chunk's max and sum of exponentials so far (LSE)
+    best, at, m, es = _quarter_best(x_row, start, i, w0, vocab, width, temperature, float("-inf"), start, m, es,
+                                    SCALE, LSE)
+    best, at, m, es = _quarter_best(x_row, start + QUARTER, i, w1, vocab, width, temperature, best, at, m, es,
+                                    SCALE, LSE)
+    best, at, m, es = _quarter_best(x_row, start + 2 * QUARTER, i, w2, vocab, width, temperature, best, at, m, es,
+                                    SCALE, LSE)
+    best, at, m, es = _quarter_best(x_row, start + 3 * QUARTER, i, w3, vocab, width, temperature, best, at, m, es,
+                                    SCALE, LSE)
     tl.store(best_ptr + r * n_chunks + c, best)
     tl.store(index_ptr + r * n_chunks + c, at)
     if LSE:
         tl.store(max_ptr + r * n_chunks + c, m)
-        tl.store(sum_ptr + r * n_chunks + c, z)
+        tl.store(sum_ptr + r * n_chunks + c, es)
 
 
 @triton.jit

@@ -90,8 +90,8 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, strict: bool =
         if strict:  # the log-softmax at the targets only (the same bits; under autograd too, ops._StrictForward)
             return strict_ops.token_log_softmax(logits.view(-1, logits.shape[-1]), target.reshape(-1)).view(
                 target.shape)
-        if not logits.requires_grad and lse_applies(logits):
-            flat = logits.view(-1, logits.shape[-1])
+        flat = logits.view(-1, logits.shape[-1])  # the fp32 copy above: contiguous
+        if not logits.requires_grad and lse_applies(flat):
             return logprobs_at(flat, target.reshape(-1), row_logsumexp(flat)).view(target.shape)
         return torch.log_softmax(logits, dim=-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
     return -vocab_parallel_cross_entropy(logits, target)

@@ -7,7 +7,16 @@ on an H100, session 36's profile). Those are not torch's log_softmax bits (tests
 learner's log-probs without a gradient (`minite diagnose`, the RL loss's reference) take the same kernel
 (`row_logsumexp`: the sampler's launch at temperature 1, its tokens unused), and where the two forwards give the same
 logits the two sides give the same log-probs, as torch's log-softmax gave them before. The learner's training forward
-(under autograd) keeps torch's log-softmax. Strict mode has its own (minite.strict.ops.token_log_softmax).
+(under autograd) keeps torch's log-softmax, so with rl.old_logp_source "learner" the GRPO ratio of identical forwards
+is 1 to within "lse_fused" rather than exactly 1 (on a GPU the no-grad and training forwards already differ in
+default mode: the combine's and the router's kernels run without autograd only). Strict mode has its own
+(minite.strict.ops.token_log_softmax).
+
+Same bits on both sides needs the same compiled kernel: Triton specialises a launch on its integer arguments' and
+pointers' divisibility by 16, which decides how a quarter's logits are loaded and so the order of tl.sum. Both sides
+pass rows of stride V (`lse_applies` asks for it, and for a 16-byte aligned start); the rollout's other arguments
+(temperature, compacted row ids) do not touch the log-sum-exp's arithmetic, which tests/rollout/test_sampling.py
+checks bit for bit on the GPU.
 
 Routed where `LSE_KERNEL` is in minite.strict.fused.PROVEN (its GPU test: fused.WAITS_FOR), on CUDA only.
 """
@@ -21,8 +30,10 @@ LSE_KERNEL = "sampler_lse"
 
 
 def lse_applies(logits: torch.Tensor) -> bool:
-    """Whether log-probs of these logits [rows, V] take the sampler's log-sum-exp: CUDA, and the kernel proven."""
-    return logits.is_cuda and LSE_KERNEL in fused.PROVEN
+    """Whether log-probs of these logits [rows, V] take the sampler's log-sum-exp: CUDA, the kernel proven, rows of
+    stride V from a 16-byte aligned start (the one specialisation both sides launch: module docstring)."""
+    return (logits.is_cuda and LSE_KERNEL in fused.PROVEN and logits.dim() == 2 and logits.stride(1) == 1
+            and logits.stride(0) == logits.shape[1] and logits.data_ptr() % 16 == 0)
 
 
 def row_logsumexp(logits: torch.Tensor) -> torch.Tensor:

@@ -120,12 +120,12 @@ def gumbel_sample(logits: torch.Tensor, temperature: float, generator: torch.Gen
                   rows: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row of logits [n, V] (float; on a GPU with unit stride over V): one seed from the generator,
     then on CUDA the Triton kernels (two launches, no host synchronisation; `lse`, fp32 [n], filled with each row's
-    log-sum-exp over V in the same pass), elsewhere the reference (`lse` filled by torch.logsumexp); each refuses what
-    it cannot take in one line."""
+    log-sum-exp over V in the same pass: CUDA only), elsewhere the reference; each refuses what it cannot take in one
+    line."""
+    if lse is not None and not logits.is_cuda:
+        raise ValueError("gumbel_sample: lse= is the Triton kernels' (CUDA); on the CPU take torch's log_softmax")
     seed = torch.randint(SEED_BOUND, (1,), dtype=torch.int64, device=logits.device, generator=generator)
     if logits.is_cuda:
         from minite.kernels.gumbel_sample import gumbel_sample_triton
         return gumbel_sample_triton(logits, seed, temperature, vocab_size, rows, lse=lse)
-    if lse is not None:
-        lse.copy_(torch.logsumexp(logits.to(torch.float32), dim=-1))
     return gumbel_sample_reference(logits, seed, temperature, vocab_size, rows)

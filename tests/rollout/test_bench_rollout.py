@@ -125,7 +125,6 @@ def test_latest_keeps_the_newest_row_of_each_configuration():
     assert len(doc["rows"]) == 5  # the file's rows are left as they are
 
 
-
 class _CapturingEngine:
     """What measure_engine reads of miniTE's engine: generate, and a decoder that counts its graph captures. Each
     generate captures `first_captures[k]` steps on its k-th call (a shape's first step is captured one generate late)."""

@@ -145,7 +145,7 @@ def _within_lse_fused(got, want, scale):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("width,vocab", [(1, 1), (4096, 4096), (9000, 8990), (20000, 20000)])
+@pytest.mark.parametrize("width,vocab", [(1, 1), (4096, 4096), (8200, 8190), (9000, 8990), (20000, 20000)])
 def test_the_samplers_log_sum_exp(device, width, vocab):
     """lse: each row's log-sum-exp over all `width` logits (past vocab_size too, as log_softmax reads them;
     untempered) within "lse_fused" of float64's, the tokens those of the pass without it; a NaN or +inf logit gives
@@ -178,6 +178,9 @@ def test_the_samplers_log_sum_exp(device, width, vocab):
         _within_lse_fused(logprobs, torch_lp, torch.maximum(lse.abs(), x.gather(1, got.view(-1, 1)).view(-1).abs()))
     with pytest.raises(ValueError, match=r"lse must be fp32 \[7\]"):
         K.gumbel_sample_triton(x, seed, 1.0, vocab, lse=torch.empty(6, device=device))
+    if device == "cpu":
+        with pytest.raises(ValueError, match="lse= is the Triton kernels'"):
+            S.gumbel_sample(x, 1.0, torch.Generator(), vocab, lse=torch.empty(7))
 
 
 def test_bad_arguments_are_refused_in_one_line():
@@ -264,8 +267,9 @@ def test_the_decoder_takes_gumbel_by_default_and_refuses_an_unknown_sampler():
 def test_default_logprobs_from_the_samplers_lse_on_the_gpu(precision, graphs, monkeypatch):
     """`sampler_lse`'s gate (minite.strict.fused.WAITS_FOR): a default-mode rollout's log-probs taken as logit - the
     sampler pass's log-sum-exp, compiled, against the same rollout's log-softmax ones: the same tokens (the sampler's
-    pass draws the same), the log-probs within "lse_fused", the kernel asked for lse at every step; CUDA-graph
-    replays and eager steps (whose logits are a strided view)."""
+    pass draws the same), the log-probs within "lse_fused", the kernel asked for lse and the log-probs taken from it
+    at every step; CUDA-graph replays (logits in the graphs' fp32 buffer) and eager steps (the model's output)."""
+    from minite.rollout import decode
     from minite.config import load_config
     from minite.ops.logprobs import LSE_KERNEL
     from minite.rollout import SamplingParams
@@ -281,12 +285,14 @@ def test_default_logprobs_from_the_samplers_lse_on_the_gpu(precision, graphs, mo
     monkeypatch.setattr(fused, "PROVEN", fused.PROVEN - {LSE_KERNEL})
     engine.generate(prompts, params)  # compiles and, with graphs, captures: the runs below replay
     base = engine.generate(prompts, params)
-    asked, kernel = [], K.gumbel_sample_triton
+    asked, kernel, taken, at = [], K.gumbel_sample_triton, [], decode.logprobs_at
     monkeypatch.setattr(K, "gumbel_sample_triton", lambda *a, **k: asked.append(k.get("lse") is not None)
                         or kernel(*a, **k))
+    monkeypatch.setattr(decode, "logprobs_at", lambda *a: taken.append(1) or at(*a))
     monkeypatch.setattr(fused, "PROVEN", fused.PROVEN | {LSE_KERNEL})
     got = engine.generate(prompts, params)
     assert len(asked) == (5 + params.max_new_tokens) - 3 and all(asked)  # a sample a position from the shortest prompt
+    assert len(taken) == len(asked)
     assert engine.decoder.graphs > 0 if graphs == "true" else engine.decoder.graphs == 0
     for b, g in zip(base, got):
         assert b.tokens == g.tokens

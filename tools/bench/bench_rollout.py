@@ -16,13 +16,14 @@ precision share their weights and one model build.
 Decode isolated: `batch` prompts of `--prompt-len` random tokens, `generate` with `--new-tokens` (N_long) and with
 `--short-tokens` (N_short) new tokens (temperature 1, no stop token); both pay the same prefill, so
     step_ms = (t(N_long) - t(N_short)) / (N_long - N_short),  decode_tokens_per_s = batch / step.
-Untimed pairs of generates of N_long and N_short tokens first, until a pair captures no CUDA graph (Triton compiles
-per shape; miniTE's loop runs a shape's first decode step eagerly, captures the others in that generate and the first
-in the next; a row's `graph_captures_timed` counts captures in its timed runs, 0 unless a graph was evicted); --repeats
-pairs, median. miniTE's loop on a GPU also times its decode steps itself (`time_decode`: a
-CUDA event after the prefill's sample, one after the last step): there step_ms is that time of the N_long run over
-its N_long - 1 steps (`step_method` "events"; the difference stays in `step_ms_difference`), because the prefill's
-run-to-run noise (tens of ms for strict prefill at batch 1) exceeded the whole decode time of graph-replayed steps.
+Untimed pairs of generates of N_long and N_short tokens first, until a pair captures no CUDA graph (at most three
+pairs; Triton compiles per shape; miniTE's loop runs a shape's first decode step eagerly, captures the others in that
+generate and the first in the next; a row's `graph_captures_timed` counts captures in its timed runs, 0 unless a
+graph was evicted); --repeats pairs, median. miniTE's loop on a GPU also times its decode steps itself
+(`time_decode`: a CUDA event after the prefill's sample, one after the last step): there step_ms is that time of the
+N_long run over its N_long - 1 steps (`step_method` "events"; the difference stays in `step_ms_difference`), because
+the prefill's run-to-run noise (tens of ms for strict prefill at batch 1) exceeded the whole decode time of
+graph-replayed steps.
 Loops (--variants): `ships` (the default: what ships for each precision, `graphs` for BF16 and `packed` for NVFP4;
 until 2026-12-05 the default was `graphs` for both, which for NVFP4 is the fp16 block-value path that no longer
 ships), `graphs` (BF16: what ships), `packed` (graphs with the experts' packed NVFP4 weights: what
