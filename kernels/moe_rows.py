@@ -22,6 +22,20 @@ The dense routing tensors themselves (`routing_dense`): Megatron's top-k router 
 from the top-k indices and probs [T, k] with two zero fills, two scatters and two casts (six launches per MoE
 layer); here one launch writes both, each element either a copied prob (True in the map) or zero (False);
 `megatron_patches.moe_dispatch` routes the router to it ("routing_dense" in `minite.strict.fused.PROVEN`).
+
+`routing_topk` takes one step more: from the router's logits [T, E] it also does the top-k and the softmax over the
+k that precede those tensors (torch.topk and torch.softmax: two to three launches of ~12 us a layer at 64 tokens on
+an H100, session 37). Per row, in fp32:
+
+    key = the logit's bits made monotone as int32 (a NaN first, as torch.topk ranks it; taken experts below all)
+    k times: the largest key (the lowest expert of equal ones), its logit s_j; s_0 is the row's largest
+    p_j = exp(s_j - s_0) / (sum over j in order 0..k-1 of exp(s_j - s_0)), cast to the logits' dtype, then times
+        the scaling factor (as upstream: a product in that dtype)
+
+The same experts as torch.topk wherever no two logits of a row tie at the k-th place (torch leaves the tie's winner
+unspecified); the probs within tests/tolerances.py "router_softmax_fused" of torch's softmax (the device's exp and
+another order of the k-term sum), not its bits. The learner's no-grad forward takes it too (the same wrapper), so a
+rollout and that forward route alike.
 """
 from __future__ import annotations
 
@@ -131,4 +145,56 @@ def routing_dense(top_indices: torch.Tensor, probs: torch.Tensor, experts: int):
         launcher(_routing_dense_kernel)[(cdiv(tokens, BLOCK_T),)](
             top_indices.contiguous(), probs.contiguous(), dense, routing_map.view(torch.uint8), tokens, experts, K=k,
             BLOCK_T=BLOCK_T, BLOCK_E=next_power_of_2(experts), num_warps=4)
+    return dense, routing_map
+
+
+@triton.jit
+def _routing_topk_kernel(x_ptr, probs_ptr, map_ptr, T, E, scale, K: tl.constexpr, BLOCK_T: tl.constexpr,
+                         BLOCK_E: tl.constexpr, SCALE: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.arange(0, BLOCK_E)
+    tmask = t < T
+    mask = tmask[:, None] & (e < E)[None, :]
+    off = t[:, None].to(tl.int64) * E + e[None, :]
+    x = tl.load(x_ptr + off, mask=mask, other=float("-inf")).to(tl.float32)
+    bits = tl.where(x != x, 0x7FC00000, x.to(tl.int32, bitcast=True))  # one positive NaN: above +inf below
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # int32 order = the floats' order
+    lowest = -2147483647 - 1
+    key = tl.where(mask, key, lowest)  # past E: below every logit (k <= E, so never taken)
+    hit = tl.zeros([BLOCK_T, BLOCK_E], tl.int1)
+    ex = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
+    total = tl.zeros([BLOCK_T], tl.float32)
+    top = tl.zeros([BLOCK_T], tl.float32)
+    for j in tl.static_range(K):
+        i = tl.argmax(key, 1, tie_break_left=True)
+        sel = e[None, :] == i[:, None]
+        s = tl.sum(tl.where(sel, x, 0.0), 1)
+        if j == 0:
+            top = s
+        v = tl.exp(s - top)
+        total = total + v
+        ex = tl.where(sel, v[:, None], ex)
+        hit = hit | sel
+        key = tl.where(sel, lowest, key)
+    p = tl.where(hit, ex / total[:, None], 0.0).to(probs_ptr.dtype.element_ty)
+    if SCALE:
+        p = (p.to(tl.float32) * scale).to(probs_ptr.dtype.element_ty)
+    tl.store(probs_ptr + off, p, mask=mask)
+    tl.store(map_ptr + off, hit.to(tl.uint8), mask=mask)
+
+
+def routing_topk(logits: torch.Tensor, topk: int, scaling_factor: float | None = None):
+    """(routing_probs [T, E] in the logits' dtype, routing_map [T, E] bool) of the router's logits [T, E]: the top-k,
+    a softmax over the k and the dense tensors in one launch (module docstring)."""
+    if logits.dim() != 2 or not 1 <= topk <= logits.shape[1] or not logits.is_floating_point():
+        raise ValueError(f"routing_topk: logits must be float [T, E] with 1 <= topk <= E, got {logits.dtype} "
+                         f"{tuple(logits.shape)} and topk {topk}")
+    ensure_interpreter_compat()
+    tokens, experts = logits.shape
+    dense = torch.empty(tokens, experts, dtype=logits.dtype, device=logits.device)
+    routing_map = torch.empty(tokens, experts, dtype=torch.bool, device=logits.device)
+    if tokens:
+        launcher(_routing_topk_kernel)[(cdiv(tokens, BLOCK_T),)](
+            logits.contiguous(), dense, routing_map.view(torch.uint8), tokens, experts, float(scaling_factor or 1.0),
+            K=topk, BLOCK_T=BLOCK_T, BLOCK_E=next_power_of_2(experts), SCALE=bool(scaling_factor), num_warps=4)
     return dense, routing_map

@@ -27,7 +27,9 @@ On a GPU without autograd on the probs (a rollout) the rows, probs and counts co
 one index_select of the hidden states. Before it, the top-k router's dense probs and map are one launch too
 (`routing_in_one_launch`, installed with the dispatcher: `moe_rows.routing_dense` after upstream's top-k and
 softmax over the k, where upstream fills and scatters in six launches; the same tensors), once its GPU test has
-passed (`minite.strict.fused.PROVEN`: since 2026-12-06, on an H100).
+passed (`minite.strict.fused.PROVEN`: since 2026-12-06, on an H100). Once "routing_topk" is proven as well, the top-k
+and the softmax join that launch (`moe_rows.routing_topk`: the same experts but for ties, the probs within a
+tolerance of upstream's, not its bits; the learner's no-grad forward takes it too, its training forward upstream's).
 Every tensor the experts and the combine see is the one Megatron's dispatcher gives them (same rows, same order, same
 dtypes), so outputs are bitwise those of the upstream path (tests/megatron_patches/test_moe_dispatch.py).
 
@@ -142,7 +144,10 @@ def routing_in_one_launch(upstream):
                 score_function="softmax", expert_bias=None, fused=False, router_replay=None):
         if (score_function == "softmax" and not use_pre_softmax and not group_topk and router_replay is None
                 and not fused and _dense_in_one_launch(logits)):
-            from minite.kernels.moe_rows import routing_dense
+            from minite.kernels.moe_rows import routing_dense, routing_topk
+            from minite.strict import fused as fused_kernels
+            if TOPK_KERNEL in fused_kernels.PROVEN:  # the top-k and the softmax in the same launch
+                return routing_topk(logits, topk, scaling_factor)
             scores, top_indices = torch.topk(logits, k=topk, dim=1)
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).type_as(logits)
             if scaling_factor:
@@ -157,6 +162,9 @@ def routing_in_one_launch(upstream):
 
 ROUTING_KERNEL = "routing_dense"
 """The kernel's name in `minite.strict.fused.PROVEN`, where it is since its GPU test passed (2026-12-06)."""
+TOPK_KERNEL = "routing_topk"
+"""`moe_rows.routing_topk`'s name there: the top-k and the softmax in the dense outputs' launch too (not upstream's
+bits: the probs within tests/tolerances.py "router_softmax_fused", the experts the same but for ties)."""
 
 
 def _dense_in_one_launch(logits: torch.Tensor) -> bool:

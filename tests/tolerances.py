@@ -158,6 +158,15 @@ TOLERANCES = {
     # |logit|), rtol 2^-22 of max(|lse|, |logit|). Measured under the interpreter: kernel <= 4e-7 and torch 1.1e-6
     # from float64 at |lse| ~ 10-16 (CPU, 2026-12-06). A wrong merge or a missed chunk errs by O(1).
     "lse_fused": (2.0 ** -19, 2.0 ** -22),
+    # The router's softmax over its top-k in one launch (kernels/moe_rows.py routing_topk) against upstream's torch
+    # softmax, fp32 probs: each p = e_j / S with e_j the device's exp (Triton's approximate one on a GPU, ~2 ulp) of
+    # an exact difference, S a k-term fp32 sum in another order (k - 1 roundings, k <= 8), the division (~2 ulp on a
+    # GPU) and torch's own roundings: under 16 ulps, rtol 2^-20 of the prob. bf16 logits give bf16 probs: a 1-ulp
+    # difference before the cast may round to the neighbouring bf16 value, and the scaling factor's product rounds
+    # once more: 2 bf16 ulps, up to 2^-6 of the value at the bottom of a binade. Measured under the interpreter:
+    # 4.0e-7 (fp32), 1 bf16 ulp without a factor and 2 with 2.5 (1.2e-2 at 0.66; CPU, 2026-12-06).
+    "router_softmax_fused": (0.0, 2.0 ** -20),
+    "router_softmax_fused_bf16": (0.0, 2.0 ** -6),
     # --- Triton kernels (tests/kernels) ---
     # SwiGLU + fused quantisation, bf16 output vs torch's silu: silu is computed in fp32 with the kernel's exp (the
     # GPU's, or numpy's under the interpreter) instead of torch's; a few fp32 ulps can flip the bf16 rounding of an

@@ -168,6 +168,49 @@ def test_router_dense_outputs_in_one_launch(tokens, experts, topk, dtype, scale,
         assert probs.grad_fn is not None and "Scatter" in type(probs.grad_fn).__name__
 
 
+@pytest.mark.parametrize("tokens,experts,topk,dtype,scale", [(64, 128, 8, torch.float32, None), (1, 128, 8,
+                         torch.float32, None), (300, 60, 4, torch.bfloat16, 2.5), (17, 128, 8, torch.float32, 1.0)])
+def test_router_topk_softmax_in_the_same_launch(tokens, experts, topk, dtype, scale, monkeypatch):
+    """With "routing_topk" proven the wrapper makes upstream's tensors in one launch from the logits
+    (`moe_rows.routing_topk`, interpreted on the CPU, compiled on a GPU: its gate): the same map (random logits, no
+    ties), probs within "router_softmax_fused" (fp32; "..._bf16" for bf16 logits), a NaN logit's row NaN as upstream's;
+    equal logits: the lowest experts, -inf logits ranked as upstream ranks them."""
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function as upstream
+
+    import minite.megatron_patches.moe_dispatch as moe_dispatch
+    from minite.kernels import moe_rows
+    from minite.strict import fused
+    from tests.tolerances import TOLERANCES
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.setattr(fused, "PROVEN", fused.PROVEN | {moe_dispatch.ROUTING_KERNEL, moe_dispatch.TOPK_KERNEL})
+    if dev == "cpu":  # the interpreter runs the kernel on CPU tensors
+        monkeypatch.setattr(moe_dispatch, "_dense_in_one_launch", lambda logits: True)
+    ran, kernel = [], moe_rows.routing_topk
+    monkeypatch.setattr(moe_rows, "routing_topk", lambda *a: ran.append(1) or kernel(*a))
+    routing = moe_dispatch.routing_in_one_launch(upstream)
+    g = torch.Generator().manual_seed(tokens)
+    logits = torch.randn(tokens, experts, generator=g) * 2
+    if dtype == torch.bfloat16:  # distinct in a row (bf16 rounding makes ties): multiples of 1/8, exact in bf16
+        logits = torch.stack([torch.randperm(experts, generator=g) for _ in range(tokens)]) / 8 - experts / 16
+    logits = logits.to(dtype).to(dev)
+    logits[0, 3] = float("nan")
+    (probs, rmap), (want, want_map) = routing(logits, topk, scaling_factor=scale), \
+        upstream(logits, topk, scaling_factor=scale)
+    assert ran == [1] and probs.dtype == want.dtype and rmap.dtype == want_map.dtype == torch.bool
+    assert torch.equal(rmap, want_map) and torch.equal(probs.isnan(), want.isnan()) and bool(probs[0].isnan().any())
+    rtol = TOLERANCES["router_softmax_fused" if dtype == torch.float32 else "router_softmax_fused_bf16"][1]
+    fin = ~want.isnan()
+    assert bool(((probs[fin].double() - want[fin].double()).abs() <= rtol * want[fin].double().abs()).all())
+    ties = torch.zeros(3, 8, device=dev)
+    ties[1], ties[1, 5], ties[2, 6] = float("-inf"), 1.0, float("inf")
+    p, m = moe_rows.routing_topk(ties, 3)
+    assert m.int().tolist()[:2] == [[1, 1, 1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 1, 0, 0]]  # the lowest of equals
+    assert torch.equal(p[0, :3].cpu(), torch.full((3,), 1 / 3)) and p[1].tolist() == [0.0] * 5 + [1.0, 0.0, 0.0]
+    assert bool(p[2, m[2]].isnan().all()) and bool(m[2, 6])  # +inf: upstream's softmax gives NaN too
+    with pytest.raises(ValueError, match="1 <= topk <= E"):
+        moe_rows.routing_topk(ties, 9)
+
+
 def test_router_wrapper_waits_for_its_gpu_test(monkeypatch):
     """Without 'routing_dense' in fused.PROVEN the wrapper is upstream's call with the same arguments; proven, it
     still leaves CPU tensors, a gradient to record and deterministic algorithms to upstream."""
