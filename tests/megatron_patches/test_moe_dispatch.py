@@ -139,13 +139,13 @@ def test_router_dense_outputs_in_one_launch(tokens, experts, topk, dtype, scale,
     upstream's topk_routing_with_score_function tensors bit for bit: Qwen3-MoE's router (top-k, then a softmax over
     the k), fp32 and bf16 router logits, a scaling factor, 60 experts, a NaN logit; the cases it does not take
     (softmax before the top-k, a gradient to record) are upstream's call. The GPU test that put `routing_dense` in
-    fused.PROVEN: the kernel runs here whether proven or not."""
+    fused.PROVEN: the kernel runs here whether proven or not (and routing_topk, which would replace it, does not)."""
     from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function as upstream
 
     import minite.megatron_patches.moe_dispatch as moe_dispatch
     from minite.strict import fused
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    monkeypatch.setattr(fused, "PROVEN", fused.PROVEN | {moe_dispatch.ROUTING_KERNEL})
+    monkeypatch.setattr(fused, "PROVEN", (fused.PROVEN | {moe_dispatch.ROUTING_KERNEL}) - {moe_dispatch.TOPK_KERNEL})
     if dev == "cpu":  # the interpreter runs the kernel on CPU tensors
         monkeypatch.setattr(moe_dispatch, "_dense_in_one_launch", lambda logits: True)
     from minite.kernels import moe_rows
