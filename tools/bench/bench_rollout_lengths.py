@@ -91,8 +91,9 @@ class ForcedLengths:
     def start(self) -> None:  # before each generate
         self.position, self.min_rows = 0, len(self.lengths)
 
-    def _sample(self, logits, temperature, top_p, generator, vocab_size, rows=None, batch=0, sampler="megatron"):
-        tokens = self.sample(logits, temperature, top_p, generator, vocab_size, rows, batch, sampler)
+    def _sample(self, logits, temperature, top_p, generator, vocab_size, rows=None, batch=0, sampler="megatron",
+                lse=None):
+        tokens = self.sample(logits, temperature, top_p, generator, vocab_size, rows, batch, sampler, lse)
         tokens = torch.where(tokens == self.stop, tokens - 1, tokens)  # a stop sampled on its own: not one
         lengths = torch.tensor(self.lengths, device=tokens.device)
         ends = (lengths if rows is None else lengths[rows]) == self.position + 1
