@@ -27,8 +27,9 @@ layer); here one launch writes both, each element either a copied prob (True in 
 k that precede those tensors (torch.topk and torch.softmax: two to three launches of ~12 us a layer at 64 tokens on
 an H100, session 37). Per row, in fp32:
 
-    key = the logit's bits made monotone as int32 (a NaN first, as torch.topk ranks it; taken experts below all)
-    k times: the largest key (the lowest expert of equal ones), its logit s_j; s_0 is the row's largest
+    key = the logit's bits made monotone as int32 (a total order: -0.0 below +0.0; a NaN first, as torch.topk
+        ranks it; taken experts below all)
+    k times: the largest key (the lowest expert of equal keys), its logit s_j; s_0 is the row's largest
     p_j = exp(s_j - s_0) / (sum over j in order 0..k-1 of exp(s_j - s_0)), cast to the logits' dtype, then times
         the scaling factor (as upstream: a product in that dtype)
 
@@ -158,7 +159,7 @@ def _routing_topk_kernel(x_ptr, probs_ptr, map_ptr, T, E, scale, K: tl.constexpr
     off = t[:, None].to(tl.int64) * E + e[None, :]
     x = tl.load(x_ptr + off, mask=mask, other=float("-inf")).to(tl.float32)
     bits = tl.where(x != x, 0x7FC00000, x.to(tl.int32, bitcast=True))  # one positive NaN: above +inf below
-    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # int32 order = the floats' order
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # int32 order = the floats' (-0.0 below +0.0)
     lowest = -2147483647 - 1
     key = tl.where(mask, key, lowest)  # past E: below every logit (k <= E, so never taken)
     hit = tl.zeros([BLOCK_T, BLOCK_E], tl.int1)
@@ -186,9 +187,10 @@ def _routing_topk_kernel(x_ptr, probs_ptr, map_ptr, T, E, scale, K: tl.constexpr
 def routing_topk(logits: torch.Tensor, topk: int, scaling_factor: float | None = None):
     """(routing_probs [T, E] in the logits' dtype, routing_map [T, E] bool) of the router's logits [T, E]: the top-k,
     a softmax over the k and the dense tensors in one launch (module docstring)."""
-    if logits.dim() != 2 or not 1 <= topk <= logits.shape[1] or not logits.is_floating_point():
-        raise ValueError(f"routing_topk: logits must be float [T, E] with 1 <= topk <= E, got {logits.dtype} "
-                         f"{tuple(logits.shape)} and topk {topk}")
+    if logits.dim() != 2 or not 1 <= topk <= logits.shape[1] \
+            or logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"routing_topk: logits must be fp32/bf16/fp16 [T, E] with 1 <= topk <= E (fp64: upstream's "
+                         f"ops), got {logits.dtype} {tuple(logits.shape)} and topk {topk}")
     ensure_interpreter_compat()
     tokens, experts = logits.shape
     dense = torch.empty(tokens, experts, dtype=logits.dtype, device=logits.device)

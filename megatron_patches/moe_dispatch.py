@@ -29,9 +29,11 @@ one index_select of the hidden states. Before it, the top-k router's dense probs
 softmax over the k, where upstream fills and scatters in six launches; the same tensors), once its GPU test has
 passed (`minite.strict.fused.PROVEN`: since 2026-12-06, on an H100). Once "routing_topk" is proven as well, the top-k
 and the softmax join that launch (`moe_rows.routing_topk`: the same experts but for ties, the probs within a
-tolerance of upstream's, not its bits; the learner's no-grad forward takes it too, its training forward upstream's).
+tolerance of upstream's, not its bits; the learner's no-grad forward takes it too, its training forward upstream's,
+so from then on those two forwards no longer route with the same bits, as they do with routing_dense alone).
 Every tensor the experts and the combine see is the one Megatron's dispatcher gives them (same rows, same order, same
-dtypes), so outputs are bitwise those of the upstream path (tests/megatron_patches/test_moe_dispatch.py).
+dtypes), so outputs are bitwise those of the upstream path for the same routing tensors
+(tests/megatron_patches/test_moe_dispatch.py).
 
 Scope: installed by `use_local_dispatch(model)` on MoE layers whose dispatcher is upstream's alltoall or allgather
 with one EP and one expert-TP rank, no token dropping or padding, no fused permutation, no shared-expert overlap, no
@@ -139,14 +141,15 @@ def routing_in_one_launch(upstream):
     router: top-k of the logits, then a softmax over the k in fp32, cast back to the logits' dtype, then the scaling
     factor), no expert groups, no routing replay, no TE fusion, no deterministic algorithms (upstream's index_put
     path). There the same top-k and softmax ops run, then `moe_rows.routing_dense` (the same tensors as upstream's
-    fills and scatters); everything else is upstream's call."""
+    fills and scatters), or, once "routing_topk" is proven, `moe_rows.routing_topk` for fp32 / bf16 / fp16 logits
+    (one launch from the logits; not upstream's bits: TOPK_KERNEL); everything else is upstream's call."""
     def routing(logits, topk, use_pre_softmax=False, num_groups=None, group_topk=None, scaling_factor=None,
                 score_function="softmax", expert_bias=None, fused=False, router_replay=None):
         if (score_function == "softmax" and not use_pre_softmax and not group_topk and router_replay is None
                 and not fused and _dense_in_one_launch(logits)):
             from minite.kernels.moe_rows import routing_dense, routing_topk
             from minite.strict import fused as fused_kernels
-            if TOPK_KERNEL in fused_kernels.PROVEN:  # the top-k and the softmax in the same launch
+            if TOPK_KERNEL in fused_kernels.PROVEN and logits.dtype in (torch.float32, torch.bfloat16, torch.float16):
                 return routing_topk(logits, topk, scaling_factor)
             scores, top_indices = torch.topk(logits, k=topk, dim=1)
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).type_as(logits)
