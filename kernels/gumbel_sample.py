@@ -65,10 +65,16 @@ def exponential(word):
 
 
 @triton.jit
+def _shift(m):
+    """The max an exp(x - max) subtracts: m, or 0 where m is -inf (module docstring)."""
+    return tl.where(m == float("-inf"), 0.0, m)
+
+
+@triton.jit
 def _merge(m1, s1, m2, s2):
     """(m, s) of two parts' (max, sum of exp(x - max)) (module docstring): m = max(m1, m2), each s rescaled to it."""
     m = tl.maximum(m1, m2)
-    ms = tl.where(m == float("-inf"), 0.0, m)
+    ms = _shift(m)
     return m, s1 * tl.exp(m1 - ms) + s2 * tl.exp(m2 - ms)
 
 
@@ -82,7 +88,7 @@ def _quarter_best(x_ptr, start, i, word, vocab, width, temperature, best, at, m,
     x = tl.load(x_ptr + v, mask=v < width, other=float("-inf")).to(tl.float32)
     if LSE:
         qm = tl.max(x, 0)
-        qs = tl.sum(tl.exp(x - tl.where(qm == float("-inf"), 0.0, qm)), 0)
+        qs = tl.sum(tl.exp(x - _shift(qm)), 0)
         m, es = _merge(m, es, qm, qs)
     if SCALE:
         x = x / temperature
@@ -139,8 +145,7 @@ def _pick_kernel(best_ptr, index_ptr, out_ptr, max_ptr, sum_ptr, lse_ptr, n_chun
         cm = tl.load(max_ptr + r * n_chunks + c, mask=c < n_chunks, other=float("-inf"))
         cz = tl.load(sum_ptr + r * n_chunks + c, mask=c < n_chunks, other=0.0)
         m = tl.max(cm, 0)
-        ms = tl.where(m == float("-inf"), 0.0, m)
-        tl.store(lse_ptr + r, m + tl.log(tl.sum(cz * tl.exp(cm - ms), 0)))
+        tl.store(lse_ptr + r, m + tl.log(tl.sum(cz * tl.exp(cm - _shift(m)), 0)))
 
 
 def gumbel_sample_triton(logits: torch.Tensor, seed: torch.Tensor, temperature: float, vocab_size: int,

@@ -148,8 +148,7 @@ def routing_in_one_launch(upstream):
         if (score_function == "softmax" and not use_pre_softmax and not group_topk and router_replay is None
                 and not fused and _dense_in_one_launch(logits)):
             from minite.kernels.moe_rows import routing_dense, routing_topk
-            from minite.strict import fused as fused_kernels
-            if TOPK_KERNEL in fused_kernels.PROVEN and logits.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            if _topk_in_one_launch(logits):
                 return routing_topk(logits, topk, scaling_factor)
             scores, top_indices = torch.topk(logits, k=topk, dim=1)
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).type_as(logits)
@@ -177,6 +176,13 @@ def _dense_in_one_launch(logits: torch.Tensor) -> bool:
     return (ROUTING_KERNEL in fused.PROVEN and logits.is_cuda and logits.dim() == 2
             and not (torch.is_grad_enabled() and logits.requires_grad)
             and not torch.are_deterministic_algorithms_enabled())
+
+
+def _topk_in_one_launch(logits: torch.Tensor) -> bool:
+    """Whether the top-k and the softmax join the dense outputs' launch (`moe_rows.routing_topk`): proven on the GPU,
+    and logits the kernel keys exactly (fp32, bf16, fp16; fp64 takes upstream's ops)."""
+    from minite.strict import fused
+    return TOPK_KERNEL in fused.PROVEN and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _install_routing_in_one_launch() -> None:

@@ -224,13 +224,16 @@ def measure_engine(engine, a: argparse.Namespace, shape: dict, precision: str, s
     # loop runs a shape's first decode step eagerly and captures it in the next generate: warm until a pair of runs
     # captures nothing (until 2026-12-06 one pair, so every timed long run captured one step: +0.2 ms a step)
     decoder = getattr(engine, "decoder", None)  # miniTE's loop (the SGLang engine has none: the difference method)
+
+    def captures() -> int:
+        return getattr(decoder, "captures", 0)
     for _ in range(3):
-        before = getattr(decoder, "captures", 0)
+        before = captures()
         _timed_generate(engine, prompts, a.new_tokens)
         _timed_generate(engine, prompts, a.short_tokens)
-        if getattr(decoder, "captures", 0) == before:
+        if captures() == before:
             break
-    captures = getattr(decoder, "captures", 0)
+    warm = captures()
     if decoder is not None:
         decoder.time_decode = True
     pairs, events = [], []
@@ -240,7 +243,6 @@ def measure_engine(engine, a: argparse.Namespace, shape: dict, precision: str, s
         pairs.append((t_long, _timed_generate(engine, prompts, a.short_tokens)))
     if decoder is not None:
         decoder.time_decode = False
-    captures = getattr(decoder, "captures", 0) - captures
     difference = statistics.median(tl - ts for tl, ts in pairs) / (a.new_tokens - a.short_tokens)
     # miniTE's loop on a GPU: the decode steps' own time (CUDA events after the prefill and after the last step) of
     # the long runs; else the difference of the long and short runs (noisy where the prefill varies more than the
@@ -255,7 +257,7 @@ def measure_engine(engine, a: argparse.Namespace, shape: dict, precision: str, s
             "experts_touched": experts_touched(shape["num_experts"], shape["moe_router_topk"], batch),
             "t_long_s": statistics.median(p[0] for p in pairs), "t_short_s": statistics.median(p[1] for p in pairs),
             "step_method": "events" if timed else "difference", "step_ms_difference": difference * 1e3,
-            "graph_captures_timed": captures}
+            "graph_captures_timed": captures() - warm}
 
 
 def host_syncs_per_step(engine, a: argparse.Namespace, shape: dict, batch: int) -> float | None:
