@@ -27,7 +27,8 @@ so a default-mode rollout takes its token log-probs as logit - lse without a log
                                         log-probs logit - lse are NaN, as log_softmax's)
 
 Its fp32 sums run in another order than torch's log_softmax, through the device's exp and log: within
-tests/tolerances.py "lse_fused" of it, not bitwise.
+tests/tolerances.py "lse_fused" of it, not bitwise. `row_logsumexp_triton` is the log-sum-exp alone (the learner's),
+the same two launches with the draws compiled out.
 """
 from __future__ import annotations
 
@@ -80,16 +81,19 @@ def _merge(m1, s1, m2, s2):
 
 @triton.jit
 def _quarter_best(x_ptr, start, i, word, vocab, width, temperature, best, at, m, es, SCALE: tl.constexpr,
-                  LSE: tl.constexpr):
+                  LSE: tl.constexpr, DRAW: tl.constexpr):
     """(best, at, m, es) updated with one quarter's logits (start + i): (best, at) take its largest score and that
     score's index (the lowest of equal ones) where the score is larger than best, so the earlier index wins a tie;
-    with LSE (m, es) merge its max and sum of exponentials over the logits below width (all V of the row)."""
+    with LSE (m, es) merge its max and sum of exponentials over the logits below width (all V of the row). Without
+    DRAW (the log-sum-exp alone) no score: (best, at) are returned as given."""
     v = start + i
     x = tl.load(x_ptr + v, mask=v < width, other=float("-inf")).to(tl.float32)
     if LSE:
         qm = tl.max(x, 0)
         qs = tl.sum(tl.exp(x - _shift(qm)), 0)
         m, es = _merge(m, es, qm, qs)
+    if not DRAW:
+        return best, at, m, es
     if SCALE:
         x = x / temperature
     s = x - tl.log(exponential(word))
@@ -102,32 +106,36 @@ def _quarter_best(x_ptr, start, i, word, vocab, width, temperature, best, at, m,
 @triton.jit
 def _chunk_best_kernel(x_ptr, stride_row, rows_ptr, seed_ptr, best_ptr, index_ptr, max_ptr, sum_ptr, vocab, width,
                        n_chunks, temperature, HAS_ROWS: tl.constexpr, SCALE: tl.constexpr, QUARTER: tl.constexpr,
-                       LSE: tl.constexpr):
+                       LSE: tl.constexpr, DRAW: tl.constexpr = True):
     r = tl.program_id(0)
     c = tl.program_id(1)
-    if HAS_ROWS:
-        row = tl.load(rows_ptr + r).to(tl.uint32)
-    else:
-        row = r.to(tl.uint32)
-    seed = tl.load(seed_ptr)
-    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
-    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
     i = tl.arange(0, QUARTER)
     z = tl.zeros([QUARTER], dtype=tl.uint32)
-    w0, w1, w2, w3 = philox4x32((c * QUARTER + i).to(tl.uint32), z + row, z, z, k0, k1)
+    if DRAW:
+        if HAS_ROWS:
+            row = tl.load(rows_ptr + r).to(tl.uint32)
+        else:
+            row = r.to(tl.uint32)
+        seed = tl.load(seed_ptr)
+        k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+        k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+        w0, w1, w2, w3 = philox4x32((c * QUARTER + i).to(tl.uint32), z + row, z, z, k0, k1)
+    else:  # the log-sum-exp alone (`row_logsumexp_triton`): no words drawn
+        w0, w1, w2, w3 = z, z, z, z
     x_row = x_ptr + r.to(tl.int64) * stride_row
     start = c * (4 * QUARTER)
     m, es = float("-inf"), 0.0  # the chunk's max and sum of exponentials so far (LSE)
     best, at, m, es = _quarter_best(x_row, start, i, w0, vocab, width, temperature, float("-inf"), start, m, es,
-                                    SCALE, LSE)
+                                    SCALE, LSE, DRAW)
     best, at, m, es = _quarter_best(x_row, start + QUARTER, i, w1, vocab, width, temperature, best, at, m, es,
-                                    SCALE, LSE)
+                                    SCALE, LSE, DRAW)
     best, at, m, es = _quarter_best(x_row, start + 2 * QUARTER, i, w2, vocab, width, temperature, best, at, m, es,
-                                    SCALE, LSE)
+                                    SCALE, LSE, DRAW)
     best, at, m, es = _quarter_best(x_row, start + 3 * QUARTER, i, w3, vocab, width, temperature, best, at, m, es,
-                                    SCALE, LSE)
-    tl.store(best_ptr + r * n_chunks + c, best)
-    tl.store(index_ptr + r * n_chunks + c, at)
+                                    SCALE, LSE, DRAW)
+    if DRAW:
+        tl.store(best_ptr + r * n_chunks + c, best)
+        tl.store(index_ptr + r * n_chunks + c, at)
     if LSE:
         tl.store(max_ptr + r * n_chunks + c, m)
         tl.store(sum_ptr + r * n_chunks + c, es)
@@ -135,12 +143,13 @@ def _chunk_best_kernel(x_ptr, stride_row, rows_ptr, seed_ptr, best_ptr, index_pt
 
 @triton.jit
 def _pick_kernel(best_ptr, index_ptr, out_ptr, max_ptr, sum_ptr, lse_ptr, n_chunks, NCP: tl.constexpr,
-                 LSE: tl.constexpr):
+                 LSE: tl.constexpr, DRAW: tl.constexpr = True):
     r = tl.program_id(0)
     c = tl.arange(0, NCP)
-    s = tl.load(best_ptr + r * n_chunks + c, mask=c < n_chunks, other=float("-inf"))
-    k = tl.argmax(s, 0, tie_break_left=True)
-    tl.store(out_ptr + r, tl.load(index_ptr + r * n_chunks + k).to(tl.int64))
+    if DRAW:
+        s = tl.load(best_ptr + r * n_chunks + c, mask=c < n_chunks, other=float("-inf"))
+        k = tl.argmax(s, 0, tie_break_left=True)
+        tl.store(out_ptr + r, tl.load(index_ptr + r * n_chunks + k).to(tl.int64))
     if LSE:
         cm = tl.load(max_ptr + r * n_chunks + c, mask=c < n_chunks, other=float("-inf"))
         cz = tl.load(sum_ptr + r * n_chunks + c, mask=c < n_chunks, other=0.0)
@@ -171,23 +180,44 @@ def gumbel_sample_triton(logits: torch.Tensor, seed: torch.Tensor, temperature: 
                             or lse.device != logits.device):
         raise ValueError(f"gumbel_sample: lse must be fp32 [{logits.shape[0]}] on {logits.device}, got {lse.dtype} "
                          f"{tuple(lse.shape)} on {lse.device}")
+    out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    _launch(logits, seed, temperature, vocab_size, rows, quarter, num_warps, out, lse)
+    return out
+
+
+def row_logsumexp_triton(logits: torch.Tensor) -> torch.Tensor:
+    """fp32 [n]: each row's log-sum-exp over all V logits of [n, V] (unit stride over V), as `gumbel_sample_triton`'s
+    lse= gives it, without the draws: the same launch with the sampling compiled out (DRAW), whose log-sum-exp is
+    the same ops in the same layout (the same bits: tests/rollout/test_sampling.py, on the GPU)."""
+    if logits.dim() != 2 or logits.stride(1) != 1 or logits.shape[1] < 1:
+        raise ValueError(f"row_logsumexp: logits must be [rows, vocab >= 1] with unit stride over the vocabulary, "
+                         f"got shape {tuple(logits.shape)} strides {logits.stride()}")
+    lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    _launch(logits, None, 1.0, logits.shape[1], None, QUARTER, 8, None, lse)
+    return lse
+
+
+def _launch(logits, seed, temperature, vocab_size, rows, quarter, num_warps, out, lse) -> None:
+    """The two launches: tokens into `out` (None: the log-sum-exp alone, DRAW off) and, given `lse`, each row's
+    log-sum-exp into it."""
     ensure_interpreter_compat()
     n = logits.shape[0]
+    if n == 0:
+        return
     vocab = min(logits.shape[1], vocab_size)
     width = logits.shape[1] if lse is not None else vocab  # the logits a chunk reads
-    out = torch.empty(n, dtype=torch.int64, device=logits.device)
-    if n == 0:
-        return out
     chunks = cdiv(width, 4 * quarter)
-    best = torch.empty(n, chunks, dtype=torch.float32, device=logits.device)
-    index = torch.empty(n, chunks, dtype=torch.int32, device=logits.device)
+    draw = out is not None
+    best = torch.empty(n, chunks, dtype=torch.float32, device=logits.device)  # unread without draws
+    index = torch.empty(n, chunks, dtype=torch.int32, device=logits.device) if draw else best
     parts = torch.empty(2, n, chunks, dtype=torch.float32, device=logits.device) if lse is not None \
         else (best, best)  # unread without lse
     has_rows = rows is not None
+    seed = best if seed is None else seed  # unread without draws
     launcher(_chunk_best_kernel)[(n, chunks)](
         logits, logits.stride(0), rows if has_rows else seed, seed, best, index, parts[0], parts[1], vocab, width,
         chunks, float(temperature), HAS_ROWS=has_rows, SCALE=temperature != 1.0, QUARTER=quarter,
-        LSE=lse is not None, num_warps=num_warps)
-    launcher(_pick_kernel)[(n,)](best, index, out, parts[0], parts[1], best if lse is None else lse, chunks,
-                                 NCP=max(2, next_power_of_2(chunks)), LSE=lse is not None, num_warps=1)
-    return out
+        LSE=lse is not None, DRAW=draw, num_warps=num_warps)
+    launcher(_pick_kernel)[(n,)](best, index, best if out is None else out, parts[0], parts[1],
+                                 best if lse is None else lse, chunks, NCP=max(2, next_power_of_2(chunks)),
+                                 LSE=lse is not None, DRAW=draw, num_warps=1)

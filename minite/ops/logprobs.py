@@ -5,18 +5,19 @@ A default-mode rollout on a GPU gets each row's log-sum-exp from the pass that s
 log-prob needs no log-softmax over [batch, vocab]: logit[token] - lse (~65 us of a 1.6 ms batch-64 NVFP4 decode step
 on an H100, session 36's profile). Those are not torch's log_softmax bits (tests/tolerances.py "lse_fused"), so the
 learner's log-probs without a gradient (`minite diagnose`, the RL loss's reference) take the same kernel
-(`row_logsumexp`: the sampler's launch at temperature 1, its tokens unused), and where the two forwards give the same
+(`row_logsumexp`: the sampler's chunk and pick launches with the draws compiled out: a learner's [tokens, V] logits
+pay no Philox words nor logs), and where the two forwards give the same
 logits the two sides give the same log-probs, as torch's log-softmax gave them before. The learner's training forward
 (under autograd) keeps torch's log-softmax, so with rl.old_logp_source "learner" the GRPO ratio of identical forwards
 is 1 to within "lse_fused" rather than exactly 1 (on a GPU the no-grad and training forwards already differ in
 default mode: the combine's and the router's kernels run without autograd only). Strict mode has its own
 (minite.strict.ops.token_log_softmax).
 
-Same bits on both sides needs the same compiled kernel: Triton specialises a launch on its integer arguments' and
-pointers' divisibility by 16, which decides how a quarter's logits are loaded and so the order of tl.sum. Both sides
-pass rows of stride V (`lse_applies` asks for it, and for a 16-byte aligned start); the rollout's other arguments
-(temperature, compacted row ids) do not touch the log-sum-exp's arithmetic, which tests/rollout/test_sampling.py
-checks bit for bit on the GPU.
+Same bits on both sides needs the same log-sum-exp code in the same layout: Triton specialises a launch on its integer
+arguments' and pointers' divisibility by 16, which decides how a quarter's logits are loaded and so the order of
+tl.sum. Both sides pass rows of stride V (`lse_applies` asks for it, and for a 16-byte aligned start); the rollout's
+other arguments (temperature, compacted row ids) and the learner's dropped draws do not touch the log-sum-exp's ops,
+which tests/rollout/test_sampling.py checks bit for bit on the GPU.
 
 Routed where `LSE_KERNEL` is in minite.strict.fused.PROVEN (its GPU test: fused.WAITS_FOR), on CUDA only.
 """
@@ -38,13 +39,10 @@ def lse_applies(logits: torch.Tensor) -> bool:
 
 def row_logsumexp(logits: torch.Tensor) -> torch.Tensor:
     """fp32 [rows]: each row's log-sum-exp over all V logits of [rows, V] (unit stride over V), the bits the sampler's
-    pass gives a rollout at temperature 1 on the same row (the same launch; CUDA)."""
-    from minite.kernels.gumbel_sample import gumbel_sample_triton
+    pass gives a rollout on the same row (module docstring; CUDA)."""
+    from minite.kernels.gumbel_sample import row_logsumexp_triton
 
-    lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-    gumbel_sample_triton(logits, torch.zeros(1, dtype=torch.int64, device=logits.device), 1.0, logits.shape[1],
-                         lse=lse)
-    return lse
+    return row_logsumexp_triton(logits)
 
 
 def logprobs_at(logits: torch.Tensor, tokens: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:

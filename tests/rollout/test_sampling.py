@@ -189,6 +189,9 @@ def test_bad_arguments_are_refused_in_one_line():
     with pytest.raises(ValueError, match="one int64"):
         K.gumbel_sample_triton(torch.zeros(4, 8), torch.tensor([1.0]), 1.0, 8)
     assert K.gumbel_sample_triton(torch.zeros(0, 8), torch.tensor([1]), 1.0, 8).shape == (0,)
+    assert K.row_logsumexp_triton(torch.zeros(0, 8)).shape == (0,)
+    with pytest.raises(ValueError, match="row_logsumexp: logits must be"):
+        K.row_logsumexp_triton(torch.zeros(4, 8).t())
     x, gen = torch.zeros(4, 8), torch.Generator()
     for rows in (torch.tensor([0, 1, 2]), torch.tensor([0.0, 1, 2, 3]), torch.zeros(4, 1, dtype=torch.int64)):
         with pytest.raises(ValueError, match="one int32/int64 id per logits row"):
