@@ -92,15 +92,15 @@ def _quarter_best(x_ptr, start, i, word, vocab, width, temperature, best, at, m,
         qm = tl.max(x, 0)
         qs = tl.sum(tl.exp(x - _shift(qm)), 0)
         m, es = _merge(m, es, qm, qs)
-    if not DRAW:
-        return best, at, m, es
-    if SCALE:
-        x = x / temperature
-    s = x - tl.log(exponential(word))
-    s = tl.where((s == s) & (v < vocab), s, float("-inf"))
-    top = tl.max(s, 0)
-    take = top > best
-    return tl.where(take, top, best), tl.where(take, start + tl.argmax(s, 0, tie_break_left=True), at), m, es
+    if DRAW:
+        if SCALE:
+            x = x / temperature
+        s = x - tl.log(exponential(word))
+        s = tl.where((s == s) & (v < vocab), s, float("-inf"))
+        top = tl.max(s, 0)
+        take = top > best
+        best, at = tl.where(take, top, best), tl.where(take, start + tl.argmax(s, 0, tie_break_left=True), at)
+    return best, at, m, es
 
 
 @triton.jit
