@@ -264,7 +264,7 @@ def _grouped_gemm_kernel(a_data, a_scale, a_vals, a_amax, a_amax_stride,
     pn = pid % num_n
     # The tile table, computed by every program from the counts (E ints, cached): no extra launch, no host sync.
     ei = tl.arange(0, BLOCK_E)
-    cnt = tl.load(count_ptr + ei, mask=ei < E, other=0)
+    cnt = tl.load(count_ptr + ei, mask=ei < E, other=0).to(tl.int32)  # int32 or int64 counts (`_as_group_tensors`)
     tiles = (cnt + BLOCK_M - 1) // BLOCK_M
     tile_end = tl.cumsum(tiles, 0)
     row_end = tl.cumsum(cnt, 0)
@@ -414,9 +414,12 @@ def stack_expert_weights(weights: list[NVFP4Tensor], values: bool = False, decod
 
 
 def _as_group_tensors(tokens_per_expert, experts: int, device) -> torch.Tensor:
-    if torch.is_tensor(tokens_per_expert) and tokens_per_expert.device == device \
-            and tokens_per_expert.dtype == torch.int32:
-        counts = tokens_per_expert
+    """The counts as the kernel reads them: a contiguous int32 or int64 tensor on `device` as it is (the kernel loads
+    either as int32; the dispatch's int64 counts take no conversion launch per GEMM), anything else copied to int32."""
+    t = tokens_per_expert
+    if torch.is_tensor(t) and t.device == device and t.dtype in (torch.int32, torch.int64) and t.dim() == 1 \
+            and t.is_contiguous():
+        counts = t
     else:
         counts = int32_to(tokens_per_expert, device)  # no stream synchronisation (minite.nvfp4.device_copy)
     if counts.numel() != experts:

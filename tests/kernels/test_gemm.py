@@ -13,6 +13,7 @@ from minite.nvfp4 import gemm, grouped_gemm_reference, gemm_reference, quantize_
 from minite.nvfp4.tensor import unpack_codes
 from minite.kernels.nvfp4_gemm import (GemmConfig, gemm_triton, grouped_gemm_triton,
                                        stack_expert_weights)
+from minite.kernels import nvfp4_gemm
 from minite.kernels.nvfp4_wgrad import kgrouped_gemm_triton
 from minite.kernels.nvfp4_quant import quantize_with_values_triton
 from tests.tolerances import TOLERANCES
@@ -117,7 +118,7 @@ def test_swapped_operands_match_reference():
 
 
 @pytest.mark.parametrize("tokens", [[7, 0, 13], [0, 0, 5], [16, 16, 16], [1, 2, 0]])
-def test_grouped_matches_reference_and_dense(tokens):
+def test_grouped_matches_reference_and_dense(tokens, monkeypatch):
     torch.manual_seed(sum(tokens))
     t, n, k = sum(tokens), 32, 64
     a = _q(torch.randn(t, k, device=DEVICE))
@@ -132,7 +133,10 @@ def test_grouped_matches_reference_and_dense(tokens):
             assert torch.equal(out[start:start + c], gemm_triton(sl, ws[e]))
         start += c
     stacked = stack_expert_weights(ws, values=True)
-    assert torch.equal(grouped_gemm_triton(a, stacked, torch.tensor(tokens)), out)
+    assert torch.equal(grouped_gemm_triton(a, stacked, torch.tensor(tokens, dtype=torch.int32)), out)
+    # the dispatch's int64 counts on the device are read as they are: no int32 copy (a launch a GEMM on a GPU)
+    monkeypatch.setattr(nvfp4_gemm, "int32_to", lambda *args: pytest.fail("int64 device counts were copied"))
+    assert torch.equal(grouped_gemm_triton(a, stacked, torch.tensor(tokens, device=DEVICE)), out)
 
 
 def test_grouped_decode_rows_match_training_batch():
