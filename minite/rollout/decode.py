@@ -39,7 +39,8 @@ lru_cache) and strict mode's sin/cos (`minite.strict.ops._ROPE_CACHE`) are cache
 reference to every RoPE tensor its captures saw (the learner's many sequence lengths would otherwise evict the
 engine's table and free what a graph reads). The graphs of one shape share one memory pool; a step's temporaries
 are dead when it ends, and its logits, left in the model's dtype, are copied into one fp32 buffer allocated outside
-the pool (the copy is Float16Module's upcast, exact). Sampling and the log-softmax stay eager (a few launches). A
+the pool (the copy is Float16Module's upcast, exact), or, where the sampler reads the model's dtype
+(`LOGITS_IN_PLACE`), written there by the lm_head itself. Sampling and the log-softmax stay eager (a few launches). A
 capture that fails (a host synchronisation inside the forward, e.g. strict BF16's host-side expert counts) turns
 graphs off for this decoder with one warning naming the error, and the step runs eagerly: the bits are the same
 either way (a graph replays the kernels the eager step launches).
@@ -54,7 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from minite.ops import any_rank
-from minite.ops.logprobs import lse_applies, logprobs_at
+from minite.ops.logprobs import LSE_KERNEL, lse_applies, logprobs_at
 from minite.rollout.sampling import gumbel_sample
 from minite.strict import fused, ops as S
 
@@ -233,6 +234,8 @@ class StaticBatchDecoder:
             ctx.materialize_only_last_token_logits = not (self.prefill_all_logits and start == 0)
             last = self._step(st, start, q, slots.n)
             lse = self._sampler_lse(last, top_p)
+            if lse is None and last.dtype != torch.float32:  # a graph's logits in place (LOGITS_IN_PLACE), read by
+                last = last.float()  # an fp32 consumer (top-p, say): the upcast the graph would have made (exact)
             sampled = sample(last, temperature, top_p, generator, self.vocab_size, slots.rows, batch, self.sampler,
                              lse)
             started = slots.lengths <= q  # rows whose prompt ended: take the sample; the others keep their prompt
@@ -273,11 +276,12 @@ class StaticBatchDecoder:
         logits of position end - 1 [n, vocab] (fp32)."""
         decode = end - start == 1 and start > 0
         if decode and n in st.warm and self.cuda_graphs and self.graph_error is None and st.tokens.is_cuda:
-            graph = st.graphs.get((n, end)) or self._capture(st, start, end, n)
-            if graph is not None:
+            captured = st.graphs.get((n, end)) or self._capture(st, start, end, n)
+            if captured is not None:
+                graph, logits = captured
                 graph.replay()
                 st.wrapper.inference_context.increment_sequence_len_offset(end - start)
-                return st.logits[n]
+                return logits
         window = st.wrapper.get_batch_for_context_window(st.rows_inputs(n), start, end)
         logits = st.wrapper.run_one_forward_step(window)[:, -1, :]
         if decode:
@@ -285,12 +289,15 @@ class StaticBatchDecoder:
         return logits
 
     def _capture(self, st: "_Shape", start: int, end: int, n: int):
-        """Capture decode step `end` of the first n rows (the KV offset is start); None (and graphs off) if the
-        capture fails."""
+        """Capture decode step `end` of the first n rows (the KV offset is start): (the graph, the buffer its replays
+        leave the logits in), or None (and graphs off) if the capture fails."""
         ctx = st.wrapper.inference_context
         offset = ctx.sequence_len_offset
-        if n not in st.logits:
-            st.logits[n] = torch.empty(n, self.vocab_size, dtype=torch.float32, device=st.tokens.device)
+        in_place = self._logits_in_place(st.wrapper)
+        if (n, in_place) not in st.logits:  # fp32 (the upcast copy) or the model's dtype (written in place)
+            st.logits[(n, in_place)] = torch.empty(n, self.vocab_size, device=st.tokens.device,
+                                                   dtype=self.params_dtype if in_place else torch.float32)
+        out = st.logits[(n, in_place)]
         if st.pool is None:
             st.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
@@ -301,7 +308,10 @@ class StaticBatchDecoder:
         try:
             # thread_local: another thread's CUDA calls (NCCL's watchdog under several ranks) do not break the capture
             with torch.cuda.graph(graph, pool=st.pool, capture_error_mode="thread_local"):
-                st.logits[n].copy_(_last_logits_in_model_dtype(st.wrapper, window))
+                if in_place:
+                    _last_logits_into(st.wrapper, window, out)
+                else:
+                    out.copy_(_last_logits_in_model_dtype(st.wrapper, window))
         except Exception as e:  # noqa: BLE001 - any capture failure: eager from now on, said once
             self.graph_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             logger.warning("rollout CUDA graphs off, the decode step runs eagerly: capture failed (%s)",
@@ -316,9 +326,16 @@ class StaticBatchDecoder:
         ctx.sequence_len_offset = offset  # the captured forward advanced it; the replay's caller does
         for t in [*seen, *S._ROPE_CACHE]:
             st.keep.setdefault(id(t), t)
-        st.graphs[(n, end)] = graph
+        st.graphs[(n, end)] = (graph, out)
         self.captures += 1
-        return graph
+        return graph, out
+
+    def _logits_in_place(self, wrapper) -> bool:
+        """Whether a captured step's lm_head writes into the graph's buffer in the model's dtype (`LOGITS_IN_PLACE`):
+        proven, default mode, the Gumbel sampler with its log-sum-exp proven (the readers of bf16 logits), and an
+        output layer `_last_logits_into` can write through."""
+        return (LOGITS_IN_PLACE in fused.PROVEN and LSE_KERNEL in fused.PROVEN and not self.strict
+                and self.sampler == "gumbel" and _lm_head_writes_into(wrapper))
 
     def reset_graphs(self) -> None:
         """Drop every captured graph, and with them their memory pools: a pool whose graphs are all gone is released
@@ -329,6 +346,16 @@ class StaticBatchDecoder:
             st.pool = None
 
 
+LOGITS_IN_PLACE = "logits_in_place"
+"""The name under which a captured default-mode decode step's lm_head writes its logits, in the model's dtype,
+straight into the graph's buffer (`_last_logits_into`), and the Gumbel sampler and `logprobs_at` read them there:
+the values of the fp32 copy (bf16 -> fp32 is exact) without the copy of [batch, vocab] (28.9 us at batch 64 on an
+H100, session 37's profile), and half the sampler's reads. The sampler's Triton specialisation for bf16 logits loads
+them in the fp32 one's layout (4 a thread: sm_90, compiled on the CPU), so its log-sum-exp sums in the same order.
+Taken where the sampler's log-sum-exp applies (minite.ops.logprobs), once in `minite.strict.fused.PROVEN` (its GPU
+test: fused.WAITS_FOR); a generate whose sampling reads fp32 (top-p) upcasts the buffer first."""
+
+
 KEPT_SHAPES = 4
 """Batch shapes whose KV cache and graphs a decoder keeps (an RL run uses one; a benchmark alternates two)."""
 
@@ -337,7 +364,8 @@ KEPT_SHAPES = 4
 class _Shape:
     """What a decoder keeps per (batch, sequence length): the wrapper and its KV cache, the token buffer and the
     wrapper's inputs over it (position ids), and the graphs (keyed by (rows, step): a compacted batch runs on the
-    first rows of the same buffers), their pool and their output buffers (one per number of rows)."""
+    first rows of the same buffers; each with the buffer its replays leave the logits in), their pool and those
+    output buffers (one per number of rows and `LOGITS_IN_PLACE` or not)."""
 
     wrapper: object
     tokens: torch.Tensor
@@ -439,6 +467,50 @@ def _last_logits_in_model_dtype(wrapper, window: dict) -> torch.Tensor:
                    inference_context=wrapper.inference_context, runtime_gather_output=True, fp32_output=False)
     wrapper.inference_context.increment_sequence_len_offset(tokens.size(1))
     return logits[:, -1, :]
+
+
+def _lm_head_writes_into(wrapper) -> bool:
+    """Whether `_last_logits_into` applies: the model-dtype call of `_last_logits_in_model_dtype` (Float16Module, one
+    pipeline stage) whose output layer is a ColumnParallelLinear computing a bare matmul (one tensor-parallel rank,
+    no sequence parallelism, no bias added, no deferred embedding wgrad)."""
+    from megatron.core.inference.communication_utils import is_pipeline_first_stage, is_pipeline_last_stage
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.transformer.module import Float16Module
+
+    model = wrapper.model
+    if not isinstance(model, Float16Module) or not (is_pipeline_first_stage(wrapper.pp_group)
+                                                    and is_pipeline_last_stage(wrapper.pp_group)):
+        return False
+    layer = getattr(model.module, "output_layer", None)
+    return (type(layer) is ColumnParallelLinear and layer.tp_group.size() == 1 and not layer.sequence_parallel
+            and (layer.bias is None or layer.skip_bias_add) and not layer.config.defer_embedding_wgrad_compute
+            and "_forward_impl" not in vars(layer))
+
+
+def _last_logits_into(wrapper, window: dict, out: torch.Tensor) -> torch.Tensor:
+    """`_last_logits_in_model_dtype` with the lm_head's product written into `out` [rows, V] (the model's dtype):
+    Megatron-Core 0.16.1's linear forwards (LinearWithGradAccumulationAndAsyncCommunication, and
+    linear_with_frozen_weight for frozen weights) compute torch.matmul(input, weight.t()) at one tensor-parallel rank
+    without bias; here the same matmul is given `out` (viewed [1, rows, V], the decode step's [s, b, V]) as its
+    output, through the layer's `_forward_impl` for the one call (`_lm_head_writes_into` says when). GPTModel's
+    [s, b, V] -> [b, s, V] transpose of a one-position step is a view, so the logits are `out` itself; an input of
+    another shape takes upstream's call, copied into `out`."""
+    layer = wrapper.model.module.output_layer
+    upstream = layer._forward_impl
+
+    def into(input, weight, *args, **kwargs):
+        if input.shape[:-1] != (1, out.shape[0]) or weight.shape[0] != out.shape[1] or kwargs.get("bias") is not None:
+            return upstream(input, weight, *args, **kwargs)
+        return torch.matmul(input, weight.t(), out=out.view(1, *out.shape))
+
+    layer._forward_impl = into
+    try:
+        logits = _last_logits_in_model_dtype(wrapper, window)
+    finally:
+        del layer._forward_impl  # the class's method again
+    if logits.data_ptr() != out.data_ptr() or logits.stride() != out.stride():
+        out.copy_(logits)
+    return out
 
 
 def _is_rotary(module) -> bool:

@@ -105,12 +105,15 @@ training runs: an unproven kernel may compute other bits than the ops it replace
 WAITS_FOR: dict[str, str] = {
     "sampler_lse": "tests/rollout/test_sampling.py::test_default_logprobs_from_the_samplers_lse_on_the_gpu",
     "routing_topk": "tests/megatron_patches/test_moe_dispatch.py::test_router_topk_softmax_in_the_same_launch",
+    "logits_in_place": "tests/rollout/test_decode.py::test_logits_in_place_replay_the_eager_bits",
 }
 """Each waiting name's GPU test (a pytest node id), which tools/gpu_acceptance.sh's `gate` stage runs on the H200
 (`routing_dense`'s, tests/megatron_patches/test_moe_dispatch.py `test_router_dense_outputs_in_one_launch`, passed
 on 2026-12-06). `sampler_lse` (2026-12-06, session 37): default-mode log-probs from the Gumbel sampler's log-sum-exp
 (`minite.ops.logprobs`; the learner's no-grad log-probs take it too). `routing_topk` (the same day): the router's
-top-k and softmax in the dense outputs' launch (`megatron_patches.moe_dispatch.TOPK_KERNEL`)."""
+top-k and softmax in the dense outputs' launch (`megatron_patches.moe_dispatch.TOPK_KERNEL`). `logits_in_place`
+(session 38): a captured decode step's lm_head writes bf16 logits into the graph's buffer, read there by the
+sampler (`minite.rollout.decode.LOGITS_IN_PLACE`; with `sampler_lse` only)."""
 WAITING = frozenset(WAITS_FOR)
 """The names above that wait for their GPU test: what MINITE_TRY_KERNELS may name."""
 

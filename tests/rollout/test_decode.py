@@ -221,6 +221,71 @@ def test_captured_step_keeps_the_logits_in_the_model_dtype(precision):
     assert bare_out.dtype == bare_ref.dtype == torch.bfloat16 and torch.equal(bare_out, bare_ref)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
+def test_lm_head_writes_the_logits_into_the_given_buffer(precision, monkeypatch):
+    """`_last_logits_into` (LOGITS_IN_PLACE): the model-dtype logits of `_last_logits_in_model_dtype` bit for bit,
+    written by the lm_head's matmul into the given buffer itself (no copy), the KV offset advanced the same, and the
+    output layer's own forward back after the call; which decoders take it (`_logits_in_place`)."""
+    from minite.ops.logprobs import LSE_KERNEL
+    from minite.rollout import decode
+    from minite.strict import fused
+    engine = _engine(precision, False)
+    _run(engine, PARAMS[0])
+    layer = engine.model.module.output_layer
+    with torch.inference_mode():
+        st = engine.decoder._state(2, 8, next(engine.model.parameters()).device)
+        st.tokens.copy_(torch.randint(1, 64, (2, 8), generator=torch.Generator().manual_seed(1)).to(st.tokens.device))
+        assert decode._lm_head_writes_into(st.wrapper)
+        outs, writes = [], []
+        for into in (False, True):
+            st.wrapper.prep_model_for_inference()
+            window = st.wrapper.get_batch_for_context_window(st.inputs, 0, 4)
+            decode._last_logits_in_model_dtype(st.wrapper, window)  # the prompt's positions, then one decode step
+            window = st.wrapper.get_batch_for_context_window(st.inputs, 4, 5)
+            if into:
+                buf = torch.full((2, engine.decoder.vocab_size), float("nan"), dtype=torch.bfloat16)
+                monkeypatch.setattr(torch, "matmul", lambda *a, _m=torch.matmul, **k: writes.append(
+                    k.get("out") is not None) or _m(*a, **k))
+                got = decode._last_logits_into(st.wrapper, window, buf)
+                monkeypatch.undo()
+                assert got is buf and writes.count(True) == 1  # the lm_head's, the one matmul given an output
+            else:
+                got = decode._last_logits_in_model_dtype(st.wrapper, window).clone()
+            outs.append((got, st.wrapper.inference_context.sequence_len_offset))
+    (want, off_want), (got, off_got) = outs
+    assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want) and off_got == off_want == 5
+    assert "_forward_impl" not in vars(layer)
+    for proven, strict, sampler, takes in ((set(), False, "gumbel", False), ({LSE_KERNEL}, False, "gumbel", False),
+                                           ({decode.LOGITS_IN_PLACE, LSE_KERNEL}, False, "gumbel", True),
+                                           ({decode.LOGITS_IN_PLACE, LSE_KERNEL}, True, "gumbel", False),
+                                           ({decode.LOGITS_IN_PLACE, LSE_KERNEL}, False, "megatron", False)):
+        monkeypatch.setattr(fused, "PROVEN", fused.PROVEN | proven)
+        monkeypatch.setattr(engine.decoder, "strict", strict)
+        monkeypatch.setattr(engine.decoder, "sampler", sampler)
+        assert engine.decoder._logits_in_place(st.wrapper) == takes, (proven, strict, sampler)
+        monkeypatch.undo()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
+def test_logits_in_place_replay_the_eager_bits(precision, monkeypatch):
+    """`LOGITS_IN_PLACE`'s gate (minite.strict.fused.WAITS_FOR): with the sampler's log-sum-exp proven, graphs whose
+    lm_head writes bf16 logits into their buffer give the eager steps' tokens and log-probs bit for bit (the eager
+    step's logits are the wrapper's fp32: the sampler's bf16 and fp32 launches sum in the same order), at
+    temperature 1 and 0.7, and a top-p generate (PARAMS[1]) upcasts the buffer first; the buffers are bf16."""
+    from minite.ops.logprobs import LSE_KERNEL
+    from minite.rollout import decode
+    from minite.strict import fused
+    monkeypatch.setattr(fused, "PROVEN", fused.PROVEN | {LSE_KERNEL, decode.LOGITS_IN_PLACE})
+    eager, graphed = _engine(precision, False, "rollout.cuda_graphs=false"), _engine(precision, False)
+    graphed.update_weights(eager.named_weights())
+    for params in (PARAMS + [SamplingParams(max_new_tokens=5, seed=5, temperature=0.7)]) * 2:
+        assert _run(graphed, params) == _run(eager, params)
+    assert graphed.decoder.graph_error is None and graphed.decoder.graphs > 0
+    bufs = [t for st in graphed.decoder._shapes.values() for t in st.logits.values()]
+    assert bufs and all(t.dtype == torch.bfloat16 for t in bufs)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("strict", [False, True])
