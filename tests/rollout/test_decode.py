@@ -243,7 +243,8 @@ def test_lm_head_writes_the_logits_into_the_given_buffer(precision, monkeypatch)
             decode._last_logits_in_model_dtype(st.wrapper, window)  # the prompt's positions, then one decode step
             window = st.wrapper.get_batch_for_context_window(st.inputs, 4, 5)
             if into:
-                buf = torch.full((2, engine.decoder.vocab_size), float("nan"), dtype=torch.bfloat16)
+                buf = torch.full((2, engine.decoder.vocab_size), float("nan"), dtype=torch.bfloat16,
+                                 device=st.tokens.device)
                 monkeypatch.setattr(torch, "matmul", lambda *a, _m=torch.matmul, **k: writes.append(
                     k.get("out") is not None) or _m(*a, **k))
                 got = decode._last_logits_into(st.wrapper, window, buf)
