@@ -27,10 +27,11 @@ On a GPU without autograd on the probs (a rollout) the rows, probs and counts co
 one index_select of the hidden states. Before it, the top-k router's dense probs and map are one launch too
 (`routing_in_one_launch`, installed with the dispatcher: `moe_rows.routing_dense` after upstream's top-k and
 softmax over the k, where upstream fills and scatters in six launches; the same tensors), once its GPU test has
-passed (`minite.strict.fused.PROVEN`: since 2026-12-06, on an H100). Once "routing_topk" is proven as well, the top-k
-and the softmax join that launch (`moe_rows.routing_topk`: the same experts but for ties, the probs within a
-tolerance of upstream's, not its bits; the learner's no-grad forward takes it too, its training forward upstream's,
-so from then on those two forwards no longer route with the same bits, as they do with routing_dense alone).
+passed (`minite.strict.fused.PROVEN`: since 2026-12-06, on an H100). With "routing_topk" proven as well (the same
+day, session 38), the top-k and the softmax join that launch (`moe_rows.routing_topk`: the same experts but for
+ties, the probs within a tolerance of upstream's, not its bits; the learner's no-grad forward takes it too, its
+training forward upstream's, so those two forwards no longer route with the same bits, as they did with
+routing_dense alone).
 Every tensor the experts and the combine see is the one Megatron's dispatcher gives them (same rows, same order, same
 dtypes), so outputs are bitwise those of the upstream path for the same routing tensors
 (tests/megatron_patches/test_moe_dispatch.py).
@@ -141,7 +142,7 @@ def routing_in_one_launch(upstream):
     router: top-k of the logits, then a softmax over the k in fp32, cast back to the logits' dtype, then the scaling
     factor), no expert groups, no routing replay, no TE fusion, no deterministic algorithms (upstream's index_put
     path). There the same top-k and softmax ops run, then `moe_rows.routing_dense` (the same tensors as upstream's
-    fills and scatters), or, once "routing_topk" is proven, `moe_rows.routing_topk` for fp32 / bf16 / fp16 logits
+    fills and scatters), or, with "routing_topk" proven, `moe_rows.routing_topk` for fp32 / bf16 / fp16 logits
     (one launch from the logits; not upstream's bits: TOPK_KERNEL); everything else is upstream's call."""
     def routing(logits, topk, use_pre_softmax=False, num_groups=None, group_topk=None, scaling_factor=None,
                 score_function="softmax", expert_bias=None, fused=False, router_replay=None):
@@ -165,8 +166,9 @@ def routing_in_one_launch(upstream):
 ROUTING_KERNEL = "routing_dense"
 """The kernel's name in `minite.strict.fused.PROVEN`, where it is since its GPU test passed (2026-12-06)."""
 TOPK_KERNEL = "routing_topk"
-"""`moe_rows.routing_topk`'s name there: the top-k and the softmax in the dense outputs' launch too (not upstream's
-bits: the probs within tests/tolerances.py "router_softmax_fused", the experts the same but for ties)."""
+"""`moe_rows.routing_topk`'s name there (since its GPU test passed, 2026-12-06, session 38): the top-k and the
+softmax in the dense outputs' launch too (not upstream's bits: the probs within tests/tolerances.py
+"router_softmax_fused", the experts the same but for ties)."""
 
 
 def _dense_in_one_launch(logits: torch.Tensor) -> bool:

@@ -19,7 +19,7 @@ tl.sum. Both sides pass rows of stride V (`lse_applies` asks for it, and for a 1
 other arguments (temperature, compacted row ids) and the learner's dropped draws do not touch the log-sum-exp's ops,
 which tests/rollout/test_sampling.py checks bit for bit on the GPU.
 
-Routed where `LSE_KERNEL` is in minite.strict.fused.PROVEN (its GPU test: fused.WAITS_FOR), on CUDA only.
+Routed where `LSE_KERNEL` is in minite.strict.fused.PROVEN (since its GPU test passed, 2026-12-06), on CUDA only.
 """
 from __future__ import annotations
 

@@ -352,8 +352,9 @@ straight into the graph's buffer (`_last_logits_into`), and the Gumbel sampler a
 the values of the fp32 copy (bf16 -> fp32 is exact) without the copy of [batch, vocab] (28.9 us at batch 64 on an
 H100, session 37's profile), and half the sampler's reads. The sampler's Triton specialisation for bf16 logits loads
 them in the fp32 one's layout (4 a thread: sm_90, compiled on the CPU), so its log-sum-exp sums in the same order.
-Taken where the sampler's log-sum-exp applies (minite.ops.logprobs), once in `minite.strict.fused.PROVEN` (its GPU
-test: fused.WAITS_FOR); a generate whose sampling reads fp32 (top-p) upcasts the buffer first."""
+Taken where the sampler's log-sum-exp applies (minite.ops.logprobs), and the name is in `minite.strict.fused.PROVEN`
+(since tests/rollout/test_decode.py `test_logits_in_place_replay_the_eager_bits` passed on an H100, 2026-12-06); a
+generate whose sampling reads fp32 (top-p) upcasts the buffer first."""
 
 
 KEPT_SHAPES = 4
