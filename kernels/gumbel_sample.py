@@ -41,6 +41,12 @@ from ._launch import cdiv, launcher, next_power_of_2
 
 QUARTER = 1024
 CHUNK = 4 * QUARTER
+NUM_WARPS = 8
+"""The launch's warps. With QUARTER they fix how many logits a thread loads: QUARTER / (32 NUM_WARPS) = 4, which is
+what Triton gives fp32 and bf16 logits alike on sm_90 (16-byte and 8-byte loads); so a rollout's bf16 logits
+(minite.rollout.decode.LOGITS_IN_PLACE) and a learner's fp32 ones sum their log-sum-exp in the same order. At 8 a
+thread (QUARTER 2048 here) bf16 would load 8 and fp32 4, and the bits would differ."""
+assert QUARTER // (32 * NUM_WARPS) <= 4
 
 
 @triton.jit
@@ -158,7 +164,7 @@ def _pick_kernel(best_ptr, index_ptr, out_ptr, max_ptr, sum_ptr, lse_ptr, n_chun
 
 
 def gumbel_sample_triton(logits: torch.Tensor, seed: torch.Tensor, temperature: float, vocab_size: int,
-                         rows: torch.Tensor | None = None, *, quarter: int = QUARTER, num_warps: int = 8,
+                         rows: torch.Tensor | None = None, *, quarter: int = QUARTER, num_warps: int = NUM_WARPS,
                          lse: torch.Tensor | None = None) -> torch.Tensor:
     """int64 [n]: one token per row of logits [n, V] from its first min(V, vocab_size) (module docstring). seed: one
     int64 on logits' device (the key; read on the device, no host synchronisation); rows: int32/int64 [n] on the same
@@ -193,7 +199,7 @@ def row_logsumexp_triton(logits: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"row_logsumexp: logits must be [rows, vocab >= 1] with unit stride over the vocabulary, "
                          f"got shape {tuple(logits.shape)} strides {logits.stride()}")
     lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-    _launch(logits, None, 1.0, logits.shape[1], None, QUARTER, 8, None, lse)
+    _launch(logits, None, 1.0, logits.shape[1], None, QUARTER, NUM_WARPS, None, lse)
     return lse
 
 
@@ -208,10 +214,13 @@ def _launch(logits, seed, temperature, vocab_size, rows, quarter, num_warps, out
     width = logits.shape[1] if lse is not None else vocab  # the logits a chunk reads
     chunks = cdiv(width, 4 * quarter)
     draw = out is not None
-    best = torch.empty(n, chunks, dtype=torch.float32, device=logits.device)  # unread without draws
-    index = torch.empty(n, chunks, dtype=torch.int32, device=logits.device) if draw else best
-    parts = torch.empty(2, n, chunks, dtype=torch.float32, device=logits.device) if lse is not None \
-        else (best, best)  # unread without lse
+    parts = torch.empty(2, n, chunks, dtype=torch.float32, device=logits.device) if lse is not None else None
+    if draw:
+        best = torch.empty(n, chunks, dtype=torch.float32, device=logits.device)
+        index = torch.empty(n, chunks, dtype=torch.int32, device=logits.device)
+    else:  # (lse given) unread pointers
+        best = index = parts[0]
+    parts = (best, best) if parts is None else parts  # unread without lse
     has_rows = rows is not None
     seed = best if seed is None else seed  # unread without draws
     launcher(_chunk_best_kernel)[(n, chunks)](

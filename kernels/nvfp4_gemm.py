@@ -421,7 +421,8 @@ def _as_group_tensors(tokens_per_expert, experts: int, device) -> torch.Tensor:
             and t.is_contiguous():
         counts = t
     else:
-        counts = int32_to(tokens_per_expert, device)  # no stream synchronisation (minite.nvfp4.device_copy)
+        # no stream synchronisation (minite.nvfp4.device_copy); a strided int32 device tensor comes back as it is
+        counts = int32_to(tokens_per_expert, device).reshape(-1).contiguous()
     if counts.numel() != experts:
         raise ValueError(f"{counts.numel()} token counts for {experts} experts")
     return counts

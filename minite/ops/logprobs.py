@@ -14,10 +14,12 @@ default mode: the combine's and the router's kernels run without autograd only).
 (minite.strict.ops.token_log_softmax).
 
 Same bits on both sides needs the same log-sum-exp code in the same layout: Triton specialises a launch on its integer
-arguments' and pointers' divisibility by 16, which decides how a quarter's logits are loaded and so the order of
-tl.sum. Both sides pass rows of stride V (`lse_applies` asks for it, and for a 16-byte aligned start); the rollout's
-other arguments (temperature, compacted row ids) and the learner's dropped draws do not touch the log-sum-exp's ops,
-which tests/rollout/test_sampling.py checks bit for bit on the GPU.
+arguments' and pointers' divisibility by 16 and on the logits' dtype, which decide how a quarter's logits are loaded
+and so the order of tl.sum. Both sides pass rows of stride V (`lse_applies` asks for it, and for a 16-byte aligned
+start); the rollout's bf16 logits (CUDA-graph steps, minite.rollout.decode.LOGITS_IN_PLACE) load in the layout of the
+learner's fp32 ones at the kernel's QUARTER and NUM_WARPS (4 a thread, minite.kernels.gumbel_sample.NUM_WARPS); the
+rollout's other arguments (temperature, compacted row ids) and the learner's dropped draws do not touch the
+log-sum-exp's ops. tests/rollout/test_sampling.py checks it bit for bit on the GPU.
 
 Routed where `LSE_KERNEL` is in minite.strict.fused.PROVEN (since its GPU test passed, 2026-12-06), on CUDA only.
 """
@@ -32,7 +34,7 @@ LSE_KERNEL = "sampler_lse"
 
 def lse_applies(logits: torch.Tensor) -> bool:
     """Whether log-probs of these logits [rows, V] take the sampler's log-sum-exp: CUDA, the kernel proven, rows of
-    stride V from a 16-byte aligned start (the one specialisation both sides launch: module docstring)."""
+    stride V from a 16-byte aligned start (the specialisations whose sums agree: module docstring)."""
     return (logits.is_cuda and LSE_KERNEL in fused.PROVEN and logits.dim() == 2 and logits.stride(1) == 1
             and logits.stride(0) == logits.shape[1] and logits.data_ptr() % 16 == 0)
 

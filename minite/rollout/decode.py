@@ -273,7 +273,8 @@ class StaticBatchDecoder:
 
     def _step(self, st: "_Shape", start: int, end: int, n: int) -> torch.Tensor:
         """Forward positions [start, end) of the batch's first n rows (all of them until a compaction) and return the
-        logits of position end - 1 [n, vocab] (fp32)."""
+        logits of position end - 1 [n, vocab]: fp32, or the model's dtype from a graph that writes them in place
+        (`LOGITS_IN_PLACE`)."""
         decode = end - start == 1 and start > 0
         if decode and n in st.warm and self.cuda_graphs and self.graph_error is None and st.tokens.is_cuda:
             captured = st.graphs.get((n, end)) or self._capture(st, start, end, n)
@@ -498,9 +499,11 @@ def _last_logits_into(wrapper, window: dict, out: torch.Tensor) -> torch.Tensor:
     another shape takes upstream's call, copied into `out`."""
     layer = wrapper.model.module.output_layer
     upstream = layer._forward_impl
+    own = vars(layer).get("_forward_impl")  # an instance's own (none where `_lm_head_writes_into` said yes)
 
     def into(input, weight, *args, **kwargs):
-        if input.shape[:-1] != (1, out.shape[0]) or weight.shape[0] != out.shape[1] or kwargs.get("bias") is not None:
+        if (input.shape[:-1] != (1, out.shape[0]) or weight.shape[0] != out.shape[1] or kwargs.get("bias") is not None
+                or input.dtype != out.dtype or weight.dtype != out.dtype):
             return upstream(input, weight, *args, **kwargs)
         return torch.matmul(input, weight.t(), out=out.view(1, *out.shape))
 
@@ -508,7 +511,10 @@ def _last_logits_into(wrapper, window: dict, out: torch.Tensor) -> torch.Tensor:
     try:
         logits = _last_logits_in_model_dtype(wrapper, window)
     finally:
-        del layer._forward_impl  # the class's method again
+        if own is None:
+            del layer._forward_impl  # the class's method again
+        else:
+            layer._forward_impl = own
     if logits.data_ptr() != out.data_ptr() or logits.stride() != out.stride():
         out.copy_(logits)
     return out

@@ -76,7 +76,8 @@ LOG_ARGS = dict({f"A{i}": c for i, c in enumerate(_ATANH_COEFFS)}, SQRT2=_SQRT2,
 PROVEN = {"exp", "tree_sum", "rms_norm", "log", "attention", "rope", "sincos", "linear", "combine", "swiglu",
           "log_softmax", "expert_swiglu", "compact_with_graphs", "combine_rows_dtype", "expert_swiglu_amax",
           "routing_dense", "sampler_lse", "routing_topk", "logits_in_place"}
-"""The kernels whose bitwise GPU test has passed on the H200; `routes` sends only these. A new kernel joins after its
+"""The kernels whose bitwise GPU test has passed on an sm_90 GPU (the H200, or an H100 where named below); `routes`
+sends only these. A new kernel joins after its
 test in tests/alignment/test_strict_alignment_gpu.py has passed there (`log` and `attention`: 2026-12-01, at
 5ea343c, 24 passed with tests/rollout/test_decode.py; `rope` and `sincos`: 2026-12-01, at 4f981a5, 16 passed with
 tests/rollout/test_decode.py; `linear`, the kernel of `minite.strict.fused_linear`: 2026-12-01, at 395e6cc, with

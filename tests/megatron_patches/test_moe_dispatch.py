@@ -172,9 +172,9 @@ def test_router_dense_outputs_in_one_launch(tokens, experts, topk, dtype, scale,
                          torch.float32, None), (300, 60, 4, torch.bfloat16, 2.5), (17, 128, 8, torch.float32, 1.0)])
 def test_router_topk_softmax_in_the_same_launch(tokens, experts, topk, dtype, scale, monkeypatch):
     """With "routing_topk" proven the wrapper makes upstream's tensors in one launch from the logits
-    (`moe_rows.routing_topk`, interpreted on the CPU, compiled on a GPU: its gate): the same map (random logits, no
-    ties), probs within "router_softmax_fused" (fp32; "..._bf16" for bf16 logits), a NaN logit's row NaN as upstream's;
-    equal logits: the lowest experts, -inf logits ranked as upstream ranks them."""
+    (`moe_rows.routing_topk`, interpreted on the CPU, compiled on a GPU, where it put the name in fused.PROVEN): the
+    same map (random logits, no ties), probs within "router_softmax_fused" (fp32; "..._bf16" for bf16 logits), a NaN
+    logit's row NaN as upstream's; equal logits: the lowest experts, -inf logits ranked as upstream ranks them."""
     from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function as upstream
 
     import minite.megatron_patches.moe_dispatch as moe_dispatch

@@ -245,17 +245,25 @@ def test_lm_head_writes_the_logits_into_the_given_buffer(precision, monkeypatch)
             if into:
                 buf = torch.full((2, engine.decoder.vocab_size), float("nan"), dtype=torch.bfloat16,
                                  device=st.tokens.device)
+                inner, real = [], decode._last_logits_in_model_dtype
                 monkeypatch.setattr(torch, "matmul", lambda *a, _m=torch.matmul, **k: writes.append(
                     k.get("out") is not None) or _m(*a, **k))
+                monkeypatch.setattr(decode, "_last_logits_in_model_dtype",
+                                    lambda *a: inner.append(real(*a)) or inner[0])
                 got = decode._last_logits_into(st.wrapper, window, buf)
                 monkeypatch.undo()
                 assert got is buf and writes.count(True) == 1  # the lm_head's, the one matmul given an output
+                assert inner[0].data_ptr() == buf.data_ptr() and inner[0].stride() == buf.stride()  # not a copy
             else:
                 got = decode._last_logits_in_model_dtype(st.wrapper, window).clone()
             outs.append((got, st.wrapper.inference_context.sequence_len_offset))
     (want, off_want), (got, off_got) = outs
     assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want) and off_got == off_want == 5
     assert "_forward_impl" not in vars(layer)
+    strict_engine = _engine(precision, True)  # strict mode's lm_head is its own (an instance's _forward_impl)
+    with torch.inference_mode():
+        wrapper = strict_engine.decoder._state(2, 8, next(strict_engine.model.parameters()).device).wrapper
+    assert not decode._lm_head_writes_into(wrapper)
     for proven, strict, sampler, takes in ((set(), False, "gumbel", False), ({LSE_KERNEL}, False, "gumbel", False),
                                            ({decode.LOGITS_IN_PLACE, LSE_KERNEL}, False, "gumbel", True),
                                            ({decode.LOGITS_IN_PLACE, LSE_KERNEL}, True, "gumbel", False),
@@ -270,10 +278,11 @@ def test_lm_head_writes_the_logits_into_the_given_buffer(precision, monkeypatch)
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
 def test_logits_in_place_replay_the_eager_bits(precision, monkeypatch):
-    """`LOGITS_IN_PLACE`'s gate (minite.strict.fused.WAITS_FOR): with the sampler's log-sum-exp proven, graphs whose
-    lm_head writes bf16 logits into their buffer give the eager steps' tokens and log-probs bit for bit (the eager
-    step's logits are the wrapper's fp32: the sampler's bf16 and fp32 launches sum in the same order), at
-    temperature 1 and 0.7, and a top-p generate (PARAMS[1]) upcasts the buffer first; the buffers are bf16."""
+    """`LOGITS_IN_PLACE`'s GPU test (passed 2026-12-06 on an H100; it put the name in fused.PROVEN): with the sampler's
+    log-sum-exp proven, graphs whose lm_head writes bf16 logits into their buffer give the eager steps' tokens and
+    log-probs bit for bit (the eager step's logits are the wrapper's fp32: the sampler's bf16 and fp32 launches sum in
+    the same order), at temperature 1 and 0.7, and a top-p generate (PARAMS[1]) upcasts the buffer first; the buffers
+    are bf16."""
     from minite.ops.logprobs import LSE_KERNEL
     from minite.rollout import decode
     from minite.strict import fused
@@ -285,6 +294,19 @@ def test_logits_in_place_replay_the_eager_bits(precision, monkeypatch):
     assert graphed.decoder.graph_error is None and graphed.decoder.graphs > 0
     bufs = [t for st in graphed.decoder._shapes.values() for t in st.logits.values()]
     assert bufs and all(t.dtype == torch.bfloat16 for t in bufs)
+    # compacted batches (looking for the stop token every step): graphs of the compacted rows against eager steps
+    # that compact the same way (default mode is not batch invariant: the same batches on both sides)
+    eager, graphed = (_engine(precision, False, *extra, "rollout.stop_check_every=1")
+                      for extra in (["rollout.cuda_graphs=false"], []))
+    graphed.update_weights(eager.named_weights())
+    prompts = PROMPTS[:2]
+    params = SamplingParams(max_new_tokens=12, n=2, seed=3)
+    params = SamplingParams(max_new_tokens=12, n=2, seed=3, stop_token_id=_early_stop_token(_run(eager, params,
+                                                                                                  prompts)))
+    for _ in range(2):
+        assert _run(graphed, params, prompts) == _run(eager, params, prompts)
+    sizes = {n for st in graphed.decoder._shapes.values() for n, _ in st.graphs}
+    assert graphed.decoder.graph_error is None and min(sizes) < 4, sizes  # compacted steps ran as graphs
 
 
 @pytest.mark.gpu

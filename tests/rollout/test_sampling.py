@@ -173,6 +173,13 @@ def test_the_samplers_log_sum_exp(device, width, vocab):
         want[torch.isnan(x64).any(-1)] = float("nan")  # torch's max need not return a NaN
         _within_lse_fused(lse, want, want.abs())
         assert torch.allclose(row_logsumexp(x), lse, rtol=0, atol=0, equal_nan=True)  # bit for bit
+        # bf16 logits (a CUDA-graph step's, decode.LOGITS_IN_PLACE) against the same values in fp32 (a learner's):
+        # the same tokens and log-sum-exp bits (on the GPU: the two specialisations load 4 a thread alike)
+        xb, lse_b, lse_f = x.bfloat16(), torch.empty_like(lse), torch.empty_like(lse)
+        assert torch.equal(K.gumbel_sample_triton(xb, seed, temperature, vocab, rows, lse=lse_b),
+                           K.gumbel_sample_triton(xb.float(), seed, temperature, vocab, rows, lse=lse_f))
+        assert torch.allclose(lse_b, lse_f, rtol=0, atol=0, equal_nan=True)
+        assert torch.allclose(row_logsumexp(xb.float()), lse_b, rtol=0, atol=0, equal_nan=True)
         logprobs = torch.gather(x, 1, got.view(-1, 1)).view(-1) - lse
         torch_lp = torch.log_softmax(x, dim=-1).gather(1, got.view(-1, 1)).view(-1)
         _within_lse_fused(logprobs, torch_lp, torch.maximum(lse.abs(), x.gather(1, got.view(-1, 1)).view(-1).abs()))
@@ -268,10 +275,11 @@ def test_the_decoder_takes_gumbel_by_default_and_refuses_an_unknown_sampler():
 @pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("graphs", ["true", "false"])
 def test_default_logprobs_from_the_samplers_lse_on_the_gpu(precision, graphs, monkeypatch):
-    """`sampler_lse`'s gate (minite.strict.fused.WAITS_FOR): a default-mode rollout's log-probs taken as logit - the
-    sampler pass's log-sum-exp, compiled, against the same rollout's log-softmax ones: the same tokens (the sampler's
-    pass draws the same), the log-probs within "lse_fused", the kernel asked for lse and the log-probs taken from it
-    at every step; CUDA-graph replays (logits in the graphs' fp32 buffer) and eager steps (the model's output)."""
+    """`sampler_lse`'s GPU test (passed 2026-12-06 on an H100; fused.PROVEN since): a default-mode rollout's log-probs
+    taken as logit - the sampler pass's log-sum-exp, compiled, against the same rollout's log-softmax ones: the same
+    tokens (the sampler's pass draws the same), the log-probs within "lse_fused", the kernel asked for lse and the
+    log-probs taken from it at every step; CUDA-graph replays (logits in the graphs' fp32 buffer) and eager steps (the
+    model's output)."""
     from minite.rollout import decode
     from minite.config import load_config
     from minite.ops.logprobs import LSE_KERNEL
