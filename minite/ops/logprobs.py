@@ -6,11 +6,11 @@ log-prob needs no log-softmax over [batch, vocab]: logit[token] - lse (~65 us of
 on an H100, session 36's profile). Those are not torch's log_softmax bits (tests/tolerances.py "lse_fused"), so the
 learner's log-probs without a gradient (`minite diagnose`, the RL loss's reference) take the same kernel
 (`row_logsumexp`: the sampler's chunk and pick launches with the draws compiled out: a learner's [tokens, V] logits
-pay no Philox words nor logs), and where the two forwards give the same
-logits the two sides give the same log-probs, as torch's log-softmax gave them before. The learner's training forward
-(under autograd) keeps torch's log-softmax, so with rl.old_logp_source "learner" the GRPO ratio of identical forwards
-is 1 to within "lse_fused" rather than exactly 1 (on a GPU the no-grad and training forwards already differ in
-default mode: the combine's and the router's kernels run without autograd only). Strict mode has its own
+pay no Philox words nor logs), and where the two forwards give the same logits the two sides give the same log-probs,
+as torch's log-softmax gave them before. The learner's training forward (under autograd) keeps torch's log-softmax,
+so with rl.old_logp_source "learner" the GRPO ratio of identical forwards is 1 to within "lse_fused" rather than
+exactly 1 (on a GPU the no-grad and training forwards already differ in default mode: the combine's and the router's
+kernels run without autograd only). Strict mode has its own
 (minite.strict.ops.token_log_softmax).
 
 Same bits on both sides needs the same log-sum-exp code in the same layout: Triton specialises a launch on its integer

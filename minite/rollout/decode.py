@@ -336,7 +336,7 @@ class StaticBatchDecoder:
         proven, default mode, the Gumbel sampler with its log-sum-exp proven (the readers of bf16 logits), and an
         output layer `_last_logits_into` can write through."""
         return (LOGITS_IN_PLACE in fused.PROVEN and LSE_KERNEL in fused.PROVEN and not self.strict
-                and self.sampler == "gumbel" and _lm_head_writes_into(wrapper))
+                and self.sampler == "gumbel" and _lm_head_writes_into(wrapper, self.params_dtype))
 
     def reset_graphs(self) -> None:
         """Drop every captured graph, and with them their memory pools: a pool whose graphs are all gone is released
@@ -471,10 +471,11 @@ def _last_logits_in_model_dtype(wrapper, window: dict) -> torch.Tensor:
     return logits[:, -1, :]
 
 
-def _lm_head_writes_into(wrapper) -> bool:
-    """Whether `_last_logits_into` applies: the model-dtype call of `_last_logits_in_model_dtype` (Float16Module, one
-    pipeline stage) whose output layer is a ColumnParallelLinear computing a bare matmul (one tensor-parallel rank,
-    no sequence parallelism, no bias added, no deferred embedding wgrad)."""
+def _lm_head_writes_into(wrapper, dtype: torch.dtype) -> bool:
+    """Whether `_last_logits_into` applies with a buffer of `dtype`: the model-dtype call of
+    `_last_logits_in_model_dtype` (Float16Module, one pipeline stage) whose output layer is a ColumnParallelLinear
+    computing a bare matmul (one tensor-parallel rank, no sequence parallelism, no bias added, no deferred embedding
+    wgrad) of a weight in `dtype`."""
     from megatron.core.inference.communication_utils import is_pipeline_first_stage, is_pipeline_last_stage
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
     from megatron.core.transformer.module import Float16Module
@@ -484,7 +485,10 @@ def _lm_head_writes_into(wrapper) -> bool:
                                                     and is_pipeline_last_stage(wrapper.pp_group)):
         return False
     layer = getattr(model.module, "output_layer", None)
-    return (type(layer) is ColumnParallelLinear and layer.tp_group.size() == 1 and not layer.sequence_parallel
+    if type(layer) is not ColumnParallelLinear:
+        return False
+    weight = layer.weight if layer.weight is not None else model.module.shared_embedding_or_output_weight()
+    return (layer.tp_group.size() == 1 and not layer.sequence_parallel and weight.dtype == dtype
             and (layer.bias is None or layer.skip_bias_add) and not layer.config.defer_embedding_wgrad_compute
             and "_forward_impl" not in vars(layer))
 
@@ -516,6 +520,8 @@ def _last_logits_into(wrapper, window: dict, out: torch.Tensor) -> torch.Tensor:
         else:
             layer._forward_impl = own
     if logits.data_ptr() != out.data_ptr() or logits.stride() != out.stride():
+        if logits.dtype != out.dtype:  # never where `_lm_head_writes_into` said yes: no silent rounding
+            raise RuntimeError(f"lm_head logits in {logits.dtype}, the graph's buffer in {out.dtype}")
         out.copy_(logits)
     return out
 

@@ -235,7 +235,8 @@ def test_lm_head_writes_the_logits_into_the_given_buffer(precision, monkeypatch)
     with torch.inference_mode():
         st = engine.decoder._state(2, 8, next(engine.model.parameters()).device)
         st.tokens.copy_(torch.randint(1, 64, (2, 8), generator=torch.Generator().manual_seed(1)).to(st.tokens.device))
-        assert decode._lm_head_writes_into(st.wrapper)
+        assert decode._lm_head_writes_into(st.wrapper, torch.bfloat16)
+        assert not decode._lm_head_writes_into(st.wrapper, torch.float16)  # a buffer of another dtype: never
         outs, writes = [], []
         for into in (False, True):
             st.wrapper.prep_model_for_inference()
@@ -263,7 +264,7 @@ def test_lm_head_writes_the_logits_into_the_given_buffer(precision, monkeypatch)
     strict_engine = _engine(precision, True)  # strict mode's lm_head is its own (an instance's _forward_impl)
     with torch.inference_mode():
         wrapper = strict_engine.decoder._state(2, 8, next(strict_engine.model.parameters()).device).wrapper
-    assert not decode._lm_head_writes_into(wrapper)
+    assert not decode._lm_head_writes_into(wrapper, torch.bfloat16)
     for proven, strict, sampler, takes in ((set(), False, "gumbel", False), ({LSE_KERNEL}, False, "gumbel", False),
                                            ({decode.LOGITS_IN_PLACE, LSE_KERNEL}, False, "gumbel", True),
                                            ({decode.LOGITS_IN_PLACE, LSE_KERNEL}, True, "gumbel", False),
