@@ -457,18 +457,23 @@ def _last_logits_in_model_dtype(wrapper, window: dict) -> torch.Tensor:
     Float16Module's fp32 upcast off. The caller's copy into its fp32 buffer is that upcast (bf16 -> fp32 is exact):
     one pass over [batch, vocab] instead of a cast and a copy (~27 + ~22 us per decode step at batch 64 on the H200).
     A model without Float16Module or a pipeline of several stages takes the wrapper's call."""
-    from megatron.core.inference.communication_utils import is_pipeline_first_stage, is_pipeline_last_stage
-    from megatron.core.transformer.module import Float16Module
-
-    model = wrapper.model
-    one_stage = is_pipeline_first_stage(wrapper.pp_group) and is_pipeline_last_stage(wrapper.pp_group)  # as the wrapper
-    if not isinstance(model, Float16Module) or not one_stage:
+    if not _model_dtype_call(wrapper):
         return wrapper.run_one_forward_step(window)[:, -1, :]
     tokens = window["tokens"]
-    logits = model(tokens, window["position_ids"], window["attention_mask"],
+    logits = wrapper.model(tokens, window["position_ids"], window["attention_mask"],
                    inference_context=wrapper.inference_context, runtime_gather_output=True, fp32_output=False)
     wrapper.inference_context.increment_sequence_len_offset(tokens.size(1))
     return logits[:, -1, :]
+
+
+def _model_dtype_call(wrapper) -> bool:
+    """Whether `_last_logits_in_model_dtype` calls the model itself: a Float16Module in one pipeline stage (the
+    wrapper's own test for its call)."""
+    from megatron.core.inference.communication_utils import is_pipeline_first_stage, is_pipeline_last_stage
+    from megatron.core.transformer.module import Float16Module
+
+    return (isinstance(wrapper.model, Float16Module) and is_pipeline_first_stage(wrapper.pp_group)
+            and is_pipeline_last_stage(wrapper.pp_group))
 
 
 def _lm_head_writes_into(wrapper, dtype: torch.dtype) -> bool:
@@ -476,18 +481,15 @@ def _lm_head_writes_into(wrapper, dtype: torch.dtype) -> bool:
     `_last_logits_in_model_dtype` (Float16Module, one pipeline stage) whose output layer is a ColumnParallelLinear
     computing a bare matmul (one tensor-parallel rank, no sequence parallelism, no bias added, no deferred embedding
     wgrad) of a weight in `dtype`."""
-    from megatron.core.inference.communication_utils import is_pipeline_first_stage, is_pipeline_last_stage
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
-    from megatron.core.transformer.module import Float16Module
 
-    model = wrapper.model
-    if not isinstance(model, Float16Module) or not (is_pipeline_first_stage(wrapper.pp_group)
-                                                    and is_pipeline_last_stage(wrapper.pp_group)):
+    if not _model_dtype_call(wrapper):
         return False
-    layer = getattr(model.module, "output_layer", None)
+    gpt = wrapper.model.module
+    layer = getattr(gpt, "output_layer", None)
     if type(layer) is not ColumnParallelLinear:
         return False
-    weight = layer.weight if layer.weight is not None else model.module.shared_embedding_or_output_weight()
+    weight = layer.weight if layer.weight is not None else gpt.shared_embedding_or_output_weight()
     return (layer.tp_group.size() == 1 and not layer.sequence_parallel and weight.dtype == dtype
             and (layer.bias is None or layer.skip_bias_add) and not layer.config.defer_embedding_wgrad_compute
             and "_forward_impl" not in vars(layer))

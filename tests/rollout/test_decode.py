@@ -301,9 +301,8 @@ def test_logits_in_place_replay_the_eager_bits(precision, monkeypatch):
                       for extra in (["rollout.cuda_graphs=false"], []))
     graphed.update_weights(eager.named_weights())
     prompts = PROMPTS[:2]
-    params = SamplingParams(max_new_tokens=12, n=2, seed=3)
-    params = SamplingParams(max_new_tokens=12, n=2, seed=3, stop_token_id=_early_stop_token(_run(eager, params,
-                                                                                                  prompts)))
+    free = _run(eager, SamplingParams(max_new_tokens=12, n=2, seed=3), prompts)
+    params = SamplingParams(max_new_tokens=12, n=2, seed=3, stop_token_id=_early_stop_token(free))
     for _ in range(2):
         assert _run(graphed, params, prompts) == _run(eager, params, prompts)
     sizes = {n for st in graphed.decoder._shapes.values() for n, _ in st.graphs}
