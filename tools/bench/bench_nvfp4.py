@@ -16,19 +16,19 @@ Sections:
 - rollout_gemm: the expert GEMMs (FC1, FC2) of one decode step of the rollout slice at batch 1, 8, 64, 256 (128
           experts, top-8): BF16 torch._grouped_mm vs W4A4 on fp16 block-value weights vs packed weights (Triton and
           PTX nibble decodes, the decode order; a sweep of tiles, each checked bitwise against the training tile).
+- rollout_dense: the slice's dense NVFP4 linears (QKV, output projection) at batch 1, 8, 64, 256: BF16 F.linear vs
+          W4A4 at the shipped tile vs other tiles, on block values and on packed weights in the decode order.
 Timing: triton.testing.do_bench medians (events), after warm-up; every number in the JSON comes from this run.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 
 import torch
 import torch.nn.functional as F
 import triton
-from triton.testing import do_bench
 
 from minite.kernels.expert_swiglu import expert_swiglu_backward_triton
 from minite.kernels.nvfp4_swiglu import SwiGLUFunction, swiglu_bwd_triton, swiglu_quant_triton
@@ -38,34 +38,11 @@ from minite.kernels.nvfp4_quant import quantize_triton, quantize_with_values_tri
 from minite.nvfp4.grouped import stack_amax
 from minite.ops.common import abs_max
 from provenance import stamp  # tools/bench/, beside this script
+from rollout_gemms import section_rollout_dense, section_rollout_gemm
+from timing import LOG, bench, bench_graph, log
 
 HIDDEN, FFN, EXPERTS, TOPK, TOKENS = 2048, 768, 128, 8, 16384
-LOG = []
 SWEEP = True  # --no-sweep: measure the shipped tiles (kernels/nvfp4_quant.py TUNING) only
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
-    LOG.append(msg)
-
-
-def bench(fn, rep=200) -> float:
-    """Median milliseconds."""
-    return do_bench(fn, warmup=50, rep=rep, return_mode="median")
-
-
-def bench_graph(fn, iters: int) -> float:
-    """Median ms per call of `fn` (which does `iters` calls), replayed from a CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return bench(g.replay) / iters
 
 
 # ---------------------------------------------------------------- copy + quant
@@ -380,76 +357,6 @@ def section_decode(res: dict, decode_cfg: GemmConfig | None) -> None:
             f"  speedup {t_b / t_w:.2f}x")
 
 
-# ---------------------------------------------------------------- rollout_gemm
-ROLLOUT_TILES = [GemmConfig(*c) for c in (  # the first is the default below 9 rows per expert, the last above
-    (16, 64, 128, 4, 4, True), (16, 128, 128, 4, 4, True), (16, 128, 128, 8, 4, True), (16, 64, 256, 4, 3, True),
-    (16, 128, 256, 8, 3, True), (32, 64, 128, 4, 4, True), (16, 64, 128, 4, 4), (32, 128, 128, 4, 3, True))]
-
-
-def section_rollout_gemm(res: dict, batches=(1, 8, 64, 256)) -> None:
-    """The expert GEMMs of a decode step of the rollout slice (128 experts, top-8 of `batch` tokens): BF16 _grouped_mm,
-    W4A4 on fp16 block values, packed weights (Triton / PTX decode; the decode order with fp16 scales, and on one tile
-    with its scale bytes), every W4A4 tile checked bitwise against the training tile. Eight routings per timed graph:
-    the experts read differ between calls (the 8-expert case would fit the 50 MB L2 otherwise)."""
-    from minite.kernels import nvfp4_gemm as ng
-    sets = 8
-    out = res.setdefault("rollout_gemm_us", {})
-    for fc, (n, k) in {"fc1": (2 * FFN, HIDDEN), "fc2": (HIDDEN, FFN)}.items():
-        g = torch.Generator(device="cuda").manual_seed(7)
-        wb = (torch.randn(EXPERTS, n, k, device="cuda", generator=g) * k ** -0.5).bfloat16()
-        qs = [quantize_triton(wb[e], (16, 16), "tensor", "nearest", None, False) for e in range(EXPERTS)]
-        packed = stack_expert_weights(qs)
-        values = stack_expert_weights(qs, values=True)
-        ordered = stack_expert_weights(qs, decode=True)
-        wt = wb.transpose(1, 2)  # [E, K, N] view for torch._grouped_mm
-        for b in batches:
-            rows = b * TOPK
-            cnts = []
-            for _ in range(sets):
-                ex = torch.rand(b, EXPERTS, device="cuda", generator=g).topk(TOPK, dim=1).indices.reshape(-1)
-                cnts.append(torch.bincount(ex, minlength=EXPERTS).to(torch.int32))
-            xs = [torch.randn(rows, k, device="cuda", generator=g).bfloat16() for _ in range(sets)]
-            qa = [quantize_with_values_triton(x, (1, 16), "row", "nearest", None, False) for x in xs]
-            offs = [c.cumsum(0, dtype=torch.int32) for c in cnts]
-            row = out.setdefault(fc, {}).setdefault(str(b), {})
-            row["bf16_grouped_mm"] = 1e3 * bench_graph(
-                lambda: [torch._grouped_mm(xs[i], wt, offs=offs[i]) for i in range(sets)], sets)
-            ref = grouped_gemm_triton(qa[0][0], values, cnts[0], torch.bfloat16, a_values=qa[0][1],
-                                      config=GemmConfig(128, 128, 64, 8, 4))
-            row["w4a4_values_default"] = 1e3 * bench_graph(
-                lambda: [grouped_gemm_triton(qa[i][0], values, cnts[i], torch.bfloat16, a_values=qa[i][1],
-                                             rows_hint=max(1, rows // EXPERTS)) for i in range(sets)], sets)
-            best = None
-            variants = [("triton", packed, c) for c in ROLLOUT_TILES[:2]] \
-                + [(v, w, c) for v, w in (("ptx", packed), ("ptx_decode_order", ordered)) for c in ROLLOUT_TILES] \
-                + [("ptx_decode_order_u8_scales", dataclasses.replace(ordered, decode_scale=None), ROLLOUT_TILES[0])]
-            for name, wts, c in variants:
-                ng.PTX_DECODE = name != "triton"
-                key = (f"packed_{name}_{c.block_m}x{c.block_n}x{c.block_k}_w{c.num_warps}s{c.num_stages}"
-                       f"{'_swap' * c.swap_ab}")
-
-                def run(i, wts=wts, c=c):
-                    return grouped_gemm_triton(qa[i][0], wts, cnts[i], torch.bfloat16, a_values=qa[i][1], config=c)
-                try:
-                    same = torch.equal(run(0), ref)
-                    t = 1e3 * bench_graph(lambda: [run(i) for i in range(sets)], sets)
-                except Exception as exc:
-                    log(f"  rollout_gemm {fc} b{b} {key} failed: {type(exc).__name__}: {str(exc)[-600:]}")
-                    continue
-                row[key] = t if same else None
-                if not same:
-                    log(f"  rollout_gemm {fc} b{b} {key}: NOT bitwise equal to the training tile")
-                elif best is None or t < best[1]:
-                    best = (key, t)
-            ng.PTX_DECODE = True
-            log(f"  rollout_gemm {fc} b{b} all (us): " + ", ".join(
-                f"{kk[7:]} {'%.1f' % v if v else 'NOT-BITWISE'}" for kk, v in row.items() if kk.startswith("packed_")))
-            if best:
-                row["best_packed"] = best[0]
-            log(f"rollout_gemm {fc} b{b:3d}: bf16 {row['bf16_grouped_mm']:6.1f} us  values {row['w4a4_values_default']:6.1f}"
-                f" us  best packed {best[1] if best else float('nan'):6.1f} us ({best[0] if best else '-'})")
-
-
 # ---------------------------------------------------------------- tile sweep
 def sweep_train_config() -> GemmConfig:
     """Pick the fastest training tile for the FC1 grouped GEMM (all candidates compute the same bits)."""
@@ -576,6 +483,8 @@ def main() -> None:
         guarded("block", section_block, res, cfg)
     if "rollout_gemm" in sections:
         guarded("rollout_gemm", section_rollout_gemm, res)
+    if "rollout_dense" in sections:
+        guarded("rollout_dense", section_rollout_dense, res)
     if "decode" in sections:
         dcfg = GemmConfig(*map(int, args.decode_config.split(","))) if args.decode_config else None
         guarded("decode", section_decode, res, dcfg)
