@@ -37,6 +37,20 @@ The same experts as torch.topk wherever no two logits of a row tie at the k-th p
 unspecified); the probs within tests/tolerances.py "router_softmax_fused" of torch's softmax (the device's exp and
 another order of the k-term sum), not its bits. The learner's no-grad forward takes it too (the same wrapper), so a
 rollout and that forward route alike.
+
+`router_logits` is the router's linear before them: Megatron-Core's `router_gating_linear` with an fp32 router
+(`moe_router_dtype: fp32`, Qwen3-MoE's) casts the bf16 input and weight to fp32 and multiplies them with torch.mm:
+two cast launches and cuBLAS's fp32 GEMM with its split-K reduce, ~15 us of a batch-64 decode step's layer on an
+H100 (session 39's profile). Here one launch reads the bf16 operands as they are:
+
+    logits[t, e] = sum over k in BLOCK_K chunks, in order, of x[t, k] * w[e, k]     fp32 accumulation
+
+Every product of two bf16 values is exact in fp32 (8 + 8 significant bits), so only the summation rounds, as in
+the fp32 GEMM, in another order: not cuBLAS's bits, within tests/tolerances.py "router_logits_fused" of them
+(Transformer Engine's path in upstream, `te_general_gemm` with an fp32 output, is such a bf16 GEMM too). On a GPU
+the chunks are bf16 tensor-core dots with an fp32 accumulator (the products exact, sums in the MMA's order); the CPU
+interpreter, whose bf16 dots are wrong, takes fp32 dots of the same values. One tile shape for every T and a fixed
+K order: a token's logits do not depend on the batch (tested on the GPU).
 """
 from __future__ import annotations
 
@@ -44,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._interpreter import ensure_interpreter_compat
+from ._interpreter import ensure_interpreter_compat, interpreting
 from ._launch import cdiv, launcher, next_power_of_2
 
 BLOCK_T = 16
@@ -200,3 +214,50 @@ def routing_topk(logits: torch.Tensor, topk: int, scaling_factor: float | None =
             logits.contiguous(), dense, routing_map.view(torch.uint8), tokens, experts, float(scaling_factor or 1.0),
             K=topk, BLOCK_T=BLOCK_T, BLOCK_E=next_power_of_2(experts), SCALE=bool(scaling_factor), num_warps=4)
     return dense, routing_map
+
+
+ROUTER_BLOCK_T, ROUTER_BLOCK_E, ROUTER_BLOCK_K = 16, 16, 256
+"""One tile for every T (batch invariance); 16 x 16 outputs a program: 32 programs at 64 tokens and 128 experts."""
+
+
+@triton.jit
+def _router_logits_kernel(x_ptr, w_ptr, out_ptr, T, E, K, stride_x, stride_w, BLOCK_T: tl.constexpr,
+                          BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BF16_DOT: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    tmask, emask = t < T, e < E
+    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # fixed, sequential K order
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < K
+        x = tl.load(x_ptr + t[:, None].to(tl.int64) * stride_x + k[None, :], mask=tmask[:, None] & kmask[None, :],
+                    other=0.0)
+        w = tl.load(w_ptr + e[:, None].to(tl.int64) * stride_w + k[None, :], mask=emask[:, None] & kmask[None, :],
+                    other=0.0)
+        if BF16_DOT:
+            acc = tl.dot(x, tl.trans(w), acc)
+        else:
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+    out = out_ptr + t[:, None].to(tl.int64) * E + e[None, :]
+    tl.store(out, acc, mask=tmask[:, None] & emask[None, :])
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 logits [..., E] = x [..., K] @ weight [E, K]^T for bf16 x and weight (module docstring)."""
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or weight.dim() != 2 \
+            or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"router_logits: bf16 x [..., K] and weight [E, K], got {x.dtype} {tuple(x.shape)} and "
+                         f"{weight.dtype} {tuple(weight.shape)}")
+    ensure_interpreter_compat()
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    w = weight if weight.stride(1) == 1 else weight.contiguous()
+    tokens, experts = x2.shape[0], w.shape[0]
+    out = torch.empty(tokens, experts, dtype=torch.float32, device=x.device)
+    if tokens:
+        launcher(_router_logits_kernel)[(cdiv(tokens, ROUTER_BLOCK_T), cdiv(experts, ROUTER_BLOCK_E))](
+            x2, w, out, tokens, experts, k, x2.stride(0), w.stride(0), BLOCK_T=ROUTER_BLOCK_T,
+            BLOCK_E=ROUTER_BLOCK_E, BLOCK_K=ROUTER_BLOCK_K, BF16_DOT=not interpreting(), num_warps=4, num_stages=3)
+    return out.view(*lead, experts)

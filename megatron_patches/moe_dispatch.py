@@ -31,7 +31,10 @@ passed (`minite.strict.fused.PROVEN`: since 2026-12-06, on an H100). With "routi
 day, session 38), the top-k and the softmax join that launch (`moe_rows.routing_topk`: the same experts but for
 ties, the probs within a tolerance of upstream's, not its bits; the learner's no-grad forward takes it too, its
 training forward upstream's, so those two forwards no longer route with the same bits, as they did with
-routing_dense alone).
+routing_dense alone). The router's linear before them is one launch too once "router_logits" is proven
+(`router_gating_in_one_launch`, `moe_rows.router_logits`: the bf16 input and weight read as they are, products
+exact, fp32 sums in another order than cuBLAS's fp32 GEMM after two casts; not its bits; the same split between the
+learner's no-grad and training forwards).
 Every tensor the experts and the combine see is the one Megatron's dispatcher gives them (same rows, same order, same
 dtypes), so outputs are bitwise those of the upstream path for the same routing tensors
 (tests/megatron_patches/test_moe_dispatch.py).
@@ -187,8 +190,43 @@ def _topk_in_one_launch(logits: torch.Tensor) -> bool:
     return TOPK_KERNEL in fused.PROVEN and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
 
+def router_gating_in_one_launch(upstream):
+    """Megatron-Core 0.16.1's `router_gating_linear` (inp, weight, bias, router_dtype), one launch where that applies
+    (`_gating_in_one_launch`: CUDA bf16 input and weight, no bias, an fp32 router, no gradient to record, the kernel
+    proven): `moe_rows.router_logits`, fp32 logits of the bf16 operands (not cuBLAS's bits: ROUTER_LOGITS_KERNEL);
+    everything else is upstream's call."""
+    def gating(inp, weight, bias, router_dtype):
+        if _gating_in_one_launch(inp, weight, bias, router_dtype):
+            from minite.kernels.moe_rows import router_logits
+            return router_logits(inp, weight)
+        return upstream(inp, weight, bias, router_dtype)
+    gating.upstream = upstream
+    return gating
+
+
+ROUTER_LOGITS_KERNEL = "router_logits"
+"""`moe_rows.router_logits`'s name in `minite.strict.fused` (waiting for its GPU test: WAITS_FOR): the router's fp32
+logits from its bf16 input and weight in one launch, within tests/tolerances.py "router_logits_fused" of the exact
+products' sum, as cuBLAS's fp32 GEMM is (not its bits), the same for a token at any batch size."""
+
+
+def _gating_in_one_launch(inp: torch.Tensor, weight: torch.Tensor, bias, router_dtype) -> bool:
+    """Whether `router_gating_in_one_launch` takes this call: the kernel proven, CUDA tensors, `_gating_applies`."""
+    from minite.strict import fused
+    return ROUTER_LOGITS_KERNEL in fused.PROVEN and inp.is_cuda and _gating_applies(inp, weight, bias, router_dtype)
+
+
+def _gating_applies(inp: torch.Tensor, weight: torch.Tensor, bias, router_dtype) -> bool:
+    """The call the kernel computes (on any device): bf16 input [..., K] and weight [E, K], no bias, an fp32
+    router, no gradient to record."""
+    return (bias is None and router_dtype == torch.float32 and inp.dtype == torch.bfloat16
+            and weight.dtype == torch.bfloat16 and weight.dim() == 2 and inp.shape[-1] == weight.shape[1]
+            and not (torch.is_grad_enabled() and (inp.requires_grad or weight.requires_grad)))
+
+
 def _install_routing_in_one_launch() -> None:
-    """Route TopKRouter's calls through `routing_in_one_launch` (once; Triton present)."""
+    """Route TopKRouter's calls through `routing_in_one_launch` and `router_gating_in_one_launch` (once each; Triton
+    present)."""
     from megatron.core.transformer.moe import router
     try:
         import minite.kernels.moe_rows  # noqa: F401  (no Triton: upstream's ops stay)
@@ -197,6 +235,8 @@ def _install_routing_in_one_launch() -> None:
     if not hasattr(router.topk_routing_with_score_function, "upstream"):
         router.topk_routing_with_score_function = routing_in_one_launch(router.topk_routing_with_score_function)
         logger.info("MoE: the top-k router's dense probs and map in one launch on the GPU")
+    if not hasattr(router.router_gating_linear, "upstream"):
+        router.router_gating_linear = router_gating_in_one_launch(router.router_gating_linear)
 
 
 def use_local_dispatch(model: torch.nn.Module) -> int:

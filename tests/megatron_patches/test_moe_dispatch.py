@@ -221,6 +221,60 @@ def test_router_topk_softmax_in_the_same_launch(tokens, experts, topk, dtype, sc
     assert ran == []
 
 
+@pytest.mark.parametrize("tokens,hidden,experts", [(64, 2048, 128), (1, 2048, 128), (40, 256, 60)])
+def test_router_logits_in_one_launch(tokens, hidden, experts, monkeypatch):
+    """With "router_logits" proven the wrapper gives the router's fp32 logits from its bf16 input and weight in one
+    launch (`moe_rows.router_logits`, interpreted on the CPU, compiled on a GPU, where its pass puts the name in
+    fused.PROVEN): within "router_logits_fused" of the exact sum of the products, as upstream's fp32 GEMM is, a NaN
+    input's row NaN as upstream's, zero rows zero; a token's logits bitwise the same at 1, 17 and `tokens` tokens; the
+    calls it does not take (a gradient to record, a bias, a bf16 router, fp32 operands) are upstream's."""
+    from megatron.core.transformer.moe.moe_utils import router_gating_linear as upstream
+
+    import minite.megatron_patches.moe_dispatch as moe_dispatch
+    from minite.kernels import moe_rows
+    from minite.megatron_patches import cpu as cpu_patches
+    from minite.strict import fused
+    from tests.tolerances import TOLERANCES
+    cpu_patches._patch_te_general_gemm()  # 0.16.1 leaves it undefined without TE (the model builders define it)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.setattr(fused, "PROVEN", fused.PROVEN | {moe_dispatch.ROUTER_LOGITS_KERNEL})
+    if dev == "cpu":  # the interpreter runs the kernel on CPU tensors
+        monkeypatch.setattr(moe_dispatch, "_gating_in_one_launch", moe_dispatch._gating_applies)
+    ran, kernel = [], moe_rows.router_logits
+    monkeypatch.setattr(moe_rows, "router_logits", lambda *a: ran.append(1) or kernel(*a))
+    gating = moe_dispatch.router_gating_in_one_launch(upstream)
+
+    def same(a, b):  # bitwise, NaN where NaN
+        return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 1, hidden, generator=g).bfloat16()
+    x[-1, 0, :] = 0.0
+    if tokens > 2:
+        x[1, 0, 7] = float("nan")
+        x[2, 0, :] *= 2.0 ** 40  # large, still finite: fp32 products and sums
+    w = (torch.randn(experts, hidden, generator=g) * hidden ** -0.5).bfloat16()
+    x, w = x.to(dev), w.to(dev)
+    got = gating(x, w, None, torch.float32)
+    assert ran == [1] and got.dtype == torch.float32 and got.shape == (tokens, 1, experts)
+    want = upstream(x, w, None, torch.float32)
+    assert torch.equal(got.isnan(), want.isnan()) and bool(got[-1].eq(0).all())
+    fin = ~want.view(tokens, experts).isnan()
+    xd, wd = x.view(tokens, hidden).double().cpu(), w.double().cpu()
+    exact, size = xd.nan_to_num() @ wd.t(), xd.nan_to_num().abs() @ wd.abs().t()
+    bound = TOLERANCES["router_logits_fused"][0] * size
+    for logits in (got, want):  # the kernel and upstream's fp32 GEMM: the same bound
+        err = (logits.view(tokens, experts).double().cpu() - exact).abs()
+        assert bool((err[fin.cpu()] <= bound[fin.cpu()]).all())
+    for n in sorted({1, min(17, tokens)}):
+        assert same(gating(x[:n], w, None, torch.float32), got[:n])
+    ran.clear()
+    bias = torch.zeros(experts, dtype=torch.bfloat16, device=dev)
+    for args in ((x, w, bias, torch.float32), (x, w, None, torch.bfloat16), (x.float(), w.float(), None, torch.float32)):
+        assert same(gating(*args), upstream(*args))
+    trained = gating(x.clone().requires_grad_(), w, None, torch.float32)
+    assert ran == [] and trained.grad_fn is not None
+
+
 def test_router_wrapper_waits_for_its_gpu_test(monkeypatch):
     """Without 'routing_dense' in fused.PROVEN the wrapper is upstream's call with the same arguments; proven, it
     still leaves CPU tensors, a gradient to record and deterministic algorithms to upstream."""
