@@ -334,10 +334,11 @@ FEW_PROGRAMS = 132
 
 
 def default_config(rows_per_group: int, interpreter: bool, packed: bool = False, *, ordered: bool = False,
-                   rows: int | None = None, n: int | None = None) -> GemmConfig:
+                   rows: int | None = None, n: int | None = None, k: int | None = None) -> GemmConfig:
     """Training-sized tiles for many rows per group, decode tiles (BLOCK_M=16, narrow N, long K) for few; packed
     weights (the nibble decode is the cost) take 32-row tiles from 9 rows per group on, 128 columns wide in the decode
-    order (`ordered`). rows, n: the launch's total rows and N; where the training tile would make fewer programs
+    order (`ordered`); up to 8 rows per group in the decode order with K >= 2048 (the experts' FC1) read K 256 at a
+    time. rows, n: the launch's total rows and N; where the training tile would make fewer programs
     than FEW_PROGRAMS at up to 256 rows (a dense layer at a rollout's decode batch; larger launches were not measured)
     a 64x64 tile takes its place."""
     if interpreter:
@@ -351,8 +352,13 @@ def default_config(rows_per_group: int, interpreter: bool, packed: bool = False,
     # the decode order as words (70f8ceb, session 8 call 1): 4 rows each 16x64x128 swapped 96.2 us (16x128x128 93.5),
     # 0.5 rows each 44.7 us, 16 rows each 32x64x128 swapped 119.5 us; with fp16 scales (2026-12-04, session 20 call
     # 3), 16 rows each: FC1 32x128x128 3 stages 98.5 us, FC2 55.9 (32x64x128 4 stages 105.3, 66.7); a dense output
-    # projection (N 2048, K 4096, fp16 values) at 256 rows: 128x256x64 51.9 us (16 programs), 64x64x128 17.5
+    # projection (N 2048, K 4096, fp16 values) at 256 rows: 128x256x64 51.9 us (16 programs), 64x64x128 17.5;
+    # the rollout slice's expert GEMMs on an H100 (2026-12-06, session 38 call 3, docs/benchmarks/rollout-gemm-h100.json,
+    # each tile bitwise the training tile's): FC1 (K 2048) 16x64x256 with 3 stages 13.7 / 42.1 / 92.9 us at batch 1 /
+    # 8 / 64 against 16x64x128's 14.5 / 45.6 / 95.5; FC2 (K 768) slower with it (61.3 against 53.8 at batch 64)
     if rows_per_group <= (8 if packed else 16):
+        if packed and ordered and k is not None and k >= 2048:
+            return GemmConfig(16, 64, 256, 4, 3, swap_ab=True)
         return GemmConfig(16, 64, 128, 4, 4, swap_ab=True)
     if rows_per_group <= 32:
         if packed and ordered:
@@ -469,7 +475,7 @@ def grouped_gemm_triton(a: NVFP4Tensor, weights, tokens_per_expert, out_dtype=to
     dev = a.data.device
     counts = _as_group_tensors(tokens_per_expert, experts, dev)
     cfg = config or default_config(rows_hint or max(1, t_rows // experts), interpreting(), w.values is None,
-                                   ordered=w.decode_data is not None and not b_trans, rows=t_rows, n=n)
+                                   ordered=w.decode_data is not None and not b_trans, rows=t_rows, n=n, k=k)
     out = torch.empty(t_rows, n, dtype=out_dtype, device=dev)
     max_tiles = cdiv(t_rows, cfg.block_m) + experts
     grid = (max_tiles * cdiv(n, cfg.block_n),)

@@ -253,7 +253,8 @@ def test_decode_order_words_hold_the_documented_bits():
 def test_default_tiles_fill_the_gpu_at_decode_sizes():
     """default_config's GPU tiles: the training tile where a launch has programs for every SM, a 64x64 tile for a
     dense layer at a rollout's batch of up to 256 rows (the training tile would leave most SMs idle), decode tiles for
-    few rows per expert, 128 columns wide for packed weights in the decode order."""
+    few rows per expert, 128 columns wide for packed weights in the decode order, K 256 at a time for the experts'
+    FC1 (K >= 2048) at up to 8 rows per expert in the decode order."""
     from minite.kernels.nvfp4_gemm import FEW_PROGRAMS, default_config
     train = default_config(1024, False, rows=131072, n=1536)
     assert (train.block_m, train.block_n) == (128, 256)
@@ -266,6 +267,9 @@ def test_default_tiles_fill_the_gpu_at_decode_sizes():
     plain = default_config(16, False, packed=True)
     assert (ordered.block_m, ordered.block_n, ordered.swap_ab) == (32, 128, True) and plain.block_n == 64
     assert default_config(4, False, packed=True, ordered=True).block_m == 16
+    fc1, fc2 = (default_config(4, False, packed=True, ordered=True, k=k) for k in (2048, 768))
+    assert (fc1.block_k, fc1.num_stages, fc2.block_k, fc2.num_stages) == (256, 3, 128, 4)
+    assert default_config(4, False, packed=True, k=2048).block_k == 128  # packed, not in the decode order
 
 
 def test_decode_scales_are_the_loops_decode_of_every_byte():
