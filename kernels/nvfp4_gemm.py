@@ -357,9 +357,10 @@ def default_config(rows_per_group: int, interpreter: bool, packed: bool = False,
     # 0.5 rows each 44.7 us, 16 rows each 32x64x128 swapped 119.5 us; with fp16 scales (2026-12-04, session 20 call
     # 3), 16 rows each: FC1 32x128x128 3 stages 98.5 us, FC2 55.9 (32x64x128 4 stages 105.3, 66.7); a dense output
     # projection (N 2048, K 4096, fp16 values) at 256 rows: 128x256x64 51.9 us (16 programs), 64x64x128 17.5;
-    # the rollout slice's expert GEMMs on an H100 (2026-12-06, session 38 call 3, docs/benchmarks/rollout-gemm-h100.json,
-    # each tile bitwise the training tile's): FC1 (K 2048) 16x64x256 with 3 stages 13.7 / 42.1 / 92.9 us at batch 1 /
-    # 8 / 64 against 16x64x128's 14.5 / 45.6 / 95.5; FC2 (K 768) slower with it (61.3 against 53.8 at batch 64)
+    # the rollout slice's expert GEMMs on an H100 (2026-12-06, session 38 call 3, rollout-gemm-h100.json in
+    # docs/benchmarks, each tile bitwise the training tile's): FC1 (K 2048) 16x64x256 with 3 stages 13.7 / 42.1 /
+    # 92.9 us at batch 1 / 8 / 64 against 16x64x128's 14.5 / 45.6 / 95.5; FC2 (K 768) slower with it (61.3 against
+    # 53.8 at batch 64)
     if rows_per_group <= (8 if packed else 16):
         if packed and ordered and k is not None and k >= 2048:
             return GemmConfig(16, 64, 256, 4, 3, swap_ab=True)

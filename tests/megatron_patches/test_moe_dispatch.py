@@ -269,7 +269,8 @@ def test_router_logits_in_one_launch(tokens, hidden, experts, monkeypatch):
         assert same(gating(x[:n], w, None, torch.float32), got[:n])
     ran.clear()
     bias = torch.zeros(experts, dtype=torch.bfloat16, device=dev)
-    for args in ((x, w, bias, torch.float32), (x, w, None, torch.bfloat16), (x.float(), w.float(), None, torch.float32)):
+    for args in ((x, w, bias, torch.float32), (x, w, None, torch.bfloat16),
+                 (x.float(), w.float(), None, torch.float32)):
         assert same(gating(*args), upstream(*args))
     trained = gating(x.clone().requires_grad_(), w, None, torch.float32)
     assert ran == [] and trained.grad_fn is not None
