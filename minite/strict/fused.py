@@ -114,7 +114,8 @@ WAITS_FOR: dict[str, str] = {
 }
 """Each waiting name's GPU test (a pytest node id), which tools/gpu_acceptance.sh's `gate` stage runs on the H200:
 `router_logits`, the router's linear in one launch from its bf16 operands
-(`megatron_patches.moe_dispatch.router_gating_in_one_launch`, session 39). The last to pass theirs (2026-12-06, see PROVEN): `sampler_lse`, tests/rollout/test_sampling.py
+(`megatron_patches.moe_dispatch.router_gating_in_one_launch`, session 39). The last to pass theirs (2026-12-06, see
+PROVEN): `sampler_lse`, tests/rollout/test_sampling.py
 `test_default_logprobs_from_the_samplers_lse_on_the_gpu`; `routing_topk`, tests/megatron_patches/test_moe_dispatch.py
 `test_router_topk_softmax_in_the_same_launch`; `logits_in_place`, tests/rollout/test_decode.py
 `test_logits_in_place_replay_the_eager_bits`."""

@@ -248,7 +248,8 @@ def test_router_logits_in_one_launch(tokens, hidden, experts, monkeypatch):
         return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, 1, hidden, generator=g).bfloat16()
-    x[-1, 0, :] = 0.0
+    if tokens > 1:
+        x[-1, 0, :] = 0.0
     if tokens > 2:
         x[1, 0, 7] = float("nan")
         x[2, 0, :] *= 2.0 ** 40  # large, still finite: fp32 products and sums
@@ -257,11 +258,11 @@ def test_router_logits_in_one_launch(tokens, hidden, experts, monkeypatch):
     got = gating(x, w, None, torch.float32)
     assert ran == [1] and got.dtype == torch.float32 and got.shape == (tokens, 1, experts)
     want = upstream(x, w, None, torch.float32)
-    assert torch.equal(got.isnan(), want.isnan()) and bool(got[-1].eq(0).all())
+    assert torch.equal(got.isnan(), want.isnan()) and (tokens == 1 or bool(got[-1].eq(0).all()))
     fin = ~want.view(tokens, experts).isnan()
     xd, wd = x.view(tokens, hidden).double().cpu(), w.double().cpu()
     exact, size = xd.nan_to_num() @ wd.t(), xd.nan_to_num().abs() @ wd.abs().t()
-    bound = TOLERANCES["router_logits_fused"][0] * size
+    bound = TOLERANCES["router_logits_fused"][0] * hidden * size
     for logits in (got, want):  # the kernel and upstream's fp32 GEMM: the same bound
         err = (logits.view(tokens, experts).double().cpu() - exact).abs()
         assert bool((err[fin.cpu()] <= bound[fin.cpu()]).all())
@@ -300,6 +301,30 @@ def test_router_wrapper_waits_for_its_gpu_test(monkeypatch):
                                                                            requires_grad=True))
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     assert not moe_dispatch._dense_in_one_launch(gpu)
+
+
+def test_router_gating_wrapper_waits_for_its_gpu_test(monkeypatch):
+    """Unproven, 'router_logits' leaves every router_gating_linear call to upstream with the same arguments; proven,
+    it still leaves CPU tensors to upstream; the install wraps Megatron's router function once."""
+    import minite.megatron_patches.moe_dispatch as moe_dispatch
+    from megatron.core.transformer.moe import router
+    from minite.strict import fused
+    calls = []
+    gating = moe_dispatch.router_gating_in_one_launch(lambda *a: calls.append(a) or "upstream")
+    x, w = torch.randn(3, 1, 8).bfloat16(), torch.randn(4, 8).bfloat16()
+    assert moe_dispatch.ROUTER_LOGITS_KERNEL not in fused.PROVEN - fused.TRIED  # waits for its GPU test
+    monkeypatch.setattr(fused, "PROVEN", fused.PROVEN - {moe_dispatch.ROUTER_LOGITS_KERNEL})
+    assert gating(x, w, None, torch.float32) == "upstream" and calls[0] == (x, w, None, torch.float32)
+    assert moe_dispatch._gating_applies(x, w, None, torch.float32)  # the kernel's call, but not proven
+    monkeypatch.setattr(fused, "PROVEN", fused.PROVEN | {moe_dispatch.ROUTER_LOGITS_KERNEL})
+    assert gating(x, w, None, torch.float32) == "upstream" and len(calls) == 2  # CPU tensors
+    monkeypatch.setattr(router, "router_gating_linear", router.router_gating_linear)  # restored after the test
+    monkeypatch.setattr(router, "topk_routing_with_score_function", router.topk_routing_with_score_function)
+    moe_dispatch._install_routing_in_one_launch()
+    wrapped = router.router_gating_linear
+    moe_dispatch._install_routing_in_one_launch()
+    assert router.router_gating_linear is wrapped and hasattr(wrapped, "upstream")
+    assert not hasattr(wrapped.upstream, "upstream")
 
 
 def test_engine_tokens_and_logprobs_do_not_change():

@@ -16,7 +16,7 @@ HIDDEN, FFN, EXPERTS, TOPK = 2048, 768, 128, 8
 
 
 # ---------------------------------------------------------------- rollout_gemm
-ROLLOUT_TILES = [GemmConfig(*c) for c in (  # the first is the default below 9 rows per expert, the last above
+ROLLOUT_TILES = [GemmConfig(*c) for c in (  # the first is FC2's default below 9 rows per expert, the 4th FC1's
     (16, 64, 128, 4, 4, True), (16, 128, 128, 4, 4, True), (16, 128, 128, 8, 4, True), (16, 64, 256, 4, 3, True),
     (16, 128, 256, 8, 3, True), (32, 64, 128, 4, 4, True), (16, 64, 128, 4, 4), (32, 128, 128, 4, 3, True))]
 
@@ -94,9 +94,10 @@ DENSE_SHAPES = {"qkv": (5120, HIDDEN), "proj": (HIDDEN, 4096)}  # N, K of the sl
 def section_rollout_dense(res: dict, batches=(1, 8, 64, 256)) -> None:
     """The dense NVFP4 linears of a decode step (QKV 2048 -> 5120, output projection 4096 -> 2048) at batch 1, 8,
     64, 256: cuBLAS BF16 vs W4A4 at default_config's tile on fp16 block-value weights (what ships) vs other tiles,
-    values and packed weights in the decode order, each checked bitwise against the training tile. Eight weight
-    sets per timed graph (one set fits in L2)."""
-    sets = 8
+    values and packed weights in the decode order, each checked bitwise against the training tile. 32 weight sets
+    per timed graph, so that even the packed ones (4-6 MB a set) stream from HBM as in a decode step, not from the
+    50-60 MB L2."""
+    sets = 32
     out = res.setdefault("rollout_dense_us", {})
     for name, (n, k) in DENSE_SHAPES.items():
         g = torch.Generator(device="cuda").manual_seed(11)

@@ -2,9 +2,8 @@
 medians of triton.testing.do_bench, CUDA-graph replays, and one log that the JSON keeps."""
 from __future__ import annotations
 
-from triton.testing import do_bench
-
 import torch
+from triton.testing import do_bench
 
 LOG = []
 
@@ -31,5 +30,3 @@ def bench_graph(fn, iters: int) -> float:
     with torch.cuda.graph(g):
         fn()
     return bench(g.replay) / iters
-
-
