@@ -50,8 +50,8 @@ in upstream's cast operands), so only the summation rounds, as in the fp32 GEMM,
 bits; both within tests/tolerances.py "router_logits_fused" of the exact sum (Transformer Engine's path in upstream,
 `te_general_gemm` with an fp32 output, is such a bf16 GEMM too). On a GPU the chunks are bf16 tensor-core dots with
 an fp32 accumulator (the products exact, sums in the MMA's order); the CPU interpreter, whose bf16 dots are wrong,
-takes fp32 dots of the values (its bf16 -> fp32 cast flushes bf16 subnormals to zero: CPU tests only). One tile shape for every T and a fixed
-K order: a token's logits do not depend on the batch (tested on the GPU).
+takes fp32 dots of the values (its bf16 -> fp32 cast flushes bf16 subnormals to zero: CPU tests only). One tile
+shape for every T and a fixed K order: a token's logits do not depend on the batch (tested on the GPU).
 """
 from __future__ import annotations
 

@@ -81,7 +81,8 @@ def section_rollout_gemm(res: dict, batches=(1, 8, 64, 256)) -> None:
                 f"{kk[7:]} {'%.1f' % v if v else 'NOT-BITWISE'}" for kk, v in row.items() if kk.startswith("packed_")))
             if best:
                 row["best_packed"] = best[0]
-            log(f"rollout_gemm {fc} b{b:3d}: bf16 {row['bf16_grouped_mm']:6.1f} us  values {row['w4a4_values_default']:6.1f}"
+            log(f"rollout_gemm {fc} b{b:3d}: bf16 {row['bf16_grouped_mm']:6.1f} us  values "
+                f"{row['w4a4_values_default']:6.1f}"
                 f" us  best packed {best[1] if best else float('nan'):6.1f} us ({best[0] if best else '-'})")
 
 
