@@ -2,6 +2,8 @@
 dispatcher's rows and outputs bit for bit (BF16 and NVFP4, default and strict, experts that receive no token), with no
 data-dependent op and no host read of a tensor; the engine's tokens and log-probs do not change with it; the grouped
 GEMMs take the counts as a tensor."""
+import functools
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -243,9 +245,7 @@ def test_router_logits_in_one_launch(tokens, hidden, experts, monkeypatch):
     ran, kernel = [], moe_rows.router_logits
     monkeypatch.setattr(moe_rows, "router_logits", lambda *a: ran.append(1) or kernel(*a))
     gating = moe_dispatch.router_gating_in_one_launch(upstream)
-
-    def same(a, b):  # bitwise, NaN where NaN
-        return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+    same = functools.partial(torch.allclose, rtol=0, atol=0, equal_nan=True)  # equal values, NaN where NaN
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, 1, hidden, generator=g).bfloat16()
     if tokens > 1:
