@@ -56,10 +56,12 @@ from minite.megatron_patches.cpu import gpu_present
 from minite.megatron_patches.weight_copy import copied_amax
 from minite.nvfp4 import NVFP4Recipe, NVFP4Stack, NVFP4Tensor
 from minite.ops import (FiniteFlag, derive_seed, group_size, grouped_linear_bf16, nvfp4_grouped_linear, nvfp4_linear,
-                        nvfp4_swiglu_fc2_forward, quantiser_checks_finite, quantize_expert_weights, quantize_weight,
-                        refill_in_place, swiglu_experts)
+                        nvfp4_linear_forward_packed, nvfp4_swiglu_fc2_forward, quantiser_checks_finite,
+                        quantize_expert_weights, quantize_weight, quantize_weight_packed, refill_in_place,
+                        swiglu_experts)
 from minite.ops.experts import grouped_mm_applies, strict_grouped_applies
 from minite.ops.grouped import DeferredWgrads, backward_needs_host_counts
+from minite.strict import fused as strict_fused
 
 
 @dataclass
@@ -82,9 +84,10 @@ class NVFP4Context:
     weight_values: bool = True
     """Quantised expert weights keep fp16 block values for the kernels (2 B per element; the learner's large-M GEMMs)
     or only the packed codes, also in the decode order (0.56 B each; the kernels decode them: the same bits, a quarter
-    of the bytes, for a rollout engine's decode steps). The dense linears keep values either way: at decode sizes
-    their GEMMs run on few CTAs, where decoding nibbles costs more than the bytes save, and they hold ~3% of a
-    Qwen3-MoE layer's weights. Set before the first forward (or call weights_updated())."""
+    of the bytes, for a rollout engine's decode steps). The dense linears keep values either way until
+    DENSE_PACKED_KERNEL is proven (then they too are packed where this is off): at decode sizes their GEMMs run on
+    few CTAs, where decoding nibbles once cost more than the bytes saved. Set before the first forward (or call
+    weights_updated())."""
     track_finite: bool = False
     """Record into `finite` at all: set by the reader (the embedded engine). A model nobody checks (the learner, whose
     loss and grad norm show a NaN anyway) pays no extra read of every quantised tensor."""
@@ -182,17 +185,47 @@ def _check_linear(layer, name: str) -> None:
         raise ValueError(f"{name}: gradient_accumulation_fusion is not supported by the NVFP4 linears")
 
 
+DENSE_PACKED_KERNEL = "dense_packed"
+"""The name in `minite.strict.fused` (waiting for its GPU test: WAITS_FOR) of a rollout engine's dense linears on
+packed weights: with NVFP4Context.weight_values off (the engine's `rollout.packed_weights`) the QKV and output
+projections, too, cache their weights as packed codes in the decode order and run the grouped kernel with one group
+(`minite.ops.nvfp4_linear_forward_packed`: the same bits as on fp16 block values, 0.56 B a weight instead of 2).
+Their decode-size GEMMs run on few programs, where the nibble decode once cost more than the bytes saved (1-4%
+slower end to end in the plain order, docs/benchmarks.md); the decode order is since faster for the experts."""
+
+
+def _dense_packed_applies(layer, weight: torch.Tensor) -> bool:
+    """The engine's choice (weight_values off), a weight whose K takes the decode order, one TP rank (the packed form
+    has no amax group)."""
+    return (not layer.nvfp4.weight_values and weight.dim() == 2 and weight.shape[1] % 128 == 0
+            and group_size(layer.tp_group) == 1)
+
+
+def _dense_packed(layer, weight: torch.Tensor) -> bool:
+    """Whether `layer` keeps its weight packed for the rollout (DENSE_PACKED_KERNEL): where it applies, on a GPU, once
+    proven there."""
+    return DENSE_PACKED_KERNEL in strict_fused.PROVEN and weight.is_cuda and _dense_packed_applies(layer, weight)
+
+
 def _linear_weight_q(layer, weight: torch.Tensor, record: bool = True):
     ctx = layer.nvfp4
+    if _dense_packed(layer, weight):
+        return cached_weight_q(layer, weight, lambda: quantize_weight_packed(weight, ctx.recipe, backend=ctx.backend),
+                               record=record)
     group = layer.tp_group if group_size(layer.tp_group) > 1 else None
     return cached_weight_q(layer, weight, lambda: quantize_weight(weight, ctx.recipe, backend=ctx.backend,
-                                                                   amax_group=group),  # always values (NVFP4Context.weight_values)
+                                                                   amax_group=group),  # with fp16 block values
                            record=record)
 
 
 def _linear(layer, x: torch.Tensor, weight: torch.Tensor, sharded: str) -> torch.Tensor:
     ctx = layer.nvfp4
     w_q = _linear_weight_q(layer, weight)
+    if isinstance(w_q, NVFP4Stack):  # packed for a rollout (_dense_packed): forward only, the same bits
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+            raise RuntimeError(f"{type(layer).__name__}: its weight is packed for a rollout engine "
+                               "(NVFP4Context.weight_values off), which has no backward: run it under torch.no_grad()")
+        return nvfp4_linear_forward_packed(x, w_q, ctx.recipe, backend=ctx.backend, finite=ctx.tracked_finite)
     return nvfp4_linear(x, weight, ctx.recipe, seed=ctx.layer_seed(layer.nvfp4_layer_id), weight_q=w_q,
                         backend=ctx.backend, sharded=sharded, tp_group=layer.tp_group, finite=ctx.tracked_finite)
 

@@ -191,6 +191,45 @@ def test_nvfp4_layers_run_the_op_functions():
     assert bias is None and torch.equal(got, want)
 
 
+def test_dense_linears_packed_for_a_rollout_wait_for_their_gpu_test(monkeypatch):
+    """With a rollout engine's weight_values off, the QKV and output projections keep fp16 block values until
+    "dense_packed" is proven (and off a GPU); where it applies they cache a one-member packed stack, give bitwise
+    the values path's output without autograd, refuse a backward, and take a weight update in place."""
+    import minite.megatron_patches.nvfp4_layers as layers
+    from minite.learner.model import build_model
+    from minite.nvfp4 import NVFP4Stack, NVFP4Tensor
+    from minite.ops import nvfp4_linear
+    from minite.strict import fused
+    model = build_model(cfg("precision.mode=nvfp4", "model.hidden_size=128", "model.head_dim=32"), strict=False)
+    ctx, attn = model.nvfp4_context, model.decoder.layers[0].self_attention
+    lins, x = (attn.linear_qkv, attn.linear_proj), torch.randn(6, 2, 128)
+    cache = lambda lin: lin.__dict__["_nvfp4_wq_cache_weight"][1]  # noqa: E731
+    with torch.no_grad():
+        want = [lin(x)[0] for lin in lins]
+    ctx.weight_values = False
+    ctx.weights_updated()
+    assert layers.DENSE_PACKED_KERNEL not in fused.PROVEN - fused.TRIED  # waits for its GPU test
+    assert all(layers._dense_packed_applies(lin, lin.weight) and not layers._dense_packed(lin, lin.weight)
+               for lin in lins)
+    with torch.no_grad():
+        assert all(torch.equal(lin(x)[0], w) and isinstance(cache(lin), NVFP4Tensor) for lin, w in zip(lins, want))
+    monkeypatch.setattr(layers, "_dense_packed", layers._dense_packed_applies)  # as on a GPU, proven
+    ctx.weights_updated()
+    with torch.no_grad():
+        assert all(torch.equal(lin(x)[0], w) and isinstance(cache(lin), NVFP4Stack) for lin, w in zip(lins, want))
+    with pytest.raises(RuntimeError, match="packed for a rollout engine"):
+        lins[0](x.clone().requires_grad_())
+    layers.quantize_weights_now(model)
+    stack = cache(lins[0])
+    with torch.no_grad():
+        lins[0].weight.mul_(0.5)
+    layers.quantize_weights_now(model, in_place=True)  # a weight sync: the graphs' addresses keep the new codes
+    assert cache(lins[0]) is stack
+    with torch.no_grad():
+        got = lins[0](x)[0]
+        assert torch.equal(got, nvfp4_linear(x, lins[0].weight, ctx.recipe)) and not torch.equal(got, want[0])
+
+
 def test_spec_from_hf_config_json(tmp_path):
     from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear

@@ -44,6 +44,36 @@ def test_dense_linear_kernels_match_reference():
         _close(a, b)
 
 
+@pytest.mark.parametrize("n,k", [(5120, 2048), (2048, 4096)] if DEVICE == "cuda" else [(48, 256), (32, 272)])
+def test_dense_linear_on_packed_weights_is_the_values_path(n, k):
+    """A rollout's dense linear on packed weights (`quantize_weight_packed`: quantize_weight's codes and scales, also
+    in the decode order where K % 128 == 0) gives bitwise `nvfp4_linear_forward` on the weight's fp16 block values:
+    on a GPU at the slice's QKV and output projection and 1, 8, 64, 256 rows (compiled at the tiles default_config
+    gives them), under the interpreter at small shapes; a zero row zero, a large one finite, [S, B, K] inputs as
+    [S*B, K]. The GPU test of "dense_packed" (minite.strict.fused.WAITS_FOR)."""
+    from minite.ops import nvfp4_linear_forward, nvfp4_linear_forward_packed, quantize_weight, quantize_weight_packed
+    g = torch.Generator().manual_seed(n + k)
+    recipe = NVFP4Recipe()
+    w = (torch.randn(n, k, generator=g) * k ** -0.5).bfloat16().to(DEVICE)
+    values, packed = quantize_weight(w, recipe, backend="triton"), quantize_weight_packed(w, recipe, backend="triton")
+    assert len(packed) == 1 and packed.values is None and torch.equal(packed.data[0], values.data)
+    assert torch.equal(packed.scale[0].view(torch.uint8), values.scale.view(torch.uint8))
+    assert (packed.decode_data is not None) == (k % 128 == 0)
+    for rows in ((1, 8, 64, 256) if DEVICE == "cuda" else (1, 5, 33)):
+        x = torch.randn(rows, k, generator=g).bfloat16().to(DEVICE)
+        if rows > 2:
+            x[1] *= 2.0 ** 60
+            x[2] = 0.0
+        want = nvfp4_linear_forward(x, values, recipe, backend="triton")
+        got = nvfp4_linear_forward_packed(x, packed, recipe, backend="triton")
+        assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape == (rows, n)
+        assert torch.equal(got, want) and bool(got.isfinite().all())
+        assert rows <= 2 or bool(got[2].eq(0).all())
+        assert torch.equal(nvfp4_linear_forward_packed(x[:, None], packed, recipe, backend="triton"), got[:, None])
+    with pytest.raises(ValueError, match="one-member NVFP4Stack"):
+        nvfp4_linear_forward_packed(x, values, recipe, backend="triton")
+
+
 def test_dense_dgrad_reads_the_cached_weight_in_place():
     """The dgrad of a cached quantised weight makes no transposed copy of it on the kernels (it would stay cached
     with the weight: 2.5 B per parameter through the rest of the step), and gives the reference's gradient."""
