@@ -55,6 +55,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from minite.megatron_patches.cpu import gpu_present
 from minite.megatron_patches.weight_copy import copied_amax
 from minite.nvfp4 import NVFP4Recipe, NVFP4Stack, NVFP4Tensor
+from minite.nvfp4.backend import resolve
 from minite.ops import (FiniteFlag, derive_seed, group_size, grouped_linear_bf16, nvfp4_grouped_linear, nvfp4_linear,
                         nvfp4_linear_forward_packed, nvfp4_swiglu_fc2_forward, quantiser_checks_finite,
                         quantize_expert_weights, quantize_weight, quantize_weight_packed, refill_in_place,
@@ -187,11 +188,13 @@ def _check_linear(layer, name: str) -> None:
 
 DENSE_PACKED_KERNEL = "dense_packed"
 """The name in `minite.strict.fused` (waiting for its GPU test: WAITS_FOR) of a rollout engine's dense linears on
-packed weights: with NVFP4Context.weight_values off (the engine's `rollout.packed_weights`) the QKV and output
-projections, too, cache their weights as packed codes in the decode order and run the grouped kernel with one group
-(`minite.ops.nvfp4_linear_forward_packed`: the same bits as on fp16 block values, 0.56 B a weight instead of 2).
-Their decode-size GEMMs run on few programs, where the nibble decode once cost more than the bytes saved (1-4%
-slower end to end in the plain order, docs/benchmarks.md); the decode order is since faster for the experts."""
+packed weights: with NVFP4Context.weight_values off (the engine's `rollout.packed_weights`) every NVFP4 dense linear
+(QKV, output projection, a shared expert's) whose K takes the decode order caches its weight as packed codes, also
+in the decode order, and runs the grouped kernel with one group (`minite.ops.nvfp4_linear_forward_packed`: the same
+bits as on fp16 block values). A GEMM then reads ~0.51 B a weight (codes and 16x16 scales) instead of 2, and the
+cache holds ~1.0 B (the codes in both orders) instead of ~2.5; a prefill's GEMMs decode nibbles too, as the experts'
+do. Decode-size dense GEMMs run on few programs, where the nibble decode once cost more than the bytes saved (1-4%
+slower end to end in the plain order, docs/benchmarks.md); the decode order has since made the experts faster."""
 
 
 def _dense_packed_applies(layer, weight: torch.Tensor) -> bool:
@@ -202,9 +205,10 @@ def _dense_packed_applies(layer, weight: torch.Tensor) -> bool:
 
 
 def _dense_packed(layer, weight: torch.Tensor) -> bool:
-    """Whether `layer` keeps its weight packed for the rollout (DENSE_PACKED_KERNEL): where it applies, on a GPU, once
-    proven there."""
-    return DENSE_PACKED_KERNEL in strict_fused.PROVEN and weight.is_cuda and _dense_packed_applies(layer, weight)
+    """Whether `layer` keeps its weight packed for the rollout (DENSE_PACKED_KERNEL): where it applies, on a GPU's
+    kernels, once proven there."""
+    return (DENSE_PACKED_KERNEL in strict_fused.PROVEN and weight.is_cuda and _dense_packed_applies(layer, weight)
+            and resolve(layer.nvfp4.backend, weight, op="gemm")[0] == "triton")  # the kernels: counts on the device
 
 
 def _linear_weight_q(layer, weight: torch.Tensor, record: bool = True):

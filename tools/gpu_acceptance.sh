@@ -108,7 +108,7 @@ gate() {  # each waiting name's GPU test; passed only on a GPU, where pytest's s
   while read -r name node; do
     [ -n "$name" ] || continue  # (an empty node id would make pytest collect everything)
     echo "== $name: $node"
-    out=$(python3 -m pytest -q -p no:cacheprovider -rA "$node" 2>&1); echo "$out"
+    out=$(set -f; python3 -m pytest -q -p no:cacheprovider -rA $node 2>&1); echo "$out"  # one or more node ids
     if [ "$cuda" = 1 ] && python3 tools/pytest_verdict.py <<<"$out"; then
       result=passed; passed+=("$name")
     else result=failed; failed+=("$name"); fi

@@ -118,9 +118,9 @@ def nvfp4_linear_forward_packed(x: torch.Tensor, w_q: NVFP4Stack, recipe: NVFP4R
                                 out_dtype: Optional[torch.dtype] = None,
                                 finite: Optional[FiniteFlag] = None) -> torch.Tensor:
     """Forward only: y = Q_act(x) @ W^T for x [..., K] with W from `quantize_weight_packed`: the grouped GEMM with one
-    group of all rows (the dense GEMM is that kernel with one group too), reading 0.56 B a weight instead of the fp16
-    block values' 2 B: bitwise `nvfp4_linear_forward` on the same weight (a rollout's decode-size GEMMs; the rows
-    count is made on the device, no host synchronisation)."""
+    group of all rows (the dense GEMM is that kernel with one group too), reading ~0.51 B a weight (codes and scales)
+    instead of the fp16 block values' 2 B: bitwise `nvfp4_linear_forward` on the same weight (a rollout's decode-size
+    GEMMs; on the kernels the row count is made on the device, no host synchronisation)."""
     if not isinstance(w_q, NVFP4Stack) or len(w_q) != 1:
         raise ValueError("nvfp4_linear_forward_packed: w_q must be a one-member NVFP4Stack (quantize_weight_packed)")
     lead, k = x.shape[:-1], x.shape[-1]

@@ -111,9 +111,11 @@ training runs: an unproven kernel may compute other bits than the ops it replace
 
 WAITS_FOR: dict[str, str] = {
     "router_logits": "tests/megatron_patches/test_moe_dispatch.py::test_router_logits_in_one_launch",
-    "dense_packed": "tests/ops/test_ops_kernels.py::test_dense_linear_on_packed_weights_is_the_values_path",
+    "dense_packed": "tests/ops/test_ops_kernels.py::test_dense_linear_on_packed_weights_is_the_values_path "
+                    "tests/rollout/test_decode.py::test_packed_weights_give_the_same_bits",
 }
-"""Each waiting name's GPU test (a pytest node id), which tools/gpu_acceptance.sh's `gate` stage runs on the H200:
+"""Each waiting name's GPU test (pytest node ids, space-separated), which tools/gpu_acceptance.sh's `gate` stage runs on
+the H200:
 `router_logits`, the router's linear in one launch from its bf16 operands
 (`megatron_patches.moe_dispatch.router_gating_in_one_launch`, session 39); `dense_packed`, a rollout engine's dense
 linears on packed weights in the decode order (`megatron_patches.nvfp4_layers.DENSE_PACKED_KERNEL`, session 40; not

@@ -193,30 +193,41 @@ def test_nvfp4_layers_run_the_op_functions():
 
 def test_dense_linears_packed_for_a_rollout_wait_for_their_gpu_test(monkeypatch):
     """With a rollout engine's weight_values off, the QKV and output projections keep fp16 block values until
-    "dense_packed" is proven (and off a GPU); where it applies they cache a one-member packed stack, give bitwise
-    the values path's output without autograd, refuse a backward, and take a weight update in place."""
+    "dense_packed" is proven (and off a GPU's kernels); where it applies (K % 128 == 0, not with weight_values on)
+    they cache a one-member packed stack, in the decode order on the kernels, give bitwise the values path's output
+    without autograd, refuse a backward, and take a weight update in place (the decode order too)."""
+    import types
+
     import minite.megatron_patches.nvfp4_layers as layers
     from minite.learner.model import build_model
-    from minite.nvfp4 import NVFP4Stack, NVFP4Tensor
+    from minite.nvfp4 import NVFP4Stack, NVFP4Tensor, decode_order
     from minite.ops import nvfp4_linear
     from minite.strict import fused
     model = build_model(cfg("precision.mode=nvfp4", "model.hidden_size=128", "model.head_dim=32"), strict=False)
     ctx, attn = model.nvfp4_context, model.decoder.layers[0].self_attention
-    lins, x = (attn.linear_qkv, attn.linear_proj), torch.randn(6, 2, 128)
+    ctx.backend = "triton"  # the kernels (interpreted on the CPU): the packed codes also in the decode order
+    lins, x = (attn.linear_qkv, attn.linear_proj), torch.randn(6, 2, 128).to(next(model.parameters()).device)
     cache = lambda lin: lin.__dict__["_nvfp4_wq_cache_weight"][1]  # noqa: E731
     with torch.no_grad():
         want = [lin(x)[0] for lin in lins]
+    assert not any(layers._dense_packed_applies(lin, lin.weight) for lin in lins)  # weight_values on
     ctx.weight_values = False
     ctx.weights_updated()
     assert layers.DENSE_PACKED_KERNEL not in fused.PROVEN - fused.TRIED  # waits for its GPU test
+    assert not layers._dense_packed_applies(lins[0], torch.empty(8, 272))  # K outside the decode order
+    gpu = types.SimpleNamespace(is_cuda=True, dim=lambda: 2, shape=(384, 128))
     assert all(layers._dense_packed_applies(lin, lin.weight) and not layers._dense_packed(lin, lin.weight)
-               for lin in lins)
+               for lin in lins) and not layers._dense_packed(lins[0], gpu)  # unproven
     with torch.no_grad():
         assert all(torch.equal(lin(x)[0], w) and isinstance(cache(lin), NVFP4Tensor) for lin, w in zip(lins, want))
+    monkeypatch.setattr(fused, "PROVEN", fused.PROVEN | {layers.DENSE_PACKED_KERNEL})
+    monkeypatch.setattr(layers, "resolve", lambda *a, **k: ("triton", "test"))
+    assert layers._dense_packed(lins[0], gpu) and not layers._dense_packed(lins[0], lins[0].weight)  # the CPU's
     monkeypatch.setattr(layers, "_dense_packed", layers._dense_packed_applies)  # as on a GPU, proven
     ctx.weights_updated()
     with torch.no_grad():
         assert all(torch.equal(lin(x)[0], w) and isinstance(cache(lin), NVFP4Stack) for lin, w in zip(lins, want))
+    assert all(cache(lin).decode_data is not None for lin in lins)
     with pytest.raises(RuntimeError, match="packed for a rollout engine"):
         lins[0](x.clone().requires_grad_())
     layers.quantize_weights_now(model)
@@ -224,10 +235,11 @@ def test_dense_linears_packed_for_a_rollout_wait_for_their_gpu_test(monkeypatch)
     with torch.no_grad():
         lins[0].weight.mul_(0.5)
     layers.quantize_weights_now(model, in_place=True)  # a weight sync: the graphs' addresses keep the new codes
-    assert cache(lins[0]) is stack
+    assert cache(lins[0]) is stack and torch.equal(stack.decode_data, decode_order(stack.data))
     with torch.no_grad():
         got = lins[0](x)[0]
-        assert torch.equal(got, nvfp4_linear(x, lins[0].weight, ctx.recipe)) and not torch.equal(got, want[0])
+        assert torch.equal(got, nvfp4_linear(x, lins[0].weight, ctx.recipe, backend="triton"))
+        assert not torch.equal(got, want[0])
 
 
 def test_spec_from_hf_config_json(tmp_path):

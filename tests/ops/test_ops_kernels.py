@@ -48,10 +48,13 @@ def test_dense_linear_kernels_match_reference():
 def test_dense_linear_on_packed_weights_is_the_values_path(n, k):
     """A rollout's dense linear on packed weights (`quantize_weight_packed`: quantize_weight's codes and scales, also
     in the decode order where K % 128 == 0) gives bitwise `nvfp4_linear_forward` on the weight's fp16 block values:
-    on a GPU at the slice's QKV and output projection and 1, 8, 64, 256 rows (compiled at the tiles default_config
-    gives them), under the interpreter at small shapes; a zero row zero, a large one finite, [S, B, K] inputs as
-    [S*B, K]. The GPU test of "dense_packed" (minite.strict.fused.WAITS_FOR)."""
+    on a GPU at the slice's QKV and output projection and the rows of every tile default_config gives either side
+    (decode batches 1-256, a prefill's 512), under the interpreter at small shapes and, forced, at decode-order tiles
+    (the interpreter's own tile reads K 64 at a time, in the plain order); a zero row zero, a large one finite,
+    [S, B, K] inputs as [S*B, K]. The GPU test of "dense_packed" (minite.strict.fused.WAITS_FOR)."""
+    from minite.kernels.nvfp4_gemm import GemmConfig, gemm_triton, grouped_gemm_triton
     from minite.ops import nvfp4_linear_forward, nvfp4_linear_forward_packed, quantize_weight, quantize_weight_packed
+    from minite.ops.common import quantize_scoped
     g = torch.Generator().manual_seed(n + k)
     recipe = NVFP4Recipe()
     w = (torch.randn(n, k, generator=g) * k ** -0.5).bfloat16().to(DEVICE)
@@ -59,7 +62,7 @@ def test_dense_linear_on_packed_weights_is_the_values_path(n, k):
     assert len(packed) == 1 and packed.values is None and torch.equal(packed.data[0], values.data)
     assert torch.equal(packed.scale[0].view(torch.uint8), values.scale.view(torch.uint8))
     assert (packed.decode_data is not None) == (k % 128 == 0)
-    for rows in ((1, 8, 64, 256) if DEVICE == "cuda" else (1, 5, 33)):
+    for rows in ((1, 8, 16, 17, 32, 33, 64, 256, 512) if DEVICE == "cuda" else (1, 5, 33)):
         x = torch.randn(rows, k, generator=g).bfloat16().to(DEVICE)
         if rows > 2:
             x[1] *= 2.0 ** 60
@@ -67,9 +70,15 @@ def test_dense_linear_on_packed_weights_is_the_values_path(n, k):
         want = nvfp4_linear_forward(x, values, recipe, backend="triton")
         got = nvfp4_linear_forward_packed(x, packed, recipe, backend="triton")
         assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape == (rows, n)
-        assert torch.equal(got, want) and bool(got.isfinite().all())
+        assert torch.equal(got, want) and bool(got.isfinite().all()), rows
         assert rows <= 2 or bool(got[2].eq(0).all())
         assert torch.equal(nvfp4_linear_forward_packed(x[:, None], packed, recipe, backend="triton"), got[:, None])
+        if DEVICE == "cpu" and packed.decode_data is not None:  # the decode order's tiles, forced
+            xq = quantize_scoped(x, recipe.activation, seed=None, backend="triton")  # the ops' activation
+            one = torch.full((1,), rows, dtype=torch.int32)
+            for c in (GemmConfig(16, 32, 128, 4, 1, swap_ab=True), GemmConfig(16, 32, 256, 4, 1)):
+                assert torch.equal(grouped_gemm_triton(xq, packed, one, torch.bfloat16, config=c),
+                                   gemm_triton(xq, values, torch.bfloat16, config=c)), (rows, c)
     with pytest.raises(ValueError, match="one-member NVFP4Stack"):
         nvfp4_linear_forward_packed(x, values, recipe, backend="triton")
 

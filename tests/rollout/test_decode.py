@@ -388,24 +388,42 @@ def test_observed_engine_runs_every_step_eagerly_with_the_same_bits():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("strict", [False, True])
-def test_packed_weights_give_the_same_bits(strict):
+@pytest.mark.parametrize("width,dense", [((), False), (("model.hidden_size=128", "model.head_dim=32"), False),
+                                         (("model.hidden_size=128", "model.head_dim=32"), True)])
+def test_packed_weights_give_the_same_bits(strict, width, dense, monkeypatch):
     """rollout.packed_weights: the expert GEMMs read the weights' packed codes (in the decode order where K % 128 == 0)
     instead of fp16 block values (a quarter of the bytes); the decoded operands are the same numbers, so tokens and
-    log-probs are the same bits. The dense linears keep their values either way."""
-    from minite.nvfp4 import NVFP4Stack
-    values = _engine("nvfp4", strict, "rollout.packed_weights=false")
-    packed = _engine("nvfp4", strict, "rollout.packed_weights=true")
+    log-probs are the same bits. The dense linears keep their values until "dense_packed" is proven
+    (megatron_patches.nvfp4_layers.DENSE_PACKED_KERNEL); then those whose K takes the decode order (at width 128)
+    are packed too (`dense`: as if proven). Part of that name's GPU test (minite.strict.fused.WAITS_FOR)."""
+    from minite.megatron_patches.nvfp4_layers import (DENSE_PACKED_KERNEL, GroupedExperts, NVFP4ColumnParallelLinear,
+                                                      NVFP4RowParallelLinear)
+    from minite.nvfp4 import NVFP4Stack, decode_order
+    from minite.strict import fused
+    if dense:
+        monkeypatch.setattr(fused, "PROVEN", fused.PROVEN | {DENSE_PACKED_KERNEL})
+    values = _engine("nvfp4", strict, "rollout.packed_weights=false", *width)
+    packed = _engine("nvfp4", strict, "rollout.packed_weights=true", *width)
     packed.update_weights(values.named_weights())
     for params in PARAMS:
         assert _run(packed, params) == _run(values, params)
 
-    def caches(engine):
-        return [v[1] for m in engine.model.modules() for n, v in vars(m).items() if n.startswith("_nvfp4_wq_cache_")]
-    experts = [w for w in caches(packed) if isinstance(w, NVFP4Stack)]
-    dense = [w for w in caches(packed) if not isinstance(w, NVFP4Stack)]
-    assert experts and dense and all(w.values is None for w in experts) and all(w.values is not None for w in dense)
-    assert all((w.decode_data is not None) == (w.decode_scale is not None) == (w.shape[1] % 128 == 0) for w in experts)
-    assert all(w.values is not None and getattr(w, "decode_data", None) is None for w in caches(values))
+    def caches(engine, kind):
+        return [(m, v[1]) for m in engine.model.modules() if isinstance(m, kind)
+                for n, v in vars(m).items() if n.startswith("_nvfp4_wq_cache_")]
+    dense_kind = (NVFP4ColumnParallelLinear, NVFP4RowParallelLinear)
+    experts, dense_caches = caches(packed, GroupedExperts), caches(packed, dense_kind)
+    assert experts and dense_caches and all(w.values is None for _, w in experts)
+    assert all((w.decode_data is not None) == (w.decode_scale is not None) == (w.shape[1] % 128 == 0)
+               for _, w in experts)
+    proven = DENSE_PACKED_KERNEL in fused.PROVEN
+    assert all(isinstance(w, NVFP4Stack) == (proven and m.weight.shape[1] % 128 == 0) for m, w in dense_caches)
+    assert all(w.values is not None for _, w in dense_caches if not isinstance(w, NVFP4Stack))
+    assert all(w.values is None and torch.equal(w.decode_data, decode_order(w.data))
+               for _, w in dense_caches if isinstance(w, NVFP4Stack))
+    assert not width or not proven or any(isinstance(w, NVFP4Stack) for _, w in dense_caches)
+    assert all(w.values is not None and getattr(w, "decode_data", None) is None
+               for kind in (GroupedExperts, dense_kind) for _, w in caches(values, kind))
 
 
 def _churn_rope_caches(model):
