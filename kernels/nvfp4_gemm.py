@@ -246,25 +246,29 @@ def _cast_out(x, out_ty: tl.constexpr):
 @triton.jit
 def _grouped_gemm_kernel(a_data, a_scale, a_vals, a_amax, a_amax_stride,
                          b_data, b_scale, b_vals, b_amax, b_amax_stride_e, b_amax_stride_n,
-                         c_ptr, count_ptr, E, N, K, factor_inv,
+                         c_ptr, count_ptr, single_rows, E, N, K, factor_inv,
                          A_SBR: tl.constexpr, B_SBR: tl.constexpr, A_PACKED: tl.constexpr, B_PACKED: tl.constexpr,
                          BLOCK_E: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          SWAP_AB: tl.constexpr, B_TRANS: tl.constexpr = False, PTX: tl.constexpr = False,
                          EVEN_K: tl.constexpr = False, DECODE_ORDER: tl.constexpr = False,
-                         B_F16_SCALES: tl.constexpr = False):
+                         B_F16_SCALES: tl.constexpr = False, SINGLE: tl.constexpr = False):
     """c[rows of expert e] = a[rows] @ b[e]^T, for rows grouped contiguously by expert (counts per expert).
     B_TRANS: b[e] is given as the block values of its transpose, [K, N] row-major (dgrad reads the forward
     weight's values in place); the tiles hold the same values, so the result is bitwise the same.
     PTX: decode packed operands with inline PTX (the GPU; the interpreter runs the Triton decode, same bits).
-    B_F16_SCALES: b_scale holds b's scales decoded to fp16 (`decode_scales`; with DECODE_ORDER)."""
+    B_F16_SCALES: b_scale holds b's scales decoded to fp16 (`decode_scales`; with DECODE_ORDER).
+    SINGLE: one group of `single_rows` rows (a dense GEMM), count_ptr not read."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     t = pid // num_n
     pn = pid % num_n
     # The tile table, computed by every program from the counts (E ints, cached): no extra launch, no host sync.
     ei = tl.arange(0, BLOCK_E)
-    cnt = tl.load(count_ptr + ei, mask=ei < E, other=0).to(tl.int32)  # int32 or int64 counts (`_as_group_tensors`)
+    if SINGLE:  # a dense GEMM: its row count as an argument, no counts tensor (nor a launch that fills one)
+        cnt = tl.where(ei == 0, single_rows, 0)
+    else:
+        cnt = tl.load(count_ptr + ei, mask=ei < E, other=0).to(tl.int32)  # int32 or int64 (`_as_group_tensors`)
     tiles = (cnt + BLOCK_M - 1) // BLOCK_M
     tile_end = tl.cumsum(tiles, 0)
     row_end = tl.cumsum(cnt, 0)
@@ -443,7 +447,8 @@ def grouped_gemm_triton(a: NVFP4Tensor, weights, tokens_per_expert, out_dtype=to
     weights: a list of NVFP4Tensor [N, K], an NVFP4Stack or an ExpertWeights (stacked once; with values it reads fp16
     block values). a_values: fp16 block values of `a` (default: a.values); without them the packed codes are read.
     No host synchronisation: the expert of each tile comes from a device-side table, so the call can be captured in a
-    CUDA graph. rows_hint (rows per expert, for the tile choice) defaults to T / E.
+    CUDA graph. rows_hint (rows per expert, for the tile choice) defaults to T / E. tokens_per_expert None: one
+    expert's weights and all T rows its group (a dense GEMM; the count is a kernel argument).
     transpose_weights: compute a_e @ w_e instead (the MoE dgrad with 16x16-block weights, whose transpose is exact):
     with an NVFP4Stack or ExpertWeights carrying values (contiguous [E, N, K], one amax per expert) the kernel reads
     them transposed in place, otherwise a stack or list is transposed.
@@ -474,10 +479,13 @@ def grouped_gemm_triton(a: NVFP4Tensor, weights, tokens_per_expert, out_dtype=to
         raise ValueError(f"K mismatch: a is {a.shape}, weights are {w.shape}")
     experts = w.num_experts
     dev = a.data.device
-    counts = _as_group_tensors(tokens_per_expert, experts, dev)
+    single = tokens_per_expert is None
+    if single and experts != 1:
+        raise ValueError(f"tokens_per_expert None (one group of all rows) needs one expert's weights, got {experts}")
     cfg = config or default_config(rows_hint or max(1, t_rows // experts), interpreting(), w.values is None,
                                    ordered=w.decode_data is not None and not b_trans, rows=t_rows, n=n, k=k)
     out = torch.empty(t_rows, n, dtype=out_dtype, device=dev)
+    counts = out if single else _as_group_tensors(tokens_per_expert, experts, dev)  # out: a pointer never read
     max_tiles = cdiv(t_rows, cfg.block_m) + experts
     grid = (max_tiles * cdiv(n, cfg.block_n),)
     a_packed = a_values is None
@@ -492,12 +500,12 @@ def grouped_gemm_triton(a: NVFP4Tensor, weights, tokens_per_expert, out_dtype=to
         1 if a.per_row else 0,
         b_data, w.decode_scale if f16_scales else w.scale, b_data if b_packed else w.values, w.amax, w.amax.stride(0),
         1 if w.amax.shape[1] > 1 else 0,
-        out, counts, experts, n, k, FACTOR_INV,
+        out, counts, t_rows if single else 0, experts, n, k, FACTOR_INV,
         A_SBR=a.block[0], B_SBR=w.block_rows, A_PACKED=a_packed, B_PACKED=b_packed,
         BLOCK_E=max(16, next_power_of_2(experts)),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SWAP_AB=cfg.swap_ab, B_TRANS=b_trans,
         PTX=PTX_DECODE and not interpreting(), EVEN_K=k % cfg.block_k == 0, DECODE_ORDER=in_order,
-        B_F16_SCALES=f16_scales, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        B_F16_SCALES=f16_scales, SINGLE=single, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
@@ -514,6 +522,5 @@ def gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype=torch.float32, *, a_va
                       b.decode_amax().reshape(1, -1).float(), None if b_values is None else b_values[None],
                       b.block[0], b.shape)
     m = a.shape[0]
-    rows = torch.full((1,), m, dtype=torch.int32, device=a.data.device)  # made on the device: no host copy at all
-    return grouped_gemm_triton(a, w, rows, out_dtype, a_values=a_values, config=config, rows_hint=m,
-                               transpose_weights=transpose_b)
+    return grouped_gemm_triton(a, w, None, out_dtype, a_values=a_values, config=config, rows_hint=m,
+                               transpose_weights=transpose_b)  # one group of m rows: no counts tensor

@@ -341,3 +341,21 @@ def test_decode_order_weights_bitwise():
                            grouped_gemm_triton(a, plain, counts, a_values=a_vals, config=GemmConfig(16, 32, 128, 4, 1)))
     with pytest.raises(ValueError, match="multiple of 128"):
         decode_order(torch.zeros(4, 40, dtype=torch.uint8))
+
+
+def test_dense_gemm_takes_its_row_count_as_an_argument():
+    """gemm_triton runs the grouped kernel with one group whose row count is a kernel argument (SINGLE: no counts
+    tensor, no launch to fill one): the same bits as that group's counts given as a tensor, at several M and tiles;
+    a None count with more than one expert's weights is refused."""
+    from minite.kernels.nvfp4_gemm import stack_expert_weights
+    b = _q(torch.randn(48, 64, generator=torch.Generator().manual_seed(3)).to(DEVICE), block=(16, 16), scope="tensor")
+    w = stack_expert_weights([b])
+    for m, cfg in itertools.product((1, 17, 40), (None, GemmConfig(16, 32, 64, 4, 1, swap_ab=True))):
+        a = _q(torch.randn(m, 64, generator=torch.Generator().manual_seed(m)).to(DEVICE))
+        counts = torch.tensor([m], dtype=torch.int32, device=DEVICE)
+        want = grouped_gemm_triton(a, w, counts, torch.float32, config=cfg)
+        assert torch.equal(grouped_gemm_triton(a, w, None, torch.float32, config=cfg), want)
+        if cfg is None:
+            assert torch.equal(gemm_triton(a, b), want)
+    with pytest.raises(ValueError, match="one expert's weights"):
+        grouped_gemm_triton(a, stack_expert_weights([b, b]), None)
