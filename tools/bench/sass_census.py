@@ -71,8 +71,8 @@ from minite.kernels import nvfp4_gemm as ng, nvfp4_wgrad as nw  # noqa: E402
 
 SIGNATURE = {"a_data": "*u8", "a_scale": "*u8", "a_vals": "*fp16", "a_amax": "*fp32", "a_amax_stride": "i32",
              "b_data": "*u8", "b_scale": "*u8", "b_vals": "*u8", "b_amax": "*fp32", "b_amax_stride_e": "i32",
-             "b_amax_stride_n": "i32", "c_ptr": "*bf16", "count_ptr": "*i32", "E": "i32", "N": "i32", "K": "i32",
-             "factor_inv": "fp32"}
+             "b_amax_stride_n": "i32", "c_ptr": "*bf16", "count_ptr": "*i32", "single_rows": "i32", "E": "i32", "N": "i32",
+             "K": "i32", "factor_inv": "fp32"}
 VARIANTS = {"triton": dict(PTX=False, DECODE_ORDER=False), "ptx": dict(PTX=True, DECODE_ORDER=False),
             "ptx_decode_order_u8_scales": dict(PTX=True, DECODE_ORDER=True),
             "ptx_decode_order": dict(PTX=True, DECODE_ORDER=True, B_F16_SCALES=True)}
@@ -86,7 +86,7 @@ def compile_sass(variant: str, block_m: int, block_n: int, block_k: int, num_war
     """SASS text of the decode kernel for sm_90."""
     div = [k for k in SIGNATURE if SIGNATURE[k].startswith("*")] + ["N", "K"]
     constexprs = dict(A_SBR=1, B_SBR=16, A_PACKED=False, B_PACKED=True, BLOCK_E=128, BLOCK_M=block_m,
-                      BLOCK_N=block_n, BLOCK_K=block_k, SWAP_AB=swap_ab, B_TRANS=False, EVEN_K=True,
+                      BLOCK_N=block_n, BLOCK_K=block_k, SWAP_AB=swap_ab, B_TRANS=False, EVEN_K=True, SINGLE=False,
                       **{"B_F16_SCALES": False, **VARIANTS[variant]})
     signature = dict(SIGNATURE, b_scale="*fp16") if constexprs.get("B_F16_SCALES") else SIGNATURE
     return kernel_sass(ng._grouped_gemm_kernel, signature, constexprs, div,
