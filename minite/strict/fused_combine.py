@@ -4,8 +4,9 @@
 token t's k rows in ascending row order (rows are expert-major, so ascending expert), the first row taken as it is
 (no 0 + r_1, which would turn -0.0 into +0.0). The torch ops do it with a stable sort of the row tokens, a gather, a
 cast and k - 1 additions: ~12 launches per MoE layer of a strict decode step. Here one program per (token, block of
-columns) finds its token's rows itself (the positions where row_token == t, ranked by a cumsum) and adds them in that
-order in fp32: additions are IEEE, so the bits are the torch ops' (tests/strict/test_fused_combine.py: under the
+columns) finds its token's rows itself (the positions where row_token == t, ranked by a cumsum; all k positions in
+one pass, so the k loads are in flight together) and adds them in that order in fp32: additions are IEEE, so the bits
+are the torch ops' (tests/strict/test_fused_combine.py: under the
 interpreter on the CPU, compiled on a GPU). Every token must have exactly k = R / T rows, as combine_fixed_order's
 torch ops assume (scatter_add does not). Each program scans all R row tokens: `applies` keeps it to decode-sized
 batches.
@@ -42,21 +43,24 @@ BLOCK_H = 512
 
 if triton is not None:
     @triton.jit
-    def _combine_kernel(rows_ptr, token_ptr, out_ptr, R, H, K, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-                        ROWS_DTYPE: tl.constexpr = False):
+    def _combine_kernel(rows_ptr, token_ptr, out_ptr, R, H, K: tl.constexpr, KP: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, ROWS_DTYPE: tl.constexpr = False):
         t = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         cmask = cols < H
         r = tl.arange(0, BLOCK_R)
-        mine = (tl.load(token_ptr + r, mask=r < R, other=-1) == t).to(tl.int32)
-        rank = tl.cumsum(mine, axis=0)  # 1 at t's first row, 2 at its second, ...
-        pos = tl.sum(tl.where((mine != 0) & (rank == 1), r, 0), axis=0).to(tl.int64)
-        acc = fused._load_f32(rows_ptr, pos * H + cols, cmask)  # bf16 by its bits: exact under the interpreter too
+        mine = tl.load(token_ptr + r, mask=r < R, other=-1) == t
+        rank = tl.cumsum(mine.to(tl.int32), axis=0)  # 1 at t's first row, 2 at its second, ...
+        j = tl.arange(0, KP)
+        sel = mine[None, :] & (rank[None, :] == j[:, None] + 1)  # [KP, BLOCK_R]: row j of t where it sits
+        pos = tl.sum(tl.where(sel, r[None, :], 0), axis=1).to(tl.int64)  # t's K row positions, in ascending order
+        # the K loads (fp32; bf16 by its bits: exact under the interpreter too) depend on no sum before them, so
+        # they are in flight together; then the adds in order
+        acc = fused._load_f32(rows_ptr, tl.sum(tl.where(j == 0, pos, 0), axis=0) * H + cols, cmask)
         if ROWS_DTYPE:  # the default combine: 0 + r_1 (-0.0 becomes +0.0)
             acc = 0.0 + acc
-        for j in range(2, K + 1):
-            pos = tl.sum(tl.where((mine != 0) & (rank == j), r, 0), axis=0).to(tl.int64)
-            acc = acc + fused._load_f32(rows_ptr, pos * H + cols, cmask)
+        for i in tl.static_range(1, K):
+            acc = acc + fused._load_f32(rows_ptr, tl.sum(tl.where(j == i, pos, 0), axis=0) * H + cols, cmask)
         off = t.to(tl.int64) * H + cols
         if ROWS_DTYPE and rows_ptr.dtype.element_ty == tl.bfloat16:
             # one rounding to bf16, nearest even on the bits and stored as bits (the interpreter's cast truncates
@@ -100,7 +104,8 @@ def _launch(rows: torch.Tensor, row_token: torch.Tensor, tokens: int, rows_dtype
     ensure_interpreter_compat()
     r, h = rows.shape
     out = torch.empty(tokens, h, dtype=rows.dtype if rows_dtype else torch.float32, device=rows.device)
+    k = r // tokens
     launcher(_combine_kernel)[(tokens, cdiv(h, BLOCK_H))](
-        rows.contiguous(), row_token.contiguous(), out, r, h, r // tokens, BLOCK_R=next_power_of_2(r),
-        BLOCK_H=BLOCK_H, ROWS_DTYPE=rows_dtype, num_warps=4, enable_fp_fusion=False)
+        rows.contiguous(), row_token.contiguous(), out, r, h, K=k, KP=max(2, next_power_of_2(k)),
+        BLOCK_R=next_power_of_2(r), BLOCK_H=BLOCK_H, ROWS_DTYPE=rows_dtype, num_warps=4, enable_fp_fusion=False)
     return out
