@@ -31,10 +31,10 @@ passed (`minite.strict.fused.PROVEN`: since 2026-12-06, on an H100). With "routi
 day, session 38), the top-k and the softmax join that launch (`moe_rows.routing_topk`: the same experts but for
 ties, the probs within a tolerance of upstream's, not its bits; the learner's no-grad forward takes it too, its
 training forward upstream's, so those two forwards no longer route with the same bits, as they did with
-routing_dense alone). The router's linear before them is one launch too once "router_logits" is proven
-(`router_gating_in_one_launch`, `moe_rows.router_logits`: the bf16 input and weight read as they are, products
-exact, fp32 sums in another order than cuBLAS's fp32 GEMM after two casts; not its bits; the same split between the
-learner's no-grad and training forwards).
+routing_dense alone). The router's linear before them is one launch too since "router_logits" is proven (2026-12-07,
+on an H100; `router_gating_in_one_launch`, `moe_rows.router_logits`: the bf16 input and weight read as they are,
+products exact, fp32 sums in another order than cuBLAS's fp32 GEMM after two casts; not its bits; the same split
+between the learner's no-grad and training forwards).
 Every tensor the experts and the combine see is the one Megatron's dispatcher gives them (same rows, same order, same
 dtypes), so outputs are bitwise those of the upstream path for the same routing tensors
 (tests/megatron_patches/test_moe_dispatch.py).
@@ -205,7 +205,7 @@ def router_gating_in_one_launch(upstream):
 
 
 ROUTER_LOGITS_KERNEL = "router_logits"
-"""`moe_rows.router_logits`'s name in `minite.strict.fused` (waiting for its GPU test: WAITS_FOR): the router's fp32
+"""`moe_rows.router_logits`'s name in `minite.strict.fused` (in PROVEN since 2026-12-07): the router's fp32
 logits from its bf16 input and weight in one launch, within tests/tolerances.py "router_logits_fused" of the exact
 products' sum, as cuBLAS's fp32 GEMM is (not its bits), the same for a token at any batch size."""
 

@@ -75,7 +75,7 @@ LOG_ARGS = dict({f"A{i}": c for i, c in enumerate(_ATANH_COEFFS)}, SQRT2=_SQRT2,
 
 PROVEN = {"exp", "tree_sum", "rms_norm", "log", "attention", "rope", "sincos", "linear", "combine", "swiglu",
           "log_softmax", "expert_swiglu", "compact_with_graphs", "combine_rows_dtype", "expert_swiglu_amax",
-          "routing_dense", "sampler_lse", "routing_topk", "logits_in_place"}
+          "routing_dense", "sampler_lse", "routing_topk", "logits_in_place", "router_logits"}
 """The kernels whose bitwise GPU test has passed on an sm_90 GPU (the H200, or an H100 where named below); `routes`
 sends only these. A new kernel joins after its
 test in tests/alignment/test_strict_alignment_gpu.py has passed there (`log` and `attention`: 2026-12-01, at
@@ -103,27 +103,28 @@ learner's no-grad log-probs take the same sums), `routing_topk` (the router's to
 launch, `megatron_patches.moe_dispatch.TOPK_KERNEL`) and `logits_in_place` (a captured decode step's lm_head writes
 bf16 logits into the graph's buffer, `minite.rollout.decode.LOGITS_IN_PLACE`): 2026-12-06, session 38's device call
 on an H100 at c2f173f, their gate tests with the learner's lse test and the lse-alone launch's bits (41 passed); the
-default-mode learner/rollout gap on the medium model with all three was 0.0, and the strict one 0.0.
+default-mode learner/rollout gap on the medium model with all three was 0.0, and the strict one 0.0;
+`router_logits` (the router's fp32 logits from its bf16 operands in one launch,
+`megatron_patches.moe_dispatch.router_gating_in_one_launch`): 2026-12-07, session 40's device call 1 on an H100 at
+75daa4c, tests/megatron_patches/test_moe_dispatch.py `test_router_logits_in_one_launch` (3 shapes, with a token's
+logits the same at 1, 17 and 64 tokens) and the wrapper's test, 42 passed with the decode-order and combine tests.
 
 MINITE_TRY_KERNELS (a comma-separated list of names, read at import) adds kernels that wait here, for a benchmark on
 the GPU that measures one before its test has passed (both ways in one device call); a warning names them. Not for
 training runs: an unproven kernel may compute other bits than the ops it replaces."""
 
 WAITS_FOR: dict[str, str] = {
-    "router_logits": "tests/megatron_patches/test_moe_dispatch.py::test_router_logits_in_one_launch",
     "dense_packed": "tests/ops/test_ops_kernels.py::test_dense_linear_on_packed_weights_is_the_values_path "
                     "tests/rollout/test_decode.py::test_packed_weights_give_the_same_bits",
 }
 """Each waiting name's GPU test (pytest node ids, space-separated), which tools/gpu_acceptance.sh's `gate` stage runs on
 the H200:
-`router_logits`, the router's linear in one launch from its bf16 operands
-(`megatron_patches.moe_dispatch.router_gating_in_one_launch`, session 39); `dense_packed`, a rollout engine's dense
-linears on packed weights in the decode order (`megatron_patches.nvfp4_layers.DENSE_PACKED_KERNEL`, session 40; not
-a new kernel: the experts' decode-order GEMM with one group, at the dense linears' shapes and tiles). The last to
-pass theirs (2026-12-06, see PROVEN): `sampler_lse`, tests/rollout/test_sampling.py
-`test_default_logprobs_from_the_samplers_lse_on_the_gpu`; `routing_topk`, tests/megatron_patches/test_moe_dispatch.py
-`test_router_topk_softmax_in_the_same_launch`; `logits_in_place`, tests/rollout/test_decode.py
-`test_logits_in_place_replay_the_eager_bits`."""
+`dense_packed`, a rollout engine's dense linears on packed weights in the decode order
+(`megatron_patches.nvfp4_layers.DENSE_PACKED_KERNEL`, session 40; not a new kernel: the experts' decode-order GEMM
+with one group, at the dense linears' shapes and tiles). Its tests passed on an H100 at 75daa4c (session 40's call
+1); it waits here for the rows that say whether it pays (the plain order's packed dense linears were 1-4% slower
+end to end), measured through MINITE_TRY_KERNELS. The last to pass theirs (2026-12-07, see PROVEN): `router_logits`,
+tests/megatron_patches/test_moe_dispatch.py `test_router_logits_in_one_launch`."""
 WAITING = frozenset(WAITS_FOR)
 """The names above that wait for their GPU test: what MINITE_TRY_KERNELS may name."""
 

@@ -304,15 +304,15 @@ def test_router_wrapper_waits_for_its_gpu_test(monkeypatch):
 
 
 def test_router_gating_wrapper_waits_for_its_gpu_test(monkeypatch):
-    """Unproven, 'router_logits' leaves every router_gating_linear call to upstream with the same arguments; proven,
-    it still leaves CPU tensors to upstream; the install wraps Megatron's router function once."""
+    """Unproven, 'router_logits' leaves every router_gating_linear call to upstream with the same arguments; proven (as
+    it is), it still leaves CPU tensors to upstream; the install wraps Megatron's router function once."""
     import minite.megatron_patches.moe_dispatch as moe_dispatch
     from megatron.core.transformer.moe import router
     from minite.strict import fused
     calls = []
     gating = moe_dispatch.router_gating_in_one_launch(lambda *a: calls.append(a) or "upstream")
     x, w = torch.randn(3, 1, 8).bfloat16(), torch.randn(4, 8).bfloat16()
-    assert moe_dispatch.ROUTER_LOGITS_KERNEL not in fused.PROVEN - fused.TRIED  # waits for its GPU test
+    assert moe_dispatch.ROUTER_LOGITS_KERNEL in fused.PROVEN  # since its GPU test passed (2026-12-07)
     monkeypatch.setattr(fused, "PROVEN", fused.PROVEN - {moe_dispatch.ROUTER_LOGITS_KERNEL})
     assert gating(x, w, None, torch.float32) == "upstream" and calls[0] == (x, w, None, torch.float32)
     assert moe_dispatch._gating_applies(x, w, None, torch.float32)  # the kernel's call, but not proven
