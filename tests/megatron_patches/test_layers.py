@@ -213,7 +213,7 @@ def test_dense_linears_packed_for_a_rollout_wait_for_their_gpu_test(monkeypatch)
     assert not any(layers._dense_packed_applies(lin, lin.weight) for lin in lins)  # weight_values on
     ctx.weight_values = False
     ctx.weights_updated()
-    assert layers.DENSE_PACKED_KERNEL not in fused.PROVEN - fused.TRIED  # waits for its GPU test
+    assert layers.DENSE_PACKED_KERNEL not in fused.PROVEN - fused.TRIED  # waits (WAITS_FOR)
     assert not layers._dense_packed_applies(lins[0], torch.empty(8, 272))  # K outside the decode order
     gpu = types.SimpleNamespace(is_cuda=True, dim=lambda: 2, shape=(384, 128))
     assert all(layers._dense_packed_applies(lin, lin.weight) and not layers._dense_packed(lin, lin.weight)
