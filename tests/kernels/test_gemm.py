@@ -254,7 +254,8 @@ def test_default_tiles_fill_the_gpu_at_decode_sizes():
     """default_config's GPU tiles: the training tile where a launch has programs for every SM, a 64x64 tile for a
     dense layer at a rollout's batch of up to 256 rows (the training tile would leave most SMs idle), decode tiles for
     few rows per expert, 128 columns wide for packed weights in the decode order, K 256 at a time for the experts'
-    FC1 (K >= 2048) at up to 8 rows per expert in the decode order."""
+    FC1 (K >= 2048) at up to 8 rows per expert in the decode order; a dense linear on packed weights in the decode
+    order (one group) at up to 256 rows takes swapped 16-row tiles (K 256 at a time) to 64 rows, 32-row ones above."""
     from minite.kernels.nvfp4_gemm import FEW_PROGRAMS, default_config
     train = default_config(1024, False, rows=131072, n=1536)
     assert (train.block_m, train.block_n) == (128, 256)
@@ -270,6 +271,11 @@ def test_default_tiles_fill_the_gpu_at_decode_sizes():
     fc1, fc2 = (default_config(4, False, packed=True, ordered=True, k=k) for k in (2048, 768))
     assert (fc1.block_k, fc1.num_stages, fc2.block_k, fc2.num_stages) == (256, 3, 128, 4)
     assert default_config(4, False, packed=True, k=2048).block_k == 128  # packed, not in the decode order
+    dense = [default_config(r, False, packed=True, ordered=True, rows=r, n=5120, k=2048, groups=1) for r in (1, 64, 65)]
+    assert [(c.block_m, c.block_k, c.swap_ab) for c in dense] == [(16, 256, True), (16, 256, True), (32, 128, True)]
+    assert default_config(64, False, packed=True, ordered=True, rows=64, k=1152, groups=1).block_k == 128  # K % 256
+    assert default_config(300, False, packed=True, ordered=True, rows=300, n=5120, k=2048, groups=1).block_m == 128
+    assert default_config(64, False, packed=True, ordered=True, rows=128, k=2048, groups=2).block_m == 64  # experts
 
 
 def test_decode_scales_are_the_loops_decode_of_every_byte():
