@@ -100,12 +100,18 @@ def grouped_gemm(a: NVFP4Tensor, weights, tokens_per_expert, *, out_dtype: torch
     """Per-expert a_e @ w_e^T over rows of `a` grouped contiguously by expert (Megatron's permuted layout).
 
     weights: a list of NVFP4Tensor [N, K] or an NVFP4Stack. transpose_weights: a_e @ w_e instead, with w_e^T the
-    exact transpose of 16x16-block weights (the MoE dgrad; the kernels read a stack's block values in place)."""
+    exact transpose of 16x16-block weights (the MoE dgrad; the kernels read a stack's block values in place).
+    tokens_per_expert None: one member's weights, every row its group (a dense GEMM; the kernels take the row count
+    as an argument, no counts tensor)."""
     if not len(weights):
         raise ValueError("grouped_gemm: no expert weights")
+    if tokens_per_expert is None and len(weights) != 1:
+        raise ValueError(f"grouped_gemm: tokens_per_expert None (one group of all rows) needs one member's weights, "
+                         f"got {len(weights)}")
     name, _ = resolve(backend, a.data, op="gemm")
     if name == "triton":
         return kernel("grouped_gemm")(a, weights, tokens_per_expert, out_dtype, transpose_weights=transpose_weights)
     if transpose_weights:
         weights = [w.t() for w in weights]
-    return grouped_gemm_reference(a, weights, tokens_per_expert, out_dtype)
+    return grouped_gemm_reference(a, weights, [a.shape[0]] if tokens_per_expert is None else tokens_per_expert,
+                                  out_dtype)

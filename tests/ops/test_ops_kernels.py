@@ -51,7 +51,8 @@ def test_dense_linear_on_packed_weights_is_the_values_path(n, k):
     on a GPU at the slice's QKV and output projection and the rows of every tile default_config gives either side
     (decode batches 1-256, a prefill's 512), under the interpreter at small shapes and, forced, at decode-order tiles
     (the interpreter's own tile reads K 64 at a time, in the plain order); a zero row zero, a large one finite,
-    [S, B, K] inputs as [S*B, K]. The GPU test of "dense_packed" (minite.strict.fused.WAITS_FOR)."""
+    [S, B, K] inputs as [S*B, K], no rows none, the reference's one group its dense GEMM. The GPU test of
+    "dense_packed" (minite.strict.fused.WAITS_FOR)."""
     from minite.kernels.nvfp4_gemm import GemmConfig, gemm_triton, grouped_gemm_triton
     from minite.ops import nvfp4_linear_forward, nvfp4_linear_forward_packed, quantize_weight, quantize_weight_packed
     from minite.ops.common import quantize_scoped
@@ -79,8 +80,17 @@ def test_dense_linear_on_packed_weights_is_the_values_path(n, k):
             for c in (GemmConfig(16, 32, 128, 4, 1, swap_ab=True), GemmConfig(16, 32, 256, 4, 1)):
                 assert torch.equal(grouped_gemm_triton(xq, packed, one, torch.bfloat16, config=c),
                                    gemm_triton(xq, values, torch.bfloat16, config=c)), (rows, c)
+    assert nvfp4_linear_forward_packed(x[:0], packed, recipe, backend="triton").shape == (0, n)
+    ref = nvfp4_linear_forward_packed(x, quantize_weight_packed(w, recipe, backend="reference"), recipe,
+                                      backend="reference")  # one group of every row on the reference too
+    assert torch.equal(ref, nvfp4_linear_forward(x, quantize_weight(w, recipe, backend="reference"), recipe,
+                                                 backend="reference"))
     with pytest.raises(ValueError, match="one-member NVFP4Stack"):
         nvfp4_linear_forward_packed(x, values, recipe, backend="triton")
+    from minite.nvfp4 import NVFP4Stack, grouped_gemm
+    two = NVFP4Stack.from_tensors([values, values])
+    with pytest.raises(ValueError, match="needs one member's weights, got 2"):
+        grouped_gemm(quantize_scoped(x, recipe.activation, seed=None, backend="triton"), two, None)
 
 
 def test_dense_dgrad_reads_the_cached_weight_in_place():
