@@ -339,15 +339,16 @@ FEW_PROGRAMS = 132
 
 def default_config(rows_per_group: int, interpreter: bool, packed: bool = False, *, ordered: bool = False,
                    rows: int | None = None, n: int | None = None, k: int | None = None,
-                   groups: int | None = None) -> GemmConfig:
+                   dense: bool = False) -> GemmConfig:
     """Training-sized tiles for many rows per group, decode tiles (BLOCK_M=16, narrow N, long K) for few; packed
     weights (the nibble decode is the cost) take 32-row tiles from 9 rows per group on, 128 columns wide in the decode
     order (`ordered`); up to 8 rows per group in the decode order with K >= 2048 (the experts' FC1) read K 256 at a
     time. rows, n: the launch's total rows and N; where the training tile would make fewer programs
     than FEW_PROGRAMS at up to 256 rows (a dense layer at a rollout's decode batch; larger launches were not measured)
-    a 64x64 tile takes its place. groups: the launch's groups; one group of packed weights in the decode order at up
-    to 256 rows (a rollout's dense linear on packed weights, megatron_patches.nvfp4_layers.DENSE_PACKED_KERNEL) takes
-    swapped 16-row tiles reading K 256 at a time up to 64 rows, 32-row tiles above."""
+    a 64x64 tile takes its place. dense: one group of every row (a launch without counts, SINGLE); of packed weights
+    in the decode order at up to 256 rows (a rollout's dense linear on packed weights,
+    megatron_patches.nvfp4_layers.DENSE_PACKED_KERNEL) it takes swapped 16-row tiles reading K 256 at a time up to 64
+    rows, 32-row tiles above (an expert launch with one expert keeps the experts' tiles)."""
     if interpreter:
         return GemmConfig(16, 32, 64, 4, 1)
     # measured on the H200 (docs/benchmarks.md): FC1 of the expert block, 131072 rows, 128x256x64: 525 TFLOP/s
@@ -368,7 +369,7 @@ def default_config(rows_per_group: int, interpreter: bool, packed: bool = False,
     # rollout-dense-h100.json, each bitwise the training tile): QKV (N 5120, K 2048) / output projection (N 2048,
     # K 4096) 16x64x256 swapped 8.1 / 12.2 us at 1 and 8 rows, 12.3 / 12.2 at 64 (64x64x128: 21.2 / 39.4; fp16 values
     # at the shipped tile 10.8 / 12.7 and 12.3 / 15.1); 32x64x128 swapped 24.4 / 19.8 at 256 (values 27.9 / 16.5)
-    if packed and ordered and groups == 1 and rows is not None and rows <= 256:
+    if packed and ordered and dense and rows is not None and rows <= 256:
         if rows <= 64:
             return GemmConfig(16, 64, 256, 4, 3, swap_ab=True) if k is not None and k % 256 == 0 \
                 else GemmConfig(16, 64, 128, 4, 4, swap_ab=True)
@@ -496,7 +497,7 @@ def grouped_gemm_triton(a: NVFP4Tensor, weights, tokens_per_expert, out_dtype=to
         raise ValueError(f"tokens_per_expert None (one group of all rows) needs one expert's weights, got {experts}")
     cfg = config or default_config(rows_hint or max(1, t_rows // experts), interpreting(), w.values is None,
                                    ordered=w.decode_data is not None and not b_trans, rows=t_rows, n=n, k=k,
-                                   groups=experts)
+                                   dense=single)
     out = torch.empty(t_rows, n, dtype=out_dtype, device=dev)
     counts = out if single else _as_group_tensors(tokens_per_expert, experts, dev)  # out: a pointer never read
     max_tiles = cdiv(t_rows, cfg.block_m) + experts

@@ -242,8 +242,8 @@ def _install_routing_in_one_launch() -> None:
 def use_local_dispatch(model: torch.nn.Module) -> int:
     """Give every eligible MoE layer of `model` a `LocalTokenDispatcher` (idempotent); returns how many layers have
     one. Layers that are not eligible (module docstring) keep their dispatcher. The router's dense outputs take one
-    launch from then on (`routing_in_one_launch`; the same tensors, for every model in the process), and its linear
-    too once proven (`router_gating_in_one_launch`)."""
+    launch from then on (`routing_in_one_launch`; the same tensors, for every model in the process), and so does its
+    linear (`router_gating_in_one_launch`, proven since 2026-12-07)."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     n = switched = 0

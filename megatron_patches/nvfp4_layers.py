@@ -187,15 +187,15 @@ def _check_linear(layer, name: str) -> None:
 
 
 DENSE_PACKED_KERNEL = "dense_packed"
-"""The name in `minite.strict.fused` (in WAITS_FOR: its GPU tests passed on an H100 on 2026-12-07, and it waits for
-rows that say it pays) of a rollout engine's dense linears on packed weights: with NVFP4Context.weight_values off
-(the engine's `rollout.packed_weights`) every NVFP4 dense linear (QKV, output projection, a shared expert's) whose K
-takes the decode order caches its weight as packed codes, also in the decode order, and runs the grouped kernel with
-one group (`minite.ops.nvfp4_linear_forward_packed`: the same bits as on fp16 block values). A GEMM then reads ~0.51
-B a weight (codes and 16x16 scales) instead of 2, and the cache holds ~1.0 B (the codes in both orders) instead of
-~2.5; a prefill's GEMMs decode nibbles too, as the experts' do. Decode-size dense GEMMs run on few programs, where
-the nibble decode once cost more than the bytes saved (1-4% slower end to end in the plain order,
-docs/benchmarks.md); the decode order has since made the experts faster."""
+"""The name in `minite.strict.fused` (in WAITS_FOR: its GPU tests passed on an H100 on 2026-12-07 at its first tiles,
+and it waits for them at the present ones and for rows that say it pays) of a rollout engine's dense linears on
+packed weights: with NVFP4Context.weight_values off (the engine's `rollout.packed_weights`) every NVFP4 dense linear
+(QKV, output projection, a shared expert's) whose K takes the decode order caches its weight as packed codes, also
+in the decode order, and runs the grouped kernel with one group (`minite.ops.nvfp4_linear_forward_packed`: the same
+bits as on fp16 block values). A GEMM then reads ~0.51 B a weight (codes and 16x16 scales) instead of 2, and the
+cache holds ~1.0 B (the codes in both orders) instead of ~2.5; a prefill's GEMMs decode nibbles too, as the experts'
+do. Decode-size dense GEMMs run on few programs, where the nibble decode once cost more than the bytes saved (1-4%
+slower end to end in the plain order, docs/benchmarks.md); the decode order has since made the experts faster."""
 
 
 def _dense_packed_applies(layer, weight: torch.Tensor) -> bool:

@@ -117,14 +117,15 @@ WAITS_FOR: dict[str, str] = {
     "dense_packed": "tests/ops/test_ops_kernels.py::test_dense_linear_on_packed_weights_is_the_values_path "
                     "tests/rollout/test_decode.py::test_packed_weights_give_the_same_bits",
 }
-"""Each waiting name's GPU test (pytest node ids, space-separated), which tools/gpu_acceptance.sh's `gate` stage runs on
-the H200:
-`dense_packed`, a rollout engine's dense linears on packed weights in the decode order
+"""Each waiting name's GPU test (pytest node ids, space-separated), which tools/gpu_acceptance.sh's `gate` stage runs
+on the H200: `dense_packed`, a rollout engine's dense linears on packed weights in the decode order
 (`megatron_patches.nvfp4_layers.DENSE_PACKED_KERNEL`, session 40; not a new kernel: the experts' decode-order GEMM
 with one group, at the dense linears' shapes and tiles). Its tests passed on an H100 at 75daa4c (session 40's call
-1); it waits here for the rows that say whether it pays (the plain order's packed dense linears were 1-4% slower
-end to end), measured through MINITE_TRY_KERNELS. The last to pass theirs (2026-12-07, see PROVEN): `router_logits`,
-tests/megatron_patches/test_moe_dispatch.py `test_router_logits_in_one_launch`."""
+1), before 586af79 changed its tiles from 9 rows on and 224abc9 its row count to SINGLE's argument (the CPU tests
+pass with both; the sweep of call 3 found the new tiles bitwise the training tile's at 1, 8, 64 and 256 rows); it
+waits here for its tests at those and for the rows that say whether it pays (the plain order's packed dense linears
+were 1-4% slower end to end), measured through MINITE_TRY_KERNELS. The last to pass theirs (2026-12-07, see PROVEN):
+`router_logits`, tests/megatron_patches/test_moe_dispatch.py `test_router_logits_in_one_launch`."""
 WAITING = frozenset(WAITS_FOR)
 """The names above that wait for their GPU test: what MINITE_TRY_KERNELS may name."""
 

@@ -271,11 +271,13 @@ def test_default_tiles_fill_the_gpu_at_decode_sizes():
     fc1, fc2 = (default_config(4, False, packed=True, ordered=True, k=k) for k in (2048, 768))
     assert (fc1.block_k, fc1.num_stages, fc2.block_k, fc2.num_stages) == (256, 3, 128, 4)
     assert default_config(4, False, packed=True, k=2048).block_k == 128  # packed, not in the decode order
-    dense = [default_config(r, False, packed=True, ordered=True, rows=r, n=5120, k=2048, groups=1) for r in (1, 64, 65)]
+    dense = [default_config(r, False, packed=True, ordered=True, rows=r, n=5120, k=2048, dense=True)
+             for r in (1, 64, 65)]
     assert [(c.block_m, c.block_k, c.swap_ab) for c in dense] == [(16, 256, True), (16, 256, True), (32, 128, True)]
-    assert default_config(64, False, packed=True, ordered=True, rows=64, k=1152, groups=1).block_k == 128  # K % 256
-    assert default_config(300, False, packed=True, ordered=True, rows=300, n=5120, k=2048, groups=1).block_m == 128
-    assert default_config(64, False, packed=True, ordered=True, rows=128, k=2048, groups=2).block_m == 64  # experts
+    assert default_config(64, False, packed=True, ordered=True, rows=64, k=1152, dense=True).block_k == 128  # K % 256
+    assert default_config(300, False, packed=True, ordered=True, rows=300, n=5120, k=2048, dense=True).block_m == 128
+    one_expert = default_config(64, False, packed=True, ordered=True, rows=64, n=5120, k=2048)  # counts: the experts'
+    assert (one_expert.block_m, one_expert.swap_ab) == (64, False)
 
 
 def test_decode_scales_are_the_loops_decode_of_every_byte():

@@ -303,7 +303,7 @@ def test_router_wrapper_waits_for_its_gpu_test(monkeypatch):
     assert not moe_dispatch._dense_in_one_launch(gpu)
 
 
-def test_router_gating_wrapper_waits_for_its_gpu_test(monkeypatch):
+def test_router_gating_wrapper_takes_only_proven_gpu_calls(monkeypatch):
     """Unproven, 'router_logits' leaves every router_gating_linear call to upstream with the same arguments; proven (as
     it is), it still leaves CPU tensors to upstream; the install wraps Megatron's router function once."""
     import minite.megatron_patches.moe_dispatch as moe_dispatch

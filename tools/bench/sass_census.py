@@ -71,8 +71,8 @@ from minite.kernels import nvfp4_gemm as ng, nvfp4_wgrad as nw  # noqa: E402
 
 SIGNATURE = {"a_data": "*u8", "a_scale": "*u8", "a_vals": "*fp16", "a_amax": "*fp32", "a_amax_stride": "i32",
              "b_data": "*u8", "b_scale": "*u8", "b_vals": "*u8", "b_amax": "*fp32", "b_amax_stride_e": "i32",
-             "b_amax_stride_n": "i32", "c_ptr": "*bf16", "count_ptr": "*i32", "single_rows": "i32", "E": "i32", "N": "i32",
-             "K": "i32", "factor_inv": "fp32"}
+             "b_amax_stride_n": "i32", "c_ptr": "*bf16", "count_ptr": "*i32", "single_rows": "i32", "E": "i32",
+             "N": "i32", "K": "i32", "factor_inv": "fp32"}
 VARIANTS = {"triton": dict(PTX=False, DECODE_ORDER=False), "ptx": dict(PTX=True, DECODE_ORDER=False),
             "ptx_decode_order_u8_scales": dict(PTX=True, DECODE_ORDER=True),
             "ptx_decode_order": dict(PTX=True, DECODE_ORDER=True, B_F16_SCALES=True)}
