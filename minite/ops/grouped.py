@@ -108,28 +108,11 @@ def nvfp4_grouped_linear_forward(x: torch.Tensor, w_q, tokens_per_expert, recipe
 def quantize_weight_packed(weight: torch.Tensor, recipe: NVFP4Recipe, *, backend: str = "auto") -> NVFP4Stack:
     """A dense W [N, K] as a one-member NVFP4Stack of packed codes, on the kernels also in the decode order with its
     scales decoded (K % 128 == 0; `quantize_expert_weights(values=False)`): what `nvfp4_linear_forward_packed`
-    reads. The codes and scales are `quantize_weight`'s (the same role: 16x16 blocks, one global scale)."""
+    (minite.ops.linear) reads. The codes and scales are `quantize_weight`'s (the same role: 16x16 blocks, one global
+    scale)."""
     if weight.dim() != 2:
         raise ValueError(f"quantize_weight_packed expects a 2-D weight [N, K], got shape {tuple(weight.shape)}")
     return quantize_expert_weights(weight[None], recipe, backend=backend, values=False)
-
-
-def nvfp4_linear_forward_packed(x: torch.Tensor, w_q: NVFP4Stack, recipe: NVFP4Recipe, *, backend: str = "auto",
-                                out_dtype: Optional[torch.dtype] = None,
-                                finite: Optional[FiniteFlag] = None) -> torch.Tensor:
-    """Forward only: y = Q_act(x) @ W^T for x [..., K] with W from `quantize_weight_packed`: the grouped GEMM with one
-    group of all rows (the dense GEMM is that kernel with one group too), reading ~0.51 B a weight (codes and scales)
-    instead of the fp16 block values' 2 B: bitwise `nvfp4_linear_forward` on the same weight (a rollout's decode-size
-    GEMMs; the row count is a kernel argument, as the dense GEMM's: no counts tensor, no launch to fill one)."""
-    if not isinstance(w_q, NVFP4Stack) or len(w_q) != 1:
-        raise ValueError("nvfp4_linear_forward_packed: w_q must be a one-member NVFP4Stack (quantize_weight_packed)")
-    lead, k = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, k)
-    dtype = out_dtype or x.dtype
-    if x2.shape[0] == 0:
-        return x.new_zeros(*lead, w_q.shape[0], dtype=dtype)
-    xq = quantize_scoped(x2, recipe.activation, seed=None, backend=backend, finite=finite)
-    return grouped_gemm(xq, w_q, None, out_dtype=dtype, backend=backend).reshape(*lead, w_q.shape[0])
 
 
 def nvfp4_swiglu_fc2_forward(h: torch.Tensor, probs: torch.Tensor, w_q, tokens_per_expert, recipe: NVFP4Recipe, *,

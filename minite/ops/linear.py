@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from minite.nvfp4 import NVFP4Recipe, NVFP4Tensor, gemm
+from minite.nvfp4 import NVFP4Recipe, NVFP4Stack, NVFP4Tensor, gemm, grouped_gemm
 from minite.nvfp4.grouped import padded
 
 from .common import ROLES, FiniteFlag, derive_seed, group_size, pad_rows, quantize_scoped
@@ -41,18 +41,35 @@ def quantize_weight(weight: torch.Tensor, recipe: NVFP4Recipe, *, backend: str =
     return quantize_scoped(weight, recipe.weight, seed=None, backend=backend, amax_group=amax_group, values=values)
 
 
-def nvfp4_linear_forward(x: torch.Tensor, w_q: NVFP4Tensor, recipe: NVFP4Recipe, *, backend: str = "auto",
+def nvfp4_linear_forward(x: torch.Tensor, w_q, recipe: NVFP4Recipe, *, backend: str = "auto",
                          amax_group=None, out_dtype: Optional[torch.dtype] = None,
                          finite: Optional[FiniteFlag] = None) -> torch.Tensor:
-    """Forward only (no autograd): y = Q_act(x) @ w_q^T for x [..., K]; the same math as `nvfp4_linear`. finite:
-    where x is recorded if the quantiser does not check it (`quantize_scoped`)."""
+    """Forward only (no autograd): y = Q_act(x) @ w_q^T for x [..., K]; the same math as `nvfp4_linear`. w_q: an
+    NVFP4Tensor, or a one-member NVFP4Stack of packed codes (`nvfp4_linear_forward_packed`). finite: where x is
+    recorded if the quantiser does not check it (`quantize_scoped`)."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.shape[0] == 0:
         return x.new_zeros(*lead, w_q.shape[0], dtype=out_dtype or x.dtype)
     xq = quantize_scoped(x2, recipe.activation, seed=None, backend=backend, amax_group=amax_group, finite=finite)
-    y = gemm(xq, w_q, out_dtype=out_dtype or x.dtype, backend=backend)  # fp32 result rounded once
+    if isinstance(w_q, NVFP4Stack):  # packed, one member (nvfp4_linear_forward_packed): one group of every row
+        y = grouped_gemm(xq, w_q, None, out_dtype=out_dtype or x.dtype, backend=backend)
+    else:
+        y = gemm(xq, w_q, out_dtype=out_dtype or x.dtype, backend=backend)  # fp32 result rounded once
     return y.reshape(*lead, w_q.shape[0])
+
+
+def nvfp4_linear_forward_packed(x: torch.Tensor, w_q: NVFP4Stack, recipe: NVFP4Recipe, *, backend: str = "auto",
+                                out_dtype: Optional[torch.dtype] = None,
+                                finite: Optional[FiniteFlag] = None) -> torch.Tensor:
+    """Forward only: y = Q_act(x) @ W^T for x [..., K] with W from `quantize_weight_packed` (minite.ops.grouped): the
+    grouped GEMM with one group of all rows (the dense GEMM is that kernel with one group too), reading ~0.51 B a
+    weight (codes and scales) instead of the fp16 block values' 2 B: bitwise `nvfp4_linear_forward` on the same
+    weight (a rollout's decode-size GEMMs; the row count is a kernel argument, as the dense GEMM's: no counts tensor,
+    no launch to fill one)."""
+    if not isinstance(w_q, NVFP4Stack) or len(w_q) != 1:
+        raise ValueError("nvfp4_linear_forward_packed: w_q must be a one-member NVFP4Stack (quantize_weight_packed)")
+    return nvfp4_linear_forward(x, w_q, recipe, backend=backend, out_dtype=out_dtype, finite=finite)
 
 
 

@@ -54,6 +54,7 @@ def test_dense_linear_on_packed_weights_is_the_values_path(n, k):
     [S, B, K] inputs as [S*B, K], no rows none, the reference's one group its dense GEMM. The GPU test of
     "dense_packed" (minite.strict.fused.WAITS_FOR)."""
     from minite.kernels.nvfp4_gemm import GemmConfig, gemm_triton, grouped_gemm_triton
+    from minite.nvfp4 import NVFP4Stack, grouped_gemm
     from minite.ops import nvfp4_linear_forward, nvfp4_linear_forward_packed, quantize_weight, quantize_weight_packed
     from minite.ops.common import quantize_scoped
     g = torch.Generator().manual_seed(n + k)
@@ -87,7 +88,6 @@ def test_dense_linear_on_packed_weights_is_the_values_path(n, k):
                                                  backend="reference"))
     with pytest.raises(ValueError, match="one-member NVFP4Stack"):
         nvfp4_linear_forward_packed(x, values, recipe, backend="triton")
-    from minite.nvfp4 import NVFP4Stack, grouped_gemm
     two = NVFP4Stack.from_tensors([values, values])
     with pytest.raises(ValueError, match="needs one member's weights, got 2"):
         grouped_gemm(quantize_scoped(x, recipe.activation, seed=None, backend="triton"), two, None)
