@@ -291,9 +291,7 @@ def section_block(res: dict, train_cfg: GemmConfig | None) -> None:
 DECODE_CANDIDATES = [GemmConfig(16, 64, 128, 4, 4), GemmConfig(16, 128, 128, 4, 4), GemmConfig(32, 64, 128, 4, 4),
                      GemmConfig(16, 64, 128, 4, 4, True), GemmConfig(16, 128, 128, 4, 4, True),
                      GemmConfig(16, 64, 256, 4, 4, True), GemmConfig(16, 64, 128, 4, 6, True),
-                     GemmConfig(32, 64, 128, 4, 4, True), GemmConfig(16, 128, 128, 8, 4, True),
-                     GemmConfig(16, 32, 256, 2, 3, True), GemmConfig(16, 16, 256, 1, 4, True),
-                     GemmConfig(16, 16, 512, 1, 3, True), GemmConfig(32, 32, 256, 2, 3, True)]
+                     GemmConfig(32, 64, 128, 4, 4, True), GemmConfig(16, 128, 128, 8, 4, True)]
 def section_decode(res: dict, decode_cfg: GemmConfig | None) -> None:
     sets, e, n, k = 8, 8, 2 * FFN, HIDDEN
     wb = [(torch.randn(e, k, n, device="cuda") * k ** -0.5).bfloat16() for _ in range(sets)]  # bmm layout [E, K, N]

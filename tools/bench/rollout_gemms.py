@@ -19,9 +19,6 @@ HIDDEN, FFN, EXPERTS, TOPK = 2048, 768, 128, 8
 ROLLOUT_TILES = [GemmConfig(*c) for c in (  # the first is FC2's default below 9 rows per expert, the 4th FC1's
     (16, 64, 128, 4, 4, True), (16, 128, 128, 4, 4, True), (16, 128, 128, 8, 4, True), (16, 64, 256, 4, 3, True),
     (16, 128, 256, 8, 3, True), (32, 64, 128, 4, 4, True), (16, 64, 128, 4, 4), (32, 128, 128, 4, 3, True))]
-NARROW_TILES = [GemmConfig(*c) for c in (  # fewer weight rows a program, more programs in flight (decode order only)
-    (16, 32, 256, 2, 3, True), (16, 32, 256, 4, 3, True), (16, 16, 256, 1, 4, True), (16, 16, 512, 1, 3, True),
-    (16, 32, 512, 2, 3, True), (32, 32, 256, 2, 3, True))]
 
 
 def section_rollout_gemm(res: dict, batches=(1, 8, 64, 256)) -> None:
@@ -60,7 +57,6 @@ def section_rollout_gemm(res: dict, batches=(1, 8, 64, 256)) -> None:
             best = None
             variants = [("triton", packed, c) for c in ROLLOUT_TILES[:2]] \
                 + [(v, w, c) for v, w in (("ptx", packed), ("ptx_decode_order", ordered)) for c in ROLLOUT_TILES] \
-                + [("ptx_decode_order", ordered, c) for c in NARROW_TILES] \
                 + [("ptx_decode_order_u8_scales", dataclasses.replace(ordered, decode_scale=None), ROLLOUT_TILES[0])]
             for name, wts, c in variants:
                 ng.PTX_DECODE = name != "triton"
