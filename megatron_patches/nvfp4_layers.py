@@ -85,10 +85,9 @@ class NVFP4Context:
     weight_values: bool = True
     """Quantised expert weights keep fp16 block values for the kernels (2 B per element; the learner's large-M GEMMs)
     or only the packed codes, also in the decode order (0.56 B each; the kernels decode them: the same bits, a quarter
-    of the bytes, for a rollout engine's decode steps). The dense linears keep values either way until
-    DENSE_PACKED_KERNEL is proven (then they too are packed where this is off): at decode sizes their GEMMs run on
-    few CTAs, where decoding nibbles once cost more than the bytes saved. Set before the first forward (or call
-    weights_updated())."""
+    of the bytes, for a rollout engine's decode steps). With this off, the dense linears whose K takes the decode
+    order are packed too on a GPU's kernels (DENSE_PACKED_KERNEL, proven there). Set before the first forward (or
+    call weights_updated())."""
     track_finite: bool = False
     """Record into `finite` at all: set by the reader (the embedded engine). A model nobody checks (the learner, whose
     loss and grad norm show a NaN anyway) pays no extra read of every quantised tensor."""
@@ -187,15 +186,15 @@ def _check_linear(layer, name: str) -> None:
 
 
 DENSE_PACKED_KERNEL = "dense_packed"
-"""The name in `minite.strict.fused` (in WAITS_FOR: its GPU tests passed on an H100 on 2026-12-07 at its first tiles,
-and it waits for them at the present ones and for rows that say it pays) of a rollout engine's dense linears on
+"""The name in `minite.strict.fused.PROVEN` (its GPU tests passed on an H100 on 2026-12-07 at the tiles it ships with;
+routed, the rollout slice's decode step took the same time, see fused.PROVEN) of a rollout engine's dense linears on
 packed weights: with NVFP4Context.weight_values off (the engine's `rollout.packed_weights`) every NVFP4 dense linear
 (QKV, output projection, a shared expert's) whose K takes the decode order caches its weight as packed codes, also
 in the decode order, and runs the grouped kernel with one group (`minite.ops.nvfp4_linear_forward_packed`: the same
 bits as on fp16 block values). A GEMM then reads ~0.51 B a weight (codes and 16x16 scales) instead of 2, and the
 cache holds ~1.0 B (the codes in both orders) instead of ~2.5; a prefill's GEMMs decode nibbles too, as the experts'
 do. Decode-size dense GEMMs run on few programs, where the nibble decode once cost more than the bytes saved (1-4%
-slower end to end in the plain order, docs/benchmarks.md); the decode order has since made the experts faster."""
+slower end to end in the plain order, docs/benchmarks.md); in the decode order, at its tiles, it costs what it saves."""
 
 
 def _dense_packed_applies(layer, weight: torch.Tensor) -> bool:

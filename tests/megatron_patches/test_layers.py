@@ -191,11 +191,12 @@ def test_nvfp4_layers_run_the_op_functions():
     assert bias is None and torch.equal(got, want)
 
 
-def test_dense_linears_packed_for_a_rollout_wait_for_their_gpu_test(monkeypatch):
-    """With a rollout engine's weight_values off, the QKV and output projections keep fp16 block values until
-    "dense_packed" is proven (and off a GPU's kernels); where it applies (K % 128 == 0, not with weight_values on)
-    they cache a one-member packed stack, in the decode order on the kernels, give bitwise the values path's output
-    without autograd, refuse a backward, and take a weight update in place (the decode order too)."""
+def test_dense_linears_packed_for_a_rollout(monkeypatch):
+    """With a rollout engine's weight_values off, the QKV and output projections cache a one-member packed stack on a
+    GPU's kernels ("dense_packed", proven there) and keep fp16 block values elsewhere (the CPU, weight_values on, K
+    outside the decode order, the name taken out of PROVEN); packed, in the decode order on the kernels, they give
+    bitwise the values path's output without autograd, refuse a backward, and take a weight update in place (the
+    decode order too)."""
     import types
 
     import minite.megatron_patches.nvfp4_layers as layers
@@ -213,16 +214,18 @@ def test_dense_linears_packed_for_a_rollout_wait_for_their_gpu_test(monkeypatch)
     assert not any(layers._dense_packed_applies(lin, lin.weight) for lin in lins)  # weight_values on
     ctx.weight_values = False
     ctx.weights_updated()
-    assert layers.DENSE_PACKED_KERNEL not in fused.PROVEN - fused.TRIED  # waits (WAITS_FOR)
+    assert layers.DENSE_PACKED_KERNEL in fused.PROVEN
     assert not layers._dense_packed_applies(lins[0], torch.empty(8, 272))  # K outside the decode order
     gpu = types.SimpleNamespace(is_cuda=True, dim=lambda: 2, shape=(384, 128))
     assert all(layers._dense_packed_applies(lin, lin.weight) and not layers._dense_packed(lin, lin.weight)
-               for lin in lins) and not layers._dense_packed(lins[0], gpu)  # unproven
+               for lin in lins)  # the CPU's weights
     with torch.no_grad():
         assert all(torch.equal(lin(x)[0], w) and isinstance(cache(lin), NVFP4Tensor) for lin, w in zip(lins, want))
-    monkeypatch.setattr(fused, "PROVEN", fused.PROVEN | {layers.DENSE_PACKED_KERNEL})
     monkeypatch.setattr(layers, "resolve", lambda *a, **k: ("triton", "test"))
     assert layers._dense_packed(lins[0], gpu) and not layers._dense_packed(lins[0], lins[0].weight)  # the CPU's
+    with monkeypatch.context() as m:
+        m.setattr(fused, "PROVEN", fused.PROVEN - {layers.DENSE_PACKED_KERNEL})
+        assert not layers._dense_packed(lins[0], gpu)  # unproven: values
     monkeypatch.setattr(layers, "_dense_packed", layers._dense_packed_applies)  # as on a GPU, proven
     ctx.weights_updated()
     with torch.no_grad():

@@ -51,8 +51,9 @@ def test_dense_linear_on_packed_weights_is_the_values_path(n, k):
     on a GPU at the slice's QKV and output projection and the rows of every tile default_config gives either side
     (decode batches 1-256, a prefill's 512), under the interpreter at small shapes and, forced, at decode-order tiles
     (the interpreter's own tile reads K 64 at a time, in the plain order); a zero row zero, a large one finite,
-    [S, B, K] inputs as [S*B, K], no rows none, the reference's one group its dense GEMM. The GPU test of
-    "dense_packed" (minite.strict.fused.WAITS_FOR)."""
+    [S, B, K] inputs as [S*B, K], no rows none, the reference's one group its dense GEMM. With
+    tests/rollout/test_decode.py::test_packed_weights_give_the_same_bits, the GPU test that proved "dense_packed"
+    (minite.strict.fused.PROVEN)."""
     from minite.kernels.nvfp4_gemm import GemmConfig, gemm_triton, grouped_gemm_triton
     from minite.nvfp4 import NVFP4Stack, grouped_gemm
     from minite.ops import nvfp4_linear_forward, nvfp4_linear_forward_packed, quantize_weight, quantize_weight_packed

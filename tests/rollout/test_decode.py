@@ -394,15 +394,15 @@ def test_observed_engine_runs_every_step_eagerly_with_the_same_bits():
 def test_packed_weights_give_the_same_bits(strict, width, dense, monkeypatch):
     """rollout.packed_weights: the expert GEMMs read the weights' packed codes (in the decode order where K % 128 == 0)
     instead of fp16 block values (a quarter of the bytes); the decoded operands are the same numbers, so tokens and
-    log-probs are the same bits. The dense linears keep their values until "dense_packed" is proven
-    (megatron_patches.nvfp4_layers.DENSE_PACKED_KERNEL); then those whose K takes the decode order (at width 128)
-    are packed too (`dense`: as if proven). Part of that name's GPU test (minite.strict.fused.WAITS_FOR)."""
+    log-probs are the same bits. The dense linears whose K takes the decode order (at width 128) are packed too
+    ("dense_packed", megatron_patches.nvfp4_layers.DENSE_PACKED_KERNEL, proven on an H100 on 2026-12-07 by this test
+    and the op's); `dense` False: as if unproven, they keep their fp16 block values."""
     from minite.megatron_patches.nvfp4_layers import (DENSE_PACKED_KERNEL, GroupedExperts, NVFP4ColumnParallelLinear,
                                                       NVFP4RowParallelLinear)
     from minite.nvfp4 import NVFP4Stack, decode_order
     from minite.strict import fused
-    if dense:
-        monkeypatch.setattr(fused, "PROVEN", fused.PROVEN | {DENSE_PACKED_KERNEL})
+    if not dense:
+        monkeypatch.setattr(fused, "PROVEN", fused.PROVEN - {DENSE_PACKED_KERNEL})
     values = _engine("nvfp4", strict, "rollout.packed_weights=false", *width)
     packed = _engine("nvfp4", strict, "rollout.packed_weights=true", *width)
     packed.update_weights(values.named_weights())
