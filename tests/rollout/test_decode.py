@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from minite.config import load_config
 from minite.rollout import SamplingParams
 from minite.rollout.embedded import build_embedded
+from tests.tolerances import TOLERANCES
 
 TINY = ["model.num_layers=2", "model.hidden_size=64", "model.vocab_size=64", "model.num_experts=8",
         "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32", "model.max_position_embeddings=64", "rl.seed=5"]
@@ -372,7 +373,10 @@ def test_stale_graphs_are_dropped_when_the_caches_are_made_anew():
 
 def test_observed_engine_runs_every_step_eagerly_with_the_same_bits():
     """Op capture and route recording need every step's Python hooks: observed() turns graphs off and materialises
-    every prefill position's logits for its duration, then restores the settings; tokens and log-probs unchanged."""
+    every prefill position's logits for its duration, then restores the settings; tokens and log-probs unchanged,
+    bit for bit, except on a GPU the log-probs sampled from the prefill's logits (the first position of the shortest
+    prompts' responses), whose lm_head GEMM has other rows there (cuBLAS; minite/rollout/decode.py): within
+    observed_prefill_logprob_gpu."""
     engine = _engine("nvfp4", False)
     engine.decoder.cuda_graphs = True
     plain = _run(engine, PARAMS[0])
@@ -381,8 +385,15 @@ def test_observed_engine_runs_every_step_eagerly_with_the_same_bits():
     with engine.observed():
         assert engine.decoder.cuda_graphs is False and engine.decoder.prefill_all_logits is True
         seen = _run(engine, PARAMS[0])
-    assert seen == plain, _first_difference(seen, plain)
     hook.remove()
+    if next(engine.model.parameters()).is_cuda:
+        shortest = min(len(p) for p in PROMPTS)
+        from_prefill = [r for r, p in enumerate(p for p in PROMPTS for _ in range(PARAMS[0].n)) if len(p) == shortest]
+        atol, _ = TOLERANCES["observed_prefill_logprob_gpu"]
+        for r in from_prefill:
+            assert abs(seen[r][1][0] - plain[r][1][0]) <= atol, _first_difference(seen, plain)
+            seen[r][1][0] = plain[r][1][0]  # the rest of the comparison is bitwise
+    assert seen == plain, _first_difference(seen, plain)
     assert engine.decoder.cuda_graphs is True and engine.decoder.prefill_all_logits is False
     assert calls[0] == min(len(p) for p in PROMPTS)  # the prefill's logits cover every prompt position
 
