@@ -366,9 +366,10 @@ def default_config(rows_per_group: int, interpreter: bool, packed: bool = False,
     # 92.9 us at batch 1 / 8 / 64 against 16x64x128's 14.5 / 45.6 / 95.5; FC2 (K 768) slower with it (61.3 against
     # 53.8 at batch 64)
     # the slice's dense linears on packed weights in the decode order (2026-12-07, session 40, H100,
-    # rollout-dense-h100.json, each bitwise the training tile): QKV (N 5120, K 2048) / output projection (N 2048,
-    # K 4096) 16x64x256 swapped 8.1 / 12.2 us at 1 and 8 rows, 12.3 / 12.2 at 64 (64x64x128: 21.2 / 39.4; fp16 values
-    # at the shipped tile 10.8 / 12.7 and 12.3 / 15.1); 32x64x128 swapped 24.4 / 19.8 at 256 (values 27.9 / 16.5)
+    # rollout-dense-h100-5eedc48.json, each bitwise the training tile): QKV (N 5120, K 2048) / output projection
+    # (N 2048, K 4096) 16x64x256 swapped 8.1 / 12.2 us at 1 and 8 rows, 12.3 / 12.2 at 64 (64x64x128: 21.2 / 39.4;
+    # fp16 values at the shipped tile 10.8 / 12.7 and 12.3 / 15.1); 32x64x128 swapped 24.4 / 19.8 at 256 (values 27.9
+    # / 16.5)
     if packed and ordered and dense and rows is not None and rows <= 256:
         if rows <= 64:
             return GemmConfig(16, 64, 256, 4, 3, swap_ab=True) if k is not None and k % 256 == 0 \

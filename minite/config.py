@@ -165,8 +165,9 @@ class RolloutConfig:
     packed_weights: bool = True
     """embedded backend, NVFP4 on a GPU: the expert GEMMs read the weights' packed codes, also kept in the decode
     kernel's order (0.56 B per element), instead of fp16 block values (2 B): the same bits, a quarter of the bytes.
-    The dense linears keep fp16 values (packed they measured slower end to end). On the H200 (2026-12-01, 8cadb07)
-    the rollout slice's decode step took 3.26 vs 3.57 ms at batch 64, 5.87 vs 6.16 at 256, 1.65 vs 1.64 at 1
+    The dense linears whose K is a multiple of 128 are packed too ("dense_packed", proven on an H100 on 2026-12-07:
+    the same step time, ~1.0 B a weight held instead of ~2.5). On the H200 (2026-12-01, 8cadb07, experts only) the
+    rollout slice's decode step took 3.26 vs 3.57 ms at batch 64, 5.87 vs 6.16 at 256, 1.65 vs 1.64 at 1
     (docs/benchmarks.md)."""
     stop_check_every: int = 8
     """embedded backend (miniTE's loop): every this many decode steps, one host read of which responses have ended

@@ -439,8 +439,8 @@ def test_packed_weights_give_the_same_bits(strict, width, dense, monkeypatch):
 
 
 def _first_difference(got, want) -> str:
-    """Where two `_run` results first differ: the response, the field and the position, with both values (on the GPU
-    the observed engine's log-probs differed from the graph-replayed ones at 7ccbbce, cause not yet found)."""
+    """Where two `_run` results first differ: the response, the field and the position, with both values (on an H100
+    it named the observed engine's first prefill-sampled log-prob, whose lm_head GEMM has other rows there)."""
     for r, (a, b) in enumerate(zip(got, want)):
         for name, x, y in zip(("tokens", "logprobs", "finished"), a, b):
             if x != y:
