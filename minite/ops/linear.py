@@ -48,14 +48,14 @@ def nvfp4_linear_forward(x: torch.Tensor, w_q, recipe: NVFP4Recipe, *, backend: 
     NVFP4Tensor, or a one-member NVFP4Stack of packed codes (`nvfp4_linear_forward_packed`). finite: where x is
     recorded if the quantiser does not check it (`quantize_scoped`)."""
     lead, k = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, k)
+    x2, dtype = x.reshape(-1, k), out_dtype or x.dtype
     if x2.shape[0] == 0:
-        return x.new_zeros(*lead, w_q.shape[0], dtype=out_dtype or x.dtype)
+        return x.new_zeros(*lead, w_q.shape[0], dtype=dtype)
     xq = quantize_scoped(x2, recipe.activation, seed=None, backend=backend, amax_group=amax_group, finite=finite)
     if isinstance(w_q, NVFP4Stack):  # packed, one member (nvfp4_linear_forward_packed): one group of every row
-        y = grouped_gemm(xq, w_q, None, out_dtype=out_dtype or x.dtype, backend=backend)
+        y = grouped_gemm(xq, w_q, None, out_dtype=dtype, backend=backend)
     else:
-        y = gemm(xq, w_q, out_dtype=out_dtype or x.dtype, backend=backend)  # fp32 result rounded once
+        y = gemm(xq, w_q, out_dtype=dtype, backend=backend)  # fp32 result rounded once
     return y.reshape(*lead, w_q.shape[0])
 
 

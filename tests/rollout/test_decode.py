@@ -386,8 +386,8 @@ def test_observed_engine_runs_every_step_eagerly_with_the_same_bits():
         assert engine.decoder.cuda_graphs is False and engine.decoder.prefill_all_logits is True
         seen = _run(engine, PARAMS[0])
     hook.remove()
+    shortest = min(len(p) for p in PROMPTS)
     if next(engine.model.parameters()).is_cuda:
-        shortest = min(len(p) for p in PROMPTS)
         from_prefill = [r for r, p in enumerate(p for p in PROMPTS for _ in range(PARAMS[0].n)) if len(p) == shortest]
         atol, _ = TOLERANCES["observed_prefill_logprob_gpu"]
         for r in from_prefill:
@@ -395,7 +395,7 @@ def test_observed_engine_runs_every_step_eagerly_with_the_same_bits():
             seen[r][1][0] = plain[r][1][0]  # the rest of the comparison is bitwise
     assert seen == plain, _first_difference(seen, plain)
     assert engine.decoder.cuda_graphs is True and engine.decoder.prefill_all_logits is False
-    assert calls[0] == min(len(p) for p in PROMPTS)  # the prefill's logits cover every prompt position
+    assert calls[0] == shortest  # the prefill's logits cover every prompt position
 
 
 @pytest.mark.gpu
