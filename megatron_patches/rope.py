@@ -6,6 +6,15 @@
     anything else                                    Megatron's own function
 
 `install` is idempotent; the model builder (megatron_patches.qwen3_moe.build_gpt_model) and apply_strict call it.
+
+It also makes a static-batching KV cache hold roped keys (`ROPED_KV_CACHE`). Megatron-Core 0.16.1 writes each
+forward's keys into the cache before RoPE and then rotates the whole cached prefix, [0, q), on every decode step:
+work and bytes that grow with the context (at 2,048 positions and batch 64, 134 MB read and written a layer and
+step). Here a forward's new keys are rotated once, with their own rows of the same RoPE table, before the cache
+write, and the forward then rotates the queries only. RoPE is elementwise per position (Megatron's arithmetic and
+the kernels above compute each element from that element, its partner and its position's angle, whatever the other
+positions), so every key the attention reads has the bits it had when the whole prefix was rotated per step
+(tests/megatron_patches/test_rope.py; on the GPU tests/rollout/test_decode.py with `ROPED_KV_CACHE` off and on).
 """
 from __future__ import annotations
 
@@ -43,6 +52,50 @@ def install() -> None:
     apply_rotary_pos_emb._minite_rope_dispatch = True
     attention_mod.apply_rotary_pos_emb = apply_rotary_pos_emb
     logger.info("megatron.core.transformer.attention.apply_rotary_pos_emb dispatches per call (megatron_patches.rope)")
+    _install_roped_kv_cache(attention_mod)
+
+
+ROPED_KV_CACHE = True
+"""Whether a static-batching KV cache holds roped keys (module docstring). Off: Megatron's own order, the whole
+prefix rotated per step (the tests compare the two)."""
+
+
+def _install_roped_kv_cache(attention_mod) -> None:
+    cls = attention_mod.Attention
+    if getattr(cls._adjust_key_value_for_inference, "_minite_roped_kv_cache", False):
+        return
+    upstream = cls._adjust_key_value_for_inference
+
+    def _adjust_key_value_for_inference(self, inference_context, query, key, value, rotary_pos_emb, *args,
+                                        **kwargs):
+        context = inference_context if inference_context is not None else kwargs.get("inference_params")
+        if not _roped_cache_applies(self, context, key, rotary_pos_emb):
+            return upstream(self, inference_context, query, key, value, rotary_pos_emb, *args, **kwargs)
+        start = context.sequence_len_offset
+        # the new keys' rows of the table the forward would rotate the cached prefix with, and its call's arguments
+        key = attention_mod.apply_rotary_pos_emb(
+            key, rotary_pos_emb[1][start: start + key.size(0)], config=self.config, cu_seqlens=None,
+            mscale=attention_mod._yarn_get_concentration_factor_from_config(self.config),
+            cp_group=self.pg_collection.cp)
+        query, key, value, rotary_pos_emb, mask_type, block_table = upstream(
+            self, inference_context, query, key, value, rotary_pos_emb, *args, **kwargs)
+        return query, key, value, (rotary_pos_emb[0], None), mask_type, block_table  # no key rotation after it
+
+    _adjust_key_value_for_inference._minite_roped_kv_cache = True
+    cls._adjust_key_value_for_inference = _adjust_key_value_for_inference
+
+
+def _roped_cache_applies(attention, context, key, rotary_pos_emb) -> bool:
+    """A forward of static-batching inference over a KV cache, self-attention with query and key RoPE on a bshd key
+    (what minite/rollout/decode.py runs). Not: training, flash decode (which rotates before its cache write itself),
+    multi-latent attention, dynamic batching."""
+    config = attention.config
+    return (ROPED_KV_CACHE and context is not None and context.is_static_batching() and not attention.training
+            and not config.flash_decode and not getattr(config, "multi_latent_attention", False)
+            and getattr(attention, "attention_type", "self") == "self"
+            and torch.is_tensor(key) and key.dim() == 4
+            and isinstance(rotary_pos_emb, tuple) and len(rotary_pos_emb) == 2
+            and rotary_pos_emb[0] is not None and rotary_pos_emb[1] is not None)
 
 
 def _fused_applies(t, freqs, config, args, kwargs) -> bool:
