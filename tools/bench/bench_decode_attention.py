@@ -30,12 +30,13 @@ BACKENDS = {"default": None, "cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBa
             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 
 
-def decode_inputs(batch: int, context: int, groups: int = 4, rep: int = 8, hn: int = 128, seed: int = 0):
+def decode_inputs(batch: int, context: int, groups: int = 4, rep: int = 8, hn: int = 128, seed: int = 0,
+                  device: str = "cuda"):
     """q [b, groups, rep, hn] and k/v [b, groups, context, hn] views of a [context, b, groups, hn] cache, as
-    sdpa_attention hands them to SDPA in a decode step."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(batch, groups, rep, hn, device="cuda", generator=g).bfloat16()
-    k, v = (torch.randn(context, batch, groups, hn, device="cuda", generator=g).bfloat16().permute(1, 2, 0, 3)
+    sdpa_attention hands them to SDPA in a decode step (tests/rollout/test_decode_kernels_tool.py)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(batch, groups, rep, hn, device=device, generator=g).bfloat16()
+    k, v = (torch.randn(context, batch, groups, hn, device=device, generator=g).bfloat16().permute(1, 2, 0, 3)
             for _ in range(2))
     return q, k, v
 
