@@ -15,9 +15,10 @@ recipe does not keep in BF16 (recipe.bf16_modules, bf16_first_layers, bf16_last_
 lm_head and the attention math (softmax(QK^T)V) always stay BF16: this builder has no NVFP4 version of them.
 Core attention: upstream's unfused DotProductAttention, except on a GPU: a whole-sequence causal pass (the learner's
 training forward, the rollout's prefill) and a one-position decode step over the KV cache (Megatron passes no mask
-then: the one query sees every cached key) run torch's scaled_dot_product_attention (flash backend; no score matrix
-materialised; and, unlike upstream's path, no fork of Megatron's CUDA RNG tracker for a dropout of 0, which CUDA-graph
-capture refuses). Explicit masks, multi-position steps over a cache and CPU runs keep upstream's path.
+then: the one query sees every cached key) run torch's scaled_dot_product_attention (the backend torch picks: a decode
+step ran cuDNN's flash kernel on an H100 with torch 2.11, docs/benchmarks/decode-kernels-1024-h100.json; no score
+matrix materialised; and, unlike upstream's path, no fork of Megatron's CUDA RNG tracker for a dropout of 0, which
+CUDA-graph capture refuses). Explicit masks, multi-position steps over a cache and CPU runs keep upstream's path.
 No dropout (RL on-policy forward passes must be deterministic); router aux loss 0 unless asked. With TP > 1 the
 config turns on sequence parallelism (Megatron refuses MoE + TP training without it), so the sequence length must
 be a multiple of TP (the learner pads); `set_sequence_parallel(model, False)` turns it off for a forward that has to

@@ -14,7 +14,7 @@ step). Here a forward's new keys are rotated once, with their own rows of the sa
 write, and the forward then rotates the queries only. RoPE is elementwise per position (Megatron's arithmetic and
 the kernels above compute each element from that element, its partner and its position's angle, whatever the other
 positions), so every key the attention reads has the bits it had when the whole prefix was rotated per step
-(tests/megatron_patches/test_rope.py; on the GPU tests/rollout/test_decode.py with `ROPED_KV_CACHE` off and on).
+(tests/rollout/test_decode.py compares `ROPED_KV_CACHE` off and on, on the CPU and the GPU).
 """
 from __future__ import annotations
 
@@ -57,7 +57,8 @@ def install() -> None:
 
 ROPED_KV_CACHE = True
 """Whether a static-batching KV cache holds roped keys (module docstring). Off: Megatron's own order, the whole
-prefix rotated per step (the tests compare the two)."""
+prefix rotated per step (the tests compare the two). Read on every forward: a cache filled under one setting must be
+refilled before the other reads it (the decoder's `reset()`)."""
 
 
 def _install_roped_kv_cache(attention_mod) -> None:
@@ -72,6 +73,10 @@ def _install_roped_kv_cache(attention_mod) -> None:
         if not _roped_cache_applies(self, context, key, rotary_pos_emb):
             return upstream(self, inference_context, query, key, value, rotary_pos_emb, *args, **kwargs)
         start = context.sequence_len_offset
+        # (upstream asserts this after the rotation below, which would fail first and less clearly)
+        assert start + key.size(0) <= context.max_sequence_length, (
+            "Current sequence length is longer than expected maximum sequence length! "
+            "Increase inference_max_seq_length.")
         # the new keys' rows of the table the forward would rotate the cached prefix with, and its call's arguments
         key = attention_mod.apply_rotary_pos_emb(
             key, rotary_pos_emb[1][start: start + key.size(0)], config=self.config, cu_seqlens=None,
@@ -83,12 +88,16 @@ def _install_roped_kv_cache(attention_mod) -> None:
 
     _adjust_key_value_for_inference._minite_roped_kv_cache = True
     cls._adjust_key_value_for_inference = _adjust_key_value_for_inference
+    logger.info("megatron.core.transformer.attention.Attention: a static KV cache holds roped keys "
+                "(megatron_patches.rope)")
 
 
 def _roped_cache_applies(attention, context, key, rotary_pos_emb) -> bool:
-    """A forward of static-batching inference over a KV cache, self-attention with query and key RoPE on a bshd key
-    (what minite/rollout/decode.py runs). Not: training, flash decode (which rotates before its cache write itself),
-    multi-latent attention, dynamic batching."""
+    """A forward of static-batching inference over a KV cache, self-attention with query and key RoPE (what
+    minite/rollout/decode.py runs). Not: training, flash decode (which rotates before its cache write itself),
+    multi-latent attention, dynamic batching (which rotates before its cache append itself). The method does not see
+    packed_seq_params: a static context is assumed never to run packed (THD) sequences, whose keys take their
+    positions from cu_seqlens; neither Megatron's static engine nor minite does."""
     config = attention.config
     return (ROPED_KV_CACHE and context is not None and context.is_static_batching() and not attention.training
             and not config.flash_decode and not getattr(config, "multi_latent_attention", False)
