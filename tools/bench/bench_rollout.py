@@ -370,7 +370,7 @@ def run_engines(a: argparse.Namespace, shape: dict, doc: dict, out: Path) -> Non
                         row["host_syncs_per_step"] = host_syncs_per_step(engine, a, shape, batch)
                         if a.profile:
                             prompts = torch.randint(1, shape["vocab_size"], (batch, a.prompt_len)).tolist()
-                            print_top(lambda: _timed_generate(engine, prompts, a.new_tokens), a.profile,
+                            print_top(lambda e=engine: _timed_generate(e, prompts, a.new_tokens), a.profile,
                                       f"{precision} {mode} {variant} batch {batch}, {a.new_tokens} new tokens")
                     if mode == "strict":
                         row["strict_fused"] = a.strict_fused
