@@ -14,7 +14,7 @@ step). Here a forward's new keys are rotated once, with their own rows of the sa
 write, and the forward then rotates the queries only. RoPE is elementwise per position (Megatron's arithmetic and
 the kernels above compute each element from that element, its partner and its position's angle, whatever the other
 positions), so every key the attention reads has the bits it had when the whole prefix was rotated per step
-(tests/rollout/test_decode.py compares `ROPED_KV_CACHE` off and on, on the CPU and the GPU).
+(tests/rollout/test_roped_kv_cache.py compares `ROPED_KV_CACHE` off and on, on the CPU and the GPU).
 """
 from __future__ import annotations
 

@@ -398,49 +398,6 @@ def test_observed_engine_runs_every_step_eagerly_with_the_same_bits():
     assert calls[0] == shortest  # the prefill's logits cover every prompt position
 
 
-@pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
-@pytest.mark.parametrize("strict", [False, True])
-def test_roped_kv_cache_gives_the_bits_of_rotating_the_whole_prefix(precision, strict, monkeypatch):
-    """megatron_patches.rope.ROPED_KV_CACHE: the cache holds roped keys, so a decode step rotates its one new key
-    instead of every cached one (Megatron's order); RoPE being elementwise per position, the same tokens and log-probs
-    bit for bit (with CUDA graphs where the device has them: each setting captures its own), also where a stop token
-    compacts the batch (the attention then reads keys from a strided view of the cache)."""
-    import megatron.core.transformer.attention as attention_mod
-
-    from minite.megatron_patches import rope
-    engine = _engine(precision, strict)
-    dispatch = attention_mod.apply_rotary_pos_emb
-    rows = []  # positions each RoPE call rotates
-
-    def counting(t, freqs, config, *args, **kwargs):
-        rows.append(t.shape[0])
-        return dispatch(t, freqs, config, *args, **kwargs)
-
-    monkeypatch.setattr(attention_mod, "apply_rotary_pos_emb", counting)
-    runs, compacted, every = {}, {}, engine.decoder.stop_check_every
-    stop = _early_stop_token(_run(engine, SamplingParams(max_new_tokens=12, n=2, seed=3), PROMPTS[:2]))
-    for roped in (False, True):
-        monkeypatch.setattr(rope, "ROPED_KV_CACHE", roped)
-        engine.decoder.reset()  # no graph captured under the other setting
-        rows.clear()
-        runs[roped] = ([_run(engine, params) for params in PARAMS], list(rows))
-        engine.decoder.stop_check_every = 1
-        steps = _forward_rows(engine)
-        compacted[roped] = _run(engine, SamplingParams(max_new_tokens=12, n=2, seed=3, stop_token_id=stop),
-                                PROMPTS[:2])
-        engine.decoder.stop_check_every = every
-        assert min(steps) < steps[0]  # the batch shrank
-    assert runs[True][0] == runs[False][0], _first_difference(runs[True][0], runs[False][0])
-    assert compacted[True] == compacted[False], _first_difference(compacted[True], compacted[False])
-    layers = engine.model.module.config.num_layers
-    shortest, longest = min(map(len, PROMPTS)), max(map(len, PROMPTS))
-    # roped cache: each forward rotates its own positions, queries and keys alike (a prefill its prompt positions)
-    assert all(a == b for a, b in zip(runs[True][1][::2], runs[True][1][1::2])), runs[True][1]
-    assert max(runs[True][1]) == shortest and runs[True][1].count(shortest) == 2 * layers * len(PARAMS)
-    # Megatron's order: the keys of the whole prefix, every step
-    assert max(runs[False][1]) == longest + max(p.max_new_tokens for p in PARAMS) - 1
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("strict", [False, True])
 @pytest.mark.parametrize("width,dense", [((), False), (("model.hidden_size=128", "model.head_dim=32"), False),
