@@ -46,13 +46,15 @@ def run(batch: int, context: int) -> list[dict]:
     """Every backend at one shape: a graph of one call on each of `sets` input sets, so that K and V come from HBM
     rather than L2 where the sets add up to more than it (from ~150 MB: not at the smallest shapes, whose times
     include L2 reads)."""
-    bytes_kv = 2 * batch * 4 * context * 128 * 2
-    sets = [decode_inputs(batch, context, seed=i) for i in range(min(16, max(2, -(-150_000_000 // bytes_kv))))]
-    q, k, v = sets[0]
+    q, k, v = decode_inputs(batch, context)
+    bytes_kv = 2 * k.numel() * k.element_size()
+    sets = [(q, k, v)] + [decode_inputs(batch, context, seed=i)
+                          for i in range(1, min(16, max(2, -(-150_000_000 // bytes_kv))))]
     scale = q.shape[-1] ** -0.5
     rows, ref = [], None
     for name, backend in BACKENDS.items():
         row = {"batch": batch, "context": context, "backend": name, "bytes_kv": bytes_kv, "input_sets": len(sets)}
+
         def ctx(backend=backend):  # a fresh context per use (sdpa_kernel's is single-use)
             return sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext()
 
