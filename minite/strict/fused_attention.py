@@ -1,13 +1,15 @@
-"""Strict attention in one Triton kernel: `ops.attention`'s operations, in the same order, per (query, batch x head).
+"""Strict attention in Triton: `ops.attention`'s operations, in the same order, per (query, batch x head).
 
-`_attention_kernel` walks the context in blocks of ATTENTION_KEY_BLOCK keys through scratch buffers and reads grouped KV
-heads in place (query head i reads KV head i // (h / g)); tests/strict/test_fused.py compares its bits with the torch
-ops under the interpreter, tests/alignment/test_strict_alignment_gpu.py on the H200. A one-pass variant holding a
-context of up to 128 keys in registers (no scratch, no barrier; the same bits) was measured slower on the H200
-(2026-12-01, decode shapes, 72 keys x 32 heads: 202-276 us against 177 us at batch 64, 708-1069 us against 668 us at
-256, with 4 or 8 warps; faster only at batch 1 and 8), so it is not kept. The IEEE rules (no FMA contraction, correctly
-rounded division, the strict exp) are `minite.strict.fused`'s, whose helpers they use; "attention" in `fused.PROVEN`
-routes them.
+`_attention_kernel` walks the context in blocks of ATTENTION_KEY_BLOCK keys through scratch buffers. A program takes
+one (query, batch x KV head) pair and the query heads that share the KV head (query head i reads KV head i // (h / g)
+in place), so each key and value block is read once for all of them; a long context is split into chunks of key
+blocks over four launches (`attention`). Until 2026-12-07 a program took one query head over the whole context: at a
+1,024-token prompt the strict NVFP4 decode step took 6.85 ms against the default step's 1.47 ms (H100, batch 64,
+docs/benchmarks.md, forty-third session), each KV head's cache read once per query head by a program that walked
+~1,060 keys alone. tests/strict/test_fused.py compares the bits with the torch ops under the interpreter (one launch
+and every chunking), tests/alignment/test_strict_alignment_gpu.py on a GPU. The IEEE rules (no FMA contraction,
+correctly rounded division, the strict exp) are `minite.strict.fused`'s, whose helpers they use; "attention" in
+`fused.PROVEN` routes them.
 """
 from __future__ import annotations
 
@@ -37,67 +39,150 @@ if fused.triton is not None:
             acc = tl.sum(tl.reshape(acc, [acc.shape[0] // 2, 2, acc.shape[1], acc.shape[2]]), axis=1)
         return tl.reshape(tl.sum(acc, axis=1), [acc.shape[2]])
 
-    @triton.jit(do_not_specialize=["sq", "sk", "d", "bh", "i0", "h", "rep"])
-    def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, s_ptr, e_ptr, bs_ptr, cs_ptr, sq, sk, d, bh, i0, h, rep, scale,
-                          sq_i, sq_bh, sk_j, sk_bh, so_i, so_bh,
+    @triton.jit
+    def _scores(q_ptr, k_ptr, s_ptr, pid, i, kv, pos, sk, d, scale, blk0, blk1, sq_i, sq_bh, sk_j, sk_bh,
+                SKP: tl.constexpr, REP: tl.constexpr, RP: tl.constexpr, DP: tl.constexpr, DL: tl.constexpr,
+                KB: tl.constexpr, SPLIT: tl.constexpr, EVEN_D: tl.constexpr):
+        """Pass 1 over key blocks blk0..blk1 - 1 of KV head kv: each of its REP query heads' scores (tree sums over d,
+        then * scale) into the head's scratch row, each key block read once for all of them; returns the largest
+        allowed score of each head ([RP]; -inf for the RP - REP padding heads)."""
+        dd = tl.arange(0, DP)
+        din = (dd < d) | EVEN_D  # EVEN_D (d == DP): no channel mask, so the loads of a key's channels are vectors
+        jj = tl.arange(0, KB)
+        rr = tl.arange(0, RP)
+        m = tl.full([RP], float("-inf"), tl.float32)
+        for blk in range(blk0, blk1):
+            j0 = blk * KB
+            # a block's base in 64 bits (keys * sk_j reach past 2^31 for long contexts), the offsets in it in 32
+            # (`attention` checks KB * sk_j < 2^31). A key past the context reads the last key's row instead of a
+            # masked zero: its score is finite or not, and it is excluded from the max here and from e in pass 2.
+            r = tl.minimum(jj, sk - 1 - j0)
+            kk = _load_f32(k_ptr + (j0.to(tl.int64) * sk_j + kv * sk_bh), r[:, None] * sk_j + dd[None, :],
+                           din[None, :])
+            allowed = j0 + jj <= pos
+            for h in tl.static_range(REP):
+                q = _load_f32(q_ptr, i * sq_i + (kv * REP + h) * sq_bh + dd, din)
+                sc = _pair_tree(q[None, :] * kk, DL, SPLIT) * scale
+                tl.store(s_ptr + (pid * REP + h) * SKP + j0 + jj, sc)
+                m = tl.where(rr == h, tl.maximum(m, tl.max(tl.where(allowed, sc, float("-inf")), axis=0)), m)
+        return m
+
+    @triton.jit
+    def _exps(s_ptr, e_ptr, bs_ptr, pid, m, pos, blk0, blk1,
+              C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr,
+              C5: tl.constexpr, C6: tl.constexpr, C7: tl.constexpr, C8: tl.constexpr, C9: tl.constexpr,
+              C10: tl.constexpr, C11: tl.constexpr, C12: tl.constexpr, C13: tl.constexpr,
+              LOG2E: tl.constexpr, LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, RNE: tl.constexpr,
+              SKP: tl.constexpr, NB: tl.constexpr, REP: tl.constexpr, RP: tl.constexpr, KB: tl.constexpr,
+              KL: tl.constexpr, SPLIT: tl.constexpr):
+        """Pass 2 over key blocks blk0..blk1 - 1: e = exp(score - m) where allowed, else 0, per head (m [RP], each
+        head's max over the whole context); each block's sum of e per head (its pair tree over the block's keys)."""
+        rr = tl.arange(0, RP)
+        rows = pid * REP + rr
+        rin = rr < REP
+        jj = tl.arange(0, KB)
+        for blk in range(blk0, blk1):
+            j = blk * KB + jj
+            sc = tl.load(s_ptr + rows[:, None] * SKP + j[None, :], mask=rin[:, None], other=0.0)
+            ex = _exp64((sc - m[:, None]).to(tl.float64), C0, C1, C2, C3, C4, C5, C6, C7, C8, C9, C10, C11, C12, C13,
+                        LOG2E, LN2_HI, LN2_LO, RNE)
+            e = tl.where(j[None, :] <= pos, ex, 0.0)
+            tl.store(e_ptr + rows[:, None] * SKP + j[None, :], e, mask=rin[:, None])
+            tl.store(bs_ptr + rows * NB + blk, _pair_tree(e, KL, SPLIT), mask=rin)
+
+    @triton.jit
+    def _contexts(v_ptr, e_ptr, bs_ptr, cs_ptr, pid, kv, sk, d, nbk, blk0, blk1, sk_j, sk_bh,
+                  SKP: tl.constexpr, NB: tl.constexpr, NL: tl.constexpr, REP: tl.constexpr, RP: tl.constexpr,
+                  DP: tl.constexpr, KB: tl.constexpr, KL: tl.constexpr, KH: tl.constexpr, NH: tl.constexpr,
+                  SPLIT: tl.constexpr, EVEN_D: tl.constexpr):
+        """Pass 3 over key blocks blk0..blk1 - 1: each head's denominator (the pair tree over every block sum of the
+        context; blocks past the last key, the padding to a power of two, sum to +0 and are read back as `other`),
+        p = e / denominator, and per channel the pair tree of p * v over the block's keys, each value block read once
+        for all REP heads."""
+        rr = tl.arange(0, RP)
+        rows = pid * REP + rr
+        bi = tl.arange(0, NB)
+        dd = tl.arange(0, DP)
+        din = (dd < d) | EVEN_D
+        denom = _pair_tree(tl.load(bs_ptr + rows[:, None] * NB + bi[None, :],
+                                   mask=(rr < REP)[:, None] & (bi[None, :] < nbk), other=0.0), NL, SPLIT)
+        r3 = tl.arange(0, NH)[None, :] * KH + tl.arange(0, KH)[:, None]  # key h * KH + a at [a, h] (KB = NH * KH)
+        for blk in range(blk0, blk1):
+            j0 = blk * KB
+            # past the context v is a masked +0 (p * v must be +0 there: a -0 would change a sum of zeros)
+            vv = _load_f32(v_ptr + (j0.to(tl.int64) * sk_j + kv * sk_bh), r3[:, :, None] * sk_j + dd[None, None, :],
+                           (r3[:, :, None] < sk - j0) & din[None, None, :])  # [KH, NH, DP]
+            for h in tl.static_range(REP):
+                # head h's denominator alone: it plus +0s (a denominator, a sum of e >= +0, is never -0)
+                den = tl.zeros([KH, NH], tl.float32) + tl.sum(tl.where(rr == h, denom, 0.0), axis=0)
+                p3 = tl.div_rn(tl.load(e_ptr + (pid * REP + h) * SKP + j0 + r3), den)
+                tl.store(cs_ptr + ((pid * REP + h) * DP + dd) * NB + blk, _pair_tree_halves(p3[:, :, None] * vv, KL,
+                                                                                            SPLIT))
+
+    @triton.jit
+    def _context_out(cs_ptr, o_ptr, row, i, g, d, nbk, so_i, so_bh, NB: tl.constexpr, NL: tl.constexpr,
+                     DP: tl.constexpr, SPLIT: tl.constexpr):
+        """Pass 4 for one (query, batch x head) scratch row: per channel the pair tree over the block sums of p * v."""
+        dd = tl.arange(0, DP)
+        bi = tl.arange(0, NB)
+        ctx = _pair_tree(tl.load(cs_ptr + (row * DP + dd)[:, None] * NB + bi[None, :], mask=bi[None, :] < nbk,
+                                 other=0.0), NL, SPLIT)
+        tl.store(o_ptr + i * so_i + g * so_bh + dd, ctx, mask=dd < d)
+
+    @triton.jit(do_not_specialize=["sq", "sk", "d", "bg", "i0", "nch", "cb"])
+    def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, s_ptr, e_ptr, bs_ptr, mx_ptr, cs_ptr, sq, sk, d, bg, i0, nch, cb,
+                          scale, sq_i, sq_bh, sk_j, sk_bh, so_i, so_bh,
                           C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr,
                           C5: tl.constexpr, C6: tl.constexpr, C7: tl.constexpr, C8: tl.constexpr, C9: tl.constexpr,
                           C10: tl.constexpr, C11: tl.constexpr, C12: tl.constexpr, C13: tl.constexpr,
                           LOG2E: tl.constexpr, LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, RNE: tl.constexpr,
-                          DP: tl.constexpr, DL: tl.constexpr, KB: tl.constexpr, KL: tl.constexpr,
-                          NB: tl.constexpr, NL: tl.constexpr, SPLIT: tl.constexpr, EVEN_D: tl.constexpr,
-                          KH: tl.constexpr, NH: tl.constexpr):
-        """ops.attention for one (query, batch x head) pair: scores, softmax and context as its torch ops compute
-        them (module docstring of ops; the function `attention` below says how the sums are split into blocks)."""
-        pid = tl.program_id(0).to(tl.int64)  # scratch rows are per launch; the query is i0 + pid // bh
-        i, g = i0 + pid // bh, pid % bh
-        kv = (g // h) * (h // rep) + (g % h) // rep  # the KV head of query head g % h in batch row g // h
+                          PASS: tl.constexpr, SKP: tl.constexpr, NB: tl.constexpr, NL: tl.constexpr,
+                          NCP: tl.constexpr, REP: tl.constexpr, RP: tl.constexpr, DP: tl.constexpr, DL: tl.constexpr,
+                          KB: tl.constexpr, KL: tl.constexpr, KH: tl.constexpr, NH: tl.constexpr,
+                          SPLIT: tl.constexpr, EVEN_D: tl.constexpr):
+        """ops.attention for one (query, batch x KV head) pair, its REP query heads together, over chunk
+        program_id(1) of cb key blocks: pass PASS (1-3), or with PASS 0 (a context of one chunk) passes 1-4 in one
+        program (the function `attention` below says how the passes split the sums)."""
+        pid = tl.program_id(0).to(tl.int64)  # scratch rows pid * REP + h are per launch; the query is i0 + pid // bg
+        c = tl.program_id(1)
+        i, kv = i0 + pid // bg, pid % bg  # kv: the row of k/v [sk, batch x KV heads, d]; its heads kv * REP + h
         pos = sk - sq + i
-        dd = tl.arange(0, DP)
-        din = (dd < d) | EVEN_D  # EVEN_D (d == DP): no channel mask, so the loads of a key's channels are vectors
-        jj = tl.arange(0, KB)
-        q = _load_f32(q_ptr, i * sq_i + g * sq_bh + dd, din)
-        srow, erow = s_ptr + pid * NB * KB, e_ptr + pid * NB * KB
-        # a block's base in 64 bits (keys * sk_j reach past 2^31 for long contexts), the offsets in it in 32
-        # (`attention` checks KB * sk_j < 2^31). Blocks past the last key (the padding to a power of two) are not
-        # computed: each of their block sums is +0 (e = +0 and p * v = +0 * +0 there), which the loads of the
-        # block sums below read back as `other`.
         nbk = (sk + KB - 1) // KB
-        m = tl.full([1], float("-inf"), tl.float32)
-        for blk in range(nbk):  # scores: tree sums over d, then * scale; the max over allowed keys
-            j0 = blk * KB
-            # a key past the context reads the last key's row instead of a masked zero: its score is finite or
-            # not, and it is excluded from the max here and from e in the next pass either way
-            r = tl.minimum(jj, sk - 1 - j0)
-            kk = _load_f32(k_ptr + (j0.to(tl.int64) * sk_j + kv * sk_bh), r[:, None] * sk_j + dd[None, :],
-                           din[None, :])
-            sc = _pair_tree(q[None, :] * kk, DL, SPLIT) * scale
-            tl.store(srow + j0 + jj, sc)
-            m = tl.maximum(m, tl.max(tl.where(j0 + jj <= pos, sc, float("-inf")), axis=0))
-        tl.debug_barrier()
-        for blk in range(nbk):  # e = exp(scores - m) where allowed, else 0; block sums of e
-            j = blk * KB + jj
-            sc = tl.load(srow + j)
-            ex = _exp64((sc - m).to(tl.float64), C0, C1, C2, C3, C4, C5, C6, C7, C8, C9, C10, C11, C12, C13,
-                        LOG2E, LN2_HI, LN2_LO, RNE)
-            e = tl.where(j <= pos, ex, 0.0)
-            tl.store(erow + j, e)
-            tl.store(bs_ptr + pid * NB + blk + tl.arange(0, 1), _pair_tree(tl.reshape(e, [1, KB]), KL, SPLIT))
-        tl.debug_barrier()
-        bi = tl.arange(0, NB)
-        denom = _pair_tree(tl.load(bs_ptr + pid * NB + bi, mask=bi < nbk, other=0.0)[None, :], NL, SPLIT)  # the top
-        r3 = tl.arange(0, NH)[None, :] * KH + tl.arange(0, KH)[:, None]  # key h * KH + a at [a, h] (KB = NH * KH)
-        for blk in range(nbk):  # context: p = e / denom; tree sums over the block's keys per channel
-            j0 = blk * KB
-            p3 = tl.div_rn(tl.load(erow + j0 + r3), tl.broadcast_to(tl.reshape(denom, [1, 1]), [KH, NH]))
-            # past the context v is a masked +0 (p * v must be +0 there: a -0 would change a sum of zeros)
-            vv = _load_f32(v_ptr + (j0.to(tl.int64) * sk_j + kv * sk_bh), r3[:, :, None] * sk_j + dd[None, None, :],
-                           (r3[:, :, None] < sk - j0) & din[None, None, :])  # [KH, NH, DP]
-            tl.store(cs_ptr + (pid * DP + dd) * NB + blk, _pair_tree_halves(p3[:, :, None] * vv, KL, SPLIT))
-        tl.debug_barrier()
-        ctx = _pair_tree(tl.load(cs_ptr + (pid * DP + dd)[:, None] * NB + bi[None, :], mask=bi[None, :] < nbk,
-                                 other=0.0), NL, SPLIT)
-        tl.store(o_ptr + i * so_i + g * so_bh + dd, ctx, mask=dd < d)
+        blk0 = c * cb
+        blk1 = tl.minimum(blk0 + cb, nbk)
+        rr = tl.arange(0, RP)
+        rows = pid * REP + rr
+        rin = rr < REP
+        if PASS == 0 or PASS == 1:
+            m = _scores(q_ptr, k_ptr, s_ptr, pid, i, kv, pos, sk, d, scale, blk0, blk1, sq_i, sq_bh, sk_j, sk_bh,
+                        SKP, REP, RP, DP, DL, KB, SPLIT, EVEN_D)
+            if PASS == 1:
+                tl.store(mx_ptr + rows * NCP + c, m, mask=rin)
+            else:
+                tl.debug_barrier()
+        if PASS == 2:  # the max over the chunks' maxima (a max is exact in any order)
+            cc = tl.arange(0, NCP)
+            m = tl.max(tl.load(mx_ptr + rows[:, None] * NCP + cc[None, :], mask=rin[:, None] & (cc[None, :] < nch),
+                               other=float("-inf")), axis=1)
+        if PASS == 0 or PASS == 2:
+            _exps(s_ptr, e_ptr, bs_ptr, pid, m, pos, blk0, blk1, C0, C1, C2, C3, C4, C5, C6, C7, C8, C9, C10, C11,
+                  C12, C13, LOG2E, LN2_HI, LN2_LO, RNE, SKP, NB, REP, RP, KB, KL, SPLIT)
+            if PASS == 0:
+                tl.debug_barrier()
+        if PASS == 0 or PASS == 3:
+            _contexts(v_ptr, e_ptr, bs_ptr, cs_ptr, pid, kv, sk, d, nbk, blk0, blk1, sk_j, sk_bh, SKP, NB, NL, REP,
+                      RP, DP, KB, KL, KH, NH, SPLIT, EVEN_D)
+        if PASS == 0:
+            tl.debug_barrier()
+            for h in tl.static_range(REP):
+                _context_out(cs_ptr, o_ptr, pid * REP + h, i, kv * REP + h, d, nbk, so_i, so_bh, NB, NL, DP, SPLIT)
+
+    @triton.jit(do_not_specialize=["sq", "d", "bh", "i0", "nbk"])
+    def _context_out_kernel(cs_ptr, o_ptr, sq, d, bh, i0, nbk, so_i, so_bh, NB: tl.constexpr, NL: tl.constexpr,
+                            DP: tl.constexpr, SPLIT: tl.constexpr):
+        """Pass 4 of a context split into chunks: one program per (query, batch x head) scratch row."""
+        row = tl.program_id(0).to(tl.int64)
+        _context_out(cs_ptr, o_ptr, row, i0 + row // bh, row % bh, d, nbk, so_i, so_bh, NB, NL, DP, SPLIT)
 
 
 ATTENTION_KEY_BLOCK = 32
@@ -108,19 +193,32 @@ for the kernel before 99d4eb5, which computed every block of padding, and for 99
 109.5 / 79.2 / 106.5 us for 8 / 16 / 32 / 64; 16 computes 80 keys there against 32's 96, but pays more per block)."""
 ATTENTION_MAX_KEYS = 8192
 """The longest context routed to the fused attention (its last pass holds [d, keys / ATTENTION_KEY_BLOCK] values)."""
-ATTENTION_WARPS = 1
-"""Warps per program (any count computes the same bits: every sum is an explicit pair tree). One warp: measured on the
-H200 (2026-12-01, session 8 call 6, `.calls/attn.py`-style timing of CUDA-graph replays, 32 heads over 4 KV heads, 128
-channels; every variant bitwise equal to the 4-warp launch): batch 64 x 72 keys 40.2 us against 173.1 us with 4 warps
-(116.3 with 2, 243.6 with 8), 40 keys 22.4 against 88.7, batch 256 x 72 keys 154.9 against 665.2, batch 8 13.7 against
-26.2. A program's sums are short (128 channels, a few 32-key blocks), so cross-warp reductions cost more than they
-spread. Only for contexts up to ATTENTION_ONE_WARP_KEYS (padded) keys, the range measured: longer ones (prefill,
-training forwards; up to 8192 keys, whose last pass holds 128 x 256 values a program) keep 4 warps. 99d4eb5's kernel
-(vector loads, no blocks of padding alone, the context's key tree in registers) on one H100 (2026-12-06): batch 256 x
-72 keys 79.0 us (153.5 before), 64 x 72 keys 21.1 (39.7), 8 x 56 keys 5.7 (8.1); the same bits."""
-ATTENTION_ONE_WARP_KEYS = 256
+ATTENTION_WARPS = 4
+"""Warps per program (any count computes the same bits: every sum is an explicit pair tree). Until 2026-12-07 a program
+computed one query head and ran on one warp (measured then: batch 64 x 72 keys 40.2 us on one warp against 173.1 us on
+4, H200, 2026-12-01); a program now computes the REP query heads of a KV head, REP times the work per key block it
+reads. 4 is not measured yet: tools/bench/sweep_strict_attention.py sweeps it."""
+ATTENTION_ONE_LAUNCH_BLOCKS = 8
+"""Contexts of up to this many key blocks run in one launch, one program per (query, batch x KV head) over the whole
+context (PASS 0). Longer ones are split into chunks of key blocks over 4 launches (`attention`)."""
+ATTENTION_CHUNK_BLOCKS = 8
+"""Key blocks per program of a split context, halved (down to 1) while the launch would have fewer than
+ATTENTION_MIN_PROGRAMS programs: a decode step at batch 1 has only the KV heads' few programs per chunk."""
+ATTENTION_MIN_PROGRAMS = 256
 ATTENTION_SCRATCH_BYTES = 256 << 20
 """Scratch of one launch; more queries run as further launches (programs are independent: no bit changes)."""
+
+
+def chunk_blocks(pairs: int, blocks: int) -> int:
+    """Key blocks per program for `pairs` (query, batch x KV head) pairs over a context of `blocks` key blocks: all
+    of them (one launch) up to ATTENTION_ONE_LAUNCH_BLOCKS, else ATTENTION_CHUNK_BLOCKS halved while there would be
+    fewer than ATTENTION_MIN_PROGRAMS programs. Any count gives the same bits (`attention`)."""
+    if blocks <= ATTENTION_ONE_LAUNCH_BLOCKS:
+        return blocks
+    cb = ATTENTION_CHUNK_BLOCKS
+    while cb > 1 and pairs * -(-blocks // cb) < ATTENTION_MIN_PROGRAMS:
+        cb //= 2
+    return cb
 
 
 def routable(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -132,12 +230,16 @@ def routable(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """ops.attention's bits (q [sq, b, h, d], k/v [sk, b, g, d] with g dividing h -> [sq, b, h, d] fp32) with one
-    program per (query, batch x head), which reads its KV head in place (query head i: KV head i // (h / g), no expanded
-    copy of the cache): the scores' tree sums over d, the causal mask by absolute position, the max, the strict exp, the
-    denominator's tree sum over keys, p = e / denominator, the context's tree sums over keys: the same operations in the
-    same order. The key sums run over aligned blocks of ATTENTION_KEY_BLOCK keys and then over the block sums
-    (ATTENTION_KEY_BLOCK's docstring); the scores, e and the block sums pass through scratch buffers."""
+    """ops.attention's bits (q [sq, b, h, d], k/v [sk, b, g, d] with g dividing h -> [sq, b, h, d] fp32). A program
+    takes one (query, batch x KV head) pair and its h / g query heads (query head i reads KV head i // (h / g) in place:
+    no expanded copy of the cache, and each key and value block is read once for all of them), over a chunk of the
+    context's key blocks: the scores' tree sums over d, the causal mask by absolute position, the max, the strict exp,
+    the denominator's tree sum over keys, p = e / denominator, the context's tree sums over keys: the same operations
+    in the same order. The key sums run over aligned blocks of ATTENTION_KEY_BLOCK keys and then over the block sums
+    (ATTENTION_KEY_BLOCK's docstring), so a context can be split into chunks of blocks without changing a bit. Passes:
+    (1) scores and each chunk's max, (2) exps and block sums of e, (3) block sums of p * v per channel, (4) the tree
+    over those; a context of one chunk (`chunk_blocks`) runs all four in one program, a longer one in four launches
+    (a max and a denominator need the whole context). Scores, e and the block sums pass through scratch buffers."""
     if not available(q):
         raise ValueError("strict fused attention needs floating CUDA tensors (or TRITON_INTERPRET=1)")
     if q.dim() != 4 or k.dim() != 4:
@@ -163,19 +265,29 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     o = out.view(sq, b * h, d)
     strides = (qc.stride(0), qc.stride(1), kc.stride(0), kc.stride(1), o.stride(0), o.stride(1))
     kb = min(ATTENTION_KEY_BLOCK, skp)
-    nb = skp // kb
-    per_query = b * h * (2 * skp + nb + dp * nb) * 4  # scratch bytes of one query's programs
+    nb, nbk = skp // kb, -(-sk // kb)
+    cb = chunk_blocks(sq * b * hkv, nbk)
+    nch = -(-nbk // cb)
+    ncp = 1 << (nch - 1).bit_length()
+    per_query = b * h * (2 * skp + nb + ncp + dp * nb) * 4  # scratch bytes of one query's programs
     step = max(1, min(sq, ATTENTION_SCRATCH_BYTES // per_query))  # queries per launch (independent programs)
-    scratch = torch.empty(step * b * h, skp, dtype=torch.float32, device=q.device)
-    e = torch.empty_like(scratch)
-    bs = torch.empty(step * b * h, nb, dtype=torch.float32, device=q.device)
-    cs = torch.empty(step * b * h, dp, nb, dtype=torch.float32, device=q.device)
+    rows = step * b * h
+    scratch, e = (torch.empty(rows, skp, dtype=torch.float32, device=q.device) for _ in range(2))
+    bs = torch.empty(rows, nb, dtype=torch.float32, device=q.device)
+    mx = torch.empty(rows, ncp, dtype=torch.float32, device=q.device)
+    cs = torch.empty(rows, dp, nb, dtype=torch.float32, device=q.device)
+    rep = h // hkv
+    shape = dict(SKP=skp, NB=nb, NL=nb.bit_length() - 1, NCP=ncp, REP=rep, RP=1 << (rep - 1).bit_length(), DP=dp,
+                 DL=dp.bit_length() - 1, KB=kb, KL=kb.bit_length() - 1, KH=max(1, kb // 2), NH=min(2, kb),
+                 SPLIT=fused.pair_split(), EVEN_D=dp == d)
     for i0 in range(0, sq, step):
         n = min(step, sq - i0)
-        launcher(_attention_kernel)[(n * b * h,)](
-            qc, kc, vc, o, scratch, e, bs, cs, sq, sk, d, b * h, i0, h, h // hkv, float(scale), *strides, **EXP_ARGS,
-            DP=dp, DL=dp.bit_length() - 1, KB=kb, KL=kb.bit_length() - 1, NB=nb, NL=nb.bit_length() - 1,
-            SPLIT=fused.pair_split(), EVEN_D=dp == d, KH=max(1, kb // 2), NH=min(2, kb),
-            num_warps=ATTENTION_WARPS if skp <= ATTENTION_ONE_WARP_KEYS else 4,
-            enable_fp_fusion=False)
+        args = (qc, kc, vc, o, scratch, e, bs, mx, cs, sq, sk, d, b * hkv, i0, nch, cb, float(scale), *strides)
+        for pass_ in ((0,) if nch == 1 else (1, 2, 3)):
+            launcher(_attention_kernel)[(n * b * hkv, nch)](*args, **EXP_ARGS, **shape, PASS=pass_,
+                                                            num_warps=ATTENTION_WARPS, enable_fp_fusion=False)
+        if nch > 1:
+            launcher(_context_out_kernel)[(n * b * h,)](cs, o, sq, d, b * h, i0, nbk, o.stride(0), o.stride(1), NB=nb,
+                                                        NL=nb.bit_length() - 1, DP=dp, SPLIT=fused.pair_split(),
+                                                        num_warps=ATTENTION_WARPS, enable_fp_fusion=False)
     return out

@@ -348,6 +348,40 @@ def test_fused_attention_in_several_launches_and_bf16_subnormals(monkeypatch):
     assert _same_bits(whole, ref) and _same_bits(FA.attention(q, k, v, 0.3), ref)
 
 
+def test_fused_attention_split_into_chunks_gives_the_same_bits(monkeypatch):
+    """A program takes a KV head's query heads together over a chunk of key blocks; one launch for a short context,
+    four (scores and maxima, exps, p * v, the tree over the blocks) for a long one. Every chunking gives the torch
+    ops' bits: decode steps and a prefill, grouped heads (4 query heads a KV head), a NaN score and an inf value."""
+    g = torch.Generator().manual_seed(12)
+    q = (torch.randn(3, 2, 8, 16, generator=g) * 3).to(torch.bfloat16).to(DEVICE)
+    k = (torch.randn(75, 2, 2, 16, generator=g) * 3).to(torch.bfloat16).to(DEVICE)
+    v = (torch.randn(75, 2, 2, 16, generator=g) * torch.logspace(-4, 4, 16)).to(torch.bfloat16).to(DEVICE)
+    k[40, 1, 0, 3], v[60, 0, 1, 5] = math.nan, math.inf  # batch row 1 KV head 0 sees a NaN score, row 0 head 1 an inf
+    with monkeypatch.context() as mp:
+        mp.setattr(fused, "PROVEN", fused.PROVEN - {"attention", "exp", "tree_sum"})  # the reference: torch ops
+        ref = ops.attention(q, k, v, 0.25)
+    launches = []
+    launcher = FA.launcher
+    monkeypatch.setattr(FA, "launcher", lambda kernel: launches.append(kernel) or launcher(kernel))
+    monkeypatch.setattr(FA, "ATTENTION_KEY_BLOCK", 4)  # 19 blocks of 4 keys
+    monkeypatch.setattr(FA, "ATTENTION_MIN_PROGRAMS", 0)
+    for one_launch, chunk, count in ((32, 8, 1), (8, 8, 4), (8, 2, 4), (0, 1, 4)):
+        monkeypatch.setattr(FA, "ATTENTION_ONE_LAUNCH_BLOCKS", one_launch)
+        monkeypatch.setattr(FA, "ATTENTION_CHUNK_BLOCKS", chunk)
+        launches.clear()
+        got = FA.attention(q, k, v, 0.25)
+        assert len(launches) == count and _same_bits(got, ref), (one_launch, chunk)
+        assert _same_bits(FA.attention(q[2:], k, v, 0.25), ref[2:])  # the last query alone: a decode step
+
+
+def test_chunk_blocks_keeps_short_contexts_in_one_launch_and_fills_the_gpu():
+    assert FA.chunk_blocks(256, 3) == 3  # batch 64 x 4 KV heads, 72 keys: one launch
+    assert FA.chunk_blocks(256, 34) == FA.ATTENTION_CHUNK_BLOCKS  # 1,064 keys: 5 chunks of 8 blocks, 1,280 programs
+    assert FA.chunk_blocks(4, 34) == 1  # batch 1: 34 chunks of one block, 136 programs (no fewer blocks a chunk)
+    assert FA.chunk_blocks(32, 34) == 4  # batch 8: 9 chunks of 4 blocks, 288 programs
+    assert all(FA.chunk_blocks(p, 256) in (1, 2, 4, 8) for p in (1, 7, 64, 4096))
+
+
 def _rope_same(got, ref):
     a, b = got.float(), ref.float()
     bits = got.view(torch.int16) == ref.view(torch.int16) if got.element_size() == 2 else \

@@ -142,15 +142,20 @@ def strict_rows() -> list:
     from minite.strict import fused as F, fused_attention as FA, fused_linear as FL
     strides = ("sq_i", "sq_bh", "sk_j", "sk_bh", "so_i", "so_bh")
     att_sig = {**{k: "*bf16" for k in ("q_ptr", "k_ptr", "v_ptr")},
-               **{k: "*fp32" for k in ("o_ptr", "s_ptr", "e_ptr", "bs_ptr", "cs_ptr")},
-               **{k: "i32" for k in ("sq", "sk", "d", "bh", "i0", "h", "rep")}, "scale": "fp32",
+               **{k: "*fp32" for k in ("o_ptr", "s_ptr", "e_ptr", "bs_ptr", "mx_ptr", "cs_ptr")},
+               **{k: "i32" for k in ("sq", "sk", "d", "bg", "i0", "nch", "cb")}, "scale": "fp32",
                **{k: "i32" for k in strides}}
     kernels = [  # (label, kernel, signature, constexprs, divisible arguments)
         ("rms_norm bf16 width 2048", F._rms_norm_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", n="i32",
                                                               eps="fp32"),
          dict(WIDTH=2048, LEVELS=11), ["x_ptr", "w_ptr", "y_ptr"]),
-        ("attention bf16 128 keys x 128 channels", FA._attention_kernel, att_sig,
-         dict(F.EXP_ARGS, DP=128, DL=7, KB=32, KL=5, NB=4, NL=2, EVEN_D=True, KH=16, NH=2),
+        ("attention bf16 128 keys x 128 channels", FA._attention_kernel, att_sig,  # a decode step: one launch
+         dict(F.EXP_ARGS, PASS=0, SKP=128, NB=4, NL=2, NCP=1, REP=8, RP=8, DP=128, DL=7, KB=32, KL=5, KH=16, NH=2,
+              EVEN_D=True),
+         [k for k, t in att_sig.items() if t.startswith("*")] + list(strides)),
+        ("attention bf16 2048 keys, p * v of a chunk", FA._attention_kernel, att_sig,  # a long context's pass 3
+         dict(F.EXP_ARGS, PASS=3, SKP=2048, NB=64, NL=6, NCP=8, REP=8, RP=8, DP=128, DL=7, KB=32, KL=5, KH=16, NH=2,
+              EVEN_D=True),
          [k for k, t in att_sig.items() if t.startswith("*")] + list(strides)),
         ("tree_sum fp32 width 128", F._tree_sum_kernel, dict(x_ptr="*fp32", y_ptr="*fp32", rows="i32", n="i32"),
          dict(BLOCK_R=32, WIDTH=128, LEVELS=7), ["x_ptr", "y_ptr"]),

@@ -1,6 +1,8 @@
-"""Strict mode's fused attention (minite/strict/fused_attention.py) at decode shapes, over its key block and warps.
+"""Strict mode's fused attention (minite/strict/fused_attention.py) at decode shapes, over its key block, warps and
+chunks.
 
-    python tools/bench/sweep_strict_attention.py --out /tmp/sweep.json [--key-blocks 8,16,32,64] [--warps 1,2]
+    python tools/bench/sweep_strict_attention.py --out /tmp/sweep.json [--key-blocks 16,32] [--warps 1,2,4,8]
+        [--chunk-blocks 4,8]
 
 Two trees side by side (the shipped configuration of each at AB_SHAPES, outputs compared bit for bit):
 
@@ -11,10 +13,11 @@ Two trees side by side (the shipped configuration of each at AB_SHAPES, outputs 
 (MINITE_TREE: the checkout whose `minite` is imported; this file's own by default.)
 
 For bf16 q [1, batch, 32, 128] and k/v [keys, batch, 4, 128] (the rollout slice's heads at one decode step), each
-(ATTENTION_KEY_BLOCK, ATTENTION_WARPS) is timed by CUDA-graph replays (triton.testing.do_bench_cudagraph, rep=60)
-and its output compared bit for bit with the shipped configuration's. The key block changes no bit by construction
-(the pair tree over the padded keys is the tree over aligned blocks of any power of two, then over the block sums);
-the comparison proves it on the device. CUDA only. JSON with device, date, commit and command.
+(ATTENTION_KEY_BLOCK, ATTENTION_WARPS, ATTENTION_CHUNK_BLOCKS) is timed by CUDA-graph replays
+(triton.testing.do_bench_cudagraph, rep=60) and its output compared bit for bit with the shipped configuration's. The
+key block and the chunks change no bit by construction (the pair tree over the padded keys is the tree over aligned
+blocks of any power of two, then over the block sums); the comparison proves it on the device. CUDA only. JSON with
+device, date, commit and command.
 """
 from __future__ import annotations
 
@@ -30,9 +33,10 @@ sys.path.insert(0, os.environ.get("MINITE_TREE") or
 from minite.strict import fused_attention as FA  # noqa: E402
 from provenance import commit, save, stamp  # noqa: E402
 
-SHAPES = ((256, 72), (256, 56), (64, 72), (64, 56), (8, 56))  # (batch, keys)
+SHAPES = ((256, 72), (64, 72), (8, 56), (64, 1064), (8, 1064), (1, 1064), (64, 2088))  # (batch, keys)
 AB_SHAPES = ((1, 256, 72), (1, 256, 56), (1, 256, 40), (1, 64, 72), (1, 64, 56), (1, 8, 56), (1, 1, 40), (1, 64, 200),
-             (32, 16, 32))  # (queries, batch, keys): decode steps and a prefill
+             (32, 16, 32), (1, 64, 1064), (1, 8, 1064), (1, 1, 1064), (1, 256, 1064),
+             (1, 64, 2088))  # (queries, batch, keys): decode steps and a prefill
 
 
 def _inputs(queries, batch, keys, g):
@@ -71,35 +75,43 @@ def compare(old_path: str, new_path: str) -> dict:
     return dict(device="1x " + new["device"], rows=rows)
 
 
-def sweep(key_blocks=(8, 16, 32, 64), warps=(1, 2)) -> list[dict]:
+def sweep(key_blocks=(16, 32), warps=(1, 2, 4, 8), chunk_blocks=(4, 8)) -> list[dict]:
     from triton.testing import do_bench_cudagraph
 
-    shipped = FA.ATTENTION_KEY_BLOCK, FA.ATTENTION_WARPS
+    names = ("ATTENTION_KEY_BLOCK", "ATTENTION_WARPS", "ATTENTION_CHUNK_BLOCKS")
+    shipped = tuple(getattr(FA, n) for n in names)
     rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
     try:
         for batch, keys in SHAPES:
             q, k, v = _inputs(1, batch, keys, g)
-            FA.ATTENTION_KEY_BLOCK, FA.ATTENTION_WARPS = shipped
+            for n, x in zip(names, shipped):
+                setattr(FA, n, x)
             ref = FA.attention(q, k, v, 0.088)
             for kb in key_blocks:
                 for w in warps:
-                    FA.ATTENTION_KEY_BLOCK, FA.ATTENTION_WARPS = kb, w
-                    same = bool(torch.equal(FA.attention(q, k, v, 0.088).view(torch.int32), ref.view(torch.int32)))
-                    us = 1000 * do_bench_cudagraph(lambda: FA.attention(q, k, v, 0.088), rep=60)
-                    rows.append(dict(batch=batch, keys=keys, key_block=kb, warps=w, us=us, bitwise=same))
-                    print(f"b {batch:3d} keys {keys:3d} KB {kb:2d} warps {w}: {us:7.1f} us  bitwise={same}",
-                          flush=True)
+                    for cb in chunk_blocks:
+                        for n, x in zip(names, (kb, w, cb)):
+                            setattr(FA, n, x)
+                        same = bool(torch.equal(FA.attention(q, k, v, 0.088).view(torch.int32),
+                                                ref.view(torch.int32)))
+                        us = 1000 * do_bench_cudagraph(lambda: FA.attention(q, k, v, 0.088), rep=60)
+                        rows.append(dict(batch=batch, keys=keys, key_block=kb, warps=w, chunk_blocks=cb, us=us,
+                                         bitwise=same))
+                        print(f"b {batch:3d} keys {keys:4d} KB {kb:2d} warps {w} chunk {cb}: {us:7.1f} us  "
+                              f"bitwise={same}", flush=True)
     finally:
-        FA.ATTENTION_KEY_BLOCK, FA.ATTENTION_WARPS = shipped
+        for n, x in zip(names, shipped):
+            setattr(FA, n, x)
     return rows
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", help="JSON to write (the sweep, or --compare's rows)")
-    p.add_argument("--key-blocks", default="8,16,32,64")
-    p.add_argument("--warps", default="1,2")
+    p.add_argument("--key-blocks", default="16,32")
+    p.add_argument("--warps", default="1,2,4,8")
+    p.add_argument("--chunk-blocks", default="4,8")
     p.add_argument("--save", metavar="PT", help="time the shipped configuration at AB_SHAPES, save outputs and times")
     p.add_argument("--compare", nargs=2, metavar=("OLD_PT", "NEW_PT"), help="two --save files -> --out")
     a = p.parse_args(argv)
@@ -113,7 +125,7 @@ def main(argv=None) -> int:
             save_outputs(a.save)
             return 0
         doc = {"device": "1x " + torch.cuda.get_device_name(),
-               "rows": sweep(tuple(int(x) for x in a.key_blocks.split(",")), tuple(int(x) for x in a.warps.split(",")))}
+               "rows": sweep(*(tuple(int(x) for x in v.split(",")) for v in (a.key_blocks, a.warps, a.chunk_blocks)))}
     if not a.out:
         print("sweep_strict_attention: --out is needed", file=sys.stderr)
         return 2
