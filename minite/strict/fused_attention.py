@@ -1,4 +1,4 @@
-"""Strict attention in Triton: `ops.attention`'s operations, in the same order, per (query, batch x head).
+"""Strict attention in Triton: `ops.attention`'s operations, in the same order, per (query, batch x KV head).
 
 `_attention_kernel` walks the context in blocks of ATTENTION_KEY_BLOCK keys through scratch buffers. A program takes
 one (query, batch x KV head) pair and the query heads that share the KV head (query head i reads KV head i // (h / g)
@@ -6,10 +6,10 @@ in place), so each key and value block is read once for all of them; a long cont
 blocks over four launches (`attention`). Until 2026-12-07 a program took one query head over the whole context: at a
 1,024-token prompt the strict NVFP4 decode step took 6.85 ms against the default step's 1.47 ms (H100, batch 64,
 docs/benchmarks.md, forty-third session), each KV head's cache read once per query head by a program that walked
-~1,060 keys alone. tests/strict/test_fused.py compares the bits with the torch ops under the interpreter (one launch
-and every chunking), tests/alignment/test_strict_alignment_gpu.py on a GPU. The IEEE rules (no FMA contraction,
-correctly rounded division, the strict exp) are `minite.strict.fused`'s, whose helpers they use; "attention" in
-`fused.PROVEN` routes them.
+~1,060 keys alone. tests/strict/test_fused.py compares the bits with the torch ops under the interpreter (one
+launch, and chunks of 1-8 key blocks with grouped heads and one query a launch), tests/alignment/
+test_strict_alignment_gpu.py on a GPU. The IEEE rules (no FMA contraction, correctly rounded division, the strict
+exp) are `minite.strict.fused`'s, whose helpers they use; "attention" in `fused.PROVEN` routes them.
 """
 from __future__ import annotations
 
@@ -177,8 +177,8 @@ if fused.triton is not None:
             for h in tl.static_range(REP):
                 _context_out(cs_ptr, o_ptr, pid * REP + h, i, kv * REP + h, d, nbk, so_i, so_bh, NB, NL, DP, SPLIT)
 
-    @triton.jit(do_not_specialize=["sq", "d", "bh", "i0", "nbk"])
-    def _context_out_kernel(cs_ptr, o_ptr, sq, d, bh, i0, nbk, so_i, so_bh, NB: tl.constexpr, NL: tl.constexpr,
+    @triton.jit(do_not_specialize=["d", "bh", "i0", "nbk"])
+    def _context_out_kernel(cs_ptr, o_ptr, d, bh, i0, nbk, so_i, so_bh, NB: tl.constexpr, NL: tl.constexpr,
                             DP: tl.constexpr, SPLIT: tl.constexpr):
         """Pass 4 of a context split into chunks: one program per (query, batch x head) scratch row."""
         row = tl.program_id(0).to(tl.int64)
@@ -205,6 +205,7 @@ ATTENTION_CHUNK_BLOCKS = 8
 """Key blocks per program of a split context, halved (down to 1) while the launch would have fewer than
 ATTENTION_MIN_PROGRAMS programs: a decode step at batch 1 has only the KV heads' few programs per chunk."""
 ATTENTION_MIN_PROGRAMS = 256
+"""Programs a split launch should have at least (~2 a streaming multiprocessor of an H100 or H200; not measured)."""
 ATTENTION_SCRATCH_BYTES = 256 << 20
 """Scratch of one launch; more queries run as further launches (programs are independent: no bit changes)."""
 
@@ -239,7 +240,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     (ATTENTION_KEY_BLOCK's docstring), so a context can be split into chunks of blocks without changing a bit. Passes:
     (1) scores and each chunk's max, (2) exps and block sums of e, (3) block sums of p * v per channel, (4) the tree
     over those; a context of one chunk (`chunk_blocks`) runs all four in one program, a longer one in four launches
-    (a max and a denominator need the whole context). Scores, e and the block sums pass through scratch buffers."""
+    (a max and a denominator need the whole context). Scores, the chunks' maxima, e and the block sums pass through
+    scratch buffers."""
     if not available(q):
         raise ValueError("strict fused attention needs floating CUDA tensors (or TRITON_INTERPRET=1)")
     if q.dim() != 4 or k.dim() != 4:
@@ -287,7 +289,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
             launcher(_attention_kernel)[(n * b * hkv, nch)](*args, **EXP_ARGS, **shape, PASS=pass_,
                                                             num_warps=ATTENTION_WARPS, enable_fp_fusion=False)
         if nch > 1:
-            launcher(_context_out_kernel)[(n * b * h,)](cs, o, sq, d, b * h, i0, nbk, o.stride(0), o.stride(1), NB=nb,
+            launcher(_context_out_kernel)[(n * b * h,)](cs, o, d, b * h, i0, nbk, o.stride(0), o.stride(1), NB=nb,
                                                         NL=nb.bit_length() - 1, DP=dp, SPLIT=fused.pair_split(),
                                                         num_warps=ATTENTION_WARPS, enable_fp_fusion=False)
     return out

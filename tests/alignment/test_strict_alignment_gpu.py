@@ -166,15 +166,17 @@ def test_fused_log_is_bitwise_the_torch_log_on_cuda():
 
 
 def test_fused_attention_is_bitwise_the_torch_attention_on_cuda(monkeypatch):
-    """minite.strict.fused_attention.attention (routed since this passed on the H200: fused.PROVEN): ops.attention's
-    operations per (query, batch x head) in one kernel, the same bits as the torch ops on CUDA, for a decode step, a
-    prefill and a long context, and a row alone equal to the same row in the batch."""
+    """minite.strict.fused_attention.attention (fused.PROVEN's "attention"): ops.attention's operations per (query,
+    batch x KV head) over chunks of key blocks, the same bits as the torch ops on CUDA, for decode steps (short
+    contexts in one launch; 1,064 keys split into chunks, 8 query heads a KV head, batch 8 and 1), a prefill, a long
+    context, 3 query heads a KV head over chunks, and a row alone equal to the same row in the batch."""
     import math
 
     from minite.strict import fused, fused_attention, ops as S
     g = torch.Generator(device="cuda").manual_seed(5)
     for sq, sk, b, h, hkv, d in ((1, 72, 64, 32, 4, 128), (1, 72, 64, 32, 32, 128), (32, 32, 8, 32, 4, 128),
-                                 (1, 200, 16, 32, 4, 128), (1, 4096, 2, 4, 4, 128), (3, 7, 2, 2, 1, 12)):
+                                 (1, 200, 16, 32, 4, 128), (1, 4096, 2, 4, 4, 128), (3, 7, 2, 2, 1, 12),
+                                 (1, 1064, 8, 32, 4, 128), (1, 1064, 1, 32, 4, 128), (5, 300, 2, 6, 2, 16)):
         q = (torch.randn(sq, b, h, d, device="cuda", generator=g) * 3).to(torch.bfloat16)
         k = (torch.randn(sk, b, hkv, d, device="cuda", generator=g) * 3).to(torch.bfloat16)
         v = torch.randn(sk, b, hkv, d, device="cuda", generator=g).to(torch.bfloat16)

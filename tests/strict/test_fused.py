@@ -348,14 +348,23 @@ def test_fused_attention_in_several_launches_and_bf16_subnormals(monkeypatch):
     assert _same_bits(whole, ref) and _same_bits(FA.attention(q, k, v, 0.3), ref)
 
 
-def test_fused_attention_split_into_chunks_gives_the_same_bits(monkeypatch):
+def _grouped_inputs(seed, sq, sk, h, g, d=16):
+    gen = torch.Generator().manual_seed(seed)
+    q = (torch.randn(sq, 2, h, d, generator=gen) * 3).to(torch.bfloat16).to(DEVICE)
+    k = (torch.randn(sk, 2, g, d, generator=gen) * 3).to(torch.bfloat16).to(DEVICE)
+    v = (torch.randn(sk, 2, g, d, generator=gen) * torch.logspace(-4, 4, d)).to(torch.bfloat16).to(DEVICE)
+    return q, k, v
+
+
+@pytest.mark.parametrize("h, g, sk, chunks", [(8, 2, 75, ((32, 8, 1), (8, 8, 4), (8, 2, 4), (0, 1, 4))),
+                                              (6, 2, 64, ((0, 3, 4),))])
+def test_fused_attention_split_into_chunks_gives_the_same_bits(h, g, sk, chunks, monkeypatch):
     """A program takes a KV head's query heads together over a chunk of key blocks; one launch for a short context,
     four (scores and maxima, exps, p * v, the tree over the blocks) for a long one. Every chunking gives the torch
-    ops' bits: decode steps and a prefill, grouped heads (4 query heads a KV head), a NaN score and an inf value."""
-    g = torch.Generator().manual_seed(12)
-    q = (torch.randn(3, 2, 8, 16, generator=g) * 3).to(torch.bfloat16).to(DEVICE)
-    k = (torch.randn(75, 2, 2, 16, generator=g) * 3).to(torch.bfloat16).to(DEVICE)
-    v = (torch.randn(75, 2, 2, 16, generator=g) * torch.logspace(-4, 4, 16)).to(torch.bfloat16).to(DEVICE)
+    ops' bits: decode steps and a prefill, all queries in one launch or one a launch, 4 query heads a KV head with a
+    NaN score and an inf value, and 3 a KV head (padded to 4 in a program) over 16 blocks in chunks of 3 (the last
+    chunk shorter)."""
+    q, k, v = _grouped_inputs(12, 3, sk, h, g)
     k[40, 1, 0, 3], v[60, 0, 1, 5] = math.nan, math.inf  # batch row 1 KV head 0 sees a NaN score, row 0 head 1 an inf
     with monkeypatch.context() as mp:
         mp.setattr(fused, "PROVEN", fused.PROVEN - {"attention", "exp", "tree_sum"})  # the reference: torch ops
@@ -363,14 +372,16 @@ def test_fused_attention_split_into_chunks_gives_the_same_bits(monkeypatch):
     launches = []
     launcher = FA.launcher
     monkeypatch.setattr(FA, "launcher", lambda kernel: launches.append(kernel) or launcher(kernel))
-    monkeypatch.setattr(FA, "ATTENTION_KEY_BLOCK", 4)  # 19 blocks of 4 keys
+    monkeypatch.setattr(FA, "ATTENTION_KEY_BLOCK", 4)
     monkeypatch.setattr(FA, "ATTENTION_MIN_PROGRAMS", 0)
-    for one_launch, chunk, count in ((32, 8, 1), (8, 8, 4), (8, 2, 4), (0, 1, 4)):
+    for one_launch, chunk, count in chunks:
         monkeypatch.setattr(FA, "ATTENTION_ONE_LAUNCH_BLOCKS", one_launch)
         monkeypatch.setattr(FA, "ATTENTION_CHUNK_BLOCKS", chunk)
-        launches.clear()
-        got = FA.attention(q, k, v, 0.25)
-        assert len(launches) == count and _same_bits(got, ref), (one_launch, chunk)
+        for scratch in (256 << 20, 1):  # all three queries in one launch, or one query a launch
+            monkeypatch.setattr(FA, "ATTENTION_SCRATCH_BYTES", scratch)
+            launches.clear()
+            got = FA.attention(q, k, v, 0.25)
+            assert len(launches) == count * (1 if scratch > 1 else 3) and _same_bits(got, ref), (chunk, scratch)
         assert _same_bits(FA.attention(q[2:], k, v, 0.25), ref[2:])  # the last query alone: a decode step
 
 
