@@ -1,13 +1,15 @@
-"""Strict attention in Triton: `ops.attention`'s operations, in the same order, per (query, batch x KV head).
+"""Strict attention in Triton: `ops.attention`'s operations, in the same order, per (query, batch x head).
 
-`_attention_kernel` walks the context in blocks of ATTENTION_KEY_BLOCK keys through scratch buffers. A program takes
-one (query, batch x KV head) pair and the query heads that share the KV head (query head i reads KV head i // (h / g)
-in place), so each key and value block is read once for all of them; a long context is split into chunks of key
-blocks over four launches (`attention`). Until 2026-12-07 a program took one query head over the whole context: at a
+Both kernels walk the context in blocks of ATTENTION_KEY_BLOCK keys through scratch buffers and read grouped KV heads
+in place (query head i reads KV head i // (h / g)). A short context (up to ATTENTION_ONE_LAUNCH_BLOCKS blocks, the
+decode steps of short prompts) runs on `_head_kernel`: one program per (query, batch x head) over the whole context,
+one launch. A longer one runs on `_attention_kernel`: a program takes one (query, batch x KV head) pair and all the
+query heads of that KV head over a chunk of key blocks, so each key and value block is read once for them all, and
+the passes run as four launches (`attention`). Until 2026-12-07 every context ran on the per-head kernel: at a
 1,024-token prompt the strict NVFP4 decode step took 6.85 ms against the default step's 1.47 ms (H100, batch 64,
 docs/benchmarks.md, forty-third session), each KV head's cache read once per query head by a program that walked
-~1,060 keys alone. tests/strict/test_fused.py compares the bits with the torch ops under the interpreter (one
-launch, and chunks of 1-8 key blocks with grouped heads and one query a launch), tests/alignment/
+~1,060 keys alone. tests/strict/test_fused.py compares the bits with the torch ops under the interpreter (both
+kernels; chunks of 1-8 key blocks with grouped heads and one query a launch), tests/alignment/
 test_strict_alignment_gpu.py on a GPU. The IEEE rules (no FMA contraction, correctly rounded division, the strict
 exp) are `minite.strict.fused`'s, whose helpers they use; "attention" in `fused.PROVEN` routes them.
 """
@@ -38,6 +40,69 @@ if fused.triton is not None:
         for _ in tl.static_range(LEVELS - 1):
             acc = tl.sum(tl.reshape(acc, [acc.shape[0] // 2, 2, acc.shape[1], acc.shape[2]]), axis=1)
         return tl.reshape(tl.sum(acc, axis=1), [acc.shape[2]])
+
+    @triton.jit(do_not_specialize=["sq", "sk", "d", "bh", "i0", "h", "rep"])
+    def _head_kernel(q_ptr, k_ptr, v_ptr, o_ptr, s_ptr, e_ptr, bs_ptr, cs_ptr, sq, sk, d, bh, i0, h, rep, scale,
+                     sq_i, sq_bh, sk_j, sk_bh, so_i, so_bh,
+                     C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr,
+                     C5: tl.constexpr, C6: tl.constexpr, C7: tl.constexpr, C8: tl.constexpr, C9: tl.constexpr,
+                     C10: tl.constexpr, C11: tl.constexpr, C12: tl.constexpr, C13: tl.constexpr,
+                     LOG2E: tl.constexpr, LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, RNE: tl.constexpr,
+                     DP: tl.constexpr, DL: tl.constexpr, KB: tl.constexpr, KL: tl.constexpr,
+                     NB: tl.constexpr, NL: tl.constexpr, SPLIT: tl.constexpr, EVEN_D: tl.constexpr,
+                     KH: tl.constexpr, NH: tl.constexpr):
+        """ops.attention for one (query, batch x head) pair over the whole context, for short contexts (at most
+        ATTENTION_ONE_LAUNCH_BLOCKS key blocks): scores, softmax and context as its torch ops compute them, in three
+        passes through scratch (`attention` says how the sums are split into blocks)."""
+        pid = tl.program_id(0).to(tl.int64)  # scratch rows are per launch; the query is i0 + pid // bh
+        i, g = i0 + pid // bh, pid % bh
+        kv = (g // h) * (h // rep) + (g % h) // rep  # the KV head of query head g % h in batch row g // h
+        pos = sk - sq + i
+        dd = tl.arange(0, DP)
+        din = (dd < d) | EVEN_D  # EVEN_D (d == DP): no channel mask, so the loads of a key's channels are vectors
+        jj = tl.arange(0, KB)
+        q = _load_f32(q_ptr, i * sq_i + g * sq_bh + dd, din)
+        srow, erow = s_ptr + pid * NB * KB, e_ptr + pid * NB * KB
+        # a block's base in 64 bits (keys * sk_j reach past 2^31 for long contexts), the offsets in it in 32
+        # (`attention` checks KB * sk_j < 2^31). Blocks past the last key (the padding to a power of two) are not
+        # computed: each of their block sums is +0 (e = +0 and p * v = +0 * +0 there), which the loads of the
+        # block sums below read back as `other`.
+        nbk = (sk + KB - 1) // KB
+        m = tl.full([1], float("-inf"), tl.float32)
+        for blk in range(nbk):  # scores: tree sums over d, then * scale; the max over allowed keys
+            j0 = blk * KB
+            # a key past the context reads the last key's row instead of a masked zero: its score is finite or
+            # not, and it is excluded from the max here and from e in the next pass either way
+            r = tl.minimum(jj, sk - 1 - j0)
+            kk = _load_f32(k_ptr + (j0.to(tl.int64) * sk_j + kv * sk_bh), r[:, None] * sk_j + dd[None, :],
+                           din[None, :])
+            sc = _pair_tree(q[None, :] * kk, DL, SPLIT) * scale
+            tl.store(srow + j0 + jj, sc)
+            m = tl.maximum(m, tl.max(tl.where(j0 + jj <= pos, sc, float("-inf")), axis=0))
+        tl.debug_barrier()
+        for blk in range(nbk):  # e = exp(scores - m) where allowed, else 0; block sums of e
+            j = blk * KB + jj
+            sc = tl.load(srow + j)
+            ex = _exp64((sc - m).to(tl.float64), C0, C1, C2, C3, C4, C5, C6, C7, C8, C9, C10, C11, C12, C13,
+                        LOG2E, LN2_HI, LN2_LO, RNE)
+            e = tl.where(j <= pos, ex, 0.0)
+            tl.store(erow + j, e)
+            tl.store(bs_ptr + pid * NB + blk + tl.arange(0, 1), _pair_tree(tl.reshape(e, [1, KB]), KL, SPLIT))
+        tl.debug_barrier()
+        bi = tl.arange(0, NB)
+        denom = _pair_tree(tl.load(bs_ptr + pid * NB + bi, mask=bi < nbk, other=0.0)[None, :], NL, SPLIT)  # the top
+        r3 = tl.arange(0, NH)[None, :] * KH + tl.arange(0, KH)[:, None]  # key h * KH + a at [a, h] (KB = NH * KH)
+        for blk in range(nbk):  # context: p = e / denom; tree sums over the block's keys per channel
+            j0 = blk * KB
+            p3 = tl.div_rn(tl.load(erow + j0 + r3), tl.broadcast_to(tl.reshape(denom, [1, 1]), [KH, NH]))
+            # past the context v is a masked +0 (p * v must be +0 there: a -0 would change a sum of zeros)
+            vv = _load_f32(v_ptr + (j0.to(tl.int64) * sk_j + kv * sk_bh), r3[:, :, None] * sk_j + dd[None, None, :],
+                           (r3[:, :, None] < sk - j0) & din[None, None, :])  # [KH, NH, DP]
+            tl.store(cs_ptr + (pid * DP + dd) * NB + blk, _pair_tree_halves(p3[:, :, None] * vv, KL, SPLIT))
+        tl.debug_barrier()
+        ctx = _pair_tree(tl.load(cs_ptr + (pid * DP + dd)[:, None] * NB + bi[None, :], mask=bi[None, :] < nbk,
+                                 other=0.0), NL, SPLIT)
+        tl.store(o_ptr + i * so_i + g * so_bh + dd, ctx, mask=dd < d)
 
     @triton.jit
     def _scores(q_ptr, k_ptr, s_ptr, pid, i, kv, pos, sk, d, scale, blk0, blk1, sq_i, sq_bh, sk_j, sk_bh,
@@ -141,8 +206,8 @@ if fused.triton is not None:
                           KB: tl.constexpr, KL: tl.constexpr, KH: tl.constexpr, NH: tl.constexpr,
                           SPLIT: tl.constexpr, EVEN_D: tl.constexpr):
         """ops.attention for one (query, batch x KV head) pair, its REP query heads together, over chunk
-        program_id(1) of cb key blocks: pass PASS (1-3), or with PASS 0 (a context of one chunk) passes 1-4 in one
-        program (the function `attention` below says how the passes split the sums)."""
+        program_id(1) of cb key blocks: pass PASS (1-3; the function `attention` below says how the passes split the
+        sums)."""
         pid = tl.program_id(0).to(tl.int64)  # scratch rows pid * REP + h are per launch; the query is i0 + pid // bg
         c = tl.program_id(1)
         i, kv = i0 + pid // bg, pid % bg  # kv: the row of k/v [sk, batch x KV heads, d]; its heads kv * REP + h
@@ -153,29 +218,19 @@ if fused.triton is not None:
         rr = tl.arange(0, RP)
         rows = pid * REP + rr
         rin = rr < REP
-        if PASS == 0 or PASS == 1:
+        if PASS == 1:
             m = _scores(q_ptr, k_ptr, s_ptr, pid, i, kv, pos, sk, d, scale, blk0, blk1, sq_i, sq_bh, sk_j, sk_bh,
                         SKP, REP, RP, DP, DL, KB, SPLIT, EVEN_D)
-            if PASS == 1:
-                tl.store(mx_ptr + rows * NCP + c, m, mask=rin)
-            else:
-                tl.debug_barrier()
+            tl.store(mx_ptr + rows * NCP + c, m, mask=rin)
         if PASS == 2:  # the max over the chunks' maxima (a max is exact in any order)
             cc = tl.arange(0, NCP)
             m = tl.max(tl.load(mx_ptr + rows[:, None] * NCP + cc[None, :], mask=rin[:, None] & (cc[None, :] < nch),
                                other=float("-inf")), axis=1)
-        if PASS == 0 or PASS == 2:
             _exps(s_ptr, e_ptr, bs_ptr, pid, m, pos, blk0, blk1, C0, C1, C2, C3, C4, C5, C6, C7, C8, C9, C10, C11,
                   C12, C13, LOG2E, LN2_HI, LN2_LO, RNE, SKP, NB, REP, RP, KB, KL, SPLIT)
-            if PASS == 0:
-                tl.debug_barrier()
-        if PASS == 0 or PASS == 3:
+        if PASS == 3:
             _contexts(v_ptr, e_ptr, bs_ptr, cs_ptr, pid, kv, sk, d, nbk, blk0, blk1, sk_j, sk_bh, SKP, NB, NL, REP,
                       RP, DP, KB, KL, KH, NH, SPLIT, EVEN_D)
-        if PASS == 0:
-            tl.debug_barrier()
-            for h in tl.static_range(REP):
-                _context_out(cs_ptr, o_ptr, pid * REP + h, i, kv * REP + h, d, nbk, so_i, so_bh, NB, NL, DP, SPLIT)
 
     @triton.jit(do_not_specialize=["d", "bh", "i0", "nbk"])
     def _context_out_kernel(cs_ptr, o_ptr, d, bh, i0, nbk, so_i, so_bh, NB: tl.constexpr, NL: tl.constexpr,
@@ -193,14 +248,18 @@ for the kernel before 99d4eb5, which computed every block of padding, and for 99
 109.5 / 79.2 / 106.5 us for 8 / 16 / 32 / 64; 16 computes 80 keys there against 32's 96, but pays more per block)."""
 ATTENTION_MAX_KEYS = 8192
 """The longest context routed to the fused attention (its last pass holds [d, keys / ATTENTION_KEY_BLOCK] values)."""
-ATTENTION_WARPS = 4
-"""Warps per program (any count computes the same bits: every sum is an explicit pair tree). Until 2026-12-07 a program
-computed one query head and ran on one warp (measured then: batch 64 x 72 keys 40.2 us on one warp against 173.1 us on
-4, H200, 2026-12-01); a program now computes the REP query heads of a KV head, REP times the work per key block it
-reads. 4 is not measured yet: tools/bench/sweep_strict_attention.py sweeps it."""
+ATTENTION_WARPS = 1
+"""Warps per program of both kernels (any count computes the same bits: every sum is an explicit pair tree). One warp:
+measured on the H200 for the per-head kernel (2026-12-01: batch 64 x 72 keys 40.2 us on one warp against 173.1 us on
+4) and on an H100 for the split one (2026-12-07, session 43 call 3, CUDA-graph replays, 32 heads over 4 KV heads,
+128 channels; outputs on 1 and 2 warps bitwise equal): batch 64 x 1,064 keys 476.5 us on 1 warp, 889.6 on 2 and
+1,346.3 on 4 (call 2); batch 8 x 1,064 keys 82.3 / 140.6 / 207.1 us."""
 ATTENTION_ONE_LAUNCH_BLOCKS = 8
-"""Contexts of up to this many key blocks run in one launch, one program per (query, batch x KV head) over the whole
-context (PASS 0). Longer ones are split into chunks of key blocks over 4 launches (`attention`)."""
+"""Contexts of up to this many key blocks (256 keys) run on `_head_kernel` in one launch, one program per (query,
+batch x head) over the whole context; longer ones on `_attention_kernel`, split into chunks of key blocks over four
+launches. On an H100 (2026-12-07, session 43 calls 2-3) the split kernel, which also takes 8 query heads a program,
+was slower than the per-head one at short contexts (batch 64 x 72 keys: 58.9 us on one warp against 21.0) and faster
+at long ones (batch 64 x 1,064 keys: 476.5 us against 1,363.0; batch 1: 26.9 against 124.7)."""
 ATTENTION_CHUNK_BLOCKS = 8
 """Key blocks per program of a split context, halved (down to 1) while the launch would have fewer than
 ATTENTION_MIN_PROGRAMS programs: a decode step at batch 1 has only the KV heads' few programs per chunk."""
@@ -239,9 +298,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     in the same order. The key sums run over aligned blocks of ATTENTION_KEY_BLOCK keys and then over the block sums
     (ATTENTION_KEY_BLOCK's docstring), so a context can be split into chunks of blocks without changing a bit. Passes:
     (1) scores and each chunk's max, (2) exps and block sums of e, (3) block sums of p * v per channel, (4) the tree
-    over those; a context of one chunk (`chunk_blocks`) runs all four in one program, a longer one in four launches
-    (a max and a denominator need the whole context). Scores, the chunks' maxima, e and the block sums pass through
-    scratch buffers."""
+    over those, as four launches (a max and a denominator need the whole context); a context of one chunk
+    (`chunk_blocks`) runs on `_head_kernel` instead, its passes in one program per (query, batch x head). Scores,
+    the chunks' maxima, e and the block sums pass through scratch buffers."""
     if not available(q):
         raise ValueError("strict fused attention needs floating CUDA tensors (or TRITON_INTERPRET=1)")
     if q.dim() != 4 or k.dim() != 4:
@@ -279,17 +338,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     mx = torch.empty(rows, ncp, dtype=torch.float32, device=q.device)
     cs = torch.empty(rows, dp, nb, dtype=torch.float32, device=q.device)
     rep = h // hkv
-    shape = dict(SKP=skp, NB=nb, NL=nb.bit_length() - 1, NCP=ncp, REP=rep, RP=1 << (rep - 1).bit_length(), DP=dp,
-                 DL=dp.bit_length() - 1, KB=kb, KL=kb.bit_length() - 1, KH=max(1, kb // 2), NH=min(2, kb),
-                 SPLIT=fused.pair_split(), EVEN_D=dp == d)
+    sizes = dict(NB=nb, NL=nb.bit_length() - 1, DP=dp, DL=dp.bit_length() - 1, KB=kb, KL=kb.bit_length() - 1,
+                 KH=max(1, kb // 2), NH=min(2, kb), SPLIT=fused.pair_split(), EVEN_D=dp == d)
+    run = dict(num_warps=ATTENTION_WARPS, enable_fp_fusion=False)
     for i0 in range(0, sq, step):
         n = min(step, sq - i0)
+        if nch == 1:  # a short context: one program per (query, batch x head)
+            launcher(_head_kernel)[(n * b * h,)](qc, kc, vc, o, scratch, e, bs, cs, sq, sk, d, b * h, i0, h, rep,
+                                                 float(scale), *strides, **EXP_ARGS, **sizes, **run)
+            continue
         args = (qc, kc, vc, o, scratch, e, bs, mx, cs, sq, sk, d, b * hkv, i0, nch, cb, float(scale), *strides)
-        for pass_ in ((0,) if nch == 1 else (1, 2, 3)):
-            launcher(_attention_kernel)[(n * b * hkv, nch)](*args, **EXP_ARGS, **shape, PASS=pass_,
-                                                            num_warps=ATTENTION_WARPS, enable_fp_fusion=False)
-        if nch > 1:
-            launcher(_context_out_kernel)[(n * b * h,)](cs, o, d, b * h, i0, nbk, o.stride(0), o.stride(1), NB=nb,
-                                                        NL=nb.bit_length() - 1, DP=dp, SPLIT=fused.pair_split(),
-                                                        num_warps=ATTENTION_WARPS, enable_fp_fusion=False)
+        for pass_ in (1, 2, 3):
+            launcher(_attention_kernel)[(n * b * hkv, nch)](*args, **EXP_ARGS, **sizes, PASS=pass_, SKP=skp, NCP=ncp,
+                                                            REP=rep, RP=1 << (rep - 1).bit_length(), **run)
+        launcher(_context_out_kernel)[(n * b * h,)](cs, o, d, b * h, i0, nbk, o.stride(0), o.stride(1), NB=nb,
+                                                    NL=nb.bit_length() - 1, DP=dp, SPLIT=fused.pair_split(), **run)
     return out

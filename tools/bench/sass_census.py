@@ -141,6 +141,10 @@ def strict_rows() -> list:
     """The strict kernels' whole-kernel census, pair levels as sums (SPLIT False) and as tl.split (SPLIT True)."""
     from minite.strict import fused as F, fused_attention as FA, fused_linear as FL
     strides = ("sq_i", "sq_bh", "sk_j", "sk_bh", "so_i", "so_bh")
+    head_sig = {**{k: "*bf16" for k in ("q_ptr", "k_ptr", "v_ptr")},
+                **{k: "*fp32" for k in ("o_ptr", "s_ptr", "e_ptr", "bs_ptr", "cs_ptr")},
+                **{k: "i32" for k in ("sq", "sk", "d", "bh", "i0", "h", "rep")}, "scale": "fp32",
+                **{k: "i32" for k in strides}}
     att_sig = {**{k: "*bf16" for k in ("q_ptr", "k_ptr", "v_ptr")},
                **{k: "*fp32" for k in ("o_ptr", "s_ptr", "e_ptr", "bs_ptr", "mx_ptr", "cs_ptr")},
                **{k: "i32" for k in ("sq", "sk", "d", "bg", "i0", "nch", "cb")}, "scale": "fp32",
@@ -149,10 +153,9 @@ def strict_rows() -> list:
         ("rms_norm bf16 width 2048", F._rms_norm_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", n="i32",
                                                               eps="fp32"),
          dict(WIDTH=2048, LEVELS=11), ["x_ptr", "w_ptr", "y_ptr"]),
-        ("attention bf16 128 keys x 128 channels", FA._attention_kernel, att_sig,  # a decode step: one launch
-         dict(F.EXP_ARGS, PASS=0, SKP=128, NB=4, NL=2, NCP=1, REP=8, RP=8, DP=128, DL=7, KB=32, KL=5, KH=16, NH=2,
-              EVEN_D=True),
-         [k for k, t in att_sig.items() if t.startswith("*")] + list(strides)),
+        ("attention bf16 128 keys x 128 channels", FA._head_kernel, head_sig,  # a short context's decode step
+         dict(F.EXP_ARGS, DP=128, DL=7, KB=32, KL=5, NB=4, NL=2, EVEN_D=True, KH=16, NH=2),
+         [k for k, t in head_sig.items() if t.startswith("*")] + list(strides)),
         ("attention bf16 2048 keys, p * v of a chunk", FA._attention_kernel, att_sig,  # a long context's pass 3
          dict(F.EXP_ARGS, PASS=3, SKP=2048, NB=64, NL=6, NCP=8, REP=8, RP=8, DP=128, DL=7, KB=32, KL=5, KH=16, NH=2,
               EVEN_D=True),
@@ -166,7 +169,7 @@ def strict_rows() -> list:
     rows = []
     for label, fn, sig, ce, div in kernels:
         for split in (False, True):
-            warps = FA.ATTENTION_WARPS if fn is FA._attention_kernel else 4  # each kernel's decode launch
+            warps = FA.ATTENTION_WARPS if fn in (FA._head_kernel, FA._attention_kernel) else 4  # decode launches
             sass = kernel_sass(fn, sig, dict(ce, SPLIT=split), div, dict(num_warps=warps, enable_fp_fusion=False))
             ops = collections.Counter(m.group(2).split(".")[0] for m in map(_INSTR.match, sass.splitlines()) if m)
             rows.append({"kernel": label, "pair_levels": "tl.split" if split else "sum over the pair axis",
