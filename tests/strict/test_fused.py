@@ -359,9 +359,9 @@ def _grouped_inputs(seed, sq, sk, h, g, d=16):
 @pytest.mark.parametrize("h, g, sk, chunks", [(8, 2, 75, ((32, 8, 1), (8, 8, 4), (8, 2, 4), (0, 1, 4))),
                                               (6, 2, 64, ((0, 3, 4),))])
 def test_fused_attention_split_into_chunks_gives_the_same_bits(h, g, sk, chunks, monkeypatch):
-    """A program takes a KV head's query heads together over a chunk of key blocks; one launch for a short context,
-    four (scores and maxima, exps, p * v, the tree over the blocks) for a long one. Every chunking gives the torch
-    ops' bits: decode steps and a prefill, all queries in one launch or one a launch, 4 query heads a KV head with a
+    """A short context runs on the per-head kernel in one launch; a long one on the grouped kernel, whose program
+    takes a KV head's query heads together over a chunk of key blocks, in four launches (scores and maxima, exps,
+    p * v, the tree over the blocks). Every chunking gives the torch ops' bits: decode steps and a prefill, all queries in one launch or one a launch, 4 query heads a KV head with a
     NaN score and an inf value, and 3 a KV head (padded to 4 in a program) over 16 blocks in chunks of 3 (the last
     chunk shorter)."""
     q, k, v = _grouped_inputs(12, 3, sk, h, g)
