@@ -41,6 +41,17 @@ if fused.triton is not None:
             acc = tl.sum(tl.reshape(acc, [acc.shape[0] // 2, 2, acc.shape[1], acc.shape[2]]), axis=1)
         return tl.reshape(tl.sum(acc, axis=1), [acc.shape[2]])
 
+    @triton.jit
+    def _context_out(cs_ptr, o_ptr, row, i, g, d, nbk, so_i, so_bh, NB: tl.constexpr, NL: tl.constexpr,
+                     DP: tl.constexpr, SPLIT: tl.constexpr):
+        """The last pass of both kernels for one (query, batch x head) scratch row: per channel the pair tree over the
+        block sums of p * v."""
+        dd = tl.arange(0, DP)
+        bi = tl.arange(0, NB)
+        ctx = _pair_tree(tl.load(cs_ptr + (row * DP + dd)[:, None] * NB + bi[None, :], mask=bi[None, :] < nbk,
+                                 other=0.0), NL, SPLIT)
+        tl.store(o_ptr + i * so_i + g * so_bh + dd, ctx, mask=dd < d)
+
     @triton.jit(do_not_specialize=["sq", "sk", "d", "bh", "i0", "h", "rep"])
     def _head_kernel(q_ptr, k_ptr, v_ptr, o_ptr, s_ptr, e_ptr, bs_ptr, cs_ptr, sq, sk, d, bh, i0, h, rep, scale,
                      sq_i, sq_bh, sk_j, sk_bh, so_i, so_bh,
@@ -100,9 +111,7 @@ if fused.triton is not None:
                            (r3[:, :, None] < sk - j0) & din[None, None, :])  # [KH, NH, DP]
             tl.store(cs_ptr + (pid * DP + dd) * NB + blk, _pair_tree_halves(p3[:, :, None] * vv, KL, SPLIT))
         tl.debug_barrier()
-        ctx = _pair_tree(tl.load(cs_ptr + (pid * DP + dd)[:, None] * NB + bi[None, :], mask=bi[None, :] < nbk,
-                                 other=0.0), NL, SPLIT)
-        tl.store(o_ptr + i * so_i + g * so_bh + dd, ctx, mask=dd < d)
+        _context_out(cs_ptr, o_ptr, pid, i, g, d, nbk, so_i, so_bh, NB, NL, DP, SPLIT)
 
     @triton.jit
     def _scores(q_ptr, k_ptr, s_ptr, pid, i, kv, pos, sk, d, scale, blk0, blk1, sq_i, sq_bh, sk_j, sk_bh,
@@ -183,16 +192,6 @@ if fused.triton is not None:
                 p3 = tl.div_rn(tl.load(e_ptr + (pid * REP + h) * SKP + j0 + r3), den)
                 tl.store(cs_ptr + ((pid * REP + h) * DP + dd) * NB + blk, _pair_tree_halves(p3[:, :, None] * vv, KL,
                                                                                             SPLIT))
-
-    @triton.jit
-    def _context_out(cs_ptr, o_ptr, row, i, g, d, nbk, so_i, so_bh, NB: tl.constexpr, NL: tl.constexpr,
-                     DP: tl.constexpr, SPLIT: tl.constexpr):
-        """Pass 4 for one (query, batch x head) scratch row: per channel the pair tree over the block sums of p * v."""
-        dd = tl.arange(0, DP)
-        bi = tl.arange(0, NB)
-        ctx = _pair_tree(tl.load(cs_ptr + (row * DP + dd)[:, None] * NB + bi[None, :], mask=bi[None, :] < nbk,
-                                 other=0.0), NL, SPLIT)
-        tl.store(o_ptr + i * so_i + g * so_bh + dd, ctx, mask=dd < d)
 
     @triton.jit(do_not_specialize=["sq", "sk", "d", "bg", "i0", "nch", "cb"])
     def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, s_ptr, e_ptr, bs_ptr, mx_ptr, cs_ptr, sq, sk, d, bg, i0, nch, cb,
