@@ -1,17 +1,17 @@
 """Strict attention in Triton: `ops.attention`'s operations, in the same order, per (query, batch x head).
 
-Both kernels walk the context in blocks of ATTENTION_KEY_BLOCK keys through scratch buffers and read grouped KV heads
-in place (query head i reads KV head i // (h / g)). A short context (up to ATTENTION_ONE_LAUNCH_BLOCKS blocks, the
-decode steps of short prompts) runs on `_head_kernel`: one program per (query, batch x head) over the whole context,
-one launch. A longer one runs on `_attention_kernel`: a program takes one (query, batch x KV head) pair and all the
-query heads of that KV head over a chunk of key blocks, so each key and value block is read once for them all, and
-the passes run as four launches (`attention`). Until 2026-12-07 every context ran on the per-head kernel: at a
-1,024-token prompt the strict NVFP4 decode step took 6.85 ms against the default step's 1.47 ms (H100, batch 64,
-docs/benchmarks.md, forty-third session), each KV head's cache read once per query head by a program that walked
-~1,060 keys alone. tests/strict/test_fused.py compares the bits with the torch ops under the interpreter (both
-kernels; chunks of 1-8 key blocks with grouped heads and one query a launch), tests/alignment/
-test_strict_alignment_gpu.py on a GPU. The IEEE rules (no FMA contraction, correctly rounded division, the strict
-exp) are `minite.strict.fused`'s, whose helpers they use; "attention" in `fused.PROVEN` routes them.
+Both kernels walk the context in blocks of ATTENTION_KEY_BLOCK keys through scratch buffers and read grouped KV heads in
+place (query head i reads KV head i // (h / g)). A short context (up to ATTENTION_ONE_LAUNCH_BLOCKS blocks, the decode
+steps of short prompts) runs on `_head_kernel`: one program per (query, batch x head) over the whole context, one
+launch. A longer one runs on `_attention_kernel`: a program takes one (query, batch x KV head) pair and
+`heads_per_program` of the query heads of that KV head (all of them in the rollout slice) over a chunk of key blocks, so
+each key and value block is read once for them, and the passes run as four launches (`attention`). Until 2026-12-07
+every context ran on the per-head kernel: at a 1,024-token prompt the strict NVFP4 decode step took 6.85 ms against the
+default step's 1.47 ms (H100, batch 64, docs/benchmarks.md, forty-third session), each KV head's cache read once per
+query head by a program that walked ~1,060 keys alone. tests/strict/test_fused.py compares the bits with the torch ops
+under the interpreter (both kernels; chunks of 1-8 key blocks with grouped heads and one query a launch),
+tests/alignment/test_strict_alignment_gpu.py on a GPU. The IEEE rules (no FMA contraction, correctly rounded division,
+the strict exp) are `minite.strict.fused`'s, whose helpers they use; "attention" in `fused.PROVEN` routes them.
 """
 from __future__ import annotations
 
@@ -114,12 +114,12 @@ if fused.triton is not None:
         _context_out(cs_ptr, o_ptr, pid, i, g, d, nbk, so_i, so_bh, NB, NL, DP, SPLIT)
 
     @triton.jit
-    def _scores(q_ptr, k_ptr, s_ptr, pid, i, kv, pos, sk, d, scale, blk0, blk1, sq_i, sq_bh, sk_j, sk_bh,
-                SKP: tl.constexpr, REP: tl.constexpr, RP: tl.constexpr, DP: tl.constexpr, DL: tl.constexpr,
+    def _scores(q_ptr, k_ptr, s_ptr, row0, head0, i, kv, pos, sk, d, scale, blk0, blk1, sq_i, sq_bh, sk_j, sk_bh,
+                SKP: tl.constexpr, HG: tl.constexpr, RP: tl.constexpr, DP: tl.constexpr, DL: tl.constexpr,
                 KB: tl.constexpr, SPLIT: tl.constexpr, EVEN_D: tl.constexpr):
-        """Pass 1 over key blocks blk0..blk1 - 1 of KV head kv: each of its REP query heads' scores (tree sums over d,
-        then * scale) into the head's scratch row, each key block read once for all of them; returns the largest
-        allowed score of each head ([RP]; -inf for the RP - REP padding heads)."""
+        """Pass 1 over key blocks blk0..blk1 - 1 of KV head kv: the scores (tree sums over d, then * scale) of its HG
+        query heads head0 + h into scratch rows row0 + h, each key block read once for all of them; returns the
+        largest allowed score of each head ([RP]; -inf for the RP - HG padding heads)."""
         dd = tl.arange(0, DP)
         din = (dd < d) | EVEN_D  # EVEN_D (d == DP): no channel mask, so the loads of a key's channels are vectors
         jj = tl.arange(0, KB)
@@ -134,26 +134,27 @@ if fused.triton is not None:
             kk = _load_f32(k_ptr + (j0.to(tl.int64) * sk_j + kv * sk_bh), r[:, None] * sk_j + dd[None, :],
                            din[None, :])
             allowed = j0 + jj <= pos
-            for h in tl.static_range(REP):
-                q = _load_f32(q_ptr, i * sq_i + (kv * REP + h) * sq_bh + dd, din)
+            for h in tl.static_range(HG):
+                q = _load_f32(q_ptr, i * sq_i + (head0 + h) * sq_bh + dd, din)
                 sc = _pair_tree(q[None, :] * kk, DL, SPLIT) * scale
-                tl.store(s_ptr + (pid * REP + h) * SKP + j0 + jj, sc)
+                tl.store(s_ptr + (row0 + h) * SKP + j0 + jj, sc)
                 m = tl.where(rr == h, tl.maximum(m, tl.max(tl.where(allowed, sc, float("-inf")), axis=0)), m)
         return m
 
     @triton.jit
-    def _exps(s_ptr, e_ptr, bs_ptr, pid, m, pos, blk0, blk1,
+    def _exps(s_ptr, e_ptr, bs_ptr, row0, m, pos, blk0, blk1,
               C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr,
               C5: tl.constexpr, C6: tl.constexpr, C7: tl.constexpr, C8: tl.constexpr, C9: tl.constexpr,
               C10: tl.constexpr, C11: tl.constexpr, C12: tl.constexpr, C13: tl.constexpr,
               LOG2E: tl.constexpr, LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, RNE: tl.constexpr,
-              SKP: tl.constexpr, NB: tl.constexpr, REP: tl.constexpr, RP: tl.constexpr, KB: tl.constexpr,
+              SKP: tl.constexpr, NB: tl.constexpr, HG: tl.constexpr, RP: tl.constexpr, KB: tl.constexpr,
               KL: tl.constexpr, SPLIT: tl.constexpr):
-        """Pass 2 over key blocks blk0..blk1 - 1: e = exp(score - m) where allowed, else 0, per head (m [RP], each
-        head's max over the whole context); each block's sum of e per head (its pair tree over the block's keys)."""
+        """Pass 2 over key blocks blk0..blk1 - 1: e = exp(score - m) where allowed, else 0, per head (scratch rows
+        row0 + h, m [RP] each head's max over the whole context); each block's sum of e per head (its pair tree over
+        the block's keys)."""
         rr = tl.arange(0, RP)
-        rows = pid * REP + rr
-        rin = rr < REP
+        rows = row0 + rr
+        rin = rr < HG
         jj = tl.arange(0, KB)
         for blk in range(blk0, blk1):
             j = blk * KB + jj
@@ -165,33 +166,33 @@ if fused.triton is not None:
             tl.store(bs_ptr + rows * NB + blk, _pair_tree(e, KL, SPLIT), mask=rin)
 
     @triton.jit
-    def _contexts(v_ptr, e_ptr, bs_ptr, cs_ptr, pid, kv, sk, d, nbk, blk0, blk1, sk_j, sk_bh,
-                  SKP: tl.constexpr, NB: tl.constexpr, NL: tl.constexpr, REP: tl.constexpr, RP: tl.constexpr,
+    def _contexts(v_ptr, e_ptr, bs_ptr, cs_ptr, row0, kv, sk, d, nbk, blk0, blk1, sk_j, sk_bh,
+                  SKP: tl.constexpr, NB: tl.constexpr, NL: tl.constexpr, HG: tl.constexpr, RP: tl.constexpr,
                   DP: tl.constexpr, KB: tl.constexpr, KL: tl.constexpr, KH: tl.constexpr, NH: tl.constexpr,
                   SPLIT: tl.constexpr, EVEN_D: tl.constexpr):
         """Pass 3 over key blocks blk0..blk1 - 1: each head's denominator (the pair tree over every block sum of the
         context; blocks past the last key, the padding to a power of two, sum to +0 and are read back as `other`),
         p = e / denominator, and per channel the pair tree of p * v over the block's keys, each value block read once
-        for all REP heads."""
+        for all HG heads (scratch rows row0 + h)."""
         rr = tl.arange(0, RP)
-        rows = pid * REP + rr
+        rows = row0 + rr
         bi = tl.arange(0, NB)
         dd = tl.arange(0, DP)
         din = (dd < d) | EVEN_D
         denom = _pair_tree(tl.load(bs_ptr + rows[:, None] * NB + bi[None, :],
-                                   mask=(rr < REP)[:, None] & (bi[None, :] < nbk), other=0.0), NL, SPLIT)
+                                   mask=(rr < HG)[:, None] & (bi[None, :] < nbk), other=0.0), NL, SPLIT)
         r3 = tl.arange(0, NH)[None, :] * KH + tl.arange(0, KH)[:, None]  # key h * KH + a at [a, h] (KB = NH * KH)
         for blk in range(blk0, blk1):
             j0 = blk * KB
             # past the context v is a masked +0 (p * v must be +0 there: a -0 would change a sum of zeros)
             vv = _load_f32(v_ptr + (j0.to(tl.int64) * sk_j + kv * sk_bh), r3[:, :, None] * sk_j + dd[None, None, :],
                            (r3[:, :, None] < sk - j0) & din[None, None, :])  # [KH, NH, DP]
-            for h in tl.static_range(REP):
+            for h in tl.static_range(HG):
                 # head h's denominator alone: it plus +0s (a denominator, a sum of e >= +0, is never -0)
                 den = tl.zeros([KH, NH], tl.float32) + tl.sum(tl.where(rr == h, denom, 0.0), axis=0)
-                p3 = tl.div_rn(tl.load(e_ptr + (pid * REP + h) * SKP + j0 + r3), den)
-                tl.store(cs_ptr + ((pid * REP + h) * DP + dd) * NB + blk, _pair_tree_halves(p3[:, :, None] * vv, KL,
-                                                                                            SPLIT))
+                p3 = tl.div_rn(tl.load(e_ptr + (row0 + h) * SKP + j0 + r3), den)
+                tl.store(cs_ptr + ((row0 + h) * DP + dd) * NB + blk, _pair_tree_halves(p3[:, :, None] * vv, KL,
+                                                                                       SPLIT))
 
     @triton.jit(do_not_specialize=["sq", "sk", "d", "bg", "i0", "nch", "cb"])
     def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, s_ptr, e_ptr, bs_ptr, mx_ptr, cs_ptr, sq, sk, d, bg, i0, nch, cb,
@@ -201,34 +202,37 @@ if fused.triton is not None:
                           C10: tl.constexpr, C11: tl.constexpr, C12: tl.constexpr, C13: tl.constexpr,
                           LOG2E: tl.constexpr, LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, RNE: tl.constexpr,
                           PASS: tl.constexpr, SKP: tl.constexpr, NB: tl.constexpr, NL: tl.constexpr,
-                          NCP: tl.constexpr, REP: tl.constexpr, RP: tl.constexpr, DP: tl.constexpr, DL: tl.constexpr,
+                          NCP: tl.constexpr, REP: tl.constexpr, HG: tl.constexpr, RP: tl.constexpr,
+                          DP: tl.constexpr, DL: tl.constexpr,
                           KB: tl.constexpr, KL: tl.constexpr, KH: tl.constexpr, NH: tl.constexpr,
                           SPLIT: tl.constexpr, EVEN_D: tl.constexpr):
-        """ops.attention for one (query, batch x KV head) pair, its REP query heads together, over chunk
+        """ops.attention for one (query, batch x KV head) pair and HG of its REP query heads together, over chunk
         program_id(1) of cb key blocks: pass PASS (1-3; the function `attention` below says how the passes split the
         sums)."""
-        pid = tl.program_id(0).to(tl.int64)  # scratch rows pid * REP + h are per launch; the query is i0 + pid // bg
+        pid = tl.program_id(0).to(tl.int64)  # (query, batch x KV head, group of HG heads); the query is i0 + pid // bg
         c = tl.program_id(1)
-        i, kv = i0 + pid // bg, pid % bg  # kv: the row of k/v [sk, batch x KV heads, d]; its heads kv * REP + h
+        i, kv = i0 + pid // (bg * (REP // HG)), (pid // (REP // HG)) % bg  # kv: the row of k/v [sk, batch x KV, d]
+        head0 = kv * REP + (pid % (REP // HG)) * HG  # its heads head0 + h (of batch x heads)
+        row0 = pid * HG  # their scratch rows, per launch: row0 + h = (query - i0) * batch x heads + head0 + h
         pos = sk - sq + i
         nbk = (sk + KB - 1) // KB
         blk0 = c * cb
         blk1 = tl.minimum(blk0 + cb, nbk)
         rr = tl.arange(0, RP)
-        rows = pid * REP + rr
-        rin = rr < REP
+        rows = row0 + rr
+        rin = rr < HG
         if PASS == 1:
-            m = _scores(q_ptr, k_ptr, s_ptr, pid, i, kv, pos, sk, d, scale, blk0, blk1, sq_i, sq_bh, sk_j, sk_bh,
-                        SKP, REP, RP, DP, DL, KB, SPLIT, EVEN_D)
+            m = _scores(q_ptr, k_ptr, s_ptr, row0, head0, i, kv, pos, sk, d, scale, blk0, blk1, sq_i, sq_bh, sk_j,
+                        sk_bh, SKP, HG, RP, DP, DL, KB, SPLIT, EVEN_D)
             tl.store(mx_ptr + rows * NCP + c, m, mask=rin)
         if PASS == 2:  # the max over the chunks' maxima (a max is exact in any order)
             cc = tl.arange(0, NCP)
             m = tl.max(tl.load(mx_ptr + rows[:, None] * NCP + cc[None, :], mask=rin[:, None] & (cc[None, :] < nch),
                                other=float("-inf")), axis=1)
-            _exps(s_ptr, e_ptr, bs_ptr, pid, m, pos, blk0, blk1, C0, C1, C2, C3, C4, C5, C6, C7, C8, C9, C10, C11,
-                  C12, C13, LOG2E, LN2_HI, LN2_LO, RNE, SKP, NB, REP, RP, KB, KL, SPLIT)
+            _exps(s_ptr, e_ptr, bs_ptr, row0, m, pos, blk0, blk1, C0, C1, C2, C3, C4, C5, C6, C7, C8, C9, C10, C11,
+                  C12, C13, LOG2E, LN2_HI, LN2_LO, RNE, SKP, NB, HG, RP, KB, KL, SPLIT)
         if PASS == 3:
-            _contexts(v_ptr, e_ptr, bs_ptr, cs_ptr, pid, kv, sk, d, nbk, blk0, blk1, sk_j, sk_bh, SKP, NB, NL, REP,
+            _contexts(v_ptr, e_ptr, bs_ptr, cs_ptr, row0, kv, sk, d, nbk, blk0, blk1, sk_j, sk_bh, SKP, NB, NL, HG,
                       RP, DP, KB, KL, KH, NH, SPLIT, EVEN_D)
 
     @triton.jit(do_not_specialize=["d", "bh", "i0", "nbk"])
@@ -259,6 +263,10 @@ batch x head) over the whole context; longer ones on `_attention_kernel`, split 
 launches. On an H100 (2026-12-07, session 43 calls 2-3) the split kernel, which also takes 8 query heads a program,
 was slower than the per-head one at short contexts (batch 64 x 72 keys: 58.9 us on one warp against 21.0) and faster
 at long ones (batch 64 x 1,064 keys: 476.5 us against 1,363.0; batch 1: 26.9 against 124.7)."""
+ATTENTION_HEADS_PER_PROGRAM = 8
+"""Query heads a program of a split context takes together, at most (`heads_per_program`): each key and value block it
+reads serves them all, and fewer heads a program make more programs. 8 (all the heads of a KV head in the rollout slice)
+is what session 43 measured (ATTENTION_ONE_LAUNCH_BLOCKS)."""
 ATTENTION_CHUNK_BLOCKS = 8
 """Key blocks per program of a split context, halved (down to 1) while the launch would have fewer than
 ATTENTION_MIN_PROGRAMS programs: a decode step at batch 1 has only the KV heads' few programs per chunk."""
@@ -268,14 +276,21 @@ ATTENTION_SCRATCH_BYTES = 256 << 20
 """Scratch of one launch; more queries run as further launches (programs are independent: no bit changes)."""
 
 
-def chunk_blocks(pairs: int, blocks: int) -> int:
-    """Key blocks per program for `pairs` (query, batch x KV head) pairs over a context of `blocks` key blocks: all
-    of them (one launch) up to ATTENTION_ONE_LAUNCH_BLOCKS, else ATTENTION_CHUNK_BLOCKS halved while there would be
-    fewer than ATTENTION_MIN_PROGRAMS programs. Any count gives the same bits (`attention`)."""
+def heads_per_program(rep: int) -> int:
+    """Query heads a program of a split context takes, of the `rep` that read one KV head: the largest divisor of rep
+    that is at most ATTENTION_HEADS_PER_PROGRAM (at least 1). Any count gives the same bits: heads are independent."""
+    return max(n for n in range(1, max(1, min(rep, ATTENTION_HEADS_PER_PROGRAM)) + 1) if rep % n == 0)
+
+
+def chunk_blocks(programs: int, blocks: int) -> int:
+    """Key blocks per program for `programs` programs a chunk (one per (query, batch x KV head, group of heads)) over a
+    context of `blocks` key blocks: all of them (one launch) up to ATTENTION_ONE_LAUNCH_BLOCKS, else
+    ATTENTION_CHUNK_BLOCKS halved while there would be fewer than ATTENTION_MIN_PROGRAMS programs. Any count gives the
+    same bits (`attention`)."""
     if blocks <= ATTENTION_ONE_LAUNCH_BLOCKS:
         return blocks
     cb = ATTENTION_CHUNK_BLOCKS
-    while cb > 1 and pairs * -(-blocks // cb) < ATTENTION_MIN_PROGRAMS:
+    while cb > 1 and programs * -(-blocks // cb) < ATTENTION_MIN_PROGRAMS:
         cb //= 2
     return cb
 
@@ -290,16 +305,16 @@ def routable(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """ops.attention's bits (q [sq, b, h, d], k/v [sk, b, g, d] with g dividing h -> [sq, b, h, d] fp32). A program
-    takes one (query, batch x KV head) pair and its h / g query heads (query head i reads KV head i // (h / g) in place:
-    no expanded copy of the cache, and each key and value block is read once for all of them), over a chunk of the
-    context's key blocks: the scores' tree sums over d, the causal mask by absolute position, the max, the strict exp,
-    the denominator's tree sum over keys, p = e / denominator, the context's tree sums over keys: the same operations
-    in the same order. The key sums run over aligned blocks of ATTENTION_KEY_BLOCK keys and then over the block sums
-    (ATTENTION_KEY_BLOCK's docstring), so a context can be split into chunks of blocks without changing a bit. Passes:
-    (1) scores and each chunk's max, (2) exps and block sums of e, (3) block sums of p * v per channel, (4) the tree
-    over those, as four launches (a max and a denominator need the whole context); a context of one chunk
-    (`chunk_blocks`) runs on `_head_kernel` instead, its passes in one program per (query, batch x head). Scores,
-    the chunks' maxima, e and the block sums pass through scratch buffers."""
+    takes one (query, batch x KV head) pair and `heads_per_program` of its h / g query heads (query head i reads KV head
+    i // (h / g) in place: no expanded copy of the cache, and each key and value block is read once for them), over a
+    chunk of the context's key blocks: the scores' tree sums over d, the causal mask by absolute position, the max, the
+    strict exp, the denominator's tree sum over keys, p = e / denominator, the context's tree sums over keys: the same
+    operations in the same order. The key sums run over aligned blocks of ATTENTION_KEY_BLOCK keys and then over the
+    block sums (ATTENTION_KEY_BLOCK's docstring), so a context can be split into chunks of blocks without changing a
+    bit. Passes: (1) scores and each chunk's max, (2) exps and block sums of e, (3) block sums of p * v per channel, (4)
+    the tree over those, as four launches (a max and a denominator need the whole context); a context of one chunk
+    (`chunk_blocks`) runs on `_head_kernel` instead, its passes in one program per (query, batch x head). Scores, the
+    chunks' maxima, e and the block sums pass through scratch buffers."""
     if not available(q):
         raise ValueError("strict fused attention needs floating CUDA tensors (or TRITON_INTERPRET=1)")
     if q.dim() != 4 or k.dim() != 4:
@@ -326,7 +341,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     strides = (qc.stride(0), qc.stride(1), kc.stride(0), kc.stride(1), o.stride(0), o.stride(1))
     kb = min(ATTENTION_KEY_BLOCK, skp)
     nb, nbk = skp // kb, -(-sk // kb)
-    cb = chunk_blocks(sq * b * hkv, nbk)
+    rep = h // hkv
+    hg = heads_per_program(rep)
+    cb = chunk_blocks(sq * b * hkv * (rep // hg), nbk)
     nch = -(-nbk // cb)
     ncp = 1 << (nch - 1).bit_length()
     per_query = b * h * (2 * skp + nb + ncp + dp * nb) * 4  # scratch bytes of one query's programs
@@ -336,7 +353,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     bs = torch.empty(rows, nb, dtype=torch.float32, device=q.device)
     mx = torch.empty(rows, ncp, dtype=torch.float32, device=q.device)
     cs = torch.empty(rows, dp, nb, dtype=torch.float32, device=q.device)
-    rep = h // hkv
     sizes = dict(NB=nb, NL=nb.bit_length() - 1, DP=dp, DL=dp.bit_length() - 1, KB=kb, KL=kb.bit_length() - 1,
                  KH=max(1, kb // 2), NH=min(2, kb), SPLIT=fused.pair_split(), EVEN_D=dp == d)
     run = dict(num_warps=ATTENTION_WARPS, enable_fp_fusion=False)
@@ -348,8 +364,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
             continue
         args = (qc, kc, vc, o, scratch, e, bs, mx, cs, sq, sk, d, b * hkv, i0, nch, cb, float(scale), *strides)
         for pass_ in (1, 2, 3):
-            launcher(_attention_kernel)[(n * b * hkv, nch)](*args, **EXP_ARGS, **sizes, PASS=pass_, SKP=skp, NCP=ncp,
-                                                            REP=rep, RP=1 << (rep - 1).bit_length(), **run)
+            launcher(_attention_kernel)[(n * b * hkv * (rep // hg), nch)](
+                *args, **EXP_ARGS, **sizes, PASS=pass_, SKP=skp, NCP=ncp, REP=rep, HG=hg,
+                RP=1 << (hg - 1).bit_length(), **run)
         launcher(_context_out_kernel)[(n * b * h,)](cs, o, d, b * h, i0, nbk, o.stride(0), o.stride(1), NB=nb,
                                                     NL=nb.bit_length() - 1, DP=dp, SPLIT=fused.pair_split(), **run)
     return out

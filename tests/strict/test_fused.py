@@ -356,14 +356,15 @@ def _grouped_inputs(seed, sq, sk, h, g, d=16):
     return q, k, v
 
 
-@pytest.mark.parametrize("h, g, sk, chunks", [(8, 2, 75, ((32, 8, 1), (8, 8, 4), (8, 2, 4), (0, 1, 4))),
-                                              (6, 2, 64, ((0, 3, 4),))])
+@pytest.mark.parametrize("h, g, sk, chunks", [(8, 2, 75, ((32, 8, 8, 1), (8, 8, 8, 4), (8, 2, 2, 4), (0, 1, 1, 4))),
+                                              (6, 2, 64, ((0, 3, 8, 4), (0, 4, 2, 4)))])
 def test_fused_attention_split_into_chunks_gives_the_same_bits(h, g, sk, chunks, monkeypatch):
     """A short context runs on the per-head kernel in one launch; a long one on the grouped kernel, whose program
-    takes a KV head's query heads together over a chunk of key blocks, in four launches (scores and maxima, exps,
-    p * v, the tree over the blocks). Every chunking gives the torch ops' bits: decode steps and a prefill, all queries in one launch or one a launch, 4 query heads a KV head with a
-    NaN score and an inf value, and 3 a KV head (padded to 4 in a program) over 16 blocks in chunks of 3 (the last
-    chunk shorter)."""
+    takes some of a KV head's query heads together over a chunk of key blocks, in four launches (scores and maxima,
+    exps, p * v, the tree over the blocks). Every chunking and every number of heads a program gives the torch ops'
+    bits: decode steps and a prefill, all queries in one launch or one a launch, 4 query heads a KV head (all 4, 2 or 1
+    a program) with a NaN score and an inf value, and 3 a KV head (all 3 padded to 4 in a program, or 1) over 16 blocks
+    in chunks of 3 or 4 (the last chunk shorter)."""
     q, k, v = _grouped_inputs(12, 3, sk, h, g)
     k[40, 1, 0, 3], v[60, 0, 1, 5] = math.nan, math.inf  # batch row 1 KV head 0 sees a NaN score, row 0 head 1 an inf
     with monkeypatch.context() as mp:
@@ -374,14 +375,15 @@ def test_fused_attention_split_into_chunks_gives_the_same_bits(h, g, sk, chunks,
     monkeypatch.setattr(FA, "launcher", lambda kernel: launches.append(kernel) or launcher(kernel))
     monkeypatch.setattr(FA, "ATTENTION_KEY_BLOCK", 4)
     monkeypatch.setattr(FA, "ATTENTION_MIN_PROGRAMS", 0)
-    for one_launch, chunk, count in chunks:
+    for one_launch, chunk, heads, count in chunks:
         monkeypatch.setattr(FA, "ATTENTION_ONE_LAUNCH_BLOCKS", one_launch)
         monkeypatch.setattr(FA, "ATTENTION_CHUNK_BLOCKS", chunk)
+        monkeypatch.setattr(FA, "ATTENTION_HEADS_PER_PROGRAM", heads)
         for scratch in (256 << 20, 1):  # all three queries in one launch, or one query a launch
             monkeypatch.setattr(FA, "ATTENTION_SCRATCH_BYTES", scratch)
             launches.clear()
             got = FA.attention(q, k, v, 0.25)
-            assert len(launches) == count * (1 if scratch > 1 else 3) and _same_bits(got, ref), (chunk, scratch)
+            assert len(launches) == count * (1 if scratch > 1 else 3) and _same_bits(got, ref), (chunk, heads, scratch)
         assert _same_bits(FA.attention(q[2:], k, v, 0.25), ref[2:])  # the last query alone: a decode step
 
 
@@ -391,6 +393,14 @@ def test_chunk_blocks_keeps_short_contexts_in_one_launch_and_fills_the_gpu():
     assert FA.chunk_blocks(4, 34) == 1  # batch 1: 34 chunks of one block, 136 programs (no fewer blocks a chunk)
     assert FA.chunk_blocks(32, 34) == 4  # batch 8: 9 chunks of 4 blocks, 288 programs
     assert all(FA.chunk_blocks(p, 256) in (1, 2, 4, 8) for p in (1, 7, 64, 4096))
+
+
+def test_heads_per_program_divides_the_query_heads_of_a_kv_head(monkeypatch):
+    assert [FA.heads_per_program(rep) for rep in (1, 2, 3, 4, 6, 8, 16)] == [1, 2, 3, 4, 6, 8, 8]
+    monkeypatch.setattr(FA, "ATTENTION_HEADS_PER_PROGRAM", 4)
+    assert [FA.heads_per_program(rep) for rep in (1, 3, 6, 8, 9)] == [1, 3, 3, 4, 3]
+    monkeypatch.setattr(FA, "ATTENTION_HEADS_PER_PROGRAM", 0)  # read as 1
+    assert FA.heads_per_program(8) == 1
 
 
 def _rope_same(got, ref):

@@ -1,8 +1,7 @@
-"""Strict mode's fused attention (minite/strict/fused_attention.py) at decode shapes, over its key block, warps and
-chunks.
+"""Strict mode's fused attention (minite/strict/fused_attention.py) at decode shapes, over its launch constants.
 
     python tools/bench/sweep_strict_attention.py --out /tmp/sweep.json [--key-blocks 16,32] [--warps 1,2,4,8]
-        [--chunk-blocks 4,8]
+        [--chunk-blocks 4,8] [--heads 1,2,4,8] [--one-launch-blocks 0,8] [--min-programs 256,2048]
 
 Two trees side by side (the shipped configuration of each at AB_SHAPES, outputs compared bit for bit):
 
@@ -13,11 +12,12 @@ Two trees side by side (the shipped configuration of each at AB_SHAPES, outputs 
 (MINITE_TREE: the checkout whose `minite` is imported; this file's own by default.)
 
 For bf16 q [1, batch, 32, 128] and k/v [keys, batch, 4, 128] (the rollout slice's heads at one decode step), each
-(ATTENTION_KEY_BLOCK, ATTENTION_WARPS, ATTENTION_CHUNK_BLOCKS) is timed by CUDA-graph replays
-(triton.testing.do_bench_cudagraph, rep=60) and its output compared bit for bit with the shipped configuration's. The
-key block and the chunks change no bit by construction (the pair tree over the padded keys is the tree over aligned
-blocks of any power of two, then over the block sums); the comparison proves it on the device. CUDA only. JSON with
-device, date, commit and command.
+combination of the swept constants (KNOBS: ATTENTION_KEY_BLOCK, _WARPS, _CHUNK_BLOCKS, _HEADS_PER_PROGRAM,
+_ONE_LAUNCH_BLOCKS, _MIN_PROGRAMS; those not given keep their shipped value) is timed by CUDA-graph replays
+(triton.testing.do_bench_cudagraph, rep=60) and its output compared bit for bit with the shipped configuration's.
+None of them changes a bit by construction (the pair tree over the padded keys is the tree over aligned blocks of any
+power of two, then over the block sums; heads are independent); the comparison proves it on the device. CUDA only.
+JSON with device, date, commit and command.
 """
 from __future__ import annotations
 
@@ -75,43 +75,52 @@ def compare(old_path: str, new_path: str) -> dict:
     return dict(device="1x " + new["device"], rows=rows)
 
 
-def sweep(key_blocks=(16, 32), warps=(1, 2, 4, 8), chunk_blocks=(4, 8)) -> list[dict]:
+KNOBS = (("key_block", "ATTENTION_KEY_BLOCK", "--key-blocks", "16,32"),
+         ("warps", "ATTENTION_WARPS", "--warps", "1,2,4,8"),
+         ("chunk_blocks", "ATTENTION_CHUNK_BLOCKS", "--chunk-blocks", "4,8"),
+         ("heads", "ATTENTION_HEADS_PER_PROGRAM", "--heads", None),
+         ("one_launch_blocks", "ATTENTION_ONE_LAUNCH_BLOCKS", "--one-launch-blocks", None),
+         ("min_programs", "ATTENTION_MIN_PROGRAMS", "--min-programs", None))
+"""(row key, fused_attention constant, flag, the flag's default: None keeps the shipped value)."""
+
+
+def sweep(values: dict) -> list[dict]:
+    """Every combination of values {row key: (values...)} of KNOBS, at SHAPES."""
+    import itertools
+
     from triton.testing import do_bench_cudagraph
 
-    names = ("ATTENTION_KEY_BLOCK", "ATTENTION_WARPS", "ATTENTION_CHUNK_BLOCKS")
-    shipped = tuple(getattr(FA, n) for n in names)
+    names = {key: const for key, const, _, _ in KNOBS}
+    shipped = {key: getattr(FA, const) for key, const in names.items()}
+    grid = [dict(zip(values, combo)) for combo in itertools.product(*values.values())]
     rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
     try:
         for batch, keys in SHAPES:
             q, k, v = _inputs(1, batch, keys, g)
-            for n, x in zip(names, shipped):
-                setattr(FA, n, x)
+            for key, x in shipped.items():
+                setattr(FA, names[key], x)
             ref = FA.attention(q, k, v, 0.088)
-            for kb in key_blocks:
-                for w in warps:
-                    for cb in chunk_blocks:
-                        for n, x in zip(names, (kb, w, cb)):
-                            setattr(FA, n, x)
-                        same = bool(torch.equal(FA.attention(q, k, v, 0.088).view(torch.int32),
-                                                ref.view(torch.int32)))
-                        us = 1000 * do_bench_cudagraph(lambda: FA.attention(q, k, v, 0.088), rep=60)
-                        rows.append(dict(batch=batch, keys=keys, key_block=kb, warps=w, chunk_blocks=cb, us=us,
-                                         bitwise=same))
-                        print(f"b {batch:3d} keys {keys:4d} KB {kb:2d} warps {w} chunk {cb}: {us:7.1f} us  "
-                              f"bitwise={same}", flush=True)
+            for point in grid:
+                for key, x in point.items():
+                    setattr(FA, names[key], x)
+                same = bool(torch.equal(FA.attention(q, k, v, 0.088).view(torch.int32), ref.view(torch.int32)))
+                us = 1000 * do_bench_cudagraph(lambda: FA.attention(q, k, v, 0.088), rep=60)
+                rows.append(dict(batch=batch, keys=keys, **point, us=us, bitwise=same))
+                knobs = " ".join(f"{key} {x}" for key, x in point.items())
+                print(f"b {batch:3d} keys {keys:4d} {knobs}: {us:7.1f} us  bitwise={same}", flush=True)
     finally:
-        for n, x in zip(names, shipped):
-            setattr(FA, n, x)
+        for key, x in shipped.items():
+            setattr(FA, names[key], x)
     return rows
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", help="JSON to write (the sweep, or --compare's rows)")
-    p.add_argument("--key-blocks", default="16,32")
-    p.add_argument("--warps", default="1,2,4,8")
-    p.add_argument("--chunk-blocks", default="4,8")
+    for _, const, flag, default in KNOBS:
+        p.add_argument(flag, default=default, help=f"values of {const}, comma-separated"
+                       + ("" if default else " (default: the shipped one)"))
     p.add_argument("--save", metavar="PT", help="time the shipped configuration at AB_SHAPES, save outputs and times")
     p.add_argument("--compare", nargs=2, metavar=("OLD_PT", "NEW_PT"), help="two --save files -> --out")
     a = p.parse_args(argv)
@@ -124,8 +133,9 @@ def main(argv=None) -> int:
         if a.save:
             save_outputs(a.save)
             return 0
-        doc = {"device": "1x " + torch.cuda.get_device_name(),
-               "rows": sweep(*(tuple(int(x) for x in v.split(",")) for v in (a.key_blocks, a.warps, a.chunk_blocks)))}
+        values = {key: tuple(int(x) for x in getattr(a, flag[2:].replace("-", "_")).split(","))
+                  for key, _, flag, _ in KNOBS if getattr(a, flag[2:].replace("-", "_"))}
+        doc = {"device": "1x " + torch.cuda.get_device_name(), "rows": sweep(values)}
     if not a.out:
         print("sweep_strict_attention: --out is needed", file=sys.stderr)
         return 2
