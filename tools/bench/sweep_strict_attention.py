@@ -2,6 +2,7 @@
 
     python tools/bench/sweep_strict_attention.py --out /tmp/sweep.json [--key-blocks 16,32] [--warps 1,2,4,8]
         [--chunk-blocks 4,8] [--heads 1,2,4,8] [--one-launch-blocks 0,8] [--min-programs 256,2048]
+        [--shapes 64x72,64x1064]
 
 Two trees side by side (the shipped configuration of each at AB_SHAPES, outputs compared bit for bit):
 
@@ -84,8 +85,8 @@ KNOBS = (("key_block", "ATTENTION_KEY_BLOCK", "--key-blocks", "16,32"),
 """(row key, fused_attention constant, flag, the flag's default: None keeps the shipped value)."""
 
 
-def sweep(values: dict) -> list[dict]:
-    """Every combination of values {row key: (values...)} of KNOBS, at SHAPES."""
+def sweep(values: dict, shapes=SHAPES) -> list[dict]:
+    """Every combination of values {row key: (values...)} of KNOBS, at shapes ((batch, keys), ...)."""
     import itertools
 
     from triton.testing import do_bench_cudagraph
@@ -96,7 +97,7 @@ def sweep(values: dict) -> list[dict]:
     rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
     try:
-        for batch, keys in SHAPES:
+        for batch, keys in shapes:
             q, k, v = _inputs(1, batch, keys, g)
             for key, x in shipped.items():
                 setattr(FA, names[key], x)
@@ -121,6 +122,7 @@ def main(argv=None) -> int:
     for _, const, flag, default in KNOBS:
         p.add_argument(flag, default=default, help=f"values of {const}, comma-separated"
                        + ("" if default else " (default: the shipped one)"))
+    p.add_argument("--shapes", default=",".join(f"{b}x{k}" for b, k in SHAPES), help="BATCHxKEYS,...")
     p.add_argument("--save", metavar="PT", help="time the shipped configuration at AB_SHAPES, save outputs and times")
     p.add_argument("--compare", nargs=2, metavar=("OLD_PT", "NEW_PT"), help="two --save files -> --out")
     a = p.parse_args(argv)
@@ -135,7 +137,8 @@ def main(argv=None) -> int:
             return 0
         values = {key: tuple(int(x) for x in getattr(a, flag[2:].replace("-", "_")).split(","))
                   for key, _, flag, _ in KNOBS if getattr(a, flag[2:].replace("-", "_"))}
-        doc = {"device": "1x " + torch.cuda.get_device_name(), "rows": sweep(values)}
+        shapes = tuple(tuple(int(x) for x in shape.split("x")) for shape in a.shapes.split(","))
+        doc = {"device": "1x " + torch.cuda.get_device_name(), "rows": sweep(values, shapes)}
     if not a.out:
         print("sweep_strict_attention: --out is needed", file=sys.stderr)
         return 2
