@@ -262,16 +262,24 @@ ATTENTION_ONE_LAUNCH_BLOCKS = 8
 batch x head) over the whole context; longer ones on `_attention_kernel`, split into chunks of key blocks over four
 launches. On an H100 (2026-12-07, session 43 calls 2-3) the split kernel, which also takes 8 query heads a program,
 was slower than the per-head one at short contexts (batch 64 x 72 keys: 58.9 us on one warp against 21.0) and faster
-at long ones (batch 64 x 1,064 keys: 476.5 us against 1,363.0; batch 1: 26.9 against 124.7)."""
-ATTENTION_HEADS_PER_PROGRAM = 8
+at long ones (batch 64 x 1,064 keys: 476.5 us against 1,363.0 on 4 warps; batch 1: 26.9 against 124.7). With one
+head a program (session 44 call 1) the split kernel is still slower at short contexts: batch 64 x 72 keys 27.8 us in
+chunks of one block against 21.2 in one launch, batch 256 97.8 against 79.3."""
+ATTENTION_HEADS_PER_PROGRAM = 1
 """Query heads a program of a split context takes together, at most (`heads_per_program`): each key and value block it
-reads serves them all, and fewer heads a program make more programs. 8 (all the heads of a KV head in the rollout slice)
-is what session 43 measured (ATTENTION_ONE_LAUNCH_BLOCKS)."""
+reads serves them all, but fewer heads a program make more programs, each with less to do. One: on an H100 (2026-12-07,
+session 44 call 1, 3c96dd1, docs/benchmarks/strict-attention-heads-h100.json; CUDA-graph replays, 32 heads over 4 KV
+heads, 128 channels, one warp, 8 key blocks a chunk, outputs bitwise equal) 1 / 2 / 8 heads a program took 378.0 /
+416.1 / 485.9 us at batch 64 x 1,064 keys, 1,585.7 / 1,988.5 / 2,969.4 at batch 256, 14.8 / 15.3 / 26.9 at batch 1,
+1,163.9 / 1,330.2 / 1,435.2 at batch 64 x 2,088 keys; at batch 8, 2 heads were faster (44.3 against 49.1 us)."""
 ATTENTION_CHUNK_BLOCKS = 8
 """Key blocks per program of a split context, halved (down to 1) while the launch would have fewer than
-ATTENTION_MIN_PROGRAMS programs: a decode step at batch 1 has only the KV heads' few programs per chunk."""
-ATTENTION_MIN_PROGRAMS = 256
-"""Programs a split launch should have at least (~2 a streaming multiprocessor of an H100 or H200; not measured)."""
+ATTENTION_MIN_PROGRAMS programs: a decode step at batch 1 has only the heads' few programs per chunk. 8 was the
+fastest of 2 / 4 / 8 with one head a program at batch 64 and 256 (same call: batch 64 x 1,064 keys 431.2 / 404.9 /
+378.0 us; batch 256 2,978.2 / 2,116.2 / 1,585.7), within 10% of the fastest at batch 8."""
+ATTENTION_MIN_PROGRAMS = 2048
+"""Programs a split launch should have at least (~16 one-warp programs a streaming multiprocessor of an H100). Against
+256 (same call, one head a program): batch 1 x 1,064 keys 14.8 against 19.7 us; the same elsewhere, within 1%."""
 ATTENTION_SCRATCH_BYTES = 256 << 20
 """Scratch of one launch; more queries run as further launches (programs are independent: no bit changes)."""
 

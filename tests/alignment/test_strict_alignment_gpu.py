@@ -169,8 +169,8 @@ def test_fused_attention_is_bitwise_the_torch_attention_on_cuda(monkeypatch):
     """minite.strict.fused_attention.attention (fused.PROVEN's "attention"): ops.attention's operations per (query,
     batch x KV head) over chunks of key blocks, the same bits as the torch ops on CUDA, for decode steps (short
     contexts in one launch; 1,064 keys split into chunks, 8 query heads a KV head, batch 8 and 1), a prefill, a long
-    context, 3 query heads a KV head over chunks, split contexts with 2 and 1 heads a program, and a row alone equal to
-    the same row in the batch."""
+    context, 3 query heads a KV head over chunks, split contexts with 1, 2 and 8 heads a program, and a row alone
+    equal to the same row in the batch."""
     import math
 
     from minite.strict import fused, fused_attention, ops as S
@@ -187,11 +187,11 @@ def test_fused_attention_is_bitwise_the_torch_attention_on_cuda(monkeypatch):
             ref = S.attention(q, k, v, 1 / math.sqrt(d))
         got = fused_attention.attention(q, k, v, 1 / math.sqrt(d))
         assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), (sq, sk, (got - ref).abs().max().item())
-        for heads in (2, 1) if sk > 256 else ():  # split contexts with fewer heads a program
+        for heads in (8, 2) if sk > 256 else ():  # split contexts with more heads a program
             with monkeypatch.context() as mp:
                 mp.setattr(fused_attention, "ATTENTION_HEADS_PER_PROGRAM", heads)
-                few = fused_attention.attention(q, k, v, 1 / math.sqrt(d))
-            assert torch.equal(few.view(torch.int32), ref.view(torch.int32)), (sq, sk, heads)
+                other = fused_attention.attention(q, k, v, 1 / math.sqrt(d))
+            assert torch.equal(other.view(torch.int32), ref.view(torch.int32)), (sq, sk, heads)
         alone = fused_attention.attention(q[:, :1], k[:, :1], v[:, :1], 1 / math.sqrt(d))
         assert torch.equal(alone.view(torch.int32), got[:, :1].view(torch.int32))
 

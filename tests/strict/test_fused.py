@@ -388,14 +388,17 @@ def test_fused_attention_split_into_chunks_gives_the_same_bits(h, g, sk, chunks,
 
 
 def test_chunk_blocks_keeps_short_contexts_in_one_launch_and_fills_the_gpu():
-    assert FA.chunk_blocks(256, 3) == 3  # batch 64 x 4 KV heads, 72 keys: one launch
-    assert FA.chunk_blocks(256, 34) == FA.ATTENTION_CHUNK_BLOCKS  # 1,064 keys: 5 chunks of 8 blocks, 1,280 programs
-    assert FA.chunk_blocks(4, 34) == 1  # batch 1: 34 chunks of one block, 136 programs (no fewer blocks a chunk)
-    assert FA.chunk_blocks(32, 34) == 4  # batch 8: 9 chunks of 4 blocks, 288 programs
+    assert (FA.ATTENTION_CHUNK_BLOCKS, FA.ATTENTION_MIN_PROGRAMS) == (8, 2048)  # the values the counts below assume
+    assert FA.chunk_blocks(2048, 3) == 3  # batch 64 x 32 heads, 72 keys: one launch
+    assert FA.chunk_blocks(2048, 34) == 8  # 1,064 keys: 5 chunks of 8 blocks, 10,240 programs
+    assert FA.chunk_blocks(32, 34) == 1  # batch 1: 34 chunks of one block, 1,088 programs (no fewer blocks a chunk)
+    assert FA.chunk_blocks(256, 34) == 4  # batch 8: 9 chunks of 4 blocks, 2,304 programs
     assert all(FA.chunk_blocks(p, 256) in (1, 2, 4, 8) for p in (1, 7, 64, 4096))
 
 
 def test_heads_per_program_divides_the_query_heads_of_a_kv_head(monkeypatch):
+    assert FA.heads_per_program(8) == FA.ATTENTION_HEADS_PER_PROGRAM == 1
+    monkeypatch.setattr(FA, "ATTENTION_HEADS_PER_PROGRAM", 8)
     assert [FA.heads_per_program(rep) for rep in (1, 2, 3, 4, 6, 8, 16)] == [1, 2, 3, 4, 6, 8, 8]
     monkeypatch.setattr(FA, "ATTENTION_HEADS_PER_PROGRAM", 4)
     assert [FA.heads_per_program(rep) for rep in (1, 3, 6, 8, 9)] == [1, 3, 3, 4, 3]
