@@ -8,7 +8,7 @@ position or number of keys (docs/nvfp4.md, docs/alignment.md).
     fused.py        `ops.exp`, `ops.rms_norm`, `ops.tree_sum`, `ops.log`, `ops.rope` and `ops.sincos` each in one
                     Triton kernel on CUDA (the same bits)
     fused_attention.py  `ops.attention` in Triton on CUDA (the same bits; one program a head for a short context,
-                    a KV head's query heads over chunks of keys in four launches for a long one)
+                    over chunks of keys in four launches for a long one)
     fused_linear.py `ops.linear`'s fp32 path (the strict router) in one Triton kernel on CUDA (the same bits)
     fused_combine.py  the strict MoE combine (minite.ops.combine_fixed_order) in one Triton kernel on CUDA (same bits)
     fused_swiglu.py the strict expert SwiGLU fused with FC2's NVFP4 quantisation (minite.kernels.nvfp4_swiglu's kernel
