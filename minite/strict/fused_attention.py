@@ -3,15 +3,16 @@
 Both kernels walk the context in blocks of ATTENTION_KEY_BLOCK keys through scratch buffers and read grouped KV heads in
 place (query head i reads KV head i // (h / g)). A short context (up to ATTENTION_ONE_LAUNCH_BLOCKS blocks, the decode
 steps of short prompts) runs on `_head_kernel`: one program per (query, batch x head) over the whole context, one
-launch. A longer one runs on `_attention_kernel`: a program takes one (query, batch x KV head) pair and
-`heads_per_program` of the query heads of that KV head (all of them in the rollout slice) over a chunk of key blocks, so
-each key and value block is read once for them, and the passes run as four launches (`attention`). Until 2026-12-07
-every context ran on the per-head kernel: at a 1,024-token prompt the strict NVFP4 decode step took 6.85 ms against the
-default step's 1.47 ms (H100, batch 64, docs/benchmarks.md, forty-third session), each KV head's cache read once per
-query head by a program that walked ~1,060 keys alone. tests/strict/test_fused.py compares the bits with the torch ops
-under the interpreter (both kernels; chunks of 1-8 key blocks with grouped heads and one query a launch),
-tests/alignment/test_strict_alignment_gpu.py on a GPU. The IEEE rules (no FMA contraction, correctly rounded division,
-the strict exp) are `minite.strict.fused`'s, whose helpers they use; "attention" in `fused.PROVEN` routes them.
+launch. A longer one runs on `_attention_kernel`, split into chunks of key blocks: a program takes one (query, batch x
+KV head) pair, `heads_per_program` of the query heads of that KV head (one, as shipped; more would read each key and
+value block once for them all) and one chunk, and the passes run as four launches (`attention`). Until 2026-12-07 every
+context ran on the per-head kernel in one launch: at a 1,024-token prompt the strict NVFP4 decode step took 6.85 ms
+against the default step's 1.47 ms (H100, batch 64, docs/benchmarks.md, forty-third session), each program walking
+~1,060 keys alone on 4 warps; with the split kernel it took 3.33 ms (forty-fourth session, 8 heads a program).
+tests/strict/test_fused.py compares the bits with the torch ops under the interpreter (both kernels; chunks of 1-8 key
+blocks with 1-6 heads a program and one query a launch), tests/alignment/test_strict_alignment_gpu.py on a GPU. The IEEE
+rules (no FMA contraction, correctly rounded division, the strict exp) are `minite.strict.fused`'s, whose helpers they
+use; "attention" in `fused.PROVEN` routes them.
 """
 from __future__ import annotations
 
@@ -209,7 +210,7 @@ if fused.triton is not None:
         """ops.attention for one (query, batch x KV head) pair and HG of its REP query heads together, over chunk
         program_id(1) of cb key blocks: pass PASS (1-3; the function `attention` below says how the passes split the
         sums)."""
-        pid = tl.program_id(0).to(tl.int64)  # (query, batch x KV head, group of HG heads); the query is i0 + pid // bg
+        pid = tl.program_id(0).to(tl.int64)  # (query, batch x KV head, group of HG heads), the query's index i - i0
         c = tl.program_id(1)
         i, kv = i0 + pid // (bg * (REP // HG)), (pid // (REP // HG)) % bg  # kv: the row of k/v [sk, batch x KV, d]
         head0 = kv * REP + (pid % (REP // HG)) * HG  # its heads head0 + h (of batch x heads)
@@ -260,26 +261,30 @@ measured on the H200 for the per-head kernel (2026-12-01: batch 64 x 72 keys 40.
 ATTENTION_ONE_LAUNCH_BLOCKS = 8
 """Contexts of up to this many key blocks (256 keys) run on `_head_kernel` in one launch, one program per (query,
 batch x head) over the whole context; longer ones on `_attention_kernel`, split into chunks of key blocks over four
-launches. On an H100 (2026-12-07, session 43 calls 2-3) the split kernel, which also takes 8 query heads a program,
-was slower than the per-head one at short contexts (batch 64 x 72 keys: 58.9 us on one warp against 21.0) and faster
-at long ones (batch 64 x 1,064 keys: 476.5 us against 1,363.0 on 4 warps; batch 1: 26.9 against 124.7). With one
-head a program (session 44 call 1) the split kernel is still slower at short contexts: batch 64 x 72 keys 27.8 us in
-chunks of one block against 21.2 in one launch, batch 256 97.8 against 79.3."""
+launches. On an H100 (2026-12-07, session 43 calls 2-3) the split kernel, then with 8 query heads a program, was
+slower than the per-head one at short contexts (batch 64 x 72 keys: 58.9 us on one warp against 21.0) and faster
+at long ones (batch 64 x 1,064 keys: 476.5 us against 1,363.0 on 4 warps; batch 1: 26.9 against 124.7). With one or
+two heads a program (session 44 call 1) the split kernel is still slower at short contexts: batch 64 x 72 keys
+24.2-27.8 us against 21.2 in one launch, batch 256 89.9-98.0 against 79.3, batch 8 x 56 keys 9.4-11.3 against 5.9."""
 ATTENTION_HEADS_PER_PROGRAM = 1
 """Query heads a program of a split context takes together, at most (`heads_per_program`): each key and value block it
 reads serves them all, but fewer heads a program make more programs, each with less to do. One: on an H100 (2026-12-07,
 session 44 call 1, 3c96dd1, docs/benchmarks/strict-attention-heads-h100.json; CUDA-graph replays, 32 heads over 4 KV
-heads, 128 channels, one warp, 8 key blocks a chunk, outputs bitwise equal) 1 / 2 / 8 heads a program took 378.0 /
-416.1 / 485.9 us at batch 64 x 1,064 keys, 1,585.7 / 1,988.5 / 2,969.4 at batch 256, 14.8 / 15.3 / 26.9 at batch 1,
-1,163.9 / 1,330.2 / 1,435.2 at batch 64 x 2,088 keys; at batch 8, 2 heads were faster (44.3 against 49.1 us)."""
+heads, 128 channels, one warp, outputs bitwise equal) one head a program in chunks of 8 blocks and 2,048 programs at
+least took 378.0 us at batch 64 x 1,064 keys, 1,585.7 at batch 256, 14.8 at batch 1, 49.1 at batch 8 and 1,163.9 at
+batch 64 x 2,088 keys, against 477.4, 2,970.3, 26.9, 82.8 and 1,435.3 for 3c96dd1's 8 heads in chunks of 8 and 256
+programs at least. Two heads took 416.1, 1,988.5, 15.3, 44.3 and 1,330.2 us (faster at batch 8 only). Chunks are
+halved to reach the programs (at batch 8 one head ran in chunks of 4, two in chunks of 2; at batch 1 both of 1)."""
 ATTENTION_CHUNK_BLOCKS = 8
 """Key blocks per program of a split context, halved (down to 1) while the launch would have fewer than
 ATTENTION_MIN_PROGRAMS programs: a decode step at batch 1 has only the heads' few programs per chunk. 8 was the
-fastest of 2 / 4 / 8 with one head a program at batch 64 and 256 (same call: batch 64 x 1,064 keys 431.2 / 404.9 /
-378.0 us; batch 256 2,978.2 / 2,116.2 / 1,585.7), within 10% of the fastest at batch 8."""
+fastest of 2 / 4 / 8 with one head a program where nothing was halved (same call: batch 64 x 1,064 keys 431.2 / 404.9
+/ 378.0 us; batch 256 2,978.2 / 2,116.2 / 1,585.7; batch 64 x 2,088 keys 1,334.9 / 1,242.0 / 1,163.9). At batch 8 the
+chunks of 4 it comes to took 49.1 us against 45.6 in chunks of 2."""
 ATTENTION_MIN_PROGRAMS = 2048
 """Programs a split launch should have at least (~16 one-warp programs a streaming multiprocessor of an H100). Against
-256 (same call, one head a program): batch 1 x 1,064 keys 14.8 against 19.7 us; the same elsewhere, within 1%."""
+256 (same call, one head a program): batch 1 x 1,064 keys 14.8 against 19.7 us in chunks of 8 (of 1 and 4 blocks
+after halving); elsewhere at most 1.0% apart (batch 8: 0.4-1.0% slower with 2,048)."""
 ATTENTION_SCRATCH_BYTES = 256 << 20
 """Scratch of one launch; more queries run as further launches (programs are independent: no bit changes)."""
 

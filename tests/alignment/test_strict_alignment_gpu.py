@@ -169,15 +169,16 @@ def test_fused_attention_is_bitwise_the_torch_attention_on_cuda(monkeypatch):
     """minite.strict.fused_attention.attention (fused.PROVEN's "attention"): ops.attention's operations per (query,
     batch x KV head) over chunks of key blocks, the same bits as the torch ops on CUDA, for decode steps (short
     contexts in one launch; 1,064 keys split into chunks, 8 query heads a KV head, batch 8 and 1), a prefill, a long
-    context, 3 query heads a KV head over chunks, split contexts with 1, 2 and 8 heads a program, and a row alone
-    equal to the same row in the batch."""
+    context, 3 and 6 query heads a KV head over chunks, split contexts with 1, 2, 4 and 8 heads a program at most (6 a
+    KV head as 6, 3 padded to 4, 2 or 1), and a row alone equal to the same row in the batch."""
     import math
 
     from minite.strict import fused, fused_attention, ops as S
     g = torch.Generator(device="cuda").manual_seed(5)
     for sq, sk, b, h, hkv, d in ((1, 72, 64, 32, 4, 128), (1, 72, 64, 32, 32, 128), (32, 32, 8, 32, 4, 128),
                                  (1, 200, 16, 32, 4, 128), (1, 4096, 2, 4, 4, 128), (3, 7, 2, 2, 1, 12),
-                                 (1, 1064, 8, 32, 4, 128), (1, 1064, 1, 32, 4, 128), (5, 300, 2, 6, 2, 16)):
+                                 (1, 1064, 8, 32, 4, 128), (1, 1064, 1, 32, 4, 128), (5, 300, 2, 6, 2, 16),
+                                 (2, 300, 2, 12, 2, 16)):
         q = (torch.randn(sq, b, h, d, device="cuda", generator=g) * 3).to(torch.bfloat16)
         k = (torch.randn(sk, b, hkv, d, device="cuda", generator=g) * 3).to(torch.bfloat16)
         v = torch.randn(sk, b, hkv, d, device="cuda", generator=g).to(torch.bfloat16)
@@ -187,7 +188,7 @@ def test_fused_attention_is_bitwise_the_torch_attention_on_cuda(monkeypatch):
             ref = S.attention(q, k, v, 1 / math.sqrt(d))
         got = fused_attention.attention(q, k, v, 1 / math.sqrt(d))
         assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), (sq, sk, (got - ref).abs().max().item())
-        for heads in (8, 2) if sk > 256 else ():  # split contexts with more heads a program
+        for heads in (8, 4, 2) if sk > 256 else ():  # split contexts with more heads a program (6 a KV head: 6, 3, 2)
             with monkeypatch.context() as mp:
                 mp.setattr(fused_attention, "ATTENTION_HEADS_PER_PROGRAM", heads)
                 other = fused_attention.attention(q, k, v, 1 / math.sqrt(d))

@@ -357,14 +357,15 @@ def _grouped_inputs(seed, sq, sk, h, g, d=16):
 
 
 @pytest.mark.parametrize("h, g, sk, chunks", [(8, 2, 75, ((32, 8, 8, 1), (8, 8, 8, 4), (8, 2, 2, 4), (0, 1, 1, 4))),
-                                              (6, 2, 64, ((0, 3, 8, 4), (0, 4, 2, 4)))])
+                                              (6, 2, 64, ((0, 3, 8, 4), (0, 4, 2, 4))),
+                                              (12, 2, 64, ((0, 3, 4, 4), (0, 8, 2, 4)))])
 def test_fused_attention_split_into_chunks_gives_the_same_bits(h, g, sk, chunks, monkeypatch):
     """A short context runs on the per-head kernel in one launch; a long one on the grouped kernel, whose program
     takes some of a KV head's query heads together over a chunk of key blocks, in four launches (scores and maxima,
     exps, p * v, the tree over the blocks). Every chunking and every number of heads a program gives the torch ops'
     bits: decode steps and a prefill, all queries in one launch or one a launch, 4 query heads a KV head (all 4, 2 or 1
-    a program) with a NaN score and an inf value, and 3 a KV head (all 3 padded to 4 in a program, or 1) over 16 blocks
-    in chunks of 3 or 4 (the last chunk shorter)."""
+    a program) with a NaN score and an inf value, 3 a KV head (all 3 padded to 4 in a program, or 1) and 6 (3 padded
+    to 4, or 2) over 16 blocks in chunks of 3 (the last one shorter), 4 or 8."""
     q, k, v = _grouped_inputs(12, 3, sk, h, g)
     k[40, 1, 0, 3], v[60, 0, 1, 5] = math.nan, math.inf  # batch row 1 KV head 0 sees a NaN score, row 0 head 1 an inf
     with monkeypatch.context() as mp:
@@ -404,6 +405,14 @@ def test_heads_per_program_divides_the_query_heads_of_a_kv_head(monkeypatch):
     assert [FA.heads_per_program(rep) for rep in (1, 3, 6, 8, 9)] == [1, 3, 3, 4, 3]
     monkeypatch.setattr(FA, "ATTENTION_HEADS_PER_PROGRAM", 0)  # read as 1
     assert FA.heads_per_program(8) == 1
+    # `attention` counts a launch's programs for chunk_blocks: queries x batch x KV heads x groups of heads
+    monkeypatch.setattr(FA, "ATTENTION_HEADS_PER_PROGRAM", 2)
+    seen, chunk_blocks = [], FA.chunk_blocks
+    monkeypatch.setattr(FA, "chunk_blocks", lambda programs, blocks: seen.append(programs) or chunk_blocks(programs,
+                                                                                                          blocks))
+    q, k, v = _grouped_inputs(2, 3, 9, 8, 2)  # 3 queries, batch 2, 8 query heads over 2 KV heads: 4 a KV head
+    FA.attention(q, k, v, 0.25)
+    assert seen == [3 * 2 * 2 * (4 // 2)]
 
 
 def _rope_same(got, ref):

@@ -32,3 +32,19 @@ def test_compare_writes_one_row_per_shape_with_its_bits(tmp_path):
     bad = subprocess.run([sys.executable, TOOL, "--compare", str(tmp_path / "old.pt"), str(tmp_path / "other.pt"),
                           "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "not one device" in bad.stderr
+
+
+def test_effective_names_what_runs_under_the_constants_as_set(monkeypatch):
+    """A sweep row records the kernel, heads and chunks that ran, not only the values asked (chunk_blocks halves the
+    chunks until a launch has ATTENTION_MIN_PROGRAMS programs)."""
+    sys.path.insert(0, os.path.dirname(TOOL))
+    import sweep_strict_attention as S
+    FA = S.FA
+    for name, value in (("ATTENTION_KEY_BLOCK", 32), ("ATTENTION_HEADS_PER_PROGRAM", 1), ("ATTENTION_CHUNK_BLOCKS", 8),
+                        ("ATTENTION_MIN_PROGRAMS", 2048), ("ATTENTION_ONE_LAUNCH_BLOCKS", 8)):
+        monkeypatch.setattr(FA, name, value)
+    assert S.effective(64, 1064) == dict(heads_run=1, chunk_blocks_run=8, chunks_run=5, kernel="split, four launches")
+    assert S.effective(8, 1064)["chunk_blocks_run"] == 4  # 256 programs a chunk: 9 chunks of 4 blocks reach 2,048
+    assert S.effective(64, 72)["kernel"] == "per-head, one launch"
+    monkeypatch.setattr(FA, "ATTENTION_HEADS_PER_PROGRAM", 4)
+    assert S.effective(1, 1064) == dict(heads_run=4, chunk_blocks_run=1, chunks_run=34, kernel="split, four launches")

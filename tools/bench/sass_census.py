@@ -156,8 +156,8 @@ def strict_rows() -> list:
         ("attention bf16 128 keys x 128 channels", FA._head_kernel, head_sig,  # a short context's decode step
          dict(F.EXP_ARGS, DP=128, DL=7, KB=32, KL=5, NB=4, NL=2, EVEN_D=True, KH=16, NH=2),
          [k for k, t in head_sig.items() if t.startswith("*")] + list(strides)),
-        ("attention bf16 2048 keys, p * v of a chunk", FA._attention_kernel, att_sig,  # a long context's pass 3
-         dict(F.EXP_ARGS, PASS=3, SKP=2048, NB=64, NL=6, NCP=8, REP=8, HG=8, RP=8, DP=128, DL=7, KB=32, KL=5, KH=16,
+        ("attention bf16 2048 keys, p * v, one head", FA._attention_kernel, att_sig,  # a long context's pass 3
+         dict(F.EXP_ARGS, PASS=3, SKP=2048, NB=64, NL=6, NCP=8, REP=8, HG=1, RP=1, DP=128, DL=7, KB=32, KL=5, KH=16,
               NH=2, EVEN_D=True),
          [k for k, t in att_sig.items() if t.startswith("*")] + list(strides)),
         ("tree_sum fp32 width 128", F._tree_sum_kernel, dict(x_ptr="*fp32", y_ptr="*fp32", rows="i32", n="i32"),

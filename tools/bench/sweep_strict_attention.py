@@ -13,12 +13,13 @@ Two trees side by side (the shipped configuration of each at AB_SHAPES, outputs 
 (MINITE_TREE: the checkout whose `minite` is imported; this file's own by default.)
 
 For bf16 q [1, batch, 32, 128] and k/v [keys, batch, 4, 128] (the rollout slice's heads at one decode step), each
-combination of the swept constants (KNOBS: ATTENTION_KEY_BLOCK, _WARPS, _CHUNK_BLOCKS, _HEADS_PER_PROGRAM,
-_ONE_LAUNCH_BLOCKS, _MIN_PROGRAMS; those not given keep their shipped value) is timed by CUDA-graph replays
-(triton.testing.do_bench_cudagraph, rep=60) and its output compared bit for bit with the shipped configuration's.
-None of them changes a bit by construction (the pair tree over the padded keys is the tree over aligned blocks of any
-power of two, then over the block sums; heads are independent); the comparison proves it on the device. CUDA only.
-JSON with device, date, commit and command.
+combination of the swept constants (KNOBS: ATTENTION_KEY_BLOCK, _WARPS and _CHUNK_BLOCKS, by default 16,32 / 1,2,4,8 /
+4,8; _HEADS_PER_PROGRAM, _ONE_LAUNCH_BLOCKS and _MIN_PROGRAMS, by default their shipped value) is timed by CUDA-graph
+replays (triton.testing.do_bench_cudagraph, rep=60) and its output compared bit for bit with the shipped
+configuration's. None of them changes a bit by construction (the pair tree over the padded keys is the tree over aligned
+blocks of any power of two, then over the block sums; heads are independent); the comparison proves it on the device.
+CUDA only. JSON with device, date, commit and command; a row holds every constant's value and what ran under them
+(`effective`: heads a program, key blocks a chunk after halving, chunks, kernel).
 """
 from __future__ import annotations
 
@@ -85,6 +86,18 @@ KNOBS = (("key_block", "ATTENTION_KEY_BLOCK", "--key-blocks", "16,32"),
 """(row key, fused_attention constant, flag, the flag's default: None keeps the shipped value)."""
 
 
+def effective(batch: int, keys: int) -> dict:
+    """What `FA.attention` runs for q [1, batch, 32, 128] over k [keys, batch, 4, 128] under the constants as set now:
+    the heads a split program takes, the key blocks a chunk after `chunk_blocks` halved them, the chunks, the
+    kernel."""
+    blocks = -(-keys // min(FA.ATTENTION_KEY_BLOCK, 1 << (keys - 1).bit_length()))
+    heads = FA.heads_per_program(8)
+    chunk = FA.chunk_blocks(batch * 4 * (8 // heads), blocks)
+    chunks = -(-blocks // chunk)
+    return dict(heads_run=heads, chunk_blocks_run=chunk, chunks_run=chunks,
+                kernel="per-head, one launch" if chunks == 1 else "split, four launches")
+
+
 def sweep(values: dict, shapes=SHAPES) -> list[dict]:
     """Every combination of values {row key: (values...)} of KNOBS, at shapes ((batch, keys), ...)."""
     import itertools
@@ -107,7 +120,8 @@ def sweep(values: dict, shapes=SHAPES) -> list[dict]:
                     setattr(FA, names[key], x)
                 same = bool(torch.equal(FA.attention(q, k, v, 0.088).view(torch.int32), ref.view(torch.int32)))
                 us = 1000 * do_bench_cudagraph(lambda: FA.attention(q, k, v, 0.088), rep=60)
-                rows.append(dict(batch=batch, keys=keys, **point, us=us, bitwise=same))
+                rows.append(dict(batch=batch, keys=keys, **{key: getattr(FA, const) for key, const in names.items()},
+                                 **effective(batch, keys), us=us, bitwise=same))
                 knobs = " ".join(f"{key} {x}" for key, x in point.items())
                 print(f"b {batch:3d} keys {keys:4d} {knobs}: {us:7.1f} us  bitwise={same}", flush=True)
     finally:
@@ -135,8 +149,8 @@ def main(argv=None) -> int:
         if a.save:
             save_outputs(a.save)
             return 0
-        values = {key: tuple(int(x) for x in getattr(a, flag[2:].replace("-", "_")).split(","))
-                  for key, _, flag, _ in KNOBS if getattr(a, flag[2:].replace("-", "_"))}
+        given = {key: getattr(a, flag[2:].replace("-", "_")) for key, _, flag, _ in KNOBS}
+        values = {key: tuple(int(x) for x in v.split(",")) for key, v in given.items() if v}
         shapes = tuple(tuple(int(x) for x in shape.split("x")) for shape in a.shapes.split(","))
         doc = {"device": "1x " + torch.cuda.get_device_name(), "rows": sweep(values, shapes)}
     if not a.out:
