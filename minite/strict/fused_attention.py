@@ -274,7 +274,8 @@ heads, 128 channels, one warp, outputs bitwise equal) one head a program in chun
 least took 378.0 us at batch 64 x 1,064 keys, 1,585.7 at batch 256, 14.8 at batch 1, 49.1 at batch 8 and 1,163.9 at
 batch 64 x 2,088 keys, against 477.4, 2,970.3, 26.9, 82.8 and 1,435.3 for 3c96dd1's 8 heads in chunks of 8 and 256
 programs at least. Two heads took 416.1, 1,988.5, 15.3, 44.3 and 1,330.2 us (faster at batch 8 only). Chunks are
-halved to reach the programs (at batch 8 one head ran in chunks of 4, two in chunks of 2; at batch 1 both of 1)."""
+halved to reach the programs: at batch 8 one head ran in chunks of 4, two heads in chunks of 2 and 3c96dd1's in
+chunks of 4; at batch 1 all ran in chunks of 1."""
 ATTENTION_CHUNK_BLOCKS = 8
 """Key blocks per program of a split context, halved (down to 1) while the launch would have fewer than
 ATTENTION_MIN_PROGRAMS programs: a decode step at batch 1 has only the heads' few programs per chunk. 8 was the
