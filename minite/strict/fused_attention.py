@@ -16,6 +16,8 @@ use; "attention" in `fused.PROVEN` routes them.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from minite.kernels._interpreter import ensure_interpreter_compat
@@ -309,6 +311,27 @@ def chunk_blocks(programs: int, blocks: int) -> int:
     return cb
 
 
+class Plan(NamedTuple):
+    """How `attention` splits a context: keys a block, key blocks in the context, query heads a split program, key
+    blocks a chunk, chunks (1: the per-head kernel in one launch)."""
+    key_block: int
+    blocks: int
+    heads: int
+    chunk_blocks: int
+    chunks: int
+
+
+def launch_plan(sq: int, b: int, h: int, hkv: int, sk: int) -> Plan:
+    """The split `attention` makes of sq queries over sk keys, batch b, h query heads over hkv KV heads, under the
+    constants as set now (tools/bench/sweep_strict_attention.py records it beside each time)."""
+    kb = min(ATTENTION_KEY_BLOCK, 1 << (sk - 1).bit_length())
+    blocks = -(-sk // kb)
+    rep = h // hkv
+    heads = heads_per_program(rep)
+    cb = chunk_blocks(sq * b * hkv * (rep // heads), blocks)
+    return Plan(kb, blocks, heads, cb, -(-blocks // cb))
+
+
 def routable(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether `attention` takes these shapes (q [sq, b, h, d], k [sk, b, g, d]): a key for every query, at most
     ATTENTION_MAX_KEYS keys, and a cache whose block offsets fit 32 bits; strict ops.attention computes the others
@@ -353,12 +376,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     skp = 1 << (sk - 1).bit_length()
     o = out.view(sq, b * h, d)
     strides = (qc.stride(0), qc.stride(1), kc.stride(0), kc.stride(1), o.stride(0), o.stride(1))
-    kb = min(ATTENTION_KEY_BLOCK, skp)
-    nb, nbk = skp // kb, -(-sk // kb)
-    rep = h // hkv
-    hg = heads_per_program(rep)
-    cb = chunk_blocks(sq * b * hkv * (rep // hg), nbk)
-    nch = -(-nbk // cb)
+    kb, nbk, hg, cb, nch = launch_plan(sq, b, h, hkv, sk)
+    nb, rep = skp // kb, h // hkv
     ncp = 1 << (nch - 1).bit_length()
     per_query = b * h * (2 * skp + nb + ncp + dp * nb) * 4  # scratch bytes of one query's programs
     step = max(1, min(sq, ATTENTION_SCRATCH_BYTES // per_query))  # queries per launch (independent programs)

@@ -87,15 +87,12 @@ KNOBS = (("key_block", "ATTENTION_KEY_BLOCK", "--key-blocks", "16,32"),
 
 
 def effective(batch: int, keys: int) -> dict:
-    """What `FA.attention` runs for q [1, batch, 32, 128] over k [keys, batch, 4, 128] under the constants as set now:
-    the heads a split program takes, the key blocks a chunk after `chunk_blocks` halved them, the chunks, the
-    kernel."""
-    blocks = -(-keys // min(FA.ATTENTION_KEY_BLOCK, 1 << (keys - 1).bit_length()))
-    heads = FA.heads_per_program(8)
-    chunk = FA.chunk_blocks(batch * 4 * (8 // heads), blocks)
-    chunks = -(-blocks // chunk)
-    return dict(heads_run=heads, chunk_blocks_run=chunk, chunks_run=chunks,
-                kernel="per-head, one launch" if chunks == 1 else "split, four launches")
+    """What `FA.attention` runs for q [1, batch, 32, 128] over k [keys, batch, 4, 128] under the constants as set now
+    (`FA.launch_plan`): the heads a split program takes, the key blocks a chunk after `chunk_blocks` halved them, the
+    chunks, the kernel."""
+    plan = FA.launch_plan(1, batch, 32, 4, keys)
+    return dict(heads_run=plan.heads, chunk_blocks_run=plan.chunk_blocks, chunks_run=plan.chunks,
+                kernel="per-head, one launch" if plan.chunks == 1 else "split, four launches")
 
 
 def sweep(values: dict, shapes=SHAPES) -> list[dict]:
