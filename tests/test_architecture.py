@@ -23,7 +23,14 @@ SOURCE_DIRS = ("minite", "kernels", "megatron_patches", "tools", "tests", "examp
 def _installed_layout(dest: Path) -> Path:
     tree = dest / "tree"
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    shutil.copytree(ROOT / "minite", tree / "minite", ignore=ignore)
+
+    def ignore_links(folder: str, names: list) -> set:
+        # the links minite/kernels and minite/megatron_patches that tools/gpu_acceptance.sh makes in a checkout
+        # (git ignores them) would collide with the copies below
+        links = {"kernels", "megatron_patches"} if Path(folder) == ROOT / "minite" else set()
+        return set(ignore(folder, names)) | (links & set(names))
+
+    shutil.copytree(ROOT / "minite", tree / "minite", ignore=ignore_links)
     shutil.copytree(ROOT / "kernels", tree / "minite" / "kernels", ignore=ignore)
     shutil.copytree(ROOT / "megatron_patches", tree / "minite" / "megatron_patches", ignore=ignore)
     return tree
