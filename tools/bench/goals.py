@@ -50,9 +50,8 @@ def _when(*rows: dict, doc: dict | None = None) -> str:
     return f"{' / '.join(commits)}, {dates[-1]}{two}"
 
 
-def _cell(value: float | None, op: str, target: float, text: str, when: str) -> str:
-    if value is None:
-        return text
+def _cell(value: float, op: str, target: float, text: str, when: str) -> str:
+    """A measured cell: what was measured, the verdict against the target, and the rows' commits and date."""
     return f"{text}: **{_verdict(value, op, target)}** ({when})"
 
 
