@@ -8,7 +8,8 @@ KV head) pair, `heads_per_program` of the query heads of that KV head (one, as s
 value block once for them all) and one chunk, and the passes run as four launches (`attention`). Until 2026-12-07 every
 context ran on the per-head kernel in one launch: at a 1,024-token prompt the strict NVFP4 decode step took 6.85 ms
 against the default step's 1.47 ms (H100, batch 64, docs/benchmarks.md, forty-third session), each program walking
-~1,060 keys alone on 4 warps; with the split kernel it took 3.33 ms (forty-fourth session, 8 heads a program).
+~1,060 keys alone on 4 warps; with the split kernel it took 3.33 ms (forty-fourth session, 8 heads a program) and
+3.04 ms with one head a program (forty-fifth session).
 tests/strict/test_fused.py compares the bits with the torch ops under the interpreter (both kernels; chunks of 1-8 key
 blocks with 1-6 heads a program and one query a launch), tests/alignment/test_strict_alignment_gpu.py on a GPU. The IEEE
 rules (no FMA contraction, correctly rounded division, the strict exp) are `minite.strict.fused`'s, whose helpers they
