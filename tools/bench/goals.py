@@ -72,10 +72,11 @@ def rollout_rows(folder: Path, dev: str) -> dict | None:
             if d is not None]
     if not docs:
         return None
-    rows = [dict(r, commit=r.get("commit", d.get("commit", "?")), date=r.get("date", d.get("date", "?")))
-            for d in docs for r in d["rows"] if r.get("variant") != "sglang" and r["prompt_len"] == 32]
-    refs = [dict(r, commit=r.get("commit", d.get("commit", "?")), date=r.get("date", d.get("date", "?")))
-            for d in docs for r in d.get("reference_rows", [])]
+    def stamped(r: dict, d: dict) -> dict:  # a row with its own commit and date, or its file's
+        return dict(r, commit=r.get("commit", d.get("commit", "?")), date=r.get("date", d.get("date", "?")))
+
+    rows = [stamped(r, d) for d in docs for r in d["rows"] if r.get("variant") != "sglang" and r["prompt_len"] == 32]
+    refs = [stamped(r, d) for d in docs for r in d.get("reference_rows", [])]
     rows.sort(key=lambda r: (_commit_time(r["commit"]), r["date"]))
     refs.sort(key=lambda r: r["date"])
     return {"rows": rows, "reference_rows": refs}
