@@ -15,6 +15,15 @@ write, and the forward then rotates the queries only. RoPE is elementwise per po
 the kernels above compute each element from that element, its partner and its position's angle, whatever the other
 positions), so every key the attention reads has the bits it had when the whole prefix was rotated per step
 (tests/rollout/test_roped_kv_cache.py compares `ROPED_KV_CACHE` off and on, on the CPU and the GPU).
+
+And with the roped cache, a decode step's queries and keys in one launch (`QK_NORM_ROPE_KERNEL`, once proven):
+SelfAttention.get_query_key_value_tensors returns the split, q/k-normalised heads, and the forward then rotates the
+queries and writes the key and value into the cache, nine launches a layer (minite.kernels.qk_norm_rope). Where it
+applies (a static context whose cache exists, no autograd, not strict, one whole-head RoPE table, torch's RMSNorm on
+q and k) the patched method computes the projection as upstream does and hands the rest to
+`qk_norm_rope.qk_norm_rope_cache`: the rotated queries, and the cache rows of the key and value, written. Attention's
+forward is wrapped to tell the method the step's context and RoPE table (it is not passed them), and the cache
+method then writes each row onto itself (torch's copy_ returns at once for a view onto itself) and rotates nothing.
 """
 from __future__ import annotations
 
@@ -53,6 +62,7 @@ def install() -> None:
     attention_mod.apply_rotary_pos_emb = apply_rotary_pos_emb
     logger.info("megatron.core.transformer.attention.apply_rotary_pos_emb dispatches per call (megatron_patches.rope)")
     _install_roped_kv_cache(attention_mod)
+    _install_qk_norm_rope(attention_mod)
 
 
 ROPED_KV_CACHE = True
@@ -69,6 +79,8 @@ def _install_roped_kv_cache(attention_mod) -> None:
 
     def _adjust_key_value_for_inference(self, inference_context, query, key, value, rotary_pos_emb, *args,
                                         **kwargs):
+        if self.__dict__.pop("_minite_qkv_written", False):  # get_query_key_value_tensors wrote and rotated them
+            return upstream(self, inference_context, query, key, value, None, *args, **kwargs)
         context = inference_context if inference_context is not None else kwargs.get("inference_params")
         if not _roped_cache_applies(self, context, key, rotary_pos_emb):
             return upstream(self, inference_context, query, key, value, rotary_pos_emb, *args, **kwargs)
@@ -116,3 +128,94 @@ def _fused_applies(t, freqs, config, args, kwargs) -> bool:
         return False
     from minite.kernels import megatron_rope
     return megatron_rope.applies(t, freqs)
+
+
+QK_NORM_ROPE_KERNEL = "qk_norm_rope"
+"""The name under which a decode step's fused query/key preparation waits for its GPU test
+(`minite.strict.fused.WAITS_FOR`) and is routed once proven (module docstring)."""
+
+
+def _install_qk_norm_rope(attention_mod) -> None:
+    cls = attention_mod.SelfAttention
+    if getattr(cls.get_query_key_value_tensors, "_minite_qk_norm_rope", False):
+        return
+    upstream_qkv, upstream_forward = cls.get_query_key_value_tensors, attention_mod.Attention.forward
+
+    def forward(self, *args, **kwargs):
+        # TransformerLayer passes these by keyword (Megatron-Core 0.16.1); a positional call is told nothing
+        self._minite_qkv_step = (kwargs.get("inference_context", kwargs.get("inference_params")),
+                                 kwargs.get("rotary_pos_emb"))
+        try:
+            return upstream_forward(self, *args, **kwargs)
+        finally:
+            self._minite_qkv_step = None
+
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True):
+        step = self.__dict__.get("_minite_qkv_step")
+        if step is None or not _qk_norm_rope_applies(self, hidden_states, step, output_gate, split_qkv):
+            return upstream_qkv(self, hidden_states, key_value_states, output_gate=output_gate,
+                                split_qkv=split_qkv)
+        from megatron.core.typed_torch import apply_module
+
+        from minite.kernels import qk_norm_rope
+        context, rotary = step
+        mixed_qkv, _ = apply_module(self.linear_qkv)(hidden_states)  # upstream's call
+        groups = self.num_query_groups_per_partition
+        rep = self.num_attention_heads_per_partition // groups
+        mixed = mixed_qkv.view(*mixed_qkv.shape[:2], groups, -1)
+        start, first = context.sequence_len_offset, context.batch_size_offset
+        n, rows = mixed.shape[0], mixed.shape[1]
+        keys, values = context.key_value_memory_dict[self.layer_number]
+        q_pos, k_pos = rotary if isinstance(rotary, tuple) else (rotary, rotary)
+        query = qk_norm_rope.qk_norm_rope_cache(
+            mixed, rep, self.q_layernorm.weight, self.k_layernorm.weight, self.q_layernorm.eps, self.k_layernorm.eps,
+            q_pos[start: start + n], k_pos[start: start + n],
+            attention_mod._yarn_get_concentration_factor_from_config(self.config),
+            keys[start: start + n, first: first + rows], values[start: start + n, first: first + rows])
+        self._minite_qkv_written = True
+        return query, keys[start: start + n, first: first + rows], values[start: start + n, first: first + rows]
+
+    attention_mod.Attention.forward = forward
+    get_query_key_value_tensors._minite_qk_norm_rope = True
+    cls.get_query_key_value_tensors = get_query_key_value_tensors
+    logger.info("megatron.core.transformer.attention.SelfAttention: a decode step's queries and keys in one launch "
+                "where proven (megatron_patches.rope)")
+
+
+def _qk_norm_rope_applies(attention, hidden, step, output_gate, split_qkv) -> bool:
+    """Whether get_query_key_value_tensors takes the one launch (module docstring): proven (or tried) and the roped
+    cache on; a static context whose cache for this layer exists and holds the forward's rows; no autograd; CUDA (or
+    the CPU tests' interpreter); self-attention split into q, k, v without an output gate, tensor-parallel groups
+    not split; not strict; q and k normalised by torch's RMSNorm with bf16 weights where torch takes its vectorised
+    kernel (8-byte-aligned); one fp32 RoPE table per position over the whole head, not interleaved; bf16 heads of a
+    power-of-two width the kernel takes."""
+    from minite.kernels import qk_norm_rope
+    from minite.kernels._interpreter import interpreting
+    from minite.strict import fused
+    context, rotary = step
+    config = attention.config
+    if not (QK_NORM_ROPE_KERNEL in fused.PROVEN and ROPED_KV_CACHE and context is not None and split_qkv
+            and not output_gate and not torch.is_grad_enabled() and not attention.training
+            and (hidden.is_cuda or interpreting()) and hidden.dtype == torch.bfloat16
+            and context.is_static_batching() and attention.layer_number in context.key_value_memory_dict
+            and getattr(attention, "attention_type", "self") == "self" and not config.flash_decode
+            and not getattr(config, "multi_latent_attention", False) and not getattr(config, "minite_strict", False)
+            and not config.no_rope_freq and not config.apply_rope_fusion and not config.rotary_interleaved
+            and config.num_query_groups >= attention.world_size):
+        return False
+    head = attention.hidden_size_per_attention_head
+    for norm in (attention.q_layernorm, attention.k_layernorm):
+        if not (isinstance(norm, torch.nn.RMSNorm) and norm.weight is not None and norm.eps is not None
+                and norm.weight.dtype == torch.bfloat16 and norm.weight.shape == (head,)
+                and norm.weight.is_contiguous() and norm.weight.data_ptr() % 8 == 0):
+            return False
+    tables = rotary if isinstance(rotary, tuple) else (rotary, rotary)
+    keys, values = context.key_value_memory_dict[attention.layer_number]
+    start, first = context.sequence_len_offset, context.batch_size_offset
+    rep = attention.num_attention_heads_per_partition // attention.num_query_groups_per_partition
+    return (len(tables) == 2 and all(torch.is_tensor(t) and t.dtype == torch.float32 and t.dim() == 4
+                                     and t.shape[1:] == (1, 1, head) and t.shape[0] >= start + hidden.shape[0]
+                                     for t in tables)
+            and keys.dtype == values.dtype == torch.bfloat16 and start + hidden.shape[0] <= keys.shape[0]
+            and first + hidden.shape[1] <= keys.shape[1]
+            and qk_norm_rope.applies(torch.empty(0, 0, 0, (rep + 2) * head, dtype=hidden.dtype), rep, head))

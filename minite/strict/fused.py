@@ -121,11 +121,15 @@ MINITE_TRY_KERNELS (a comma-separated list of names, read at import) adds kernel
 the GPU that measures one before its test has passed (both ways in one device call); a warning names them. Not for
 training runs: an unproven kernel may compute other bits than the ops it replaces."""
 
-WAITS_FOR: dict[str, str] = {}
+WAITS_FOR: dict[str, str] = {
+    "qk_norm_rope": "tests/kernels/test_qk_norm_rope.py::test_kernel_is_torch_and_megatron_on_the_gpu "
+                    "tests/rollout/test_roped_kv_cache.py::test_qk_norm_rope_gives_the_bits_of_the_nine_launches",
+}
 """Each waiting name's GPU test (pytest node ids, space-separated), which tools/gpu_acceptance.sh's `gate` stage runs
-on the H200. None waits now; the last to pass its test (2026-12-07, see PROVEN): `dense_packed`, whose entry named
-tests/ops/test_ops_kernels.py::test_dense_linear_on_packed_weights_is_the_values_path and
-tests/rollout/test_decode.py::test_packed_weights_give_the_same_bits."""
+on the H200. `qk_norm_rope` (megatron_patches.rope.QK_NORM_ROPE_KERNEL, minite.kernels.qk_norm_rope: a decode step's
+q/k RMSNorm, RoPE and KV cache write in one launch) waits since 2026-12-08: whether libdevice's rsqrt and the kernel's
+tree are torch's CUDA RMSNorm bit for bit is a GPU fact. The last to pass its test (2026-12-07, see PROVEN):
+`dense_packed`."""
 WAITING = frozenset(WAITS_FOR)
 """The names above that wait for their GPU test: what MINITE_TRY_KERNELS may name."""
 

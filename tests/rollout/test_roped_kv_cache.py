@@ -48,3 +48,33 @@ def test_roped_kv_cache_gives_the_bits_of_rotating_the_whole_prefix(precision, s
     assert max(runs[True][1]) == shortest and runs[True][1].count(shortest) == 2 * layers * len(PARAMS)
     # Megatron's order: the keys of the whole prefix, every step
     assert max(runs[False][1]) == longest + max(p.max_new_tokens for p in PARAMS) - 1
+
+
+@pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
+def test_qk_norm_rope_gives_the_bits_of_the_nine_launches(precision, monkeypatch):
+    """megatron_patches.rope.QK_NORM_ROPE_KERNEL routed: a decode step's q/k RMSNorm, RoPE and cache write in one
+    launch give the tokens and log-probs of Megatron's nine, bit for bit, in every decode step after the first
+    generate's prefill (whose cache does not exist yet), with CUDA graphs where the device has them. On the CPU the
+    RMSNorms of both runs take torch's CUDA order (`torch_order_rms_norm`: torch's CPU kernel sums otherwise)."""
+    import torch
+
+    from minite.kernels import qk_norm_rope
+    from minite.megatron_patches import rope
+    from minite.strict import fused
+    engine = _engine(precision, False)
+    if not engine.model.module.config.params_dtype == torch.bfloat16:
+        pytest.skip("the kernel takes bf16 heads")
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(torch.nn.RMSNorm, "forward",
+                            lambda self, x: qk_norm_rope.torch_order_rms_norm(x, self.weight, self.eps))
+    calls = []
+    launch = qk_norm_rope.qk_norm_rope_cache
+    monkeypatch.setattr(qk_norm_rope, "qk_norm_rope_cache", lambda *a: calls.append(a[0].shape) or launch(*a))
+    runs = {}
+    for routed in (False, True):
+        monkeypatch.setattr(fused, "PROVEN", fused.PROVEN | {rope.QK_NORM_ROPE_KERNEL} if routed else fused.PROVEN)
+        engine.decoder.reset()
+        runs[routed] = [_run(engine, params) for params in PARAMS]
+    assert runs[True] == runs[False], _first_difference(runs[True], runs[False])
+    layers = engine.model.module.config.num_layers
+    assert calls and len(calls) % layers == 0 and min(c[0] for c in calls) == 1  # decode steps took it
