@@ -34,7 +34,7 @@ def _rope_kernel(t_ptr, f_ptr, y_ptr, B, H, st_s, st_b, st_h, sf_s, sy_s, sy_b, 
     base = t_ptr + s * st_s + b * st_b + hh * st_h
     x = tl.load(base + dd, mask=mask, other=0.0).to(tl.float32)
     partner = tl.load(base + (dd + HALF) % D, mask=mask, other=0.0).to(tl.float32)
-    rot = tl.where(dd < HALF, -partner, partner)
+    rot = tl.where(dd < HALF, partner * -1.0, partner)  # not -partner: Triton negates as 0 - x (+0 for +0)
     a = (x * c).to(tl.bfloat16).to(tl.float32)
     r = (rot * sn).to(tl.bfloat16).to(tl.float32)
     tl.store(y_ptr + s * sy_s + b * sy_b + hh * sy_h + dd, (a + r).to(tl.bfloat16), mask=mask)

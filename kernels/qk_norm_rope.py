@@ -109,7 +109,7 @@ def _norm_rope(src_ptrs, rows_ok, w_ptr, eps, c, sn, dd, HALF: tl.constexpr, D: 
     xp = tl.load(src_ptrs + pd, mask=rows_ok, other=0.0).to(tl.float32)
     y = _round_bf16(tl.load(w_ptr + dd).to(tl.float32) * (rstd * x))
     yp = _round_bf16(tl.load(w_ptr + pd).to(tl.float32) * (rstd * xp))
-    rot = tl.where(dd < HALF, -yp, yp)
+    rot = tl.where(dd < HALF, yp * -1.0, yp)  # not -yp: Triton negates as 0 - x, +0 for a +0 (torch: -0)
     return _round_bf16(_round_bf16(y * c) + _round_bf16(rot * sn)).to(tl.bfloat16)  # exact: a bf16 value
 
 
