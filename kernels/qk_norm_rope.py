@@ -186,10 +186,18 @@ def torch_order_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> t
     shuffle tree, the warps' tree, then mean, 1 / sqrt (the interpreter's rsqrt: on the GPU rsqrtf is approximate)."""
     d = x.shape[-1]
     xf = x.float().reshape(-1, d)
-    v = torch.zeros(xf.shape[0], THREADS * 4, dtype=torch.float32, device=x.device)
+    return (weight.float() * (torch_order_rstd(xf, eps)[:, None] * xf)).to(x.dtype).reshape(x.shape)
+
+
+def torch_order_rstd(xf: torch.Tensor, eps: float) -> torch.Tensor:
+    """fp32 [rows] of `torch_order_rms_norm`'s rows xf [rows, d] (fp32 values of bf16 ones): rsqrt as the
+    interpreter's 1 / sqrt, each correctly rounded (torch's CPU sqrt of fp32 is not always: computed in fp64, then
+    rounded once, which for a square root is the correctly rounded fp32 one)."""
+    d = xf.shape[-1]
+    v = torch.zeros(xf.shape[0], THREADS * 4, dtype=torch.float32, device=xf.device)
     v[:, :d] = xf
     v = v.view(-1, THREADS, 4)
-    s = torch.zeros(xf.shape[0], THREADS, dtype=torch.float32, device=x.device)
+    s = torch.zeros(xf.shape[0], THREADS, dtype=torch.float32, device=xf.device)
     for i in range(4):
         s = s + v[..., i] * v[..., i]
     s = s.view(-1, 4, 32)
@@ -198,8 +206,7 @@ def torch_order_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> t
     w = s[..., 0]
     w = w[:, :2] + w[:, 2:]
     mean = (w[:, 0] + w[:, 1]) / torch.tensor(float(d))
-    rstd = (1.0 / torch.sqrt(mean + torch.tensor(eps, dtype=torch.float32)))[:, None]
-    return (weight.float() * (rstd * xf)).to(x.dtype).reshape(x.shape)
+    return 1.0 / torch.sqrt((mean + torch.tensor(eps, dtype=torch.float32)).double()).float()
 
 
 def reference(mixed: torch.Tensor, rep: int, q_weight, k_weight, q_eps, k_eps, q_freqs, k_freqs, mscale: float,
