@@ -142,13 +142,17 @@ def _install_qk_norm_rope(attention_mod) -> None:
     upstream_qkv, upstream_forward = cls.get_query_key_value_tensors, attention_mod.Attention.forward
 
     def forward(self, *args, **kwargs):
-        # TransformerLayer passes these by keyword (Megatron-Core 0.16.1); a positional call is told nothing
-        self._minite_qkv_step = (kwargs.get("inference_context", kwargs.get("inference_params")),
-                                 kwargs.get("rotary_pos_emb"))
+        # TransformerLayer passes these by keyword (Megatron-Core 0.16.1); a positional call is told nothing, and
+        # packed sequences (whose keys take their positions from cu_seqlens) none either
+        previous = self.__dict__.get("_minite_qkv_step")
+        self._minite_qkv_step = (None if kwargs.get("packed_seq_params") is not None else
+                                 (kwargs.get("inference_context", kwargs.get("inference_params")),
+                                  kwargs.get("rotary_pos_emb")))
         try:
             return upstream_forward(self, *args, **kwargs)
-        finally:
-            self._minite_qkv_step = None
+        finally:  # nothing left for a later forward, also after an exception between the two methods
+            self._minite_qkv_step = previous
+            self.__dict__.pop("_minite_qkv_written", None)
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True):
         step = self.__dict__.get("_minite_qkv_step")
@@ -160,13 +164,17 @@ def _install_qk_norm_rope(attention_mod) -> None:
         from minite.kernels import qk_norm_rope
         context, rotary = step
         mixed_qkv, _ = apply_module(self.linear_qkv)(hidden_states)  # upstream's call
-        groups = self.num_query_groups_per_partition
+        groups, head = self.num_query_groups_per_partition, self.hidden_size_per_attention_head
         rep = self.num_attention_heads_per_partition // groups
-        mixed = mixed_qkv.view(*mixed_qkv.shape[:2], groups, -1)
+        mixed = mixed_qkv.view(*mixed_qkv.shape[:2], groups, (rep + 2) * head)
         start, first = context.sequence_len_offset, context.batch_size_offset
         n, rows = mixed.shape[0], mixed.shape[1]
         keys, values = context.key_value_memory_dict[self.layer_number]
         q_pos, k_pos = rotary if isinstance(rotary, tuple) else (rotary, rotary)
+        fits = start + n <= min(keys.shape[0], q_pos.shape[0], k_pos.shape[0]) and first + rows <= keys.shape[1]
+        if not (fits and qk_norm_rope.applies(mixed, rep, head)):  # upstream's split of the projection it computed
+            query, key, value = torch.split(mixed, [rep * head, head, head], dim=3)
+            return self.q_layernorm(query.reshape(n, rows, -1, head)), self.k_layernorm(key), value
         query = qk_norm_rope.qk_norm_rope_cache(
             mixed, rep, self.q_layernorm.weight, self.k_layernorm.weight, self.q_layernorm.eps, self.k_layernorm.eps,
             q_pos[start: start + n], k_pos[start: start + n],
@@ -187,8 +195,10 @@ def _qk_norm_rope_applies(attention, hidden, step, output_gate, split_qkv) -> bo
     cache on; a static context whose cache for this layer exists and holds the forward's rows; no autograd; CUDA (or
     the CPU tests' interpreter); self-attention split into q, k, v without an output gate, tensor-parallel groups
     not split; not strict; q and k normalised by torch's RMSNorm with bf16 weights where torch takes its vectorised
-    kernel (8-byte-aligned); one fp32 RoPE table per position over the whole head, not interleaved; bf16 heads of a
-    power-of-two width the kernel takes."""
+    kernel (8-byte-aligned), and no forward hooks on them; one fp32 RoPE table per position over the whole head, not
+    interleaved; bf16 heads of a power-of-two width the kernel takes. The projection's output is checked once
+    computed (its dtype, and its rows against the cache and the tables): where it does not fit, the method splits it
+    and calls the norms as upstream does."""
     from minite.kernels import qk_norm_rope
     from minite.kernels._interpreter import interpreting
     from minite.strict import fused
@@ -204,18 +214,20 @@ def _qk_norm_rope_applies(attention, hidden, step, output_gate, split_qkv) -> bo
             and config.num_query_groups >= attention.world_size):
         return False
     head = attention.hidden_size_per_attention_head
+    from torch.nn.modules import module as torch_module
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return False  # someone watches every module (the norms are not called here)
     for norm in (attention.q_layernorm, attention.k_layernorm):
-        if not (isinstance(norm, torch.nn.RMSNorm) and norm.weight is not None and norm.eps is not None
+        if not (isinstance(norm, torch.nn.RMSNorm) and type(norm).forward is torch.nn.RMSNorm.forward
+                and "forward" not in vars(norm) and not norm._forward_hooks and not norm._forward_pre_hooks
+                and norm.weight is not None and norm.eps is not None
                 and norm.weight.dtype == torch.bfloat16 and norm.weight.shape == (head,)
                 and norm.weight.is_contiguous() and norm.weight.data_ptr() % 8 == 0):
-            return False
+            return False  # (minite diagnose hooks every module: its op capture sees upstream's norms)
     tables = rotary if isinstance(rotary, tuple) else (rotary, rotary)
     keys, values = context.key_value_memory_dict[attention.layer_number]
-    start, first = context.sequence_len_offset, context.batch_size_offset
     rep = attention.num_attention_heads_per_partition // attention.num_query_groups_per_partition
     return (len(tables) == 2 and all(torch.is_tensor(t) and t.dtype == torch.float32 and t.dim() == 4
-                                     and t.shape[1:] == (1, 1, head) and t.shape[0] >= start + hidden.shape[0]
-                                     for t in tables)
-            and keys.dtype == values.dtype == torch.bfloat16 and start + hidden.shape[0] <= keys.shape[0]
-            and first + hidden.shape[1] <= keys.shape[1]
+                                     and t.shape[1:] == (1, 1, head) for t in tables)
+            and keys.dtype == values.dtype == torch.bfloat16 and not config.sequence_parallel
             and qk_norm_rope.applies(torch.empty(0, 0, 0, (rep + 2) * head, dtype=hidden.dtype), rep, head))

@@ -78,3 +78,37 @@ def test_qk_norm_rope_gives_the_bits_of_the_nine_launches(precision, monkeypatch
     assert runs[True] == runs[False], _first_difference(runs[True], runs[False])
     layers = engine.model.module.config.num_layers
     assert calls and len(calls) % layers == 0 and min(c[0] for c in calls) == 1  # decode steps took it
+
+
+def test_qk_norm_rope_steps_aside_for_hooks_and_leaves_no_state(monkeypatch):
+    """Routed, the one launch is skipped where a forward hook watches the q/k norms (minite diagnose's op capture
+    records every module), and a forward leaves nothing behind: also when it raises between the projection and the
+    cache write (a stale 'written' flag would strip RoPE from the layer's next forward)."""
+    from minite.kernels import qk_norm_rope
+    from minite.megatron_patches import rope
+    from minite.strict import fused
+    monkeypatch.setattr(fused, "PROVEN", fused.PROVEN | {rope.QK_NORM_ROPE_KERNEL})
+    engine = _engine("bf16", False, "rollout.cuda_graphs=false")
+    calls = []
+    launch = qk_norm_rope.qk_norm_rope_cache
+    monkeypatch.setattr(qk_norm_rope, "qk_norm_rope_cache", lambda *a: calls.append(1) or launch(*a))
+    attentions = [m for m in engine.model.modules() if type(m).__name__ == "SelfAttention"]
+    _run(engine, PARAMS[0])
+    assert calls and not any({"_minite_qkv_written"} & set(vars(m)) or m._minite_qkv_step for m in attentions)
+    calls.clear()
+    seen = []
+    hooks = [m.q_layernorm.register_forward_hook(lambda *a: seen.append(1)) for m in attentions]
+    _run(engine, PARAMS[0])
+    assert not calls and seen
+    for h in hooks:
+        h.remove()
+    upstream = type(attentions[0])._adjust_key_value_for_inference
+
+    def failing(self, *args, **kwargs):
+        raise RuntimeError("between the two methods")
+
+    monkeypatch.setattr(type(attentions[0]), "_adjust_key_value_for_inference", failing)
+    with pytest.raises(RuntimeError, match="between the two methods"):
+        _run(engine, PARAMS[0])
+    monkeypatch.setattr(type(attentions[0]), "_adjust_key_value_for_inference", upstream)
+    assert calls and not any({"_minite_qkv_written"} & set(vars(m)) or m._minite_qkv_step for m in attentions)
