@@ -23,6 +23,11 @@
 #             EP alone with SYNC_EP=only)
 #   rollout   tools/bench/bench_rollout.py: decode step against its HBM floor (BATCHES, default 64,1,8,256;
 #             ROLLOUT_ARGS: more of its arguments, e.g. "--repeats 3 --precisions nvfp4")
+#   ab        a waiting kernel's worth: bench_rollout.py's default-mode rows without and with the kernels GATE_ROUTE
+#             routed (the gate stage passed them), alternating AB_ROUNDS times (default 2) on this machine (BATCHES,
+#             default 64,8,1 here); one file, $OUT/rollout-ab-$CARD.json (tools/bench/merge_runs.py), each row with
+#             its `run` (off1, on1, ...). E.g. STAGES="gate ab" GATE_ROUTE=qk_norm_rope bash tools/gpu_acceptance.sh
+#             (not in the default STAGES)
 #   lengths   tools/bench/bench_rollout_lengths.py: responses that end at different lengths, with and without the
 #             stop and the compaction (LENGTHS_ARGS; not in the default STAGES)
 #   (SLICE_ARGS, SCALE_ARGS, SYNC_ARGS: more arguments of those benchmarks, e.g. "--profile 25" or "--precisions nvfp4")
@@ -63,7 +68,7 @@ stage() {  # name, seconds, command...
   # outlive a timeout of their launcher (still on the GPUs for the next stage's measurement): they are found by it
   export MINITE_STAGE_TAG="$name-$$-$RANDOM"
   if declare -F "$1" >/dev/null; then  # a function of this script: run it in a child bash that knows it
-    export -f "$1" rewards; export OUT LOGS GPU_TESTS GPU_TESTS_K ROLLOUT_ARGS LENGTHS_ARGS DIST_TESTS TRAIN_STEPS TRAIN1_SETS TRAIN2_SETS SYNC_EP BATCHES SGLANG_BUDGET SGLANG_ARGS NPROC BENCH_1GPU BENCH_EP2 SYNC_ARGS SLICE_ARGS SCALE_ARGS
+    export -f "$1" rewards; export OUT LOGS GPU_TESTS GPU_TESTS_K ROLLOUT_ARGS LENGTHS_ARGS DIST_TESTS TRAIN_STEPS TRAIN1_SETS TRAIN2_SETS SYNC_EP BATCHES SGLANG_BUDGET SGLANG_ARGS NPROC BENCH_1GPU BENCH_EP2 SYNC_ARGS SLICE_ARGS SCALE_ARGS AB_ROUNDS
     timeout "$limit" bash -c "$*" >"$LOGS/$name.log" 2>&1
   else
     timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1
@@ -228,6 +233,20 @@ rollout() {  # issue 16's decode benchmark (the 4-layer full-width slice) and it
     --out "$OUT/rollout-$CARD.json" && python3 tools/bench/bench_rollout.py --render "$OUT/rollout-$CARD.json"
 }
 stage rollout ${T_ROLLOUT:-240} rollout
+rollout_ab() {  # the default-mode rollout rows with the kernels the gate routed and without, alternating on this machine
+  [ -n "${MINITE_TRY_KERNELS:-}" ] || { echo "ab: nothing routed (GATE_ROUTE, the gate stage passing it)"; return 1; }
+  local r side try files=()
+  for r in $(seq 1 "${AB_ROUNDS:-2}"); do
+    for side in off on; do  # off: MINITE_TRY_KERNELS empty for the run (the kernels wait, as shipped)
+      if [ $side = off ]; then try=""; else try=$MINITE_TRY_KERNELS; fi
+      MINITE_TRY_KERNELS=$try TORCHDYNAMO_DISABLE=1 python3 tools/bench/bench_rollout.py --batches "${BATCHES:-64,8,1}" \
+        --no-reference --modes default ${ROLLOUT_ARGS:-} --out "$LOGS/ab-$side$r.json" || return 1
+      files+=("$LOGS/ab-$side$r.json")
+    done
+  done
+  python3 tools/bench/merge_runs.py "$OUT/rollout-ab-$CARD.json" "${files[@]}"
+}
+stage ab ${T_AB:-400} rollout_ab
 lengths() {  # issue 16: a finished response stops costing (minite/rollout/decode.py's stop and compaction)
   TORCHDYNAMO_DISABLE=1 python3 tools/bench/bench_rollout_lengths.py ${LENGTHS_ARGS:-} \
     --out "$OUT/rollout-lengths-$CARD.json"
