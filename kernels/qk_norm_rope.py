@@ -141,11 +141,17 @@ def _qk_norm_rope_kernel(m_ptr, sm_s, sm_b, sm_g, q_ptr, sq_s, sq_b, sq_h, k_ptr
     tl.store(v_ptr + s * sv_s + b * sv_b + g * sv_g + dd, v)
 
 
+def heads_apply(rep: int, head: int) -> bool:
+    """Whether the kernel takes groups of rep query heads of `head` elements: rep >= 1, a head of 4..MAX_HEAD
+    elements, a power of two (RoPE over the whole head, torch's vectors of 4, one vector a thread)."""
+    return rep >= 1 and 4 <= head <= MAX_HEAD and head & (head - 1) == 0
+
+
 def applies(mixed: torch.Tensor, rep: int, head: int) -> bool:
     """Whether the kernel computes this call: bf16 mixed_qkv [s, b, groups, (rep + 2) * head] with unit stride over
-    its last dim, a head of 4..MAX_HEAD elements, a power of two (RoPE over the whole head, torch's vectors)."""
-    return (mixed.dtype == torch.bfloat16 and mixed.dim() == 4 and mixed.stride(-1) == 1 and rep >= 1
-            and mixed.shape[-1] == (rep + 2) * head and 4 <= head <= MAX_HEAD and head & (head - 1) == 0)
+    its last dim, and `heads_apply`."""
+    return (mixed.dtype == torch.bfloat16 and mixed.dim() == 4 and mixed.stride(-1) == 1
+            and mixed.shape[-1] == (rep + 2) * head and heads_apply(rep, head))
 
 
 def qk_norm_rope_cache(mixed: torch.Tensor, rep: int, q_weight: torch.Tensor, k_weight: torch.Tensor, q_eps: float,

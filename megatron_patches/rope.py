@@ -230,4 +230,4 @@ def _qk_norm_rope_applies(attention, hidden, step, output_gate, split_qkv) -> bo
     return (len(tables) == 2 and all(torch.is_tensor(t) and t.dtype == torch.float32 and t.dim() == 4
                                      and t.shape[1:] == (1, 1, head) for t in tables)
             and keys.dtype == values.dtype == torch.bfloat16 and not config.sequence_parallel
-            and qk_norm_rope.applies(torch.empty(0, 0, 0, (rep + 2) * head, dtype=hidden.dtype), rep, head))
+            and qk_norm_rope.heads_apply(rep, head))
