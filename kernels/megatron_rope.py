@@ -10,6 +10,7 @@ cast is round-to-nearest-even), no FMA contraction (the launch passes enable_fp_
 bitwise torch's is a GPU fact: tests/megatron_patches/test_rope_gpu.py compares it with Megatron's function on the
 H200 (marker gpu). Used only on CUDA tensors without autograd (megatron_patches.rope): the learner's training
 forward keeps Megatron's ops and their backward (a recompute run under no_grad would take the kernel: the same bits).
+`angles` and `rotate` are that arithmetic, which kernels/qk_norm_rope.py calls too.
 """
 from __future__ import annotations
 
@@ -17,27 +18,67 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+from ._interpreter import interpreting
 from ._launch import launcher, next_power_of_2
+from .nvfp4_swiglu import _round_bf16
+
+
+@triton.jit
+def math_libdevice(x, FN: tl.constexpr):
+    """cosf, sinf or rsqrtf as torch's CUDA kernels compute them (the CUDA math library's)."""
+    if FN == "cos":
+        return libdevice.cos(x)
+    elif FN == "sin":
+        return libdevice.sin(x)
+    else:
+        return libdevice.rsqrt(x)
+
+
+@triton.jit
+def math_interpreted(x, FN: tl.constexpr):
+    """The same under the interpreter, which has no libdevice: numpy's cos, sin and 1 / sqrt."""
+    if FN == "cos":
+        return tl.cos(x)
+    elif FN == "sin":
+        return tl.sin(x)
+    else:
+        return tl.math.rsqrt(x)
+
+
+def math_functions():
+    """The MATH argument of the kernels that take one: the CUDA math library's, or numpy's in the interpreter."""
+    return math_interpreted if interpreting() else math_libdevice
+
+
+@triton.jit
+def angles(f, mscale, MATH: tl.constexpr):
+    """(cos_, sin_) of fp32 angles f as Megatron's RoPE takes them: bf16(cos(f) * mscale), bf16(sin(f) * mscale),
+    held in fp32."""
+    return _round_bf16(MATH(f, "cos") * mscale), _round_bf16(MATH(f, "sin") * mscale)
+
+
+@triton.jit
+def rotate(x, partner, c, sn, dd, HALF: tl.constexpr):
+    """Megatron's RoPE of bf16 values x (in fp32) whose partners x[(d + HALF) % D] are `partner`, at columns dd:
+    bf16(bf16(x * cos_) + bf16(rotate_half(x) * sin_)), in fp32 (module docstring)."""
+    rot = tl.where(dd < HALF, partner * -1.0, partner)  # not -partner: Triton 3.6 negates as 0 - x (+0 for +0)
+    return _round_bf16(_round_bf16(x * c) + _round_bf16(rot * sn))
 
 
 @triton.jit
 def _rope_kernel(t_ptr, f_ptr, y_ptr, B, H, st_s, st_b, st_h, sf_s, sy_s, sy_b, sy_h, mscale,
-                 D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+                 D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, MATH: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     s, b = pid // B, pid % B
     hh = tl.arange(0, BLOCK_H)[:, None]
     dd = tl.arange(0, D)[None, :]
     mask = (hh < H) & (dd < D)
-    f = tl.load(f_ptr + s * sf_s + dd)
-    c = (libdevice.cos(f) * mscale).to(tl.bfloat16).to(tl.float32)
-    sn = (libdevice.sin(f) * mscale).to(tl.bfloat16).to(tl.float32)
+    c, sn = angles(tl.load(f_ptr + s * sf_s + dd), mscale, MATH)
     base = t_ptr + s * st_s + b * st_b + hh * st_h
     x = tl.load(base + dd, mask=mask, other=0.0).to(tl.float32)
     partner = tl.load(base + (dd + HALF) % D, mask=mask, other=0.0).to(tl.float32)
-    rot = tl.where(dd < HALF, partner * -1.0, partner)  # not -partner: Triton negates as 0 - x (+0 for +0)
-    a = (x * c).to(tl.bfloat16).to(tl.float32)
-    r = (rot * sn).to(tl.bfloat16).to(tl.float32)
-    tl.store(y_ptr + s * sy_s + b * sy_b + hh * sy_h + dd, (a + r).to(tl.bfloat16), mask=mask)
+    y = rotate(x, partner, c, sn, dd, HALF)
+    tl.store(y_ptr + s * sy_s + b * sy_b + hh * sy_h + dd, y.to(tl.bfloat16), mask=mask)  # exact: a bf16 value
 
 
 def applies(t: torch.Tensor, freqs: torch.Tensor) -> bool:
@@ -59,6 +100,6 @@ def rope(t: torch.Tensor, freqs: torch.Tensor, mscale: float = 1.0) -> torch.Ten
     if y.numel():
         launcher(_rope_kernel)[(s * b,)](
             t, freqs, y, b, h, t.stride(0), t.stride(1), t.stride(2), freqs.stride(0), y.stride(0), y.stride(1),
-            y.stride(2), float(mscale), D=d, HALF=d // 2, BLOCK_H=next_power_of_2(h), num_warps=4,
-            enable_fp_fusion=False)
+            y.stride(2), float(mscale), D=d, HALF=d // 2, BLOCK_H=next_power_of_2(h), MATH=math_functions(),
+            num_warps=4, enable_fp_fusion=False)
     return y

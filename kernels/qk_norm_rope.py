@@ -22,8 +22,8 @@ torch's CUDA RMSNorm, as this kernel computes it (torch 2.11, aten/src/ATen/nati
     warp 2 and warp 1 warp 3, and warp 0 adds warp 1;
     mean = s / d (IEEE division), rstd = rsqrtf(mean + eps), y = bf16(weight * (rstd * x)).
 A head of up to 512 elements gives each thread one vector at most (a head of 128: warp 0's lanes, the others add
-zeros), which is what this kernel covers. RoPE is megatron_rope's arithmetic (its docstring): cos and sin of the
-fp32 angle through libdevice, times mscale, each to bf16; out = bf16(bf16(y * cos) + bf16(rotate_half(y) * sin)).
+zeros), which is what this kernel covers. RoPE is megatron_rope's (`angles`, `rotate`): cos and sin of the fp32
+angle through libdevice, times mscale, each to bf16; out = bf16(bf16(y * cos) + bf16(rotate_half(y) * sin)).
 
 Whether that is bitwise torch's and Megatron's on a GPU (rsqrtf against libdevice's rsqrt, the shuffle order) is a
 GPU fact: tests/kernels/test_qk_norm_rope.py compares the kernel with torch.rms_norm and Megatron's RoPE on the GPU
@@ -35,38 +35,16 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
-from ._interpreter import ensure_interpreter_compat, interpreting
+from ._interpreter import ensure_interpreter_compat
 from ._launch import launcher, next_power_of_2
+from .megatron_rope import angles, math_functions, rotate
 from .nvfp4_swiglu import _round_bf16
 
 THREADS = 128
 """torch's block for a row (32 x 4 threads), each reading 4-element vectors."""
 MAX_HEAD = 4 * THREADS
 """The widest head this kernel computes: one vector per thread."""
-
-
-@triton.jit
-def _math_libdevice(x, FN: tl.constexpr):
-    """cosf, sinf or rsqrtf as torch's CUDA kernels compute them (the CUDA math library's)."""
-    if FN == "cos":
-        return libdevice.cos(x)
-    elif FN == "sin":
-        return libdevice.sin(x)
-    else:
-        return libdevice.rsqrt(x)
-
-
-@triton.jit
-def _math_interpreted(x, FN: tl.constexpr):
-    """The same under the interpreter, which has no libdevice: numpy's cos, sin and 1 / sqrt (the CPU reference's)."""
-    if FN == "cos":
-        return tl.cos(x)
-    elif FN == "sin":
-        return tl.sin(x)
-    else:
-        return tl.math.rsqrt(x)
 
 
 @triton.jit
@@ -109,27 +87,25 @@ def _norm_rope(src_ptrs, rows_ok, w_ptr, eps, c, sn, dd, HALF: tl.constexpr, D: 
     xp = tl.load(src_ptrs + pd, mask=rows_ok, other=0.0).to(tl.float32)
     y = _round_bf16(tl.load(w_ptr + dd).to(tl.float32) * (rstd * x))
     yp = _round_bf16(tl.load(w_ptr + pd).to(tl.float32) * (rstd * xp))
-    rot = tl.where(dd < HALF, yp * -1.0, yp)  # not -yp: Triton negates as 0 - x, +0 for a +0 (torch: -0)
-    return _round_bf16(_round_bf16(y * c) + _round_bf16(rot * sn)).to(tl.bfloat16)  # exact: a bf16 value
+    return rotate(y, yp, c, sn, dd, HALF).to(tl.bfloat16)  # exact: a bf16 value
 
 
 @triton.jit
 def _qk_norm_rope_kernel(m_ptr, sm_s, sm_b, sm_g, q_ptr, sq_s, sq_b, sq_h, k_ptr, v_ptr, sk_s, sk_b, sk_g,
                          sv_s, sv_b, sv_g, fq_ptr, sfq, fk_ptr, sfk, wq_ptr, wk_ptr, eps_q, eps_k, mscale, B, G,
                          REP: tl.constexpr, REP_B: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                         MATH: tl.constexpr):
+                         ONE_TABLE: tl.constexpr, MATH: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     g = pid % G
     b = (pid // G) % B
     s = pid // (G * B)
     dd = tl.arange(0, D)[None, :]
     group = m_ptr + s * sm_s + b * sm_b + g * sm_g  # [q_0 .. q_rep-1, k, v] rows of D
-    fq = tl.load(fq_ptr + s * sfq + dd)
-    cq = _round_bf16(MATH(fq, "cos") * mscale)
-    snq = _round_bf16(MATH(fq, "sin") * mscale)
-    fk = tl.load(fk_ptr + s * sfk + dd)
-    ck = _round_bf16(MATH(fk, "cos") * mscale)
-    snk = _round_bf16(MATH(fk, "sin") * mscale)
+    cq, snq = angles(tl.load(fq_ptr + s * sfq + dd), mscale, MATH)
+    if ONE_TABLE:  # the keys' angles are the queries' (Megatron hands both the same table)
+        ck, snk = cq, snq
+    else:
+        ck, snk = angles(tl.load(fk_ptr + s * sfk + dd), mscale, MATH)
     h = tl.arange(0, REP_B)[:, None]
     q_ok = h < REP
     q = _norm_rope(group + h * D, q_ok, wq_ptr, eps_q, cq, snq, dd, HALF, D, REP_B, MATH)
@@ -181,8 +157,9 @@ def qk_norm_rope_cache(mixed: torch.Tensor, rep: int, q_weight: torch.Tensor, k_
             query.stride(2), key_out, value_out, key_out.stride(0), key_out.stride(1), key_out.stride(2),
             value_out.stride(0), value_out.stride(1), value_out.stride(2), q_freqs, q_freqs.stride(0), k_freqs,
             k_freqs.stride(0), q_weight, k_weight, float(q_eps), float(k_eps), float(mscale), b, g, REP=rep,
-            REP_B=next_power_of_2(rep), D=d, HALF=d // 2, MATH=_math_interpreted if interpreting() else _math_libdevice,
-            num_warps=4, enable_fp_fusion=False)
+            REP_B=next_power_of_2(rep), D=d, HALF=d // 2,
+            ONE_TABLE=q_freqs.data_ptr() == k_freqs.data_ptr() and q_freqs.stride(0) == k_freqs.stride(0),
+            MATH=math_functions(), num_warps=4, enable_fp_fusion=False)
     return query
 
 

@@ -110,13 +110,18 @@ def _roped_cache_applies(attention, context, key, rotary_pos_emb) -> bool:
     multi-latent attention, dynamic batching (which rotates before its cache append itself). The method does not see
     packed_seq_params: a static context is assumed never to run packed (THD) sequences, whose keys take their
     positions from cu_seqlens; neither Megatron's static engine nor minite does."""
+    return (_static_self_attention(attention, context) and torch.is_tensor(key) and key.dim() == 4
+            and isinstance(rotary_pos_emb, tuple) and len(rotary_pos_emb) == 2
+            and rotary_pos_emb[0] is not None and rotary_pos_emb[1] is not None)
+
+
+def _static_self_attention(attention, context) -> bool:
+    """The roped cache on, and a self-attention forward of static-batching inference (`_roped_cache_applies`' and
+    `_qk_norm_rope_applies`' common part): not training, flash decode, multi-latent attention or dynamic batching."""
     config = attention.config
     return (ROPED_KV_CACHE and context is not None and context.is_static_batching() and not attention.training
             and not config.flash_decode and not getattr(config, "multi_latent_attention", False)
-            and getattr(attention, "attention_type", "self") == "self"
-            and torch.is_tensor(key) and key.dim() == 4
-            and isinstance(rotary_pos_emb, tuple) and len(rotary_pos_emb) == 2
-            and rotary_pos_emb[0] is not None and rotary_pos_emb[1] is not None)
+            and getattr(attention, "attention_type", "self") == "self")
 
 
 def _fused_applies(t, freqs, config, args, kwargs) -> bool:
@@ -175,13 +180,13 @@ def _install_qk_norm_rope(attention_mod) -> None:
         if not (fits and qk_norm_rope.applies(mixed, rep, head)):  # upstream's split of the projection it computed
             query, key, value = torch.split(mixed, [rep * head, head, head], dim=3)
             return self.q_layernorm(query.reshape(n, rows, -1, head)), self.k_layernorm(key), value
+        key, value = keys[start: start + n, first: first + rows], values[start: start + n, first: first + rows]
         query = qk_norm_rope.qk_norm_rope_cache(
             mixed, rep, self.q_layernorm.weight, self.k_layernorm.weight, self.q_layernorm.eps, self.k_layernorm.eps,
             q_pos[start: start + n], k_pos[start: start + n],
-            attention_mod._yarn_get_concentration_factor_from_config(self.config),
-            keys[start: start + n, first: first + rows], values[start: start + n, first: first + rows])
+            attention_mod._yarn_get_concentration_factor_from_config(self.config), key, value)
         self._minite_qkv_written = True
-        return query, keys[start: start + n, first: first + rows], values[start: start + n, first: first + rows]
+        return query, key, value
 
     attention_mod.Attention.forward = forward
     get_query_key_value_tensors._minite_qk_norm_rope = True
@@ -204,13 +209,11 @@ def _qk_norm_rope_applies(attention, hidden, step, output_gate, split_qkv) -> bo
     from minite.strict import fused
     context, rotary = step
     config = attention.config
-    if not (QK_NORM_ROPE_KERNEL in fused.PROVEN and ROPED_KV_CACHE and context is not None and split_qkv
-            and not output_gate and not torch.is_grad_enabled() and not attention.training
-            and (hidden.is_cuda or interpreting()) and hidden.dtype == torch.bfloat16
-            and context.is_static_batching() and attention.layer_number in context.key_value_memory_dict
-            and getattr(attention, "attention_type", "self") == "self" and not config.flash_decode
-            and not getattr(config, "multi_latent_attention", False) and not getattr(config, "minite_strict", False)
-            and not config.no_rope_freq and not config.apply_rope_fusion and not config.rotary_interleaved
+    if not (QK_NORM_ROPE_KERNEL in fused.PROVEN and _static_self_attention(attention, context) and split_qkv
+            and not output_gate and not torch.is_grad_enabled() and (hidden.is_cuda or interpreting())
+            and hidden.dtype == torch.bfloat16 and attention.layer_number in context.key_value_memory_dict
+            and not getattr(config, "minite_strict", False) and not config.no_rope_freq
+            and not config.apply_rope_fusion and not config.rotary_interleaved
             and config.num_query_groups >= attention.world_size):
         return False
     head = attention.hidden_size_per_attention_head

@@ -19,10 +19,9 @@ def _rstd_kernel(x_ptr, out_ptr, eps, D: tl.constexpr, MATH: tl.constexpr):
 
 
 def _kernel_rstd(x, eps):
-    from minite.kernels._interpreter import interpreting
+    from minite.kernels.megatron_rope import math_functions
     out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-    _rstd_kernel[(x.shape[0],)](x, out, eps, D=x.shape[1],
-                                MATH=K._math_interpreted if interpreting() else K._math_libdevice)
+    _rstd_kernel[(x.shape[0],)](x, out, eps, D=x.shape[1], MATH=math_functions())
     return out
 
 
@@ -113,6 +112,10 @@ def test_strided_input_and_head_order():
     wide[..., : (rep + 2) * d] = mixed
     view = wide[..., : (rep + 2) * d]
     assert torch.equal(_run(view, rep, qw, kw, qf, kf)[0], _run(mixed, rep, qw, kw, qf, kf)[0])
+    # one table for queries and keys (what Megatron hands over): the keys' angles are the queries'
+    q, cache_k, _ = _run(mixed, rep, qw, kw, qf, qf)
+    rq, rk, _ = K.reference(mixed, rep, qw, kw, 1e-6, 1e-5, qf, qf, 1.0, cos=_numpy("cos"), sin=_numpy("sin"))
+    assert _same(q, rq) and _same(cache_k[2: 2 + s, 1: 1 + b], rk)
     ones = torch.ones(d, dtype=torch.bfloat16)
     zero = torch.zeros(s, 1, 1, d)
     q = _run(mixed, rep, ones, ones, zero, zero)[0]  # cos 1, sin 0: the normalised heads themselves
